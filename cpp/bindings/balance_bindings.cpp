@@ -1,0 +1,75 @@
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "bindings.hpp"
+#include "dflop/balance.hpp"
+
+namespace py = pybind11;
+
+namespace dflop::bindings {
+namespace {
+
+// Hands a vector to numpy without copying: the array owns it through a capsule.
+template <typename T>
+py::array_t<T> to_numpy(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
+  auto* owned = new std::vector<T>(std::move(v));
+  py::capsule free_when_done(owned, [](void* p) { delete static_cast<std::vector<T>*>(p); });
+  return py::array_t<T>(shape, owned->data(), free_when_done);
+}
+
+py::dict balance_py(const py::array_t<double, py::array::c_style | py::array::forcecast>& costs,
+                    int64_t num_microbatches, int64_t dp_size,
+                    std::vector<int64_t> microbatch_dims,
+                    std::optional<std::vector<double>> capacity, uint64_t seed,
+                    std::optional<double> time_budget_ms) {
+  if (costs.ndim() != 2) throw py::value_error("costs must be 2-D (N, D)");
+  const int64_t n = costs.shape(0), d = costs.shape(1);
+  BalanceOptions options;
+  options.num_microbatches = num_microbatches;
+  options.dp_size = dp_size;
+  options.microbatch_dims = std::move(microbatch_dims);
+  if (capacity) options.capacity = std::move(*capacity);
+  options.seed = seed;
+  if (time_budget_ms) options.work_budget = work_budget_for_ms(*time_budget_ms);
+  const double* data = costs.data();
+  BalanceResult result;
+  {
+    py::gil_scoped_release release;
+    result = balance(data, n, d, options);
+  }
+  const int64_t num_bins = num_microbatches * dp_size;
+  py::dict out;
+  out["assignment"] = to_numpy(std::move(result.assignment), {n});
+  out["bin_loads"] = to_numpy(std::move(result.bin_loads), {num_bins, d});
+  out["microbatch_loads"] = to_numpy(std::move(result.microbatch_loads), {num_microbatches, d});
+  out["makespan"] = result.makespan;
+  out["lower_bound"] = result.lower_bound;
+  py::dict stats;
+  stats["initial_makespan"] = result.stats.initial_makespan;
+  stats["work_used"] = result.stats.work_used;
+  stats["work_budget"] = result.stats.work_budget;
+  stats["improving_moves"] = result.stats.improving_moves;
+  stats["perturbations"] = result.stats.perturbations;
+  out["stats"] = stats;
+  return out;
+}
+
+}  // namespace
+
+void register_balance(py::module_& m) {
+  m.def("balance", &balance_py, py::arg("costs"), py::arg("num_microbatches"), py::arg("dp_size"),
+        py::arg("microbatch_dims"), py::arg("capacity"), py::arg("seed"),
+        py::arg("time_budget_ms"),
+        "Assign samples to num_microbatches x dp_size bins minimising the largest load. "
+        "Returns a dict of numpy arrays and scalars; see dflop.schedule.");
+  m.def("default_work_budget", &default_work_budget, py::arg("num_items"), py::arg("num_bins"),
+        py::arg("num_dims"));
+  m.def("work_budget_for_ms", &work_budget_for_ms, py::arg("time_budget_ms"));
+}
+
+}  // namespace dflop::bindings

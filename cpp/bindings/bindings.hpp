@@ -1,0 +1,9 @@
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace dflop::bindings {
+
+void register_balance(pybind11::module_& m);
+
+}  // namespace dflop::bindings

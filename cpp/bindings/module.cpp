@@ -1,0 +1,22 @@
+// dflop._core: the only pybind11 code. Each topic registers itself from its own file.
+#include <pybind11/pybind11.h>
+
+#include "bindings.hpp"
+#include "dflop/errors.hpp"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "dflop native core (private; use the dflop package)";
+  static py::exception<dflop::Infeasible> infeasible(m, "InfeasibleError", PyExc_ValueError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const dflop::InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const dflop::Infeasible& e) {
+      py::set_error(infeasible, e.what());
+    }
+  });
+  dflop::bindings::register_balance(m);
+}

@@ -1,0 +1,64 @@
+// Per-step batch balancing: assign N samples with D-dimensional costs to
+// B = num_microbatches x dp_size bins so that the largest load is as small as possible.
+//
+// Bin b is microbatch b / dp_size on data-parallel rank b % dp_size. The load of a
+// dimension is summed per bin, except for "microbatch dimensions", whose load is summed
+// over the whole microbatch (all dp_size bins of it): an encoder whose replicas share
+// each microbatch evenly. Every bin receives at least one sample.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace dflop {
+
+struct BalanceOptions {
+  int64_t num_microbatches = 1;
+  int64_t dp_size = 1;
+  // Dimensions whose load is summed over a microbatch instead of per bin.
+  std::vector<int64_t> microbatch_dims;
+  // Empty, or one upper bound per dimension on a bin's (microbatch's) load; +inf = none.
+  std::vector<double> capacity;
+  uint64_t seed = 0;
+  // Search effort in work units (one unit ~ one candidate move evaluated). The search
+  // counts work instead of reading a clock so that results are reproducible; a larger
+  // budget continues the same trajectory, so it is never worse. Negative = default by size.
+  int64_t work_budget = -1;
+};
+
+struct BalanceStats {
+  double initial_makespan = 0.0;  // after the constructive start
+  int64_t work_used = 0;          // work units spent in the improving search
+  int64_t work_budget = 0;        // the budget the search ran under
+  int64_t improving_moves = 0;
+  int64_t perturbations = 0;
+};
+
+struct BalanceResult {
+  std::vector<int64_t> assignment;       // num_items: bin of each sample
+  std::vector<double> bin_loads;         // num_bins x num_dims, row-major
+  std::vector<double> microbatch_loads;  // num_microbatches x num_dims, row-major
+  double makespan = 0.0;     // largest bin load (microbatch load for microbatch dims)
+  double lower_bound = 0.0;  // max over dims of total/count and of the largest item
+  BalanceStats stats;
+};
+
+// Checks every argument and throws InvalidArgument naming the first problem
+// (argument, index, value), or Infeasible when the capacities cannot be met by any
+// schedule for a reason that is cheap to prove.
+void validate_balance_input(const double* costs, int64_t num_items, int64_t num_dims,
+                            const BalanceOptions& options);
+
+// Validates, then solves. `costs` is row-major num_items x num_dims. Throws Infeasible if
+// no schedule within the capacities was found.
+BalanceResult balance(const double* costs, int64_t num_items, int64_t num_dims,
+                      const BalanceOptions& options);
+
+// Work units the search gets by default for a problem of this size.
+int64_t default_work_budget(int64_t num_items, int64_t num_bins, int64_t num_dims);
+
+// Converts a time budget to work units with a fixed calibration (about the speed of one
+// current x86 core), so that a given budget gives the same schedule on every machine.
+int64_t work_budget_for_ms(double time_budget_ms);
+
+}  // namespace dflop

@@ -1,0 +1,601 @@
+// Batch balancing: a vector-LPT constructive start followed by an iterated local search
+// (best-improvement moves and swaps out of the critical bin, random perturbations with
+// undo when they do not pay off). Work is counted, not timed, so results are reproducible.
+#include "dflop/balance.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <sstream>
+#include <string>
+
+#include "dflop/errors.hpp"
+#include "rng.hpp"
+
+namespace dflop {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+// Relative slack for "strictly below the makespan" and for capacity checks, so that
+// rounding in incrementally kept sums never decides a comparison.
+constexpr double kRelEps = 1e-12;
+// Work units per millisecond for work_budget_for_ms (measured on a 2-core x86 VM).
+constexpr double kWorkUnitsPerMs = 250000.0;
+// Partner bins examined per critical bin; bounds the cost of one search step at large B.
+constexpr int64_t kMaxPartners = 48;
+// Perturbations in a row without a better makespan before the search gives up.
+constexpr int64_t kMaxFruitlessPerturbations = 4000;
+
+std::string fmt(double v) {
+  std::ostringstream s;
+  s.precision(17);
+  s << v;
+  return s.str();
+}
+
+// Array-backed tournament tree returning the index with the smallest key (lowest index
+// on ties), with O(log n) updates.
+class MinTree {
+ public:
+  explicit MinTree(int64_t n) : n_(n) {
+    size_ = 1;
+    while (size_ < n) size_ <<= 1;
+    key_.assign(2 * size_, kInf);
+    idx_.assign(2 * size_, -1);
+    for (int64_t i = 0; i < n; ++i) {
+      key_[size_ + i] = 0.0;
+      idx_[size_ + i] = i;
+    }
+    for (int64_t node = size_ - 1; node >= 1; --node) pull(node);
+  }
+  void set(int64_t i, double key) {
+    int64_t node = size_ + i;
+    key_[node] = key;
+    for (node >>= 1; node >= 1; node >>= 1) pull(node);
+  }
+  int64_t argmin() const { return idx_[1]; }
+  int64_t size() const { return n_; }
+
+ private:
+  void pull(int64_t node) {
+    const int64_t l = 2 * node, r = 2 * node + 1;
+    const bool left = key_[l] <= key_[r];
+    key_[node] = left ? key_[l] : key_[r];
+    idx_[node] = left ? idx_[l] : idx_[r];
+  }
+  int64_t n_, size_;
+  std::vector<double> key_;
+  std::vector<int64_t> idx_;
+};
+
+struct Problem {
+  const double* costs;
+  int64_t n, d, m, p, b;
+  std::vector<char> is_group;  // per dim: load summed per microbatch
+  std::vector<double> cap;     // per dim, +inf where unbounded
+  std::vector<double> total;   // per dim
+  std::vector<double> scale;   // per dim: total / count (0 for a dimension without load)
+  double lower_bound = 0.0;
+  double overflow_base = 0.0;  // every value above this is a capacity violation
+  double c(int64_t i, int64_t k) const { return costs[i * d + k]; }
+};
+
+class Solver {
+ public:
+  Solver(const Problem& pr, uint64_t seed, int64_t budget)
+      : pr_(pr), rng_(seed), budget_(budget) {}
+
+  BalanceResult run() {
+    construct();
+    BalanceResult res;
+    res.stats.initial_makespan = makespan();
+    res.stats.work_budget = budget_;
+    search();
+    finish(res);
+    return res;
+  }
+
+ private:
+  // ---- state -------------------------------------------------------------------------
+  const Problem& pr_;
+  SplitMix64 rng_;
+  int64_t budget_;
+  int64_t work_ = 0;
+  int64_t improving_moves_ = 0, perturbations_ = 0;
+  std::vector<int64_t> bin_of_;
+  std::vector<std::vector<int64_t>> members_;
+  std::vector<int64_t> pos_;  // index of an item inside members_[bin_of_[item]]
+  std::vector<double> bin_load_, group_load_;
+  // Undo log of (item, previous bin) for reverting a perturbation.
+  bool logging_ = false;
+  std::vector<std::pair<int64_t, int64_t>> undo_;
+
+  int64_t group(int64_t bin) const { return bin / pr_.p; }
+  double load(int64_t bin, int64_t k) const {
+    return pr_.is_group[k] ? group_load_[group(bin) * pr_.d + k] : bin_load_[bin * pr_.d + k];
+  }
+  // A load as the search sees it: itself, or above overflow_base when over capacity, so
+  // that repairing capacity always comes before shortening the makespan.
+  double value(double v, int64_t k) const {
+    const double cap = pr_.cap[k];
+    if (v <= cap + kRelEps * (std::fabs(cap) + 1.0)) return v;
+    return pr_.overflow_base + (v - cap);
+  }
+  double height(int64_t bin) const {
+    double h = 0.0;
+    for (int64_t k = 0; k < pr_.d; ++k) h = std::max(h, value(load(bin, k), k));
+    return h;
+  }
+  double makespan() const {
+    double h = 0.0;
+    for (int64_t b = 0; b < pr_.b; ++b) h = std::max(h, height(b));
+    return h;
+  }
+
+  void place(int64_t i, int64_t bin) {
+    bin_of_[i] = bin;
+    pos_[i] = static_cast<int64_t>(members_[bin].size());
+    members_[bin].push_back(i);
+    for (int64_t k = 0; k < pr_.d; ++k) {
+      bin_load_[bin * pr_.d + k] += pr_.c(i, k);
+      group_load_[group(bin) * pr_.d + k] += pr_.c(i, k);
+    }
+  }
+  void unplace(int64_t i) {
+    const int64_t bin = bin_of_[i];
+    auto& mem = members_[bin];
+    const int64_t last = mem.back();
+    mem[pos_[i]] = last;
+    pos_[last] = pos_[i];
+    mem.pop_back();
+    for (int64_t k = 0; k < pr_.d; ++k) {
+      bin_load_[bin * pr_.d + k] -= pr_.c(i, k);
+      group_load_[group(bin) * pr_.d + k] -= pr_.c(i, k);
+    }
+  }
+  void relocate(int64_t i, int64_t bin) {
+    if (logging_) undo_.emplace_back(i, bin_of_[i]);
+    unplace(i);
+    place(i, bin);
+  }
+
+  // ---- constructive start: vector LPT ------------------------------------------------
+  // Items in decreasing normalised size, each into the bin where its normalised height is
+  // smallest. Candidate bins come from min-trees (one per dimension and one combined), so
+  // a step costs O(D log B) instead of O(B D).
+  double norm(double v, int64_t k) const { return pr_.scale[k] > 0 ? v / pr_.scale[k] : 0.0; }
+  // Normalised height of `bin` if item i were added; lexicographic (max, sum).
+  std::pair<double, double> score(int64_t bin, int64_t i) const {
+    double mx = 0.0, sum = 0.0;
+    for (int64_t k = 0; k < pr_.d; ++k) {
+      const double after = load(bin, k) + pr_.c(i, k);
+      const double v = value(after, k);
+      const double nv = v >= pr_.overflow_base ? v : norm(after, k);
+      mx = std::max(mx, nv);
+      sum += norm(after, k);
+    }
+    return {mx, sum};
+  }
+  double bin_key(int64_t bin, int64_t only_dim) const {  // per-bin dims only
+    double key = 0.0;
+    for (int64_t k = 0; k < pr_.d; ++k)
+      if (!pr_.is_group[k] && (only_dim < 0 || only_dim == k))
+        key = std::max(key, norm(bin_load_[bin * pr_.d + k], k));
+    return key;
+  }
+  double group_key(int64_t g, int64_t only_dim) const {  // microbatch dims only
+    double key = 0.0;
+    for (int64_t k = 0; k < pr_.d; ++k)
+      if (pr_.is_group[k] && (only_dim < 0 || only_dim == k))
+        key = std::max(key, norm(group_load_[g * pr_.d + k], k));
+    return key;
+  }
+
+  void construct() {
+    const int64_t n = pr_.n, d = pr_.d, b = pr_.b;
+    bin_of_.assign(n, -1);
+    pos_.assign(n, -1);
+    members_.assign(b, {});
+    bin_load_.assign(b * d, 0.0);
+    group_load_.assign(pr_.m * d, 0.0);
+
+    std::vector<double> size_key(n), size_sum(n);
+    for (int64_t i = 0; i < n; ++i) {
+      double mx = 0.0, sum = 0.0;
+      for (int64_t k = 0; k < d; ++k) {
+        mx = std::max(mx, norm(pr_.c(i, k), k));
+        sum += norm(pr_.c(i, k), k);
+      }
+      size_key[i] = mx;
+      size_sum[i] = sum;
+    }
+    std::vector<int64_t> order(n);
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t c) {
+      if (size_key[a] != size_key[c]) return size_key[a] > size_key[c];
+      if (size_sum[a] != size_sum[c]) return size_sum[a] > size_sum[c];
+      return a < c;
+    });
+
+    // Trees: combined + per dimension, separately for per-bin and microbatch dims.
+    std::vector<int64_t> bin_dims, group_dims;
+    for (int64_t k = 0; k < d; ++k) (pr_.is_group[k] ? group_dims : bin_dims).push_back(k);
+    std::vector<MinTree> bin_trees, group_trees;
+    std::vector<int64_t> bin_tree_dim, group_tree_dim;
+    if (!bin_dims.empty()) {
+      bin_trees.emplace_back(b);
+      bin_tree_dim.push_back(-1);
+      if (bin_dims.size() > 1)
+        for (int64_t k : bin_dims) bin_trees.emplace_back(b), bin_tree_dim.push_back(k);
+    }
+    if (!group_dims.empty()) {
+      group_trees.emplace_back(pr_.m);
+      group_tree_dim.push_back(-1);
+      if (group_dims.size() > 1)
+        for (int64_t k : group_dims) group_trees.emplace_back(pr_.m), group_tree_dim.push_back(k);
+    }
+
+    int64_t next_empty = 0, num_empty = b;
+    std::vector<int64_t> candidates;
+    for (int64_t pos = 0; pos < n; ++pos) {
+      const int64_t i = order[pos];
+      const int64_t remaining = n - pos;
+      int64_t chosen = -1;
+      while (next_empty < b && !members_[next_empty].empty()) ++next_empty;
+      if (remaining <= num_empty) {
+        chosen = next_empty;  // the rest must fill the empty bins
+      } else {
+        candidates.clear();
+        for (auto& t : bin_trees) candidates.push_back(t.argmin());
+        for (auto& t : group_trees) {
+          const int64_t g = t.argmin();
+          int64_t best = g * pr_.p;
+          for (int64_t bin = g * pr_.p + 1; bin < (g + 1) * pr_.p; ++bin)
+            if (bin_key(bin, -1) < bin_key(best, -1)) best = bin;
+          candidates.push_back(best);
+        }
+        if (next_empty < b) candidates.push_back(next_empty);
+        std::pair<double, double> best_score{kInf, kInf};
+        for (int64_t bin : candidates) {
+          const auto s = score(bin, i);
+          if (s < best_score || (s == best_score && bin < chosen)) best_score = s, chosen = bin;
+        }
+        if (best_score.first >= pr_.overflow_base) {  // capacity: look at every bin
+          for (int64_t bin = 0; bin < b; ++bin) {
+            const auto s = score(bin, i);
+            if (s < best_score) best_score = s, chosen = bin;
+          }
+        }
+      }
+      if (members_[chosen].empty()) --num_empty;
+      place(i, chosen);
+      for (size_t t = 0; t < bin_trees.size(); ++t)
+        bin_trees[t].set(chosen, bin_key(chosen, bin_tree_dim[t]));
+      for (size_t t = 0; t < group_trees.size(); ++t)
+        group_trees[t].set(group(chosen), group_key(group(chosen), group_tree_dim[t]));
+    }
+  }
+
+  // ---- improving search --------------------------------------------------------------
+  struct Op {
+    int64_t i = -1, j = -1;  // j < 0: move i to `to`; else swap i and j
+    int64_t to = -1;
+    double worst = kInf;  // largest new value among the slots the op touches
+  };
+
+  // Largest new value among the slots touched by moving item i from bin x to bin y and
+  // item j (if any) from y to x; `stop` allows an early exit once it cannot win.
+  double evaluate(int64_t x, int64_t y, int64_t i, int64_t j, double stop) const {
+    const int64_t d = pr_.d;
+    const bool same_group = group(x) == group(y);
+    double worst = 0.0;
+    for (int64_t k = 0; k < d; ++k) {
+      const double delta = pr_.c(i, k) - (j >= 0 ? pr_.c(j, k) : 0.0);
+      double lx, ly;
+      if (pr_.is_group[k]) {
+        if (same_group) continue;
+        lx = group_load_[group(x) * d + k];
+        ly = group_load_[group(y) * d + k];
+      } else {
+        lx = bin_load_[x * d + k];
+        ly = bin_load_[y * d + k];
+      }
+      worst = std::max(worst, std::max(value(lx - delta, k), value(ly + delta, k)));
+      if (worst >= stop) return worst;
+    }
+    return worst;
+  }
+
+  // Best op that takes load out of the critical slot of bin `a` with every touched slot
+  // ending strictly below `limit`. Sources: bin a itself if one of its per-bin dims is
+  // critical, else every bin of its microbatch (then partners lie outside it).
+  Op best_op(int64_t a, double limit, const std::vector<int64_t>& partners_by_height) {
+    bool bin_critical = false;
+    for (int64_t k = 0; k < pr_.d; ++k)
+      if (!pr_.is_group[k] && value(load(a, k), k) >= limit) bin_critical = true;
+    const int64_t ga = group(a);
+    Op best;
+    best.worst = limit;
+    auto scan_source = [&](int64_t x) {
+      const auto& from = members_[x];
+      int64_t partners = 0;
+      for (int64_t y : partners_by_height) {
+        if (y == x || (!bin_critical && group(y) == ga)) continue;
+        if (++partners > kMaxPartners) break;
+        const auto& to = members_[y];
+        for (int64_t i : from) {
+          if (from.size() > 1) {
+            const double w = evaluate(x, y, i, -1, best.worst);
+            if (w < best.worst) best = {i, -1, y, w};
+          }
+          for (int64_t j : to) {
+            const double w = evaluate(x, y, i, j, best.worst);
+            if (w < best.worst) best = {i, j, y, w};
+          }
+        }
+        work_ += static_cast<int64_t>(from.size() * (to.size() + 1));
+      }
+    };
+    if (bin_critical) {
+      scan_source(a);
+    } else {
+      for (int64_t x = ga * pr_.p; x < (ga + 1) * pr_.p; ++x) scan_source(x);
+    }
+    return best;
+  }
+
+  void apply(const Op& op) {
+    const int64_t from = bin_of_[op.i];
+    relocate(op.i, op.to);
+    if (op.j >= 0) relocate(op.j, from);
+  }
+
+  // Bins by increasing height; partners are taken from the front.
+  void partners_by_height(std::vector<int64_t>& out) const {
+    const int64_t b = pr_.b;
+    out.resize(b);
+    std::iota(out.begin(), out.end(), 0);
+    std::vector<double> h(b);
+    for (int64_t bin = 0; bin < b; ++bin) h[bin] = height(bin);
+    auto by_height = [&](int64_t x, int64_t y) { return h[x] != h[y] ? h[x] < h[y] : x < y; };
+    // Enough partners for the widest scan (sources of a microbatch skip their own group).
+    const int64_t keep = std::min<int64_t>(b, kMaxPartners + 2 * pr_.p + 1);
+    std::partial_sort(out.begin(), out.begin() + keep, out.end(), by_height);
+    out.resize(keep);
+  }
+
+  // Descends to a local optimum: repeatedly relieves a critical bin. Returns the makespan.
+  double descend() {
+    std::vector<int64_t> partners, critical;
+    while (true) {
+      double mk = 0.0;
+      for (int64_t bin = 0; bin < pr_.b; ++bin) mk = std::max(mk, height(bin));
+      work_ += pr_.b * pr_.d / 4 + 1;
+      if (mk <= pr_.lower_bound * (1 + kRelEps) || work_ >= budget_) return mk;
+      const double limit = mk * (1 - kRelEps);
+      critical.clear();
+      for (int64_t bin = 0; bin < pr_.b; ++bin)
+        if (height(bin) >= limit) critical.push_back(bin);
+      partners_by_height(partners);
+      bool improved = false;
+      for (int64_t a : critical) {
+        const Op op = best_op(a, limit, partners);
+        if (op.i >= 0) {
+          apply(op);
+          ++improving_moves_;
+          improved = true;
+          break;
+        }
+        if (work_ >= budget_) return mk;
+      }
+      if (!improved) return mk;
+    }
+  }
+
+  // Random swap (or move) between a critical bin and a random other bin, keeping every
+  // bin non-empty and never creating a capacity violation.
+  void perturb(double mk) {
+    const double limit = mk * (1 - kRelEps);
+    std::vector<int64_t> critical;
+    for (int64_t bin = 0; bin < pr_.b; ++bin)
+      if (height(bin) >= limit) critical.push_back(bin);
+    const int64_t steps = 1 + static_cast<int64_t>(rng_.below(2));
+    for (int64_t s = 0; s < steps; ++s) {
+      const int64_t x = critical[rng_.below(critical.size())];
+      int64_t y = static_cast<int64_t>(rng_.below(pr_.b - 1));
+      if (y >= x) ++y;
+      const auto& from = members_[x];
+      const auto& to = members_[y];
+      const int64_t i = from[rng_.below(from.size())];
+      const int64_t j = to[rng_.below(to.size())];
+      if (evaluate(x, y, i, j, kInf) >= pr_.overflow_base) continue;
+      apply({i, j, y, 0.0});
+    }
+  }
+
+  void undo_log() {
+    logging_ = false;
+    for (auto it = undo_.rbegin(); it != undo_.rend(); ++it) relocate(it->first, it->second);
+    undo_.clear();
+  }
+
+  void search() {
+    if (pr_.b < 2) return;
+    double best = descend();
+    int64_t fruitless = 0;
+    while (work_ < budget_ && best > pr_.lower_bound * (1 + kRelEps) &&
+           fruitless < kMaxFruitlessPerturbations) {
+      undo_.clear();
+      logging_ = true;
+      perturb(best);
+      const double mk = descend();
+      logging_ = false;
+      ++perturbations_;
+      if (mk < best * (1 - kRelEps)) {
+        best = mk;
+        fruitless = 0;
+      } else {
+        ++fruitless;
+        if (mk > best * (1 + kRelEps)) undo_log();  // worse: back to the best
+      }
+      undo_.clear();
+    }
+  }
+
+  void finish(BalanceResult& res) {
+    const int64_t n = pr_.n, d = pr_.d;
+    res.assignment = bin_of_;
+    // Recompute the loads from scratch in item order: exact and reproducible sums.
+    res.bin_loads.assign(pr_.b * d, 0.0);
+    res.microbatch_loads.assign(pr_.m * d, 0.0);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t k = 0; k < d; ++k) {
+        res.bin_loads[bin_of_[i] * d + k] += pr_.c(i, k);
+        res.microbatch_loads[group(bin_of_[i]) * d + k] += pr_.c(i, k);
+      }
+    double mk = 0.0;
+    for (int64_t k = 0; k < d; ++k) {
+      const bool g = pr_.is_group[k];
+      const auto& loads = g ? res.microbatch_loads : res.bin_loads;
+      const int64_t count = g ? pr_.m : pr_.b;
+      for (int64_t s = 0; s < count; ++s) {
+        const double v = loads[s * d + k];
+        mk = std::max(mk, v);
+        if (v > pr_.cap[k] + kRelEps * (std::fabs(pr_.cap[k]) + 1.0)) {
+          throw Infeasible("capacity[" + std::to_string(k) + "]=" + fmt(pr_.cap[k]) +
+                           " could not be met: the best schedule found still puts " + fmt(v) +
+                           " on " + (g ? "microbatch " : "bin ") + std::to_string(s) +
+                           " (the total needs " + fmt(pr_.total[k] / count) + " per " +
+                           (g ? "microbatch" : "bin") +
+                           " on average); raise the capacity or the number of microbatches");
+        }
+      }
+    }
+    res.makespan = mk;
+    res.lower_bound = pr_.lower_bound;
+    res.stats.work_used = work_;
+    res.stats.improving_moves = improving_moves_;
+    res.stats.perturbations = perturbations_;
+  }
+};
+
+Problem make_problem(const double* costs, int64_t n, int64_t d, const BalanceOptions& o) {
+  Problem pr;
+  pr.costs = costs;
+  pr.n = n;
+  pr.d = d;
+  pr.m = o.num_microbatches;
+  pr.p = o.dp_size;
+  pr.b = o.num_microbatches * o.dp_size;
+  pr.is_group.assign(d, 0);
+  for (int64_t k : o.microbatch_dims) pr.is_group[k] = 1;
+  pr.cap = o.capacity.empty() ? std::vector<double>(d, kInf) : o.capacity;
+  pr.total.assign(d, 0.0);
+  std::vector<double> largest(d, 0.0);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k = 0; k < d; ++k) {
+      pr.total[k] += costs[i * d + k];
+      largest[k] = std::max(largest[k], costs[i * d + k]);
+    }
+  pr.scale.assign(d, 0.0);
+  double sum_total = 0.0;
+  for (int64_t k = 0; k < d; ++k) {
+    const double count = static_cast<double>(pr.is_group[k] ? pr.m : pr.b);
+    pr.scale[k] = pr.total[k] / count;
+    pr.lower_bound = std::max({pr.lower_bound, pr.scale[k], largest[k]});
+    sum_total += pr.total[k];
+  }
+  pr.overflow_base = 2.0 * sum_total + 1.0;
+  return pr;
+}
+
+}  // namespace
+
+void validate_balance_input(const double* costs, int64_t n, int64_t d, const BalanceOptions& o) {
+  if (d < 1) throw InvalidArgument("costs must have at least one column (D >= 1), got D=" + std::to_string(d));
+  if (o.num_microbatches < 1)
+    throw InvalidArgument("num_microbatches must be >= 1, got " + std::to_string(o.num_microbatches));
+  if (o.dp_size < 1) throw InvalidArgument("dp_size must be >= 1, got " + std::to_string(o.dp_size));
+  if (o.num_microbatches > std::numeric_limits<int32_t>::max() / o.dp_size)
+    throw InvalidArgument("num_microbatches x dp_size is too large: " +
+                          std::to_string(o.num_microbatches) + " x " + std::to_string(o.dp_size));
+  const int64_t b = o.num_microbatches * o.dp_size;
+  if (n < b)
+    throw InvalidArgument("costs has " + std::to_string(n) + " samples but num_microbatches x dp_size = " +
+                          std::to_string(b) + " bins; every bin needs at least one sample");
+  std::vector<char> seen(d, 0);
+  for (size_t idx = 0; idx < o.microbatch_dims.size(); ++idx) {
+    const int64_t k = o.microbatch_dims[idx];
+    const std::string where = "microbatch_dims[" + std::to_string(idx) + "]=" + std::to_string(k);
+    if (k < 0 || k >= d) throw InvalidArgument(where + " is out of range for D=" + std::to_string(d));
+    if (seen[k]) throw InvalidArgument(where + " is listed twice");
+    seen[k] = 1;
+  }
+  if (!o.capacity.empty() && static_cast<int64_t>(o.capacity.size()) != d)
+    throw InvalidArgument("capacity has length " + std::to_string(o.capacity.size()) +
+                          " but costs has D=" + std::to_string(d) + " columns");
+  for (size_t k = 0; k < o.capacity.size(); ++k) {
+    const double v = o.capacity[k];
+    if (std::isnan(v) || v < 0)
+      throw InvalidArgument("capacity[" + std::to_string(k) + "]=" + fmt(v) +
+                            " must be a non-negative number (use inf for no bound)");
+  }
+  if (o.work_budget < -1) throw InvalidArgument("work budget must be >= 0");
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k = 0; k < d; ++k) {
+      const double v = costs[i * d + k];
+      if (std::isfinite(v) && v >= 0) continue;
+      const std::string where = "costs[" + std::to_string(i) + ", " + std::to_string(k) + "]=" + fmt(v);
+      if (std::isnan(v)) throw InvalidArgument(where + " is NaN; costs must be finite and >= 0");
+      if (std::isinf(v)) throw InvalidArgument(where + " is infinite; costs must be finite and >= 0");
+      throw InvalidArgument(where + " is negative; costs must be finite and >= 0");
+    }
+  if (o.capacity.empty()) return;
+  // Cheap proofs of infeasibility: a single item over a bound, or a total over count x bound.
+  std::vector<char> is_group(d, 0);
+  for (int64_t k : o.microbatch_dims) is_group[k] = 1;
+  std::vector<double> total(d, 0.0);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k = 0; k < d; ++k) {
+      const double v = costs[i * d + k];
+      total[k] += v;
+      if (v > o.capacity[k] * (1 + kRelEps))
+        throw Infeasible("sample " + std::to_string(i) + " has costs[" + std::to_string(i) + ", " +
+                         std::to_string(k) + "]=" + fmt(v) + " above capacity[" + std::to_string(k) +
+                         "]=" + fmt(o.capacity[k]) + "; no " +
+                         (is_group[k] ? "microbatch" : "bin") + " can hold it");
+    }
+  for (int64_t k = 0; k < d; ++k) {
+    const int64_t count = is_group[k] ? o.num_microbatches : b;
+    if (total[k] > o.capacity[k] * static_cast<double>(count) * (1 + kRelEps))
+      throw Infeasible("capacity[" + std::to_string(k) + "]=" + fmt(o.capacity[k]) +
+                       " is too small: dimension " + std::to_string(k) + " totals " + fmt(total[k]) +
+                       ", which needs at least " + fmt(total[k] / count) + " per " +
+                       (is_group[k] ? "microbatch" : "bin") + " over " + std::to_string(count) +
+                       (is_group[k] ? " microbatches" : " bins"));
+  }
+}
+
+int64_t default_work_budget(int64_t num_items, int64_t num_bins, int64_t num_dims) {
+  (void)num_bins;
+  // About 2.5 us of search per sample, at least 0.3 ms and at most 250 ms; scaled for D.
+  const double ms = std::clamp(0.0025 * static_cast<double>(num_items), 0.3, 250.0);
+  return static_cast<int64_t>(ms * kWorkUnitsPerMs * 2.0 / static_cast<double>(num_dims + 0));
+}
+
+int64_t work_budget_for_ms(double time_budget_ms) {
+  if (!(time_budget_ms >= 0) || !std::isfinite(time_budget_ms))
+    throw InvalidArgument("time_budget_ms must be a finite number >= 0, got " + fmt(time_budget_ms));
+  return static_cast<int64_t>(time_budget_ms * kWorkUnitsPerMs);
+}
+
+BalanceResult balance(const double* costs, int64_t n, int64_t d, const BalanceOptions& o) {
+  validate_balance_input(costs, n, d, o);
+  const Problem pr = make_problem(costs, n, d, o);
+  const int64_t budget = o.work_budget >= 0 ? o.work_budget : default_work_budget(n, pr.b, d);
+  Solver solver(pr, o.seed, budget);
+  return solver.run();
+}
+
+}  // namespace dflop
