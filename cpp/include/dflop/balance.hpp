@@ -38,8 +38,8 @@ struct BalanceResult {
   std::vector<int64_t> assignment;       // num_items: bin of each sample
   std::vector<double> bin_loads;         // num_bins x num_dims, row-major
   std::vector<double> microbatch_loads;  // num_microbatches x num_dims, row-major
-  double makespan = 0.0;     // largest bin load (microbatch load for microbatch dims)
-  double lower_bound = 0.0;  // max over dims of total/count and of the largest item
+  double makespan = 0.0;                 // largest bin load (microbatch load for microbatch dims)
+  double lower_bound = 0.0;              // max over dims of total/count and of the largest item
   BalanceStats stats;
 };
 
