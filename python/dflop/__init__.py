@@ -1,7 +1,20 @@
 """dflop: data-driven planning and per-step scheduling for multimodal LLM training."""
 
-from dflop.scheduler import InfeasibleError, Schedule, schedule
+from dflop.scheduler import (
+    InfeasibleError,
+    Schedule,
+    data_blind_schedule,
+    schedule,
+    schedule_from_assignment,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["InfeasibleError", "Schedule", "schedule", "__version__"]
+__all__ = [
+    "InfeasibleError",
+    "Schedule",
+    "__version__",
+    "data_blind_schedule",
+    "schedule",
+    "schedule_from_assignment",
+]

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
 from dflop import _core
 
-__all__ = ["Schedule", "schedule", "InfeasibleError"]
+__all__ = [
+    "InfeasibleError",
+    "Schedule",
+    "data_blind_schedule",
+    "schedule",
+    "schedule_from_assignment",
+]
 
 InfeasibleError = _core.InfeasibleError
 
@@ -116,9 +123,9 @@ def schedule(
     dp_size: int = 1,
     *,
     microbatch_dims: Sequence[int] = (),
-    capacity: Optional[Sequence[float]] = None,
+    capacity: Sequence[float] | None = None,
     seed: int = 0,
-    time_budget_ms: Optional[float] = None,
+    time_budget_ms: float | None = None,
 ) -> Schedule:
     """Balance one global batch across ``num_microbatches x dp_size`` bins.
 
@@ -158,9 +165,7 @@ def schedule(
     if capacity is not None:
         cap_array = np.asarray(capacity)
         if cap_array.dtype == object or cap_array.dtype.kind not in "iuf" or cap_array.ndim != 1:
-            raise TypeError(
-                f"capacity must be a 1-D sequence of numbers, got {capacity!r}"
-            )
+            raise TypeError(f"capacity must be a 1-D sequence of numbers, got {capacity!r}")
         cap_list = [float(v) for v in cap_array]
     budget = None
     if time_budget_ms is not None:
@@ -187,7 +192,86 @@ def schedule(
     )
 
 
-def _perf_counter() -> float:
-    import time
+def schedule_from_assignment(
+    costs: Any,
+    assignment: Any,
+    num_microbatches: int,
+    dp_size: int = 1,
+    *,
+    microbatch_dims: Sequence[int] = (),
+) -> Schedule:
+    """A :class:`Schedule` for a given assignment (e.g. a baseline's), with its loads,
+    makespan and lower bound computed exactly as for :func:`schedule`."""
+    cost_array = _as_costs(costs)
+    num_microbatches = _as_int("num_microbatches", num_microbatches)
+    dp_size = _as_int("dp_size", dp_size)
+    num_bins = num_microbatches * dp_size
+    bins = np.asarray(assignment)
+    if bins.dtype.kind not in "iu" or bins.shape != (cost_array.shape[0],):
+        raise ValueError(
+            f"assignment must be an integer array of shape ({cost_array.shape[0]},), "
+            f"got dtype {bins.dtype} shape {bins.shape}"
+        )
+    bad = np.flatnonzero((bins < 0) | (bins >= num_bins))
+    if bad.size:
+        raise ValueError(f"assignment[{bad[0]}]={bins[bad[0]]} is out of range [0, {num_bins})")
+    num_dims = cost_array.shape[1]
+    dims = tuple(_as_int(f"microbatch_dims[{k}]", v) for k, v in enumerate(microbatch_dims))
+    for k, d in enumerate(dims):
+        if not 0 <= d < num_dims:
+            raise ValueError(f"microbatch_dims[{k}]={d} is out of range for D={num_dims}")
+    bins = bins.astype(np.int64)
+    loads = np.zeros((num_bins, num_dims))
+    np.add.at(loads, bins, cost_array)
+    mb_loads = loads.reshape(num_microbatches, dp_size, num_dims).sum(axis=1)
+    is_mb = np.zeros(num_dims, dtype=bool)
+    is_mb[list(dims)] = True
+    per_dim_max = np.where(is_mb, mb_loads.max(axis=0), loads.max(axis=0))
+    counts = np.where(is_mb, num_microbatches, num_bins)
+    largest = cost_array.max(axis=0) if cost_array.shape[0] else np.zeros(num_dims)
+    lower_bound = float(max(np.max(cost_array.sum(axis=0) / counts), np.max(largest)))
+    return Schedule(
+        assignment=_frozen(bins),
+        loads=_frozen(loads),
+        microbatch_loads=_frozen(mb_loads),
+        makespan=float(per_dim_max.max()),
+        lower_bound=lower_bound,
+        num_microbatches=num_microbatches,
+        dp_size=dp_size,
+        microbatch_dims=dims,
+        seed=0,
+        solve_time_s=0.0,
+    )
 
+
+def data_blind_schedule(
+    costs: Any,
+    num_microbatches: int,
+    dp_size: int = 1,
+    *,
+    microbatch_dims: Sequence[int] = (),
+) -> Schedule:
+    """What a data-blind framework does: samples in dataset order, split into
+    ``num_microbatches`` equal-count microbatches, each split evenly over the DP ranks."""
+    cost_array = _as_costs(costs)
+    num_samples = cost_array.shape[0]
+    num_bins = _as_int("num_microbatches", num_microbatches) * _as_int("dp_size", dp_size)
+    if num_bins < 1 or num_samples < num_bins:
+        raise ValueError(
+            f"need num_microbatches x dp_size >= 1 bins and at least one sample per bin, "
+            f"got {num_samples} samples for {num_bins} bins"
+        )
+    # Consecutive equal-count chunks per microbatch, then consecutive per rank.
+    microbatch_of = np.arange(num_samples) * num_microbatches // num_samples
+    assignment = np.empty(num_samples, dtype=np.int64)
+    for mb in range(num_microbatches):
+        members = np.flatnonzero(microbatch_of == mb)
+        rank_of = np.arange(members.size) * dp_size // members.size
+        assignment[members] = mb * dp_size + rank_of
+    return schedule_from_assignment(
+        cost_array, assignment, num_microbatches, dp_size, microbatch_dims=microbatch_dims
+    )
+
+
+def _perf_counter() -> float:
     return time.perf_counter()

@@ -1,0 +1,41 @@
+"""The README's main-job command and CLI errors, as real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+
+def run_cli(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    executable = shutil.which("dflop")
+    command = [executable] if executable else [sys.executable, "-m", "dflop.cli"]
+    return subprocess.run(
+        [*command, *args], capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+
+
+def test_main_job_demo_runs() -> None:
+    result = run_cli("demo", "--steps", "3")
+    assert result.returncode == 0, result.stderr
+    assert "total" in result.stdout
+    assert "dflop max s" in result.stdout
+
+
+def test_demo_json_dflop_beats_blind() -> None:
+    result = run_cli("demo", "--steps", "4", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert len(report["steps"]) == 4
+    for step in report["steps"]:
+        assert step["dflop_max_load_s"] >= step["lower_bound_s"] * (1 - 1e-12)
+        assert step["dflop_max_load_s"] <= step["blind_max_load_s"]
+        assert step["dflop_ratio"] < 1.02
+
+
+def test_demo_bad_argument_is_a_clear_error() -> None:
+    result = run_cli("demo", "--dp-size", "0")
+    assert result.returncode == 2
+    assert "dp_size" in result.stderr
+    assert "Traceback" not in result.stderr
