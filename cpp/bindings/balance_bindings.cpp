@@ -23,8 +23,7 @@ py::array_t<T> to_numpy(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
 }
 
 py::dict balance_py(const py::array_t<double, py::array::c_style | py::array::forcecast>& costs,
-                    int64_t num_microbatches, int64_t dp_size,
-                    std::vector<int64_t> microbatch_dims,
+                    int64_t num_microbatches, int64_t dp_size, std::vector<int64_t> microbatch_dims,
                     std::optional<std::vector<double>> capacity, uint64_t seed,
                     std::optional<double> time_budget_ms) {
   if (costs.ndim() != 2) throw py::value_error("costs must be 2-D (N, D)");
@@ -63,8 +62,7 @@ py::dict balance_py(const py::array_t<double, py::array::c_style | py::array::fo
 
 void register_balance(py::module_& m) {
   m.def("balance", &balance_py, py::arg("costs"), py::arg("num_microbatches"), py::arg("dp_size"),
-        py::arg("microbatch_dims"), py::arg("capacity"), py::arg("seed"),
-        py::arg("time_budget_ms"),
+        py::arg("microbatch_dims"), py::arg("capacity"), py::arg("seed"), py::arg("time_budget_ms"),
         "Assign samples to num_microbatches x dp_size bins minimising the largest load. "
         "Returns a dict of numpy arrays and scalars; see dflop.schedule.");
   m.def("default_work_budget", &default_work_budget, py::arg("num_items"), py::arg("num_bins"),

@@ -5,5 +5,6 @@
 namespace dflop::bindings {
 
 void register_balance(pybind11::module_& m);
+void register_simulator(pybind11::module_& m);
 
 }  // namespace dflop::bindings

@@ -19,4 +19,5 @@ PYBIND11_MODULE(_core, m) {
     }
   });
   dflop::bindings::register_balance(m);
+  dflop::bindings::register_simulator(m);
 }

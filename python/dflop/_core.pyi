@@ -1,7 +1,7 @@
 """Type stub of the private native core. Use the dflop package instead."""
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -12,9 +12,23 @@ def balance(
     num_microbatches: int,
     dp_size: int,
     microbatch_dims: Sequence[int],
-    capacity: Optional[Sequence[float]],
+    capacity: Sequence[float] | None,
     seed: int,
-    time_budget_ms: Optional[float],
+    time_budget_ms: float | None,
 ) -> dict[str, Any]: ...
 def default_work_budget(num_items: int, num_bins: int, num_dims: int) -> int: ...
 def work_budget_for_ms(time_budget_ms: float) -> int: ...
+
+# Pipeline simulator (dflop.simulator).
+def simulate_pipeline(
+    forward_s: np.ndarray,
+    backward_s: np.ndarray,
+    schedule: str,
+    link_latency_s: np.ndarray,
+    link_bandwidth_bytes_per_s: np.ndarray,
+    activation_bytes: np.ndarray | None,
+    allreduce_s: np.ndarray | None,
+) -> dict[str, Any]: ...
+def pipeline_actions(
+    schedule: str, num_stages: int, num_microbatches: int, stage: int
+) -> list[tuple[bool, int]]: ...

@@ -1,0 +1,64 @@
+"""dflop's reference multimodal model in plain torch (ViT encoder, MLP projector, decoder LLM
+over packed variable-length sequences), sized from CPU-tiny to GPU-billions.
+
+Quick start::
+
+    from dflop.models import build_model
+    model = build_model("tiny", seed=0)
+    sum_loss, num_targets = model(pixel_values, unit_counts, token_ids, image_mask, cu_seqlens, labels)
+
+Pipeline stages: ``VisionTower.stage`` / ``Decoder.stage`` (sharing the full model's
+modules) or ``VisionStage`` / ``DecoderStage`` built on their own (same weights for the
+same seed, thanks to name-keyed init).
+"""
+
+from dflop.models.config import (
+    DECODER_PRESETS,
+    MODEL_PRESETS,
+    VISION_PRESETS,
+    DecoderConfig,
+    ModelConfig,
+    ProjectorConfig,
+    VisionConfig,
+    model_config,
+)
+from dflop.models.decoder import (
+    IGNORE_INDEX,
+    Decoder,
+    DecoderStage,
+    next_token_targets,
+    packed_positions,
+)
+from dflop.models.init import init_weights
+from dflop.models.multimodal import (
+    MultimodalModel,
+    build_model,
+    check_visual_layout,
+    merge_visual_features,
+)
+from dflop.models.vision import Projector, VisionEncoder, VisionStage, VisionTower
+
+__all__ = [
+    "DECODER_PRESETS",
+    "IGNORE_INDEX",
+    "MODEL_PRESETS",
+    "VISION_PRESETS",
+    "Decoder",
+    "DecoderConfig",
+    "DecoderStage",
+    "ModelConfig",
+    "MultimodalModel",
+    "Projector",
+    "ProjectorConfig",
+    "VisionConfig",
+    "VisionEncoder",
+    "VisionStage",
+    "VisionTower",
+    "build_model",
+    "check_visual_layout",
+    "init_weights",
+    "merge_visual_features",
+    "model_config",
+    "next_token_targets",
+    "packed_positions",
+]
