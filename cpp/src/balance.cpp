@@ -20,6 +20,9 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 // Relative slack for "strictly below the makespan" and for capacity checks, so that
 // rounding in incrementally kept sums never decides a comparison.
 constexpr double kRelEps = 1e-12;
+// Relative tolerance of capacity checks: loads are kept incrementally, so they may drift
+// from the exact sums by a few ulps per update.
+constexpr double kCapRelTol = 1e-9;
 // Work units per millisecond for work_budget_for_ms: about one core of a current x86 server
 // (measured with benchmarks/bench_schedule.py; D = 2).
 constexpr double kWorkUnitsPerMs = 100000.0;
@@ -123,7 +126,7 @@ class Solver {
   // that repairing capacity always comes before shortening the makespan.
   double value(double v, int64_t k) const {
     const double cap = pr_.cap[k];
-    if (v <= cap + kRelEps * (std::fabs(cap) + 1.0)) return v;
+    if (v <= cap * (1 + kCapRelTol)) return v;
     return pr_.overflow_base + (v - cap);
   }
   double height(int64_t bin) const {
@@ -247,7 +250,7 @@ class Solver {
     for (int64_t pos = 0; pos < n; ++pos) {
       const int64_t i = order[pos];
       const int64_t remaining = n - pos;
-      int64_t chosen = -1;
+      int64_t chosen = next_empty < b ? next_empty : 0;
       while (next_empty < b && !members_[next_empty].empty()) ++next_empty;
       if (remaining <= num_empty) {
         chosen = next_empty;  // the rest must fill the empty bins
@@ -468,7 +471,7 @@ class Solver {
       for (int64_t s = 0; s < count; ++s) {
         const double v = loads[s * d + k];
         mk = std::max(mk, v);
-        if (v > pr_.cap[k] + kRelEps * (std::fabs(pr_.cap[k]) + 1.0)) {
+        if (v > pr_.cap[k] * (1 + kCapRelTol)) {
           throw Infeasible("capacity[" + std::to_string(k) + "]=" + fmt(pr_.cap[k]) +
                            " could not be met: the best schedule found still puts " + fmt(v) +
                            " on " + (g ? "microbatch " : "bin ") + std::to_string(s) +
@@ -552,9 +555,11 @@ void validate_balance_input(const double* costs, int64_t n, int64_t d, const Bal
                             " must be a non-negative number (use inf for no bound)");
   }
   if (o.work_budget < -1) throw InvalidArgument("work budget must be >= 0");
+  std::vector<double> total(d, 0.0);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t k = 0; k < d; ++k) {
       const double v = costs[i * d + k];
+      total[k] += v;
       if (std::isfinite(v) && v >= 0) continue;
       const std::string where =
           "costs[" + std::to_string(i) + ", " + std::to_string(k) + "]=" + fmt(v);
@@ -563,16 +568,20 @@ void validate_balance_input(const double* costs, int64_t n, int64_t d, const Bal
         throw InvalidArgument(where + " is infinite; costs must be finite and >= 0");
       throw InvalidArgument(where + " is negative; costs must be finite and >= 0");
     }
+  // The search adds loads of all dimensions together; keep that finite with room to spare.
+  double sum_total = 0.0;
+  for (int64_t k = 0; k < d; ++k) sum_total += total[k];
+  if (!std::isfinite(4.0 * sum_total + 1.0))
+    throw InvalidArgument("costs are too large: their sum overflows a double (" + fmt(sum_total) +
+                          "); express them in a smaller unit (e.g. seconds)");
   if (o.capacity.empty()) return;
   // Cheap proofs of infeasibility: a single item over a bound, or a total over count x bound.
   std::vector<char> is_group(d, 0);
   for (int64_t k : o.microbatch_dims) is_group[k] = 1;
-  std::vector<double> total(d, 0.0);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t k = 0; k < d; ++k) {
       const double v = costs[i * d + k];
-      total[k] += v;
-      if (v > o.capacity[k] * (1 + kRelEps))
+      if (v > o.capacity[k] * (1 + kCapRelTol))
         throw Infeasible("sample " + std::to_string(i) + " has costs[" + std::to_string(i) + ", " +
                          std::to_string(k) + "]=" + fmt(v) + " above capacity[" +
                          std::to_string(k) + "]=" + fmt(o.capacity[k]) + "; no " +
@@ -580,7 +589,7 @@ void validate_balance_input(const double* costs, int64_t n, int64_t d, const Bal
     }
   for (int64_t k = 0; k < d; ++k) {
     const int64_t count = is_group[k] ? o.num_microbatches : b;
-    if (total[k] > o.capacity[k] * static_cast<double>(count) * (1 + kRelEps))
+    if (total[k] > o.capacity[k] * static_cast<double>(count) * (1 + kCapRelTol))
       throw Infeasible("capacity[" + std::to_string(k) + "]=" + fmt(o.capacity[k]) +
                        " is too small: dimension " + std::to_string(k) + " totals " +
                        fmt(total[k]) + ", which needs at least " + fmt(total[k] / count) + " per " +
@@ -601,7 +610,8 @@ int64_t work_budget_for_ms(double time_budget_ms) {
   if (!(time_budget_ms >= 0) || !std::isfinite(time_budget_ms))
     throw InvalidArgument("time_budget_ms must be a finite number >= 0, got " +
                           fmt(time_budget_ms));
-  return static_cast<int64_t>(time_budget_ms * kWorkUnitsPerMs);
+  // Clamp: beyond ~1e18 units the search ends on its own stopping rules anyway.
+  return static_cast<int64_t>(std::min(time_budget_ms * kWorkUnitsPerMs, 1e18));
 }
 
 BalanceResult balance(const double* costs, int64_t n, int64_t d, const BalanceOptions& o) {

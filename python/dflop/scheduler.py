@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ def _frozen(array: np.ndarray) -> np.ndarray:
     return array
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Schedule:
     """The assignment of a global batch's samples to microbatches and DP ranks.
 
@@ -51,7 +52,7 @@ class Schedule:
     seed: int
     solve_time_s: float
     """Wall time spent inside the native solver."""
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: Mapping[str, Any] = field(default_factory=dict)
     """Search statistics: initial_makespan, work_used, work_budget, improving_moves, ..."""
 
     @property
@@ -99,7 +100,10 @@ class Schedule:
 
 
 def _as_costs(costs: Any) -> np.ndarray:
-    array = np.asarray(costs)
+    try:
+        array = np.asarray(costs)
+    except (ValueError, TypeError) as error:  # ragged nested lists and the like
+        raise ValueError(f"costs must be a rectangular (N, D) array: {error}") from None
     if array.dtype == object or array.dtype.kind not in "iuf":
         raise TypeError(
             f"costs must be a numeric (integer or float) array, got dtype {array.dtype}"
@@ -111,10 +115,20 @@ def _as_costs(costs: Any) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.float64)
 
 
-def _as_int(name: str, value: Any) -> int:
+def _as_int(name: str, value: Any, upper: int = 2**31 - 1) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if int(value) > upper:
+        raise ValueError(f"{name}={value} is too large (at most {upper})")
     return int(value)
+
+
+def _as_dims(microbatch_dims: Any) -> tuple[int, ...]:
+    if isinstance(microbatch_dims, (str, bytes)) or not hasattr(microbatch_dims, "__iter__"):
+        raise TypeError(
+            f"microbatch_dims must be a sequence of column indices, got {microbatch_dims!r}"
+        )
+    return tuple(_as_int(f"microbatch_dims[{k}]", v) for k, v in enumerate(microbatch_dims))
 
 
 def schedule(
@@ -157,15 +171,20 @@ def schedule(
     cost_array = _as_costs(costs)
     num_microbatches = _as_int("num_microbatches", num_microbatches)
     dp_size = _as_int("dp_size", dp_size)
-    seed = _as_int("seed", seed)
+    seed = _as_int("seed", seed, upper=2**64 - 1)
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
-    dims = tuple(_as_int(f"microbatch_dims[{k}]", v) for k, v in enumerate(microbatch_dims))
+    dims = _as_dims(microbatch_dims)
     cap_list = None
     if capacity is not None:
         cap_array = np.asarray(capacity)
         if cap_array.dtype == object or cap_array.dtype.kind not in "iuf" or cap_array.ndim != 1:
             raise TypeError(f"capacity must be a 1-D sequence of numbers, got {capacity!r}")
+        if cap_array.shape[0] != cost_array.shape[1]:
+            raise ValueError(
+                f"capacity has length {cap_array.shape[0]} but costs has "
+                f"D={cost_array.shape[1]} columns"
+            )
         cap_list = [float(v) for v in cap_array]
     budget = None
     if time_budget_ms is not None:
@@ -188,7 +207,7 @@ def schedule(
         microbatch_dims=dims,
         seed=seed,
         solve_time_s=solve_time_s,
-        stats=dict(raw["stats"]),
+        stats=MappingProxyType(dict(raw["stats"])),
     )
 
 
@@ -216,7 +235,7 @@ def schedule_from_assignment(
     if bad.size:
         raise ValueError(f"assignment[{bad[0]}]={bins[bad[0]]} is out of range [0, {num_bins})")
     num_dims = cost_array.shape[1]
-    dims = tuple(_as_int(f"microbatch_dims[{k}]", v) for k, v in enumerate(microbatch_dims))
+    dims = _as_dims(microbatch_dims)
     for k, d in enumerate(dims):
         if not 0 <= d < num_dims:
             raise ValueError(f"microbatch_dims[{k}]={d} is out of range for D={num_dims}")
