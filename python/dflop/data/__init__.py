@@ -8,6 +8,10 @@
   LLaVA-OneVision data mix (:class:`MixSpec`).
 - :mod:`dflop.data.costs`: :class:`AnalyticCostModel`, FLOP-based per-sample costs with
   encoder/LLM presets, and :func:`synthetic_costs`.
+- :mod:`dflop.data.profiler`: :func:`profile_dataset`, LLaVA-family JSON/JSONL/YAML
+  datasets -> :class:`ShapeDistribution` (:mod:`dflop.data.distribution`), reading
+  datasets with :mod:`dflop.data.dataset`, image sizes with
+  :mod:`dflop.data.image_header` and text tokens with :mod:`dflop.data.text_tokens`.
 """
 
 from dflop.data.costs import (
@@ -18,21 +22,38 @@ from dflop.data.costs import (
     LLMConfig,
     synthetic_costs,
 )
+from dflop.data.dataset import DatasetError, iter_samples, parse_sampling_strategy, read_recipe
+from dflop.data.distribution import ShapeDistribution
 from dflop.data.families import FamilySpec, get_family, shapes_from_descriptors
+from dflop.data.image_header import ImageHeaderError, read_image_header, read_image_size
+from dflop.data.profiler import DataProfile, profile_dataset
 from dflop.data.shapes import Modality, SampleShapes
 from dflop.data.synthetic import MixSpec, synthetic_shapes
+from dflop.data.text_tokens import TextTokenCounter, make_text_counter
 
 __all__ = [
     "ENCODER_PRESETS",
     "LLM_PRESETS",
     "AnalyticCostModel",
+    "DataProfile",
+    "DatasetError",
     "EncoderConfig",
     "FamilySpec",
+    "ImageHeaderError",
     "LLMConfig",
     "MixSpec",
     "Modality",
     "SampleShapes",
+    "ShapeDistribution",
+    "TextTokenCounter",
     "get_family",
+    "iter_samples",
+    "make_text_counter",
+    "parse_sampling_strategy",
+    "profile_dataset",
+    "read_image_header",
+    "read_image_size",
+    "read_recipe",
     "shapes_from_descriptors",
     "synthetic_costs",
     "synthetic_shapes",

@@ -1,0 +1,510 @@
+"""Data profiler: a LLaVA-family dataset -> the shape of every sample.
+
+:func:`profile_dataset` reads a ``.json``/``.jsonl`` dataset or a ``.yaml`` recipe
+(:mod:`dflop.data.dataset`), turns each sample into raw descriptors (:func:`describe_sample`:
+modality, text tokens, image sizes, video frames), and applies the model family's shape
+rules to a chunk of descriptors at a time (:func:`dflop.data.families.shapes_from_descriptors`,
+vectorised). The result is a :class:`~dflop.data.distribution.ShapeDistribution`.
+
+What a sample becomes
+---------------------
+* ``image`` is a string, or a list of one path: a single image (anyres / dynamic tiling).
+  A list of two or more paths: a multi-image sample (one tile per image in LLaVA-OneVision).
+* ``video``: a video; its frames available are read from metadata (``num_frames`` or
+  ``frames``: an int, or a list of frame paths), else counted in the frames folder
+  (:func:`dflop.data.image_header.count_frame_files`). The family's frame cap (32) is
+  applied by the shape rules. A video *file* without frame-count metadata is skipped with
+  reason ``video_without_frame_count``: dflop has no video decoder dependency.
+* neither: text-only (no encoder work).
+
+Image sizes come from size fields of the sample when present, else from the image file's
+header (:mod:`dflop.data.image_header`; no pixels are decoded; repeated paths are read
+once). Size fields, all as (width, height) in pixels like ``PIL.Image.size``:
+``image_size`` (``[w, h]``, ``{"width": w, "height": h}``, or a list of those, one per
+image), ``image_sizes`` (a list of those), or ``width`` and ``height`` (ints, or lists
+with one entry per image). Text tokens: :mod:`dflop.data.text_tokens`.
+
+Unreadable samples
+------------------
+A sample that cannot be profiled is *skipped and counted* by reason (the ``REASONS``
+below), with the first few examples (file, sample index, message) kept in the profile, and
+a final total in :meth:`ShapeDistribution.summary`. Nothing is dropped silently. With
+``strict=True`` the first such sample raises ``ValueError`` naming the file and the sample
+index instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dflop.data.dataset import (
+    DatasetSource,
+    RawSample,
+    dataset_sources,
+    iter_source,
+)
+from dflop.data.distribution import ShapeDistribution
+from dflop.data.families import FamilySpec, get_family, shapes_from_descriptors
+from dflop.data.image_header import ImageHeaderError, count_frame_files, read_image_size
+from dflop.data.shapes import Modality, SampleShapes
+from dflop.data.text_tokens import TextTokenCounter, make_text_counter
+
+__all__ = [
+    "DataProfile",
+    "MAX_EXAMPLES_PER_REASON",
+    "REASONS",
+    "SampleDescriptor",
+    "SampleError",
+    "describe_sample",
+    "profile_dataset",
+]
+
+DataProfile = ShapeDistribution
+"""What :func:`profile_dataset` returns (an alias of :class:`ShapeDistribution`)."""
+
+MAX_EXAMPLES_PER_REASON = 5
+CHUNK_SAMPLES = 4096
+_IMAGE_CACHE_MAX = 1 << 20
+
+REASONS: dict[str, str] = {
+    "invalid_json": "the JSONL line is not valid JSON",
+    "not_an_object": "the sample is not a JSON object",
+    "missing_conversations": "no 'conversations' field",
+    "bad_conversations": "'conversations' is not a non-empty list of {from, value} turns",
+    "bad_image_field": "'image' is not a path or a non-empty list of paths",
+    "bad_video_field": "'video' is not a path",
+    "image_and_video": "the sample has both 'image' and 'video'",
+    "bad_size_metadata": "size fields are malformed or do not match the images",
+    "bad_frame_metadata": "'num_frames'/'frames' is malformed",
+    "missing_image": "an image file does not exist",
+    "unreadable_image": "an image header cannot be parsed (corrupt or unsupported format)",
+    "missing_video": "the video file or frames folder does not exist",
+    "empty_frames_folder": "the video frames folder holds no image files",
+    "video_without_frame_count": "a video file without frame-count metadata (no decoder)",
+    "tokenizer_error": "the tokenizer failed on the text",
+}
+"""Reasons a sample is skipped, with what they mean."""
+
+
+class SampleError(Exception):
+    """A sample cannot be profiled: ``reason`` (a key of :data:`REASONS`) and a message."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class SampleDescriptor:
+    """Raw descriptors of one sample (input of the family's shape rules).
+
+    Attributes:
+        modality: a :class:`Modality` code.
+        text_tokens: text tokens of the conversation.
+        image_sizes_px: ``(width_px, height_px)`` of each image (empty unless an image
+            modality).
+        num_frames: frames available (video only; 1 otherwise).
+    """
+
+    modality: int
+    text_tokens: int
+    image_sizes_px: tuple[tuple[int, int], ...] = ()
+    num_frames: int = 1
+
+
+# --------------------------------------------------------------------------- describe
+
+
+def _as_size(value: Any) -> tuple[int, int] | None:
+    if isinstance(value, dict):
+        value = (value.get("width"), value.get("height"))
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        w, h = value
+        if all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 1 and v == int(v)
+            for v in (w, h)
+        ):
+            return int(w), int(h)
+    return None
+
+
+def _metadata_sizes(data: dict[str, Any], num_images: int) -> list[tuple[int, int]] | None:
+    """Image sizes from the sample's size fields; None when it has none."""
+    for key in ("image_size", "image_sizes"):
+        if data.get(key) is None:
+            continue
+        value = data[key]
+        one = _as_size(value)
+        if one is not None and key == "image_size":
+            sizes = [one]
+        elif isinstance(value, (list, tuple)):
+            sizes = [_as_size(v) for v in value]
+            if any(s is None for s in sizes):
+                raise SampleError(
+                    "bad_size_metadata",
+                    f"{key}={value!r} must be [width, height] pairs of integers >= 1",
+                )
+        else:
+            raise SampleError(
+                "bad_size_metadata", f"{key}={value!r} must be [width, height] (pixels)"
+            )
+        if len(sizes) != num_images:
+            raise SampleError(
+                "bad_size_metadata",
+                f"{key} gives {len(sizes)} size(s) for {num_images} image(s)",
+            )
+        return sizes  # type: ignore[return-value]
+    if data.get("width") is not None or data.get("height") is not None:
+        w, h = data.get("width"), data.get("height")
+        if not isinstance(w, list):
+            w, h = [w], [h]
+        if not isinstance(h, list) or len(w) != len(h):
+            raise SampleError(
+                "bad_size_metadata",
+                f"width={data.get('width')!r} and "
+                f"height={data.get('height')!r} must both be ints or lists of equal length",
+            )
+        sizes = [_as_size((a, b)) for a, b in zip(w, h)]
+        if any(s is None for s in sizes):
+            raise SampleError(
+                "bad_size_metadata",
+                f"width={data.get('width')!r}, height={data.get('height')!r} must be integers >= 1",
+            )
+        if len(sizes) != num_images:
+            raise SampleError(
+                "bad_size_metadata",
+                f"width/height give {len(sizes)} size(s) for {num_images} image(s)",
+            )
+        return sizes  # type: ignore[return-value]
+    return None
+
+
+class _ImageSizeCache:
+    """Header sizes by resolved path (failures cached too), bounded."""
+
+    def __init__(self) -> None:
+        self._sizes: dict[str, tuple[int, int] | SampleError] = {}
+
+    def size(self, path: str) -> tuple[int, int]:
+        hit = self._sizes.get(path)
+        if hit is None:
+            hit = self._read(path)
+            if len(self._sizes) >= _IMAGE_CACHE_MAX:
+                self._sizes.clear()
+            self._sizes[path] = hit
+        if isinstance(hit, SampleError):
+            raise hit
+        return hit
+
+    @staticmethod
+    def _read(path: str) -> tuple[int, int] | SampleError:
+        try:
+            return read_image_size(path)
+        except FileNotFoundError:
+            return SampleError("missing_image", f"image file {path!r} does not exist")
+        except ImageHeaderError as exc:
+            return SampleError("unreadable_image", str(exc))
+        except OSError as exc:
+            return SampleError("unreadable_image", f"{path}: {exc}")
+
+
+def _turn_texts(data: dict[str, Any]) -> list[str]:
+    if "conversations" not in data:
+        raise SampleError("missing_conversations", "the sample has no 'conversations' field")
+    conv = data["conversations"]
+    if not isinstance(conv, list) or not conv:
+        raise SampleError(
+            "bad_conversations", f"'conversations' must be a non-empty list, got {conv!r:.80}"
+        )
+    texts = []
+    for k, turn in enumerate(conv):
+        if (
+            not isinstance(turn, dict)
+            or not isinstance(turn.get("value"), str)
+            or not isinstance(turn.get("from"), str)
+        ):
+            raise SampleError(
+                "bad_conversations",
+                f"conversations[{k}] must be {{'from': str, 'value': str}}, got {turn!r:.80}",
+            )
+        texts.append(turn["value"])
+    return texts
+
+
+def _video_frames(data: dict[str, Any], video: Any, folder: str) -> int:
+    for key in ("num_frames", "frames"):
+        value = data.get(key)
+        if value is None:
+            continue
+        if isinstance(value, list):
+            value = len(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SampleError(
+                "bad_frame_metadata", f"{key}={data[key]!r:.80} must be an int >= 1 or a list"
+            )
+        return value
+    if not isinstance(video, str) or not video:
+        raise SampleError("bad_video_field", f"'video' must be a path, got {video!r:.80}")
+    path = os.path.join(folder, video)
+    if os.path.isdir(path):
+        try:
+            frames = count_frame_files(path)
+        except OSError as exc:
+            raise SampleError("missing_video", f"frames folder {path!r}: {exc}") from None
+        if frames == 0:
+            raise SampleError("empty_frames_folder", f"frames folder {path!r} has no images")
+        return frames
+    if os.path.exists(path):
+        raise SampleError(
+            "video_without_frame_count",
+            f"video file {path!r} has no 'num_frames' metadata; dflop does not decode "
+            "videos: add num_frames to the sample or extract frames to a folder",
+        )
+    raise SampleError("missing_video", f"video {path!r} does not exist")
+
+
+def describe_sample(
+    raw: RawSample, count_text: TextTokenCounter, images: _ImageSizeCache | None = None
+) -> SampleDescriptor:
+    """The raw descriptors of one sample (see the module docstring).
+
+    Raises:
+        SampleError: the sample cannot be profiled (reason and message).
+    """
+    if raw.error is not None:
+        raise SampleError("invalid_json", raw.error)
+    data = raw.data
+    if not isinstance(data, dict):
+        raise SampleError(
+            "not_an_object", f"expected a JSON object, got {type(data).__name__}: {data!r:.80}"
+        )
+    texts = _turn_texts(data)
+    try:
+        text_tokens = int(count_text(texts))
+    except Exception as exc:  # a user tokenizer may raise anything
+        raise SampleError("tokenizer_error", f"{type(exc).__name__}: {exc}") from None
+    image = data.get("image")
+    video = data.get("video")
+    if image is not None and video is not None:
+        raise SampleError("image_and_video", "a sample may have 'image' or 'video', not both")
+    if video is not None:
+        frames = _video_frames(data, video, raw.video_folder)
+        return SampleDescriptor(Modality.VIDEO, text_tokens, num_frames=frames)
+    if image is None:
+        return SampleDescriptor(Modality.TEXT, text_tokens)
+    paths = [image] if isinstance(image, str) else image
+    if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p for p in paths):
+        raise SampleError(
+            "bad_image_field",
+            f"'image' must be a path or a non-empty list of paths, got {image!r:.80}",
+        )
+    sizes = _metadata_sizes(data, len(paths))
+    if sizes is None:
+        cache = images if images is not None else _ImageSizeCache()
+        sizes = [cache.size(os.path.join(raw.image_folder, p)) for p in paths]
+    modality = Modality.IMAGE if len(paths) == 1 else Modality.MULTI_IMAGE
+    return SampleDescriptor(modality, text_tokens, tuple(sizes))
+
+
+# --------------------------------------------------------------------------- profile
+
+
+@dataclass
+class _Chunk:
+    modality: list[int] = field(default_factory=list)
+    text_tokens: list[int] = field(default_factory=list)
+    num_frames: list[int] = field(default_factory=list)
+    image_owner: list[int] = field(default_factory=list)
+    image_width_px: list[int] = field(default_factory=list)
+    image_height_px: list[int] = field(default_factory=list)
+
+    def add(self, d: SampleDescriptor) -> None:
+        owner = len(self.modality)
+        self.modality.append(d.modality)
+        self.text_tokens.append(d.text_tokens)
+        self.num_frames.append(d.num_frames)
+        for w, h in d.image_sizes_px:
+            self.image_owner.append(owner)
+            self.image_width_px.append(w)
+            self.image_height_px.append(h)
+
+    def __len__(self) -> int:
+        return len(self.modality)
+
+    def shapes(self, spec: FamilySpec) -> SampleShapes:
+        return shapes_from_descriptors(
+            spec,
+            np.asarray(self.modality, dtype=np.int8),
+            np.asarray(self.text_tokens, dtype=np.int64),
+            image_sample_index=np.asarray(self.image_owner, dtype=np.int64),
+            image_width_px=np.asarray(self.image_width_px, dtype=np.float64),
+            image_height_px=np.asarray(self.image_height_px, dtype=np.float64),
+            video_num_frames=np.asarray(self.num_frames, dtype=np.int64),
+        )
+
+
+def _progress_bar(enabled: bool, desc: str) -> Any:
+    if not enabled:
+        return None
+    try:
+        isatty = sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        isatty = False
+    if not isatty:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(desc=desc, unit=" samples", file=sys.stderr, dynamic_ncols=True)
+
+
+def _limited(samples: Iterable[RawSample], max_samples: int | None) -> Iterator[RawSample]:
+    for k, raw in enumerate(samples):
+        if max_samples is not None and k >= max_samples:
+            return
+        yield raw
+
+
+def profile_dataset(
+    path: str | os.PathLike[str],
+    family: str | FamilySpec = "llava-ov",
+    *,
+    image_folder: str | os.PathLike[str] | None = None,
+    video_folder: str | os.PathLike[str] | None = None,
+    tokenizer: Any = None,
+    strict: bool = False,
+    progress: bool = True,
+    seed: int = 0,
+    max_samples: int | None = None,
+    chunk_samples: int = CHUNK_SAMPLES,
+) -> ShapeDistribution:
+    """Profile a dataset: the shape of every (selected) sample under ``family``'s rules.
+
+    Args:
+        path: a ``.json``/``.jsonl`` dataset or a ``.yaml`` recipe
+            (:mod:`dflop.data.dataset`).
+        family: model family (``"llava-ov"``, ``"internvl"`` or a :class:`FamilySpec`).
+        image_folder: folder image paths are relative to (default: the dataset file's
+            folder; a recipe's own ``image_folder`` keys are used per entry, see
+            :mod:`dflop.data.dataset`).
+        video_folder: folder video paths are relative to (default: the image folder).
+        tokenizer: ``None`` (character estimate), a local tokenizer folder, an object
+            with ``encode``, or a callable ``text -> int`` (:mod:`dflop.data.text_tokens`).
+        strict: raise ``ValueError`` (naming file and sample index) at the first sample
+            that cannot be profiled, instead of counting it.
+        progress: show a tqdm progress bar on stderr (only if tqdm is installed and stderr
+            is a terminal).
+        seed: seed of ``random:`` sampling strategies.
+        max_samples: stop after reading this many samples (profiled + skipped).
+        chunk_samples: samples per vectorised call of the shape rules.
+
+    Returns:
+        A :class:`ShapeDistribution` with the shapes, per-reason skip counts and examples,
+        and per-file counts.
+
+    Raises:
+        FileNotFoundError: the dataset does not exist.
+        ValueError: unknown family; malformed dataset file or recipe (``DatasetError``);
+            with ``strict=True``, an unreadable sample.
+    """
+    spec = get_family(family)
+    if max_samples is not None and (
+        isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 0
+    ):
+        raise ValueError(f"max_samples={max_samples!r} must be None or an int >= 0")
+    if not isinstance(chunk_samples, int) or chunk_samples < 1:
+        raise ValueError(f"chunk_samples={chunk_samples!r} must be an int >= 1")
+    counter = tokenizer if isinstance(tokenizer, TextTokenCounter) else make_text_counter(tokenizer)
+    sources = dataset_sources(path, image_folder=image_folder, video_folder=video_folder)
+    images = _ImageSizeCache()
+
+    parts: list[SampleShapes] = []
+    chunk = _Chunk()
+    skipped: dict[str, int] = {}
+    examples: list[dict[str, Any]] = []
+    per_source: list[dict[str, Any]] = []
+    num_read = 0
+    bar = _progress_bar(progress, f"profiling {os.fspath(path)}")
+    pending_bar = 0
+    try:
+        for source in sources:
+            remaining = None if max_samples is None else max_samples - num_read
+            if remaining is not None and remaining <= 0:
+                break
+            stats = _source_stats(source)
+            per_source.append(stats)
+            for raw in _limited(iter_source(source, seed=seed), remaining):
+                num_read += 1
+                stats["num_read"] += 1
+                try:
+                    desc = describe_sample(raw, counter, images)
+                except SampleError as err:
+                    if strict:
+                        raise ValueError(f"{raw.where}: {err.reason}: {err.message}") from None
+                    stats["num_skipped"] += 1
+                    seen = skipped.get(err.reason, 0)
+                    skipped[err.reason] = seen + 1
+                    if seen < MAX_EXAMPLES_PER_REASON:
+                        examples.append(
+                            {
+                                "reason": err.reason,
+                                "file": raw.source,
+                                "index": raw.index,
+                                "line": raw.line,
+                                "message": err.message,
+                            }
+                        )
+                else:
+                    stats["num_profiled"] += 1
+                    chunk.add(desc)
+                    if len(chunk) >= chunk_samples:
+                        parts.append(chunk.shapes(spec))
+                        chunk = _Chunk()
+                pending_bar += 1
+                if bar is not None and pending_bar >= 256:
+                    bar.update(pending_bar)
+                    pending_bar = 0
+        if len(chunk):
+            parts.append(chunk.shapes(spec))
+    finally:
+        if bar is not None:
+            bar.update(pending_bar)
+            bar.close()
+
+    shapes = SampleShapes.concat(parts) if parts else _empty_shapes()
+    return ShapeDistribution(
+        samples=shapes,
+        family=spec.name,
+        source=os.fspath(path),
+        num_read=num_read,
+        skipped=skipped,
+        skipped_examples=examples,
+        sources=per_source,
+        text_tokens_method=counter.method,
+        extra={"seed": int(seed), "max_samples": max_samples},
+    )
+
+
+def _source_stats(source: DatasetSource) -> dict[str, Any]:
+    return {
+        "path": source.path,
+        "sampling_strategy": source.sampling_strategy.text,
+        "image_folder": source.image_folder,
+        "video_folder": source.video_folder,
+        "num_read": 0,
+        "num_profiled": 0,
+        "num_skipped": 0,
+    }
+
+
+def _empty_shapes() -> SampleShapes:
+    z = np.zeros(0, dtype=np.int64)
+    return SampleShapes(z, z.copy(), z.copy(), z.copy(), np.zeros(0, dtype=np.int8))

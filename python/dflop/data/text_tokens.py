@@ -1,0 +1,159 @@
+"""Text tokens of a conversation: from a local tokenizer, else a documented estimate.
+
+A LLaVA-style conversation is a list of turns ``{"from": "human"|"gpt"|..., "value": str}``.
+Its text tokens are what the LLM reads besides the visual tokens:
+
+* the turns' text with the visual placeholders (``<image>``, ``<video>``) removed, since
+  the profiler counts the visual tokens separately from the family's rules;
+* ``tokens_per_turn`` template tokens per turn (role header and end-of-turn markers:
+  Qwen2's ``<|im_start|>`` ``user`` ``\\n`` ... ``<|im_end|>`` ``\\n`` = 5 tokens);
+* ``tokens_per_conversation`` once per sample (the chat template's system prompt:
+  ``<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n`` = 11 tokens with the
+  Qwen2 tokenizer used by LLaVA-OneVision).
+
+Counting the turns' text
+------------------------
+* With a tokenizer (:func:`make_text_counter` with ``tokenizer=...``): the exact number of
+  tokens of each turn's text, ``add_special_tokens=False``. A tokenizer is a local path to
+  a Hugging Face tokenizer folder (loaded with ``transformers.AutoTokenizer`` and
+  ``local_files_only=True``: nothing is ever downloaded; ``transformers`` is imported only
+  then), an object with an ``encode(text) -> list`` method (e.g. a loaded
+  ``PreTrainedTokenizer``), or a callable ``text -> int``.
+* Without one: ``ceil(characters / chars_per_token)`` per turn, ``chars_per_token = 4``
+  (the usual ratio of BPE tokenizers on English text; CJK text and code are denser, so
+  the estimate is low for them).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = [
+    "CHARS_PER_TOKEN",
+    "TOKENS_PER_CONVERSATION",
+    "TOKENS_PER_TURN",
+    "VISUAL_PLACEHOLDERS",
+    "TextTokenCounter",
+    "make_text_counter",
+    "strip_visual_placeholders",
+]
+
+CHARS_PER_TOKEN = 4.0
+TOKENS_PER_TURN = 5
+TOKENS_PER_CONVERSATION = 11
+VISUAL_PLACEHOLDERS = ("<image>", "<video>")
+
+_PLACEHOLDER_RE = re.compile("|".join(re.escape(p) for p in VISUAL_PLACEHOLDERS))
+
+
+def strip_visual_placeholders(text: str) -> str:
+    """``text`` without the ``<image>``/``<video>`` placeholders."""
+    return _PLACEHOLDER_RE.sub("", text)
+
+
+@dataclass(frozen=True)
+class TextTokenCounter:
+    """Counts the text tokens of conversations (see the module docstring).
+
+    Attributes:
+        method: ``"estimate"`` or ``"tokenizer:<name>"`` (recorded in the profile).
+        count_text: tokens of one turn's text (placeholders already removed).
+        tokens_per_turn: template tokens added per turn.
+        tokens_per_conversation: template tokens added per conversation.
+    """
+
+    method: str
+    count_text: Callable[[str], int]
+    tokens_per_turn: int = TOKENS_PER_TURN
+    tokens_per_conversation: int = TOKENS_PER_CONVERSATION
+
+    def __call__(self, turn_texts: Sequence[str]) -> int:
+        """Text tokens of a conversation given its turns' texts."""
+        body = sum(self.count_text(strip_visual_placeholders(t)) for t in turn_texts)
+        return body + self.tokens_per_turn * len(turn_texts) + self.tokens_per_conversation
+
+
+def _estimate(chars_per_token: float) -> Callable[[str], int]:
+    def count(text: str) -> int:
+        return math.ceil(len(text) / chars_per_token)
+
+    return count
+
+
+def make_text_counter(
+    tokenizer: Any = None,
+    *,
+    chars_per_token: float = CHARS_PER_TOKEN,
+    tokens_per_turn: int = TOKENS_PER_TURN,
+    tokens_per_conversation: int = TOKENS_PER_CONVERSATION,
+) -> TextTokenCounter:
+    """A :class:`TextTokenCounter` for ``tokenizer`` (``None``: the character estimate).
+
+    Args:
+        tokenizer: ``None``, a local tokenizer folder (str/PathLike), an object with
+            ``encode``, or a callable ``text -> int`` (see the module docstring).
+        chars_per_token: characters per token of the estimate (> 0).
+        tokens_per_turn, tokens_per_conversation: template overheads (>= 0).
+
+    Raises:
+        FileNotFoundError: the tokenizer folder does not exist.
+        ImportError: a tokenizer folder was given but ``transformers`` is not installed.
+        TypeError: ``tokenizer`` is none of the accepted kinds.
+    """
+    if not (math.isfinite(chars_per_token) and chars_per_token > 0):
+        raise ValueError(f"chars_per_token={chars_per_token!r} must be finite and > 0")
+    for arg, value in (
+        ("tokens_per_turn", tokens_per_turn),
+        ("tokens_per_conversation", tokens_per_conversation),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{arg}={value!r} must be an int >= 0")
+    overheads = {
+        "tokens_per_turn": tokens_per_turn,
+        "tokens_per_conversation": tokens_per_conversation,
+    }
+    if tokenizer is None:
+        return TextTokenCounter(
+            f"estimate:chars/{chars_per_token:g}", _estimate(chars_per_token), **overheads
+        )
+    if isinstance(tokenizer, (str, os.PathLike)):
+        path = os.fspath(tokenizer)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(
+                f"tokenizer folder {path!r} does not exist (give a local folder with a "
+                "Hugging Face tokenizer; nothing is downloaded)"
+            )
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                f"loading the tokenizer at {path!r} needs the 'transformers' package; "
+                "install it or pass tokenizer=None to use the character estimate"
+            ) from exc
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        name = path
+    else:
+        name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+    encode = getattr(tokenizer, "encode", None)
+    if callable(encode):
+        try:  # Hugging Face tokenizers: no BOS/EOS, the template overheads count those
+            encode("", add_special_tokens=False)
+            kwargs: dict[str, Any] = {"add_special_tokens": False}
+        except TypeError:
+            kwargs = {}
+
+        def count(text: str) -> int:
+            return len(encode(text, **kwargs))
+
+        return TextTokenCounter(f"tokenizer:{name}", count, **overheads)
+    if callable(tokenizer):
+        return TextTokenCounter(f"tokenizer:{name}", lambda text: int(tokenizer(text)), **overheads)
+    raise TypeError(
+        "tokenizer must be None, a local tokenizer folder, an object with encode(), "
+        f"or a callable text -> int; got {type(tokenizer).__name__}"
+    )
