@@ -39,3 +39,29 @@ def test_demo_bad_argument_is_a_clear_error() -> None:
     assert result.returncode == 2
     assert "dp_size" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_profile_data_and_inspect(tmp_path) -> None:
+    from pathlib import Path
+
+    recipe = Path(__file__).parent / "data" / "llava_mini" / "recipe.yaml"
+    shapes = tmp_path / "shapes.json"
+    png = tmp_path / "shapes.png"
+    result = run_cli("profile-data", str(recipe), "-o", str(shapes), "--plot", str(png))
+    assert result.returncode == 0, result.stderr
+    assert shapes.exists() and png.stat().st_size > 0
+    assert "skipped" in result.stdout.lower()
+    result = run_cli("inspect", str(shapes))
+    assert result.returncode == 0, result.stderr
+    assert "ShapeDistribution" in result.stdout
+
+
+def test_profile_data_errors_are_clear(tmp_path) -> None:
+    result = run_cli("profile-data", str(tmp_path / "missing.json"), "-o", "x.json")
+    assert result.returncode == 2 and "missing.json" in result.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    result = run_cli("profile-data", str(bad), "--family", "nope", "-o", "x.json")
+    assert result.returncode == 2 and "nope" in result.stderr and "llava-ov" in result.stderr
+    result = run_cli("inspect", str(bad))
+    assert result.returncode == 2 and "bad.json" in result.stderr

@@ -351,7 +351,7 @@ class ShapeDistribution:
                 (ax_u, s.encoder_units, "encoder units per sample (visual samples)", True),
                 (ax_s, seq, "LLM sequence length (tokens)", False),
             ):
-                data, labels = [], []
+                data, labels, colors = [], [], []
                 for code, name in enumerate(Modality.NAMES):
                     if skip_text and code == Modality.TEXT:
                         continue
@@ -359,10 +359,11 @@ class ShapeDistribution:
                     if sel.size:
                         data.append(sel)
                         labels.append(f"{name} ({sel.size:,})")
+                        colors.append(f"C{code}")  # one colour per modality in both panels
                 if data:
                     every = np.concatenate(data)
                     bins = _edges(every, 40)
-                    ax.hist(data, bins=bins, stacked=True, label=labels)
+                    ax.hist(data, bins=bins, stacked=True, label=labels, color=colors)
                     ax.legend(fontsize=8)
                 ax.set_title(title, fontsize=10)
                 ax.set_ylabel("samples")
