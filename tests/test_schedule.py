@@ -553,3 +553,23 @@ def test_single_bin_and_single_sample():
     assert s.makespan == pytest.approx(7.0) == s.lower_bound
     s = dflop.schedule([[3.0, 2.0]], 1)
     assert s.assignment.tolist() == [0]
+
+
+def test_time_limit_returns_best_so_far_in_time():
+    import time
+
+    costs = np.random.default_rng(3).lognormal(size=(65536, 2))
+    start = time.perf_counter()
+    s = dflop.schedule(costs, 1024, time_budget_ms=1e9, time_limit_s=0.2)
+    elapsed_s = time.perf_counter() - start
+    # Construction is not interruptible; the search stops at the deadline.
+    assert elapsed_s < 5.0
+    assert s.makespan >= s.lower_bound * (1 - 1e-12)
+    assert np.bincount(s.assignment, minlength=1024).min() >= 1
+    assert s.stats["stopped_by_time_limit"] in (True, False)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_time_limit_must_be_a_finite_non_negative_number(bad):
+    with pytest.raises(ValueError, match="time_limit_s"):
+        dflop.schedule(np.ones((4, 2)), 2, time_limit_s=bad)

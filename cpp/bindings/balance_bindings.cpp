@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -25,7 +26,7 @@ py::array_t<T> to_numpy(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
 py::dict balance_py(const py::array_t<double, py::array::c_style | py::array::forcecast>& costs,
                     int64_t num_microbatches, int64_t dp_size, std::vector<int64_t> microbatch_dims,
                     std::optional<std::vector<double>> capacity, uint64_t seed,
-                    std::optional<double> time_budget_ms) {
+                    std::optional<double> time_budget_ms, std::optional<double> time_limit_s) {
   if (costs.ndim() != 2) throw py::value_error("costs must be 2-D (N, D)");
   const int64_t n = costs.shape(0), d = costs.shape(1);
   BalanceOptions options;
@@ -35,6 +36,11 @@ py::dict balance_py(const py::array_t<double, py::array::c_style | py::array::fo
   if (capacity) options.capacity = std::move(*capacity);
   options.seed = seed;
   if (time_budget_ms) options.work_budget = work_budget_for_ms(*time_budget_ms);
+  if (time_limit_s) {
+    if (!(*time_limit_s >= 0) || !std::isfinite(*time_limit_s))
+      throw py::value_error("time_limit_s must be a finite number >= 0");
+    options.time_limit_s = *time_limit_s;
+  }
   const double* data = costs.data();
   BalanceResult result;
   {
@@ -54,6 +60,7 @@ py::dict balance_py(const py::array_t<double, py::array::c_style | py::array::fo
   stats["work_budget"] = result.stats.work_budget;
   stats["improving_moves"] = result.stats.improving_moves;
   stats["perturbations"] = result.stats.perturbations;
+  stats["stopped_by_time_limit"] = result.stats.stopped_by_time_limit;
   out["stats"] = stats;
   return out;
 }
@@ -63,6 +70,7 @@ py::dict balance_py(const py::array_t<double, py::array::c_style | py::array::fo
 void register_balance(py::module_& m) {
   m.def("balance", &balance_py, py::arg("costs"), py::arg("num_microbatches"), py::arg("dp_size"),
         py::arg("microbatch_dims"), py::arg("capacity"), py::arg("seed"), py::arg("time_budget_ms"),
+        py::arg("time_limit_s") = py::none(),
         "Assign samples to num_microbatches x dp_size bins minimising the largest load. "
         "Returns a dict of numpy arrays and scalars; see dflop.schedule.");
   m.def("default_work_budget", &default_work_budget, py::arg("num_items"), py::arg("num_bins"),

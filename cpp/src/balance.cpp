@@ -4,6 +4,7 @@
 #include "dflop/balance.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -91,7 +92,14 @@ struct Problem {
 
 class Solver {
  public:
-  Solver(const Problem& pr, uint64_t seed, int64_t budget) : pr_(pr), rng_(seed), budget_(budget) {}
+  Solver(const Problem& pr, uint64_t seed, int64_t budget, double time_limit_s)
+      : pr_(pr), rng_(seed), budget_(budget) {
+    if (time_limit_s >= 0) {
+      has_deadline_ = true;
+      deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                     std::chrono::duration<double>(time_limit_s));
+    }
+  }
 
   BalanceResult run() {
     construct();
@@ -109,6 +117,9 @@ class Solver {
   SplitMix64 rng_;
   int64_t budget_;
   int64_t work_ = 0;
+  using Clock = std::chrono::steady_clock;
+  bool has_deadline_ = false, deadline_passed_ = false;
+  Clock::time_point deadline_;
   int64_t improving_moves_ = 0, perturbations_ = 0;
   std::vector<int64_t> bin_of_;
   std::vector<std::vector<int64_t>> members_;
@@ -117,6 +128,13 @@ class Solver {
   // Undo log of (item, previous bin) for reverting a perturbation.
   bool logging_ = false;
   std::vector<std::pair<int64_t, int64_t>> undo_;
+
+  // The work budget, or the optional wall-clock deadline once it has passed.
+  bool out_of_budget() {
+    if (work_ >= budget_) return true;
+    if (has_deadline_ && !deadline_passed_) deadline_passed_ = Clock::now() >= deadline_;
+    return deadline_passed_;
+  }
 
   int64_t group(int64_t bin) const { return bin / pr_.p; }
   double load(int64_t bin, int64_t k) const {
@@ -381,7 +399,7 @@ class Solver {
       double mk = 0.0;
       for (int64_t bin = 0; bin < pr_.b; ++bin) mk = std::max(mk, height(bin));
       work_ += pr_.b * pr_.d / 4 + 1;
-      if (mk <= pr_.lower_bound * (1 + kGapTolerance) || work_ >= budget_) return mk;
+      if (mk <= pr_.lower_bound * (1 + kGapTolerance) || out_of_budget()) return mk;
       const double limit = mk * (1 - kRelEps);
       critical.clear();
       for (int64_t bin = 0; bin < pr_.b; ++bin)
@@ -396,7 +414,7 @@ class Solver {
           improved = true;
           break;
         }
-        if (work_ >= budget_) return mk;
+        if (out_of_budget()) return mk;
       }
       if (!improved) return mk;
     }
@@ -433,7 +451,7 @@ class Solver {
     if (pr_.b < 2) return;
     double best = descend();
     int64_t fruitless = 0;
-    while (work_ < budget_ && best > pr_.lower_bound * (1 + kGapTolerance) &&
+    while (!out_of_budget() && best > pr_.lower_bound * (1 + kGapTolerance) &&
            fruitless < kMaxFruitlessPerturbations) {
       undo_.clear();
       logging_ = true;
@@ -486,6 +504,7 @@ class Solver {
     res.stats.work_used = work_;
     res.stats.improving_moves = improving_moves_;
     res.stats.perturbations = perturbations_;
+    res.stats.stopped_by_time_limit = deadline_passed_;
   }
 };
 
@@ -618,7 +637,7 @@ BalanceResult balance(const double* costs, int64_t n, int64_t d, const BalanceOp
   validate_balance_input(costs, n, d, o);
   const Problem pr = make_problem(costs, n, d, o);
   const int64_t budget = o.work_budget >= 0 ? o.work_budget : default_work_budget(n, pr.b, d);
-  Solver solver(pr, o.seed, budget);
+  Solver solver(pr, o.seed, budget, o.time_limit_s);
   return solver.run();
 }
 

@@ -140,6 +140,7 @@ def schedule(
     capacity: Sequence[float] | None = None,
     seed: int = 0,
     time_budget_ms: float | None = None,
+    time_limit_s: float | None = None,
 ) -> Schedule:
     """Balance one global batch across ``num_microbatches x dp_size`` bins.
 
@@ -159,6 +160,11 @@ def schedule(
         time_budget_ms: search effort. It is converted to a deterministic amount of work
             (calibrated on one x86 core), so a given budget gives the same schedule on
             every machine and a larger budget is never worse. Default: chosen by size.
+        time_limit_s: optional hard wall-clock limit: past it the search returns the best
+            schedule found so far. The result then depends on machine speed and load (it
+            is reported in ``stats["stopped_by_time_limit"]``): use it where an answer is
+            needed by a deadline, and share that schedule between ranks rather than
+            recomputing it on each.
 
     Returns:
         A :class:`Schedule`.
@@ -193,8 +199,17 @@ def schedule(
         ):
             raise TypeError(f"time_budget_ms must be a number, got {time_budget_ms!r}")
         budget = float(time_budget_ms)
+    limit = None
+    if time_limit_s is not None:
+        if isinstance(time_limit_s, bool) or not isinstance(
+            time_limit_s, (int, float, np.integer, np.floating)
+        ):
+            raise TypeError(f"time_limit_s must be a number, got {time_limit_s!r}")
+        limit = float(time_limit_s)
     start_s = _perf_counter()
-    raw = _core.balance(cost_array, num_microbatches, dp_size, list(dims), cap_list, seed, budget)
+    raw = _core.balance(
+        cost_array, num_microbatches, dp_size, list(dims), cap_list, seed, budget, limit
+    )
     solve_time_s = _perf_counter() - start_s
     return Schedule(
         assignment=_frozen(raw["assignment"]),

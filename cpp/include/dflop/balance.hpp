@@ -24,6 +24,11 @@ struct BalanceOptions {
   // counts work instead of reading a clock so that results are reproducible; a larger
   // budget continues the same trajectory, so it is never worse. Negative = default by size.
   int64_t work_budget = -1;
+  // Optional wall-clock limit in seconds (negative = none): past it the search returns the
+  // best schedule found so far. Results then depend on machine speed and load, so this is
+  // for callers that need an answer by a deadline (the asynchronous front end), not for
+  // reproducible runs.
+  double time_limit_s = -1.0;
 };
 
 struct BalanceStats {
@@ -32,6 +37,7 @@ struct BalanceStats {
   int64_t work_budget = 0;        // the budget the search ran under
   int64_t improving_moves = 0;
   int64_t perturbations = 0;
+  bool stopped_by_time_limit = false;
 };
 
 struct BalanceResult {
