@@ -1,0 +1,163 @@
+"""Asynchronous scheduling: compute step k+1's schedule while step k trains.
+
+A single background thread solves submitted steps in order. Schedules wait in memory,
+keyed by step, with a bounded look-ahead (no files, no races). Each submission carries a
+deadline; the solver returns the best schedule found by then, and :meth:`get` never waits
+past it: if the step has not even started solving by then, it is solved at once with the
+constructive start only (sub-millisecond). So scheduling never stalls training.
+
+With a deadline the schedule depends on machine speed. In a distributed job, compute it on
+one rank and broadcast the assignment (``Schedule.assignment``), or run every rank without
+deadlines (``deadline_s=None``): the solver is then deterministic and all ranks agree.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dflop.scheduler import Schedule, schedule
+
+__all__ = ["AsyncScheduler"]
+
+
+@dataclass
+class _Job:
+    step: int
+    costs: np.ndarray
+    deadline: float | None  # time.monotonic() by which the schedule must exist
+    result: Schedule | None = None
+    error: BaseException | None = None
+    started: bool = False
+    done: threading.Event = None  # type: ignore[assignment]
+
+
+class AsyncScheduler:
+    """Background schedule computation with bounded look-ahead.
+
+    Args:
+        num_microbatches, dp_size, microbatch_dims, capacity, seed, time_budget_ms: as for
+            :func:`dflop.schedule`, used for every step (the seed is offset by the step).
+        lookahead: at most this many submitted steps wait unconsumed; :meth:`submit`
+            blocks (the data producer, not training, waits) beyond it.
+
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        num_microbatches: int,
+        dp_size: int = 1,
+        *,
+        microbatch_dims: Sequence[int] = (),
+        capacity: Sequence[float] | None = None,
+        seed: int = 0,
+        time_budget_ms: float | None = None,
+        lookahead: int = 2,
+    ) -> None:
+        if lookahead < 1:
+            raise ValueError(f"lookahead must be >= 1, got {lookahead}")
+        self._kwargs: dict[str, Any] = dict(
+            num_microbatches=num_microbatches,
+            dp_size=dp_size,
+            microbatch_dims=tuple(microbatch_dims),
+            capacity=capacity,
+            time_budget_ms=time_budget_ms,
+        )
+        self._seed = seed
+        self._lookahead = lookahead
+        self._jobs: dict[int, _Job] = {}
+        self._order: list[int] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self.num_fallbacks = 0  # steps that were solved in get() because their turn never came
+        self._thread = threading.Thread(target=self._run, name="dflop-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- producer side -------------------------------------------------------------
+    def submit(self, step: int, costs: Any, deadline_s: float | None = None) -> None:
+        """Queue ``step``'s costs; ``deadline_s`` seconds from now its schedule must exist."""
+        array = np.asarray(costs, dtype=np.float64)
+        deadline = None if deadline_s is None else time.monotonic() + float(deadline_s)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("AsyncScheduler is closed")
+            if step in self._jobs:
+                raise ValueError(f"step {step} was already submitted")
+            while len(self._jobs) >= self._lookahead and not self._closed:
+                self._cond.wait()
+            job = _Job(step=step, costs=array, deadline=deadline, done=threading.Event())
+            self._jobs[step] = job
+            self._order.append(step)
+            self._cond.notify_all()
+
+    # ---- consumer side -------------------------------------------------------------
+    def get(self, step: int) -> Schedule:
+        """The schedule of ``step`` (removing it); waits at most until its deadline."""
+        with self._cond:
+            job = self._jobs.get(step)
+            if job is None:
+                raise KeyError(f"step {step} was not submitted (or was already taken)")
+        timeout = None if job.deadline is None else max(0.0, job.deadline - time.monotonic())
+        if not job.done.wait(timeout):
+            with self._cond:
+                fallback = not job.started
+                if fallback:  # its turn has not come: solve here, constructive start only
+                    self._order.remove(step)
+                    job.started = True
+            if fallback:
+                self.num_fallbacks += 1
+                self._solve(job, time_budget_ms=0.0, time_limit_s=None)
+            job.done.wait()  # started jobs stop at their own deadline
+        with self._cond:
+            del self._jobs[step]
+            self._cond.notify_all()
+        if job.error is not None:
+            raise job.error
+        assert job.result is not None
+        return job.result
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=60)
+
+    def __enter__(self) -> AsyncScheduler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- worker ----------------------------------------------------------------------
+    def _solve(self, job: _Job, *, time_budget_ms: float | None, time_limit_s: float | None):
+        try:
+            kwargs = dict(self._kwargs)
+            if time_budget_ms is not None:
+                kwargs["time_budget_ms"] = time_budget_ms
+            job.result = schedule(
+                job.costs, seed=self._seed + job.step, time_limit_s=time_limit_s, **kwargs
+            )
+        except BaseException as error:  # reported to the consumer in get()
+            job.error = error
+        finally:
+            job.done.set()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._order and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self._order:
+                    return
+                job = self._jobs[self._order.pop(0)]
+                job.started = True
+            limit = None
+            if job.deadline is not None:
+                limit = max(0.0, job.deadline - time.monotonic())
+            self._solve(job, time_budget_ms=None, time_limit_s=limit)
