@@ -65,3 +65,23 @@ def test_profile_data_errors_are_clear(tmp_path) -> None:
     assert result.returncode == 2 and "nope" in result.stderr and "llava-ov" in result.stderr
     result = run_cli("inspect", str(bad))
     assert result.returncode == 2 and "bad.json" in result.stderr
+
+
+def test_profile_model_and_inspect(tmp_path) -> None:
+    perf = tmp_path / "perf.json"
+    result = run_cli(
+        "profile-model", "--encoder", "tiny", "--llm", "tiny", "--repeats", "1", "-o", str(perf)
+    )
+    assert result.returncode == 0, result.stderr
+    assert perf.exists()
+    result = run_cli("inspect", str(perf))
+    assert result.returncode == 0, result.stderr
+    assert "us/token" in result.stdout or "ms/token" in result.stdout
+
+
+def test_profile_model_errors_are_clear(tmp_path) -> None:
+    result = run_cli("profile-model", "--llm", "nope", "-o", str(tmp_path / "p.json"))
+    assert result.returncode == 2 and "nope" in result.stderr
+    result = run_cli("profile-model", "--device", "cuda", "-o", str(tmp_path / "p.json"))
+    if "no CUDA device" in result.stderr:
+        assert result.returncode == 2

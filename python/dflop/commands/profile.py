@@ -8,6 +8,12 @@ from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    _register_profile_data(subparsers)
+    register_profile_model(subparsers)
+    _register_inspect(subparsers)
+
+
+def _register_profile_data(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "profile-data",
         help="turn a LLaVA-style dataset (JSON, JSONL or YAML recipe) into sample shapes",
@@ -29,6 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(handler=run_profile_data)
 
+
+def _register_inspect(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "inspect",
         help="summarise a shapes, performance-model or plan file",
@@ -104,4 +112,119 @@ def _inspect_shapes(path: Path, args: argparse.Namespace) -> int:
 
 def _inspectors() -> dict:
     """File inspectors by the ``format`` field dflop writes into each file."""
-    return {"dflop.shape_distribution": _inspect_shapes}
+    return {
+        "dflop.shape_distribution": _inspect_shapes,
+        "dflop.performance_model": _inspect_performance_model,
+    }
+
+
+def _inspect_performance_model(path: Path, args: argparse.Namespace) -> int:
+    from dflop.profiling import PerformanceModel
+
+    print(PerformanceModel.load(path).summary())
+    return 0
+
+
+def register_profile_model(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "profile-model",
+        help="time forward+backward of encoder and LLM, fit the performance model",
+        description="Time forward+backward (no optimizer) of the encoder (+ projector) over "
+        "numbers of visual units and of the LLM over packed sequence mixes, measure peak "
+        "memory, fit encoder time = a*units + c and LLM time = a*tokens + b*sum(seq^2) + c, "
+        "and save the model with the hardware it was measured on.",
+    )
+    p.add_argument(
+        "--encoder",
+        default="tiny",
+        help="dflop.models vision preset (tiny, small, siglip-400m) or 'module:factory' "
+        "returning a module that maps pixels [U,C,H,W] to features [U*tokens, hidden]",
+    )
+    p.add_argument(
+        "--llm",
+        default="tiny",
+        help="dflop.models decoder preset (tiny, small, llm-0.5b, llm-7b) or 'module:factory'",
+    )
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
+    p.add_argument("--max-units", type=int, default=None, help="largest encoder microbatch")
+    p.add_argument("--max-tokens", type=int, default=None, help="largest packed LLM microbatch")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--output", required=True, help="performance model JSON")
+    p.set_defaults(handler=run_profile_model)
+
+
+def _factory(spec: str, flag: str):
+    """A user's 'module:factory' spec, imported."""
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    factory = getattr(importlib.import_module(module_name), attr, None)
+    if factory is None:
+        raise ValueError(f"{flag} {spec}: module {module_name} has no attribute {attr!r}")
+    return factory
+
+
+def _build_modules(args: argparse.Namespace, device, dtype):
+    """(vision, decoder): dflop's reference presets (projector sized for the decoder), or
+    modules from users' factories."""
+    from dflop.models import build_model
+
+    reference = None
+    if ":" not in args.encoder or ":" not in args.llm:
+        encoder = args.encoder if ":" not in args.encoder else "tiny"
+        llm = args.llm if ":" not in args.llm else "tiny"
+        reference = build_model(f"{encoder}+{llm}", seed=args.seed, device=device, dtype=dtype)
+    if ":" in args.encoder:
+        vision = _factory(args.encoder, "--encoder")().to(device=device, dtype=dtype)
+    else:
+        vision = reference.vision
+    if ":" in args.llm:
+        decoder = _factory(args.llm, "--llm")().to(device=device, dtype=dtype)
+    else:
+        decoder = reference.decoder
+    return vision, decoder
+
+
+def run_profile_model(args: argparse.Namespace) -> int:
+    import torch
+
+    from dflop.profiling import (
+        default_seq_len_mixes,
+        default_unit_counts,
+        fit_performance_model,
+        profile_model,
+    )
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available (use --device cpu)")
+    on_gpu = device.type == "cuda"
+    dtype = getattr(torch, args.dtype or ("bfloat16" if on_gpu else "float32"), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"--dtype {args.dtype}: not a torch dtype")
+    vision, decoder = _build_modules(args, device, dtype)
+    max_units = args.max_units or (64 if on_gpu else 8)
+    max_tokens = args.max_tokens or (16384 if on_gpu else 1024)
+    config = getattr(decoder, "config", None)
+    if config is not None:
+        max_tokens = min(max_tokens, config.max_seq_len)
+    result = profile_model(
+        vision,
+        decoder,
+        device=device,
+        unit_counts=default_unit_counts(max_units),
+        seq_len_mixes=default_seq_len_mixes(max_tokens),
+        warmup=args.warmup,
+        repeats=args.repeats,
+        seed=args.seed,
+        num_threads=None if on_gpu else args.threads,
+    )
+    perf = fit_performance_model(result, holdout_fraction=0.25, seed=args.seed)
+    perf.save(args.output)
+    print(perf.summary())
+    print(f"\nwrote {args.output}")
+    return 0

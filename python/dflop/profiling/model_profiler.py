@@ -1,0 +1,864 @@
+"""Model profiler: measure forward+backward time and peak memory, fit a PerformanceModel.
+
+``profile_model(vision, decoder, ...)`` times one training step without the optimizer
+(forward, loss, ``backward()``) of
+
+* the encoder (+ projector) over numbers of visual units per microbatch: the module is
+  called as ``vision(pixel_values[U, C, H, W]) -> [U * tokens_per_unit, hidden]`` and the
+  backward pass is driven by a random output gradient (as the LLM's gradient arrives in
+  a pipeline);
+* the decoder over packed microbatches *and mixes* of sequence lengths: several mixes
+  share the same total number of tokens but differ in ``sum(seq^2)``, which makes the
+  attention term identifiable. The decoder is called as ``decoder.loss(input_embeds[T,
+  hidden], cu_seqlens[num_seqs + 1], labels[T]) -> (sum_loss, num_target_tokens)`` when it
+  has a ``loss`` method, else as ``decoder(input_embeds, cu_seqlens) -> logits[T, vocab]``
+  with a cross-entropy loss. ``input_embeds`` requires grad (the encoder needs it).
+
+Any module with these call signatures can be profiled (dflop's reference ``VisionTower``
+and ``Decoder``, or a user's). Measurements: warm-up runs per shape, then ``repeats``
+interleaved rounds over all shapes in a shuffled (seeded) order, so slow drift of a noisy
+machine spreads over all shapes instead of biasing some; the median is kept. Time comes
+from CUDA events on GPU and ``time.perf_counter`` on CPU.
+
+Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` during the step minus what was
+allocated before it, plus the module's own weights. On CPU there is no allocator peak to
+read, so it is *estimated* as weights + gradients + the inputs + every tensor autograd
+saves for the backward pass (recorded with ``torch.autograd.graph.saved_tensors_hooks``,
+each storage counted once, parameters excluded). That is the memory held at the
+forward/backward boundary, where training peaks; transient workspace is not included.
+
+Tensor parallelism: on GPUs the caller passes modules already sharded for
+``tensor_parallel_size`` ranks (run under torchrun) and the degree is recorded in the
+result; on CPU only ``tensor_parallel_size=1`` is supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from dflop.profiling.perf_model import (
+    FitReport,
+    PerformanceModel,
+    _jsonable,
+    default_metadata,
+    fit_encoder_time,
+    fit_llm_time,
+    fit_memory,
+)
+
+if TYPE_CHECKING:  # torch is imported lazily: dflop.profiling must import without it
+    import torch
+
+__all__ = [
+    "DecoderMeasurement",
+    "EncoderMeasurement",
+    "ProfileResult",
+    "default_seq_len_mixes",
+    "default_unit_counts",
+    "fit_performance_model",
+    "profile_model",
+]
+
+RESULT_FORMAT_NAME = "dflop.model_profile"
+RESULT_FORMAT_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EncoderMeasurement:
+    """One encoder microbatch shape: median time of forward+backward and peak memory."""
+
+    num_units: int
+    time_s: float
+    times_s: tuple[float, ...]
+    peak_bytes: float
+
+
+@dataclass(frozen=True)
+class DecoderMeasurement:
+    """One packed decoder microbatch: its sequence lengths, median time, peak memory."""
+
+    seq_lens: tuple[int, ...]
+    time_s: float
+    times_s: tuple[float, ...]
+    peak_bytes: float
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.seq_lens))
+
+    @property
+    def sum_seq_sq(self) -> int:
+        return int(sum(s * s for s in self.seq_lens))
+
+
+@dataclass
+class ProfileResult:
+    """Raw measurements of ``profile_model``; ``fit_performance_model`` turns them into a
+    ``PerformanceModel``. ``metadata`` describes hardware, dtype, torch, model configs."""
+
+    encoder: list[EncoderMeasurement] = field(default_factory=list)
+    decoder: list[DecoderMeasurement] = field(default_factory=list)
+    tokens_per_unit: int = 0
+    tensor_parallel_size: int = 1
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": RESULT_FORMAT_NAME,
+            "format_version": RESULT_FORMAT_VERSION,
+            "tokens_per_unit": self.tokens_per_unit,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "encoder": [_jsonable(dataclasses.asdict(m)) for m in self.encoder],
+            "decoder": [_jsonable(dataclasses.asdict(m)) for m in self.decoder],
+            "metadata": _jsonable(self.metadata),
+        }
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> ProfileResult:
+        if data.get("format") != RESULT_FORMAT_NAME:
+            raise ValueError(
+                f"not a dflop model profile: field 'format' is {data.get('format')!r}, "
+                f"expected {RESULT_FORMAT_NAME!r}"
+            )
+        try:
+            encoder = [
+                EncoderMeasurement(
+                    num_units=int(m["num_units"]),
+                    time_s=float(m["time_s"]),
+                    times_s=tuple(float(t) for t in m["times_s"]),
+                    peak_bytes=_float_or_nan(m["peak_bytes"]),
+                )
+                for m in data.get("encoder", [])
+            ]
+            decoder = [
+                DecoderMeasurement(
+                    seq_lens=tuple(int(s) for s in m["seq_lens"]),
+                    time_s=float(m["time_s"]),
+                    times_s=tuple(float(t) for t in m["times_s"]),
+                    peak_bytes=_float_or_nan(m["peak_bytes"]),
+                )
+                for m in data.get("decoder", [])
+            ]
+        except KeyError as err:
+            raise ValueError(f"model profile measurement lacks field {err.args[0]!r}") from None
+        return ProfileResult(
+            encoder=encoder,
+            decoder=decoder,
+            tokens_per_unit=int(data.get("tokens_per_unit", 0)),
+            tensor_parallel_size=int(data.get("tensor_parallel_size", 1)),
+            metadata=dict(data.get("metadata") or {}),
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        with open(os.fspath(path), "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+
+    @staticmethod
+    def load(path: str | os.PathLike[str]) -> ProfileResult:
+        with open(os.fspath(path), encoding="utf-8") as f:
+            return ProfileResult.from_dict(json.load(f))
+
+
+def _float_or_nan(value: Any) -> float:
+    return math.nan if value is None else float(value)
+
+
+# --------------------------------------------------------------------------------------
+# Default shape grids
+# --------------------------------------------------------------------------------------
+
+
+def default_unit_counts(max_units: int = 16) -> list[int]:
+    """Units per encoder microbatch: 1, 2, 3, 4, 6, 8, 12, 16, ... up to ``max_units``.
+
+    Spread over the whole range so both the slope and the intercept are pinned down.
+    """
+    if int(max_units) < 2:
+        raise ValueError(f"max_units must be >= 2, got {max_units}")
+    counts: set[int] = {1, int(max_units)}
+    value = 1.0
+    while value < max_units:
+        counts.add(int(round(value)))
+        counts.add(int(round(value * 1.5)))
+        value *= 2
+    return sorted(c for c in counts if 1 <= c <= max_units)
+
+
+def default_seq_len_mixes(
+    max_tokens: int = 2048, *, num_totals: int = 4, min_seq_len: int = 32
+) -> list[tuple[int, ...]]:
+    """Packed decoder microbatches that identify ``a*tokens + b*sum(seq^2) + c``.
+
+    For each total ``T`` in ``max_tokens / 2^k`` (``k < num_totals``), several mixes of the
+    same total: one sequence, two halves, ``3T/4 + T/4``, four quarters, eight eighths
+    (mixes with sequences shorter than ``min_seq_len`` are skipped). Equal totals with
+    different ``sum(seq^2)`` separate the attention term from the linear one; different
+    totals separate the constant.
+    """
+    if int(max_tokens) < 2 * min_seq_len:
+        raise ValueError(
+            f"max_tokens must be >= 2 * min_seq_len ({2 * min_seq_len}), got {max_tokens}"
+        )
+    if int(num_totals) < 1:
+        raise ValueError(f"num_totals must be >= 1, got {num_totals}")
+    mixes: list[tuple[int, ...]] = []
+    for k in range(num_totals):
+        total = int(max_tokens) >> k
+        if total < min_seq_len:
+            break
+        candidates = [
+            (total,),
+            (total // 2, total - total // 2),
+            (3 * total // 4, total - 3 * total // 4),
+            tuple([total // 4] * 3 + [total - 3 * (total // 4)]),
+            tuple([total // 8] * 7 + [total - 7 * (total // 8)]),
+        ]
+        for mix in candidates:
+            if min(mix) >= min_seq_len and mix not in mixes:
+                mixes.append(mix)
+    return mixes
+
+
+# --------------------------------------------------------------------------------------
+# Measurement helpers
+# --------------------------------------------------------------------------------------
+
+
+def _module_dtype_device(module: Any, what: str) -> tuple[torch.dtype, torch.device]:
+    import torch
+
+    for p in module.parameters():
+        return p.dtype, p.device
+    for b in module.buffers():
+        if b.is_floating_point():
+            return b.dtype, b.device
+    return torch.get_default_dtype(), torch.device("cpu")
+
+
+def _param_bytes(module: Any) -> int:
+    return int(sum(p.numel() * p.element_size() for p in module.parameters()))
+
+
+def _grad_bytes(module: Any) -> int:
+    return int(sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad))
+
+
+def _zero_grad(module: Any) -> None:
+    for p in module.parameters():
+        p.grad = None
+
+
+def _config_of(module: Any) -> Any:
+    for name in ("config", "vision_config", "decoder_config"):
+        config = getattr(module, name, None)
+        if config is not None:
+            return config
+    return None
+
+
+def _describe_module(module: Any) -> dict[str, Any]:
+    description: dict[str, Any] = {
+        "class": f"{type(module).__module__}.{type(module).__qualname__}",
+        "num_parameters": int(sum(p.numel() for p in module.parameters())),
+    }
+    for name in ("config", "vision_config", "projector_config", "decoder_config"):
+        config = getattr(module, name, None)
+        if config is not None and dataclasses.is_dataclass(config):
+            description[name] = dataclasses.asdict(config)
+    return description
+
+
+def _hardware_metadata(device: torch.device) -> dict[str, Any]:
+    import torch
+
+    meta: dict[str, Any] = {
+        "device": str(device),
+        "device_type": device.type,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "num_threads": torch.get_num_threads(),
+    }
+    cpu_name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu_name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    meta["cpu_name"] = cpu_name
+    meta["num_cpus"] = os.cpu_count()
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        meta["device_name"] = props.name
+        meta["device_memory_bytes"] = int(props.total_memory)
+        meta["cuda_version"] = torch.version.cuda
+    else:
+        meta["device_name"] = cpu_name
+    return meta
+
+
+class _Timer:
+    """Times a callable: CUDA events on GPU; on CPU ``time.perf_counter`` (``cpu_clock=
+    "wall"``) or ``time.thread_time`` (``cpu_clock="thread"``)."""
+
+    def __init__(self, device: torch.device, cpu_clock: str = "wall") -> None:
+        self.device = device
+        self.clock = time.thread_time if cpu_clock == "thread" else time.perf_counter
+
+    def __call__(self, fn: Callable[[], None]) -> float:
+        import torch
+
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(self.device)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        begin = self.clock()
+        fn()
+        return self.clock() - begin
+
+
+def _saved_activation_bytes(fn: Callable[[], None], exclude: set[int]) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``fn`` runs."""
+    import torch
+
+    seen: set[int] = set()
+    total = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        try:
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            nbytes = storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # e.g. sparse / exotic tensors
+            key, nbytes = id(tensor), tensor.numel() * tensor.element_size()
+        if key not in seen and key not in exclude:
+            seen.add(key)
+            total += int(nbytes)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
+
+
+def _measure_peak_bytes(
+    step: Callable[[], None],
+    make_inputs: Callable[[], tuple[Any, ...]],
+    module: Any,
+    device: torch.device,
+) -> float:
+    """Peak memory of one forward+backward (see the module docstring)."""
+    import torch
+
+    _zero_grad(module)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        baseline = torch.cuda.memory_allocated(device)
+        inputs = make_inputs()
+        torch.cuda.reset_peak_memory_stats(device)
+        step_with = _bind(step, inputs)
+        step_with()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        _zero_grad(module)
+        return float(peak - baseline + _param_bytes(module))
+    inputs = make_inputs()
+    input_bytes = sum(t.numel() * t.element_size() for t in inputs if hasattr(t, "numel"))
+    param_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    input_ptrs = {t.untyped_storage().data_ptr() for t in inputs if hasattr(t, "untyped_storage")}
+    saved = _saved_activation_bytes(_bind(step, inputs), param_ptrs | input_ptrs)
+    _zero_grad(module)
+    return float(_param_bytes(module) + _grad_bytes(module) + input_bytes + saved)
+
+
+def _bind(step: Callable[..., None], inputs: tuple[Any, ...]) -> Callable[[], None]:
+    return lambda: step(*inputs)
+
+
+def _run_grid(
+    shapes: Sequence[Any],
+    make_inputs: Callable[[Any], tuple[Any, ...]],
+    step: Callable[..., None],
+    module: Any,
+    device: torch.device,
+    *,
+    warmup: int,
+    repeats: int,
+    rng: np.random.Generator,
+    measure_memory: bool,
+    cpu_clock: str,
+) -> tuple[list[list[float]], list[float]]:
+    """Times ``step(*make_inputs(shape))`` for every shape; returns (times, peak bytes)."""
+    timer = _Timer(device, cpu_clock)
+    inputs = [make_inputs(shape) for shape in shapes]
+    for i in range(len(shapes)):
+        for _ in range(warmup):
+            _zero_grad(module)
+            step(*inputs[i])
+    times: list[list[float]] = [[] for _ in shapes]
+    for _ in range(repeats):
+        for i in rng.permutation(len(shapes)):
+            _zero_grad(module)
+            times[i].append(timer(_bind(step, inputs[i])))
+    _zero_grad(module)
+    del inputs
+    peaks = [math.nan] * len(shapes)
+    if measure_memory:
+        for i, shape in enumerate(shapes):
+            peaks[i] = _measure_peak_bytes(step, lambda s=shape: make_inputs(s), module, device)
+    return times, peaks
+
+
+def _image_shape_of(vision: Any) -> tuple[int, int, int] | None:
+    config = _config_of(vision)
+    channels = getattr(config, "channels", None)
+    size = getattr(config, "image_size_px", None)
+    if channels is not None and size is not None:
+        return int(channels), int(size), int(size)
+    return None
+
+
+def _decoder_vocab_size(decoder: Any) -> int | None:
+    config = _config_of(decoder)
+    vocab = getattr(config, "vocab_size", None)
+    return int(vocab) if vocab is not None else None
+
+
+def _check_positive_ints(name: str, values: Sequence[Any]) -> list[int]:
+    out = []
+    for i, value in enumerate(values):
+        if int(value) != value or int(value) < 1:
+            raise ValueError(f"{name}[{i}] must be a positive integer, got {value!r}")
+        out.append(int(value))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# profile_model
+# --------------------------------------------------------------------------------------
+
+
+def profile_model(
+    vision: Any,
+    decoder: Any,
+    *,
+    device: str | torch.device = "cpu",
+    unit_counts: Sequence[int] | None = None,
+    seq_len_mixes: Sequence[Sequence[int]] | None = None,
+    warmup: int = 1,
+    repeats: int = 5,
+    seed: int = 0,
+    tensor_parallel_size: int = 1,
+    image_shape: tuple[int, int, int] | None = None,
+    vocab_size: int | None = None,
+    num_threads: int | None = None,
+    measure_memory: bool = True,
+    cpu_clock: str = "wall",
+) -> ProfileResult:
+    """Time forward+backward and measure peak memory of an encoder and a decoder.
+
+    Args:
+        vision: encoder(+projector) module, ``vision(pixel_values[U, C, H, W]) ->
+            [U * tokens_per_unit, hidden]``; ``None`` skips the encoder. Moved to ``device``.
+        decoder: decoder module (see the module docstring for how it is called); ``None``
+            skips the decoder. Moved to ``device``.
+        device: ``"cpu"`` or ``"cuda[:i]"``.
+        unit_counts: units per encoder microbatch (default ``default_unit_counts(8)`` on
+            CPU, ``default_unit_counts(64)`` on CUDA).
+        seq_len_mixes: packed decoder microbatches, each a list of sequence lengths
+            (default ``default_seq_len_mixes(max_tokens)`` with ``max_tokens`` 1024 on CPU,
+            16384 on CUDA, capped by the decoder config's ``max_seq_len``).
+        warmup: untimed runs per shape before measuring (>= 0).
+        repeats: timed runs per shape (>= 1); the median is kept.
+        seed: seeds inputs and the measurement order.
+        tensor_parallel_size: tp degree of the (already sharded) modules; 1 on CPU.
+        image_shape: ``(C, H, W)`` of one unit; inferred from the module's config
+            (``channels``, ``image_size_px``) when omitted.
+        vocab_size: label range for the decoder loss; inferred from its config or by a
+            one-token probe when omitted.
+        num_threads: torch intra-op threads while profiling (CPU); restored afterwards.
+        measure_memory: also measure peak memory per shape.
+        cpu_clock: CPU only: ``"wall"`` (``time.perf_counter``, the default) or
+            ``"thread"`` (``time.thread_time``: CPU time of the calling thread, which on a
+            shared, oversubscribed machine excludes the time other processes held the
+            core; needs ``num_threads=1``, as torch then runs forward and backward on the
+            calling thread).
+
+    Returns:
+        A ``ProfileResult``; feed it to ``fit_performance_model``.
+    """
+    import torch
+
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:i]', got {str(device)!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch.cuda.is_available() is False")
+    if int(tensor_parallel_size) < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if device.type == "cpu" and tensor_parallel_size != 1:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs GPUs; on CPU only 1 is supported"
+        )
+    if int(warmup) < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if int(repeats) < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if vision is None and decoder is None:
+        raise ValueError("vision and decoder are both None: nothing to profile")
+    for name, module in (("vision", vision), ("decoder", decoder)):
+        if module is not None and not isinstance(module, torch.nn.Module):
+            raise TypeError(f"{name} must be a torch.nn.Module, got {type(module).__name__}")
+
+    on_gpu = device.type == "cuda"
+    if unit_counts is None:
+        unit_counts = default_unit_counts(64 if on_gpu else 8)
+    units = _check_positive_ints("unit_counts", unit_counts)
+    if seq_len_mixes is None:
+        max_tokens = 16384 if on_gpu else 1024
+        max_seq_len = getattr(_config_of(decoder), "max_seq_len", None)
+        if max_seq_len is not None:
+            max_tokens = min(max_tokens, int(max_seq_len))
+        seq_len_mixes = default_seq_len_mixes(max_tokens)
+    mixes_in = seq_len_mixes
+    mixes = [
+        tuple(_check_positive_ints(f"seq_len_mixes[{i}]", mix)) for i, mix in enumerate(mixes_in)
+    ]
+    for i, mix in enumerate(mixes):
+        if not mix:
+            raise ValueError(f"seq_len_mixes[{i}] is empty")
+    if vision is not None and not units:
+        raise ValueError("unit_counts is empty")
+    if decoder is not None and not mixes:
+        raise ValueError("seq_len_mixes is empty")
+
+    if cpu_clock not in ("wall", "thread"):
+        raise ValueError(f"cpu_clock must be 'wall' or 'thread', got {cpu_clock!r}")
+    if cpu_clock == "thread" and device.type == "cpu":
+        threads = torch.get_num_threads() if num_threads is None else int(num_threads)
+        if threads != 1:
+            raise ValueError(
+                f"cpu_clock='thread' needs num_threads=1 (torch would use {threads} threads, "
+                "whose work the calling thread's clock does not see)"
+            )
+    previous_threads = torch.get_num_threads()
+    if num_threads is not None:
+        if int(num_threads) < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        torch.set_num_threads(int(num_threads))
+    rng = np.random.default_rng(seed)
+    generator = torch.Generator(device="cpu").manual_seed(int(seed))
+    metadata: dict[str, Any] = {
+        **default_metadata(),
+        **_hardware_metadata(device),
+        "tensor_parallel_size": int(tensor_parallel_size),
+        "warmup": int(warmup),
+        "repeats": int(repeats),
+        "seed": int(seed),
+        "timer": (
+            "cuda_events"
+            if device.type == "cuda"
+            else "time.thread_time"
+            if cpu_clock == "thread"
+            else "time.perf_counter"
+        ),
+        "memory_method": (
+            "none"
+            if not measure_memory
+            else "cuda.max_memory_allocated"
+            if device.type == "cuda"
+            else "estimate: weights + grads + inputs + autograd saved tensors"
+        ),
+    }
+    result = ProfileResult(tensor_parallel_size=int(tensor_parallel_size), metadata=metadata)
+    try:
+        cuda_devices = []
+        if device.type == "cuda":
+            cuda_devices = [
+                device.index if device.index is not None else torch.cuda.current_device()
+            ]
+        with torch.random.fork_rng(devices=cuda_devices):
+            torch.manual_seed(int(seed))
+            if vision is not None:
+                _profile_vision(
+                    vision,
+                    device,
+                    units,
+                    image_shape,
+                    warmup,
+                    repeats,
+                    rng,
+                    generator,
+                    measure_memory,
+                    cpu_clock,
+                    result,
+                )
+            if decoder is not None:
+                _profile_decoder(
+                    decoder,
+                    device,
+                    mixes,
+                    vocab_size,
+                    warmup,
+                    repeats,
+                    rng,
+                    generator,
+                    measure_memory,
+                    cpu_clock,
+                    result,
+                )
+    finally:
+        if num_threads is not None:
+            torch.set_num_threads(previous_threads)
+    return result
+
+
+def _profile_vision(
+    vision: Any,
+    device: torch.device,
+    units: list[int],
+    image_shape: tuple[int, int, int] | None,
+    warmup: int,
+    repeats: int,
+    rng: np.random.Generator,
+    generator: torch.Generator,
+    measure_memory: bool,
+    cpu_clock: str,
+    result: ProfileResult,
+) -> None:
+    import torch
+
+    vision.to(device)
+    vision.train()
+    dtype, _ = _module_dtype_device(vision, "vision")
+    shape = image_shape if image_shape is not None else _image_shape_of(vision)
+    if shape is None:
+        raise ValueError(
+            "image_shape is required: the vision module has no config with "
+            "'channels' and 'image_size_px'"
+        )
+    if len(shape) != 3 or any(int(s) < 1 for s in shape):
+        raise ValueError(f"image_shape must be (channels, height, width) > 0, got {shape!r}")
+
+    with torch.no_grad():
+        probe = vision(torch.zeros((1, *shape), dtype=dtype, device=device))
+    if probe.dim() != 2:
+        raise ValueError(
+            "vision(pixel_values[U, C, H, W]) must return [U * tokens_per_unit, hidden], "
+            f"got shape {tuple(probe.shape)}"
+        )
+    tokens_per_unit, hidden = int(probe.shape[0]), int(probe.shape[1])
+    out_dtype = probe.dtype
+    del probe
+
+    def make_inputs(num_units: int) -> tuple[Any, ...]:
+        pixels = torch.randn((num_units, *shape), generator=generator, dtype=torch.float32)
+        grad = torch.randn((num_units * tokens_per_unit, hidden), generator=generator)
+        return (
+            pixels.to(device=device, dtype=dtype),
+            grad.to(device=device, dtype=out_dtype),
+        )
+
+    def step(pixels: Any, grad_out: Any) -> None:
+        out = vision(pixels)
+        out.backward(grad_out)
+
+    times, peaks = _run_grid(
+        units,
+        make_inputs,
+        step,
+        vision,
+        device,
+        warmup=warmup,
+        repeats=repeats,
+        rng=rng,
+        measure_memory=measure_memory,
+        cpu_clock=cpu_clock,
+    )
+    result.tokens_per_unit = tokens_per_unit
+    result.encoder = [
+        EncoderMeasurement(num_units=u, time_s=float(np.median(t)), times_s=tuple(t), peak_bytes=p)
+        for u, t, p in zip(units, times, peaks)
+    ]
+    result.metadata["vision"] = {
+        **_describe_module(vision),
+        "dtype": str(dtype).replace("torch.", ""),
+        "image_shape": list(shape),
+        "tokens_per_unit": tokens_per_unit,
+        "output_hidden": hidden,
+    }
+    result.metadata.setdefault("dtype", str(dtype).replace("torch.", ""))
+
+
+def _profile_decoder(
+    decoder: Any,
+    device: torch.device,
+    mixes: list[tuple[int, ...]],
+    vocab_size: int | None,
+    warmup: int,
+    repeats: int,
+    rng: np.random.Generator,
+    generator: torch.Generator,
+    measure_memory: bool,
+    cpu_clock: str,
+    result: ProfileResult,
+) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    decoder.to(device)
+    decoder.train()
+    dtype, _ = _module_dtype_device(decoder, "decoder")
+    if not hasattr(decoder, "embed"):
+        raise TypeError("decoder must have an embed(token_ids) method (to infer the hidden size)")
+    with torch.no_grad():
+        probe = decoder.embed(torch.zeros(1, dtype=torch.long, device=device))
+        hidden = int(probe.shape[-1])
+        if vocab_size is None:
+            vocab_size = _decoder_vocab_size(decoder)
+        if vocab_size is None:
+            cu = torch.tensor([0, 1], dtype=torch.int32, device=device)
+            vocab_size = int(decoder(probe.reshape(1, hidden), cu).shape[-1])
+    if int(vocab_size) < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    has_loss = callable(getattr(decoder, "loss", None))
+
+    def make_inputs(mix: tuple[int, ...]) -> tuple[Any, ...]:
+        total = sum(mix)
+        embeds = torch.randn((total, hidden), generator=generator) * 0.02
+        labels = torch.randint(0, int(vocab_size), (total,), generator=generator)
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(mix)]), dtype=torch.int32)
+        embeds = embeds.to(device=device, dtype=dtype).requires_grad_(True)
+        return embeds, cu.to(device), labels.to(device)
+
+    def step(embeds: Any, cu_seqlens: Any, labels: Any) -> None:
+        embeds.grad = None
+        if has_loss:
+            sum_loss, num_targets = decoder.loss(embeds, cu_seqlens, labels)
+            # stays on the device: no host sync between forward and backward
+            count = torch.as_tensor(num_targets, device=sum_loss.device)
+            loss = sum_loss / count.clamp(min=1).to(sum_loss.dtype)
+        else:
+            logits = decoder(embeds, cu_seqlens)
+            loss = F.cross_entropy(logits.float(), labels)
+        loss.backward()
+
+    times, peaks = _run_grid(
+        mixes,
+        make_inputs,
+        step,
+        decoder,
+        device,
+        warmup=warmup,
+        repeats=repeats,
+        rng=rng,
+        measure_memory=measure_memory,
+        cpu_clock=cpu_clock,
+    )
+    result.decoder = [
+        DecoderMeasurement(
+            seq_lens=tuple(m), time_s=float(np.median(t)), times_s=tuple(t), peak_bytes=p
+        )
+        for m, t, p in zip(mixes, times, peaks)
+    ]
+    result.metadata["decoder"] = {
+        **_describe_module(decoder),
+        "dtype": str(dtype).replace("torch.", ""),
+        "hidden": hidden,
+        "vocab_size": int(vocab_size),
+        "loss": "decoder.loss" if has_loss else "cross_entropy(decoder(...))",
+    }
+    result.metadata.setdefault("dtype", str(dtype).replace("torch.", ""))
+
+
+# --------------------------------------------------------------------------------------
+# Fitting
+# --------------------------------------------------------------------------------------
+
+
+def fit_performance_model(
+    result: ProfileResult, holdout_fraction: float = 0.25, *, seed: int = 0
+) -> PerformanceModel:
+    """Fit a ``PerformanceModel`` to profiled measurements.
+
+    A seeded random ``holdout_fraction`` of each component's shapes is left out of the
+    fit and used to report the held-out error (``encoder_fit`` / ``llm_fit``); the
+    coefficients come from the other shapes only. A component that was not profiled gets
+    zero coefficients and an empty report.
+    """
+    if not isinstance(result, ProfileResult):
+        raise TypeError(f"result must be a ProfileResult, got {type(result).__name__}")
+    from dflop.profiling.perf_model import (
+        EncoderTimeCoefficients,
+        LLMTimeCoefficients,
+        MemoryCoefficients,
+    )
+
+    encoder = EncoderTimeCoefficients(0.0, 0.0)
+    encoder_fit = FitReport.empty()
+    encoder_memory = MemoryCoefficients(0.0, 0.0)
+    if result.encoder:
+        units = np.array([m.num_units for m in result.encoder], dtype=np.float64)
+        times = np.array([m.time_s for m in result.encoder])
+        encoder, encoder_fit = fit_encoder_time(
+            units, times, holdout_fraction=holdout_fraction, seed=seed
+        )
+        peaks = np.array([m.peak_bytes for m in result.encoder])
+        if np.all(np.isfinite(peaks)):
+            encoder_memory = fit_memory(units, peaks)
+
+    llm = LLMTimeCoefficients(0.0, 0.0, 0.0)
+    llm_fit = FitReport.empty()
+    llm_memory = MemoryCoefficients(0.0, 0.0)
+    if result.decoder:
+        tokens = np.array([m.num_tokens for m in result.decoder], dtype=np.float64)
+        sq = np.array([m.sum_seq_sq for m in result.decoder], dtype=np.float64)
+        times = np.array([m.time_s for m in result.decoder])
+        llm, llm_fit = fit_llm_time(tokens, sq, times, holdout_fraction=holdout_fraction, seed=seed)
+        peaks = np.array([m.peak_bytes for m in result.decoder])
+        if np.all(np.isfinite(peaks)):
+            llm_memory = fit_memory(tokens, peaks)
+
+    metadata = dict(result.metadata)
+    metadata["fit"] = {
+        "holdout_fraction": holdout_fraction,
+        "seed": seed,
+        "objective": "relative NNLS",
+    }
+    return PerformanceModel(
+        encoder=encoder,
+        llm=llm,
+        encoder_memory=encoder_memory,
+        llm_memory=llm_memory,
+        tensor_parallel_size=result.tensor_parallel_size,
+        tokens_per_unit=result.tokens_per_unit,
+        encoder_fit=encoder_fit,
+        llm_fit=llm_fit,
+        metadata=metadata,
+    )

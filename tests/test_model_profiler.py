@@ -1,0 +1,190 @@
+"""Model profiler on small torch modules (and dflop's tiny reference model)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from dflop.profiling import (  # noqa: E402
+    CostModel,
+    PerformanceModel,
+    ProfileResult,
+    default_seq_len_mixes,
+    default_unit_counts,
+    fit_performance_model,
+    profile_model,
+)
+from torch import nn  # noqa: E402
+
+
+class ToyVision(nn.Module):
+    """[U, 3, 8, 8] -> [U * 4, 16]: 4 tokens per unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3 * 4 * 4, 16)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        u = pixel_values.shape[0]
+        patches = pixel_values.reshape(u, 3, 2, 4, 2, 4).permute(0, 2, 4, 1, 3, 5)
+        return torch.relu(self.proj(patches.reshape(u * 4, 48)))
+
+
+class ToyDecoder(nn.Module):
+    """embed / forward(input_embeds, cu_seqlens) with per-sequence causal attention."""
+
+    def __init__(self, hidden: int = 16, vocab: int = 32) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(token_ids)
+
+    def forward(self, input_embeds: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(input_embeds).chunk(3, dim=-1)
+        bounds = cu_seqlens.tolist()
+        parts = [
+            torch.nn.functional.scaled_dot_product_attention(
+                q[None, a:b], k[None, a:b], v[None, a:b], is_causal=True
+            )[0]
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ]
+        return self.head(torch.cat(parts) + input_embeds)
+
+
+SMALL_MIXES = [(64,), (32, 32), (48, 16), (128,), (64, 64), (96, 32), (32, 32, 32, 32)]
+
+
+def test_profile_toy_modules_and_fit() -> None:
+    result = profile_model(
+        ToyVision(),
+        ToyDecoder(),
+        unit_counts=[1, 2, 4, 8],
+        seq_len_mixes=SMALL_MIXES,
+        image_shape=(3, 8, 8),
+        warmup=1,
+        repeats=3,
+        num_threads=1,
+    )
+    assert [m.num_units for m in result.encoder] == [1, 2, 4, 8]
+    assert [m.seq_lens for m in result.decoder] == SMALL_MIXES
+    assert result.tokens_per_unit == 4 and result.tensor_parallel_size == 1
+    for m in result.encoder + result.decoder:
+        assert len(m.times_s) == 3 and m.time_s == pytest.approx(float(np.median(m.times_s)))
+        assert m.time_s > 0 and m.peak_bytes > 0
+    # memory grows with the work
+    assert result.encoder[-1].peak_bytes > result.encoder[0].peak_bytes
+    assert result.decoder[3].peak_bytes > result.decoder[0].peak_bytes
+    meta = result.metadata
+    assert meta["device_type"] == "cpu" and meta["torch_version"] == torch.__version__
+    assert meta["decoder"]["vocab_size"] == 32 and meta["vision"]["tokens_per_unit"] == 4
+    assert "saved tensors" in meta["memory_method"]
+
+    model = fit_performance_model(result, holdout_fraction=0.25)
+    assert model.encoder_fit.num_holdout_points == 1
+    assert model.llm_fit.num_holdout_points == 1
+    assert math.isfinite(model.llm_fit.holdout_median_abs_rel_error)
+    assert model.encoder.per_unit_s > 0 or model.encoder.constant_s > 0
+    assert model.metadata["device_type"] == "cpu"
+    assert model.tokens_per_unit == 4
+    costs = CostModel(model).costs  # plugs in
+    assert callable(costs)
+
+
+def test_profile_result_roundtrip(tmp_path) -> None:
+    result = profile_model(
+        None,
+        ToyDecoder(),
+        seq_len_mixes=SMALL_MIXES[:4],
+        warmup=0,
+        repeats=1,
+        measure_memory=False,
+        vocab_size=32,
+    )
+    assert result.encoder == [] and all(math.isnan(m.peak_bytes) for m in result.decoder)
+    path = tmp_path / "profile.json"
+    result.save(path)
+    loaded = ProfileResult.load(path)
+    assert [(m.seq_lens, m.time_s, m.times_s) for m in loaded.decoder] == [
+        (m.seq_lens, m.time_s, m.times_s) for m in result.decoder
+    ]
+    assert all(math.isnan(m.peak_bytes) for m in loaded.decoder)
+    assert "NaN" not in path.read_text()  # strict JSON
+    model = fit_performance_model(loaded, holdout_fraction=0.0)
+    assert model.encoder.per_unit_s == 0.0 and model.llm_memory.per_item_bytes == 0.0
+    assert isinstance(model, PerformanceModel)
+
+
+def test_reference_tiny_model_profiles() -> None:
+    models = pytest.importorskip("dflop.models")
+    model = models.build_model("tiny", seed=0)
+    result = profile_model(
+        model.vision,
+        model.decoder,
+        unit_counts=[1, 2, 4],
+        seq_len_mixes=[(64,), (32, 32), (128,), (64, 64), (96, 32)],
+        warmup=1,
+        repeats=1,
+        num_threads=1,
+    )
+    assert result.tokens_per_unit == models.VISION_PRESETS["tiny"].tokens_per_unit
+    assert result.metadata["decoder"]["loss"] == "decoder.loss"
+    assert "decoder_config" in result.metadata["decoder"] or "config" in result.metadata["decoder"]
+    perf = fit_performance_model(result, holdout_fraction=0.25)
+    assert perf.llm_fit.num_holdout_points == 1
+
+
+def test_default_grids_identify_the_terms() -> None:
+    units = default_unit_counts(16)
+    assert units[0] == 1 and units[-1] == 16 and len(units) >= 6
+    mixes = default_seq_len_mixes(2048)
+    totals = {sum(m) for m in mixes}
+    assert totals == {2048, 1024, 512, 256}
+    for total in totals:  # same total, several sum(seq^2): the quadratic term is separable
+        sq = {sum(s * s for s in m) for m in mixes if sum(m) == total}
+        assert len(sq) >= 3
+    features = np.array([[sum(m), sum(s * s for s in m), 1] for m in mixes], float)
+    assert np.linalg.matrix_rank(features / features.max(axis=0)) == 3
+
+
+def test_profile_errors_name_the_argument() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        profile_model(ToyVision(), None, image_shape=(3, 8, 8), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="image_shape"):
+        profile_model(ToyVision(), None, unit_counts=[1])
+    with pytest.raises(ValueError, match=r"unit_counts\[1\]"):
+        profile_model(ToyVision(), None, unit_counts=[1, 0], image_shape=(3, 8, 8))
+    with pytest.raises(ValueError, match=r"seq_len_mixes\[0\]\[1\]"):
+        profile_model(None, ToyDecoder(), seq_len_mixes=[(4, -1)])
+    with pytest.raises(ValueError, match="repeats"):
+        profile_model(None, ToyDecoder(), repeats=0)
+    with pytest.raises(ValueError, match="nothing to profile"):
+        profile_model(None, None)
+    with pytest.raises(TypeError, match="decoder must be a torch.nn.Module"):
+        profile_model(None, object())
+    with pytest.raises(TypeError, match="result must be a ProfileResult"):
+        fit_performance_model({})  # type: ignore[arg-type]
+
+
+def test_thread_clock_option() -> None:
+    result = profile_model(
+        None,
+        ToyDecoder(),
+        seq_len_mixes=SMALL_MIXES[:3],
+        warmup=0,
+        repeats=2,
+        num_threads=1,
+        cpu_clock="thread",
+        measure_memory=False,
+    )
+    assert result.metadata["timer"] == "time.thread_time"
+    assert all(m.time_s > 0 for m in result.decoder)
+    with pytest.raises(ValueError, match="cpu_clock='thread' needs num_threads=1"):
+        profile_model(None, ToyDecoder(), num_threads=2, cpu_clock="thread")
+    with pytest.raises(ValueError, match="cpu_clock must be"):
+        profile_model(None, ToyDecoder(), cpu_clock="monotonic")
