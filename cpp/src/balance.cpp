@@ -26,7 +26,7 @@ constexpr double kRelEps = 1e-12;
 constexpr double kCapRelTol = 1e-9;
 // Work units per millisecond for work_budget_for_ms: about one core of a current x86 server
 // (measured with benchmarks/bench_schedule.py; D = 2).
-constexpr double kWorkUnitsPerMs = 100000.0;
+constexpr double kWorkUnitsPerMs = 75000.0;
 // The search stops once the makespan is this close to the lower bound (relative): far
 // below the accuracy of any cost model, and it saves the rest of the budget.
 constexpr double kGapTolerance = 1e-6;
