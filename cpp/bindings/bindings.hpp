@@ -6,5 +6,7 @@ namespace dflop::bindings {
 
 void register_balance(pybind11::module_& m);
 void register_simulator(pybind11::module_& m);
+void register_planner(pybind11::module_& m);
+void register_routing(pybind11::module_& m);
 
 }  // namespace dflop::bindings

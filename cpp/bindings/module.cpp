@@ -20,4 +20,6 @@ PYBIND11_MODULE(_core, m) {
   });
   dflop::bindings::register_balance(m);
   dflop::bindings::register_simulator(m);
+  dflop::bindings::register_planner(m);
+  dflop::bindings::register_routing(m);
 }

@@ -33,3 +33,48 @@ def simulate_pipeline(
 def pipeline_actions(
     schedule: str, num_stages: int, num_microbatches: int, stage: int
 ) -> list[tuple[bool, int]]: ...
+
+# Planner (dflop.planner): dicts of numbers in, dicts out; see cpp/include/dflop/planner.hpp.
+def plan_layouts(
+    cluster: dict[str, Any],
+    encoder: dict[str, Any],
+    llm: dict[str, Any],
+    samples: dict[str, Any],
+    options: dict[str, Any],
+) -> dict[str, Any]: ...
+def evaluate_layout(
+    cluster: dict[str, Any],
+    encoder: dict[str, Any],
+    llm: dict[str, Any],
+    samples: dict[str, Any],
+    options: dict[str, Any],
+    layout: dict[str, Any],
+) -> dict[str, Any]: ...
+def build_step(
+    cluster: dict[str, Any],
+    encoder: dict[str, Any],
+    llm: dict[str, Any],
+    samples: dict[str, Any],
+    options: dict[str, Any],
+    layout: dict[str, Any],
+    batch: int,
+) -> dict[str, Any]: ...
+def split_layers(
+    num_layers: int,
+    num_stages: int,
+    per_layer: float,
+    first_stage_extra: float,
+    last_stage_extra: float,
+    balanced: bool,
+) -> list[int]: ...
+def default_microbatch_choices(max_microbatches: int) -> list[int]: ...
+
+# Inter-model routing (dflop.runtime.routing).
+def plan_routing(
+    src_replica: np.ndarray,
+    dst_replica: np.ndarray,
+    rows: np.ndarray,
+    num_src: int,
+    num_dst: int,
+) -> dict[str, np.ndarray]: ...
+def split_for_encoder(encoder_costs: np.ndarray, num_replicas: int) -> np.ndarray: ...

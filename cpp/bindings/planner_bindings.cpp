@@ -1,0 +1,277 @@
+// Planner bindings: the Python side (dflop.planner) passes plain dicts of numbers and
+// 1-D float64 arrays, and gets dicts back; validation happens in the core.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bindings.hpp"
+#include "dflop/planner.hpp"
+
+namespace py = pybind11;
+
+namespace dflop::bindings {
+namespace {
+
+using DoubleArray = py::array_t<double, py::array::c_style | py::array::forcecast>;
+
+template <typename T>
+T get(const py::dict& d, const char* key, const char* where) {
+  if (!d.contains(key)) throw py::value_error(std::string(where) + " is missing \"" + key + "\"");
+  return d[key].cast<T>();
+}
+
+template <typename T>
+void get_opt(const py::dict& d, const char* key, T* out) {
+  if (d.contains(key) && !d[key].is_none()) *out = d[key].cast<T>();
+}
+
+ClusterParams to_cluster(const py::dict& d) {
+  ClusterParams c;
+  const char* w = "cluster";
+  c.num_gpus = get<int64_t>(d, "num_gpus", w);
+  c.gpus_per_node = get<int64_t>(d, "gpus_per_node", w);
+  c.gpu_memory_bytes = get<double>(d, "gpu_memory_bytes", w);
+  c.intra_node_bandwidth_bytes_per_s = get<double>(d, "intra_node_bandwidth_bytes_per_s", w);
+  c.inter_node_bandwidth_bytes_per_s = get<double>(d, "inter_node_bandwidth_bytes_per_s", w);
+  get_opt(d, "link_latency_s", &c.link_latency_s);
+  get_opt(d, "tp_gemm_loss", &c.tp_gemm_loss);
+  get_opt(d, "memory_reserve_bytes", &c.memory_reserve_bytes);
+  return c;
+}
+
+ModuleParams to_module(const py::dict& d, const char* w) {
+  ModuleParams p;
+  p.num_layers = get<int64_t>(d, "num_layers", w);
+  p.num_heads = get<int64_t>(d, "num_heads", w);
+  p.hidden_size = get<int64_t>(d, "hidden_size", w);
+  p.params_per_layer = get<double>(d, "params_per_layer", w);
+  get_opt(d, "first_stage_params", &p.first_stage_params);
+  get_opt(d, "last_stage_params", &p.last_stage_params);
+  p.activation_bytes_per_token_layer = get<double>(d, "activation_bytes_per_token_layer", w);
+  get_opt(d, "last_stage_activation_bytes_per_token", &p.last_stage_activation_bytes_per_token);
+  get_opt(d, "microbatch_constant_s", &p.microbatch_constant_s);
+  return p;
+}
+
+std::vector<double> column(const py::dict& d, const char* key) {
+  auto a = get<DoubleArray>(d, key, "samples");
+  return std::vector<double>(a.data(), a.data() + a.size());
+}
+
+PlannerSamples to_samples(const py::dict& d) {
+  PlannerSamples x;
+  x.num_batches = get<int64_t>(d, "num_batches", "samples");
+  x.batch_size = get<int64_t>(d, "batch_size", "samples");
+  x.encoder_s = column(d, "encoder_s");
+  x.llm_s = column(d, "llm_s");
+  x.encoder_last_fraction = column(d, "encoder_last_fraction");
+  x.llm_last_fraction = column(d, "llm_last_fraction");
+  x.encoder_tokens = column(d, "encoder_tokens");
+  x.llm_tokens = column(d, "llm_tokens");
+  x.visual_tokens = column(d, "visual_tokens");
+  return x;
+}
+
+PlannerOptions to_options(const py::dict& d) {
+  PlannerOptions o;
+  const auto strategy = get<std::string>(d, "strategy", "options");
+  if (strategy == "data_aware") {
+    o.strategy = PlanStrategy::DataAware;
+  } else if (strategy == "data_blind") {
+    o.strategy = PlanStrategy::DataBlindColocated;
+  } else if (strategy == "mean_shape") {
+    o.strategy = PlanStrategy::MeanShapeReference;
+  } else {
+    throw py::value_error(
+        "strategy must be \"data_aware\", \"data_blind\" or \"mean_shape\", got \"" + strategy +
+        "\"");
+  }
+  o.global_batch = get<int64_t>(d, "global_batch", "options");
+  get_opt(d, "prune", &o.prune);
+  get_opt(d, "top_k", &o.top_k);
+  get_opt(d, "order_microbatches", &o.order_microbatches);
+  get_opt(d, "balanced_layer_split", &o.balanced_layer_split);
+  get_opt(d, "zero1", &o.zero1);
+  get_opt(d, "max_tp", &o.max_tp);
+  get_opt(d, "microbatch_choices", &o.microbatch_choices);
+  get_opt(d, "balance_work_budget", &o.balance_work_budget);
+  get_opt(d, "seed", &o.seed);
+  return o;
+}
+
+ModuleLayout to_module_layout(const py::dict& d, const char* w) {
+  ModuleLayout m;
+  m.tp = get<int64_t>(d, "tp", w);
+  m.pp = get<int64_t>(d, "pp", w);
+  m.dp = get<int64_t>(d, "dp", w);
+  m.first_rank = get<int64_t>(d, "first_rank", w);
+  m.layers_per_stage = get<std::vector<int64_t>>(d, "layers_per_stage", w);
+  get_opt(d, "recompute", &m.recompute);
+  return m;
+}
+
+Layout to_layout(const py::dict& d) {
+  Layout l;
+  l.colocated = get<bool>(d, "colocated", "layout");
+  l.encoder = to_module_layout(get<py::dict>(d, "encoder", "layout"), "layout.encoder");
+  l.llm = to_module_layout(get<py::dict>(d, "llm", "layout"), "layout.llm");
+  l.num_microbatches = get<int64_t>(d, "num_microbatches", "layout");
+  return l;
+}
+
+py::dict from_module_layout(const ModuleLayout& m) {
+  py::dict d;
+  d["tp"] = m.tp;
+  d["pp"] = m.pp;
+  d["dp"] = m.dp;
+  d["first_rank"] = m.first_rank;
+  d["layers_per_stage"] = m.layers_per_stage;
+  d["recompute"] = m.recompute;
+  return d;
+}
+
+const char* order_name(MicrobatchOrder o) {
+  switch (o) {
+    case MicrobatchOrder::LongestFirst:
+      return "longest_first";
+    case MicrobatchOrder::ShortestFirst:
+      return "shortest_first";
+    case MicrobatchOrder::ShortEnds:
+      return "short_ends";
+    default:
+      return "as_scheduled";
+  }
+}
+
+py::dict from_score(const LayoutScore& s) {
+  py::dict layout;
+  layout["colocated"] = s.layout.colocated;
+  layout["encoder"] = from_module_layout(s.layout.encoder);
+  layout["llm"] = from_module_layout(s.layout.llm);
+  layout["num_microbatches"] = s.layout.num_microbatches;
+  py::list steps;
+  for (const StepBreakdown& b : s.steps) {
+    py::dict step;
+    step["step_time_s"] = b.step_time_s;
+    step["idle_fraction"] = b.idle_fraction;
+    step["stage_compute_s"] = b.stage_compute_s;
+    step["stage_allreduce_s"] = b.stage_allreduce_s;
+    step["transfer_s"] = b.transfer_s;
+    step["order"] = order_name(b.order);
+    steps.append(step);
+  }
+  py::dict d;
+  d["layout"] = layout;
+  d["mean_step_time_s"] = s.mean_step_time_s;
+  d["lower_bound_s"] = s.lower_bound_s;
+  d["estimate_s"] = s.estimate_s;
+  d["mean_idle_fraction"] = s.mean_idle_fraction;
+  d["mean_step_time_as_scheduled_s"] = s.mean_step_time_as_scheduled_s;
+  d["peak_memory_bytes"] = s.peak_memory_bytes;
+  d["steps"] = steps;
+  return d;
+}
+
+py::dict plan_layouts_py(const py::dict& cluster, const py::dict& encoder, const py::dict& llm,
+                         const py::dict& samples, const py::dict& options) {
+  const ClusterParams c = to_cluster(cluster);
+  const ModuleParams e = to_module(encoder, "encoder"), l = to_module(llm, "llm");
+  const PlannerSamples x = to_samples(samples);
+  const PlannerOptions o = to_options(options);
+  PlanResult r;
+  {
+    py::gil_scoped_release release;
+    r = plan_layouts(c, e, l, x, o);
+  }
+  py::list best;
+  for (const LayoutScore& s : r.best) best.append(from_score(s));
+  py::dict stats;
+  stats["num_candidates"] = r.stats.num_candidates;
+  stats["num_memory_rejected"] = r.stats.num_memory_rejected;
+  stats["num_bounded"] = r.stats.num_bounded;
+  stats["num_simulated"] = r.stats.num_simulated;
+  stats["num_pruned"] = r.stats.num_pruned;
+  py::dict shortfall;
+  shortfall["found"] = r.shortfall.found;
+  shortfall["needed_bytes"] = r.shortfall.needed_bytes;
+  shortfall["module"] = r.shortfall.encoder ? "encoder" : "llm";
+  shortfall["stage"] = r.shortfall.stage;
+  py::dict out;
+  out["best"] = best;
+  out["stats"] = stats;
+  out["shortfall"] = shortfall;
+  return out;
+}
+
+py::dict evaluate_layout_py(const py::dict& cluster, const py::dict& encoder, const py::dict& llm,
+                            const py::dict& samples, const py::dict& options,
+                            const py::dict& layout) {
+  const ClusterParams c = to_cluster(cluster);
+  const ModuleParams e = to_module(encoder, "encoder"), l = to_module(llm, "llm");
+  const PlannerSamples x = to_samples(samples);
+  const PlannerOptions o = to_options(options);
+  const Layout lay = to_layout(layout);
+  LayoutScore s;
+  {
+    py::gil_scoped_release release;
+    s = evaluate_layout(c, e, l, x, o, lay);
+  }
+  return from_score(s);
+}
+
+py::dict build_step_py(const py::dict& cluster, const py::dict& encoder, const py::dict& llm,
+                       const py::dict& samples, const py::dict& options, const py::dict& layout,
+                       int64_t batch) {
+  const ClusterParams c = to_cluster(cluster);
+  const ModuleParams e = to_module(encoder, "encoder"), l = to_module(llm, "llm");
+  const PlannerSamples x = to_samples(samples);
+  const PlannerOptions o = to_options(options);
+  const Layout lay = to_layout(layout);
+  StepModel step;
+  {
+    py::gil_scoped_release release;
+    step = build_step(c, e, l, x, o, lay, batch);
+  }
+  const auto& in = step.sim;
+  const py::ssize_t R = in.num_replicas, S = in.num_stages, m = in.num_microbatches;
+  auto arr3 = [](const std::vector<double>& v, py::ssize_t a, py::ssize_t b, py::ssize_t c) {
+    py::array_t<double> out({a, b, c});
+    std::copy(v.begin(), v.end(), out.mutable_data());
+    return out;
+  };
+  py::dict out;
+  out["forward_s"] = arr3(in.forward_s, R, S, m);
+  out["backward_s"] = arr3(in.backward_s, R, S, m);
+  out["activation_bytes"] = arr3(in.activation_bytes, R, S - 1, m);
+  out["link_latency_s"] = in.link_latency_s;
+  out["link_bandwidth_bytes_per_s"] = in.link_bandwidth_bytes_per_s;
+  out["allreduce_s"] = in.allreduce_s;
+  out["assignment"] = step.assignment;
+  out["microbatch_order"] = step.microbatch_order;
+  out["num_encoder_stages"] = step.num_encoder_stages;
+  return out;
+}
+
+}  // namespace
+
+void register_planner(py::module_& m) {
+  m.def("plan_layouts", &plan_layouts_py, py::arg("cluster"), py::arg("encoder"), py::arg("llm"),
+        py::arg("samples"), py::arg("options"),
+        "Search parallel layouts; returns {best, stats, shortfall}. See dflop.planner.");
+  m.def("evaluate_layout", &evaluate_layout_py, py::arg("cluster"), py::arg("encoder"),
+        py::arg("llm"), py::arg("samples"), py::arg("options"), py::arg("layout"),
+        "Score one layout by simulation over the sampled batches.");
+  m.def("build_step", &build_step_py, py::arg("cluster"), py::arg("encoder"), py::arg("llm"),
+        py::arg("samples"), py::arg("options"), py::arg("layout"), py::arg("batch"),
+        "Simulator input and schedule of one sampled batch under a layout.");
+  m.def("split_layers", &split_layers, py::arg("num_layers"), py::arg("num_stages"),
+        py::arg("per_layer"), py::arg("first_stage_extra"), py::arg("last_stage_extra"),
+        py::arg("balanced"));
+  m.def("default_microbatch_choices", &default_microbatch_choices, py::arg("max_microbatches"));
+}
+
+}  // namespace dflop::bindings

@@ -1,0 +1,216 @@
+// Data-aware 3D-parallelism planner: choose (tp, pp, dp) for a vision encoder and a
+// decoder LLM on disjoint GPU sets, the layer split and the number of microbatches, by
+// simulating training steps on global batches sampled from the data.
+//
+// Cost model (everything per GPU, seconds; documented once here, used by every layout):
+// - Per-sample training time (forward + backward) of the WHOLE module on ONE GPU comes in
+//   (a measured or analytic performance model). A fraction `last_fraction` of it belongs
+//   to the module's last stage only (the LM head for the LLM, the projector for the
+//   encoder); the rest is spread evenly over the layers. Forward = 1/3, backward = 2/3
+//   (training FLOPs = 3 x forward).
+// - Tensor parallelism of degree t: compute / (t x eff(t)), eff(t) = 1 / (1 + gemm_loss x
+//   log2 t) (smaller GEMMs run less efficiently), plus per layer 4 activation all-reduces
+//   (2 forward, 2 backward; Megatron-LM's column/row split) of tokens x hidden x 2 bytes,
+//   ring cost 2(t-1)/t x bytes / intra-node bandwidth, plus their latency once per
+//   microbatch. TP groups never cross a node: t divides gpus_per_node and every module's
+//   first rank is a multiple of t.
+// - Encoder DP replicas share each microbatch: encoder stage time of microbatch j =
+//   encoder load of j (all LLM DP bins) / dp_enc.
+// - Point-to-point: activations tokens x hidden x 2 bytes / t (sequence-parallel shards,
+//   one link per TP rank); encoder -> LLM features: visual tokens x LLM hidden x 2 bytes.
+//   Intra-node bandwidth when both stages share a node, inter-node otherwise.
+// - Gradient all-reduce per stage (ring over the module's DP group): 2(dp-1)/dp x 2 bytes x
+//   params on the GPU / bandwidth (inter-node when the DP group spans nodes), not
+//   overlapped with the backward pass (as the simulator assumes).
+// Memory model (bytes per GPU of a stage):
+// - Model states, mixed-precision Adam: 2 (bf16 weights) + 2 (bf16 grads) + 12 (fp32
+//   master, m, v) = 16 bytes/param over t; with zero1 the 12 optimizer bytes are sharded
+//   over the DP group (Megatron's distributed optimizer): 4 + 12 / dp.
+// - Activations: 1F1B stage s of an S-stage pipeline keeps min(S - s, m) microbatches'
+//   activations; a microbatch keeps tokens x layers on the stage x activation bytes per
+//   token-layer / t (34 x hidden with FlashAttention and sequence parallelism, Korthikanti
+//   et al. 2022), plus the LLM's fp32 logits (vocab x 4 / t per token) on its last stage,
+//   using the largest bin of the sampled batches. The search tries each module with and
+//   without full activation recomputation (see ModuleLayout::recompute).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "dflop/simulator.hpp"
+
+namespace dflop {
+
+// What the planner is scoring.
+enum class PlanStrategy : int8_t {
+  // dflop: disjoint encoder/LLM GPUs (and, so that it is never worse than the baseline,
+  // colocated layouts too), balanced layer split, per-step balance, microbatch ordering,
+  // scored by simulation.
+  DataAware = 0,
+  // Megatron-LM-style data-blind baseline: one (tp, pp, dp) over all GPUs, the encoder in
+  // the first pipeline stage, uniform layers, equal-count microbatches in dataset order;
+  // the best such layout by the same simulation.
+  DataBlindColocated = 1,
+  // The reference's optimizer: disjoint GPUs, layout chosen by its closed-form estimate
+  // (m + S - 1) x slowest stage on MEAN sample shapes (no all-reduce, no transfers), then
+  // balanced per bin every step (no microbatch ordering); reported by simulation.
+  MeanShapeReference = 2,
+};
+
+struct ClusterParams {
+  int64_t num_gpus = 8;
+  int64_t gpus_per_node = 8;
+  double gpu_memory_bytes = 80e9;
+  double intra_node_bandwidth_bytes_per_s = 300e9;
+  double inter_node_bandwidth_bytes_per_s = 25e9;
+  double link_latency_s = 5e-6;       // point-to-point and per collective
+  double tp_gemm_loss = 0.05;         // eff(t) = 1 / (1 + tp_gemm_loss x log2 t)
+  double memory_reserve_bytes = 0.0;  // per GPU, kept free (CUDA context, fragmentation)
+};
+
+struct ModuleParams {
+  int64_t num_layers = 1;
+  int64_t num_heads = 1;
+  int64_t hidden_size = 1;
+  double params_per_layer = 0.0;
+  double first_stage_params = 0.0;                     // embeddings / patch embedding
+  double last_stage_params = 0.0;                      // LM head / projector
+  double activation_bytes_per_token_layer = 0.0;       // at t = 1
+  double last_stage_activation_bytes_per_token = 0.0;  // at t = 1 (fp32 logits)
+  double microbatch_constant_s = 0.0;                  // per microbatch, whole module, one GPU
+};
+
+// Per-sample inputs of num_batches sampled global batches of batch_size samples each,
+// row-major (batch, sample).
+struct PlannerSamples {
+  int64_t num_batches = 0;
+  int64_t batch_size = 0;
+  std::vector<double> encoder_s;              // whole encoder + projector on one GPU, fwd + bwd
+  std::vector<double> llm_s;                  // whole LLM on one GPU, fwd + bwd
+  std::vector<double> encoder_last_fraction;  // of encoder_s on its last stage
+  std::vector<double> llm_last_fraction;      // of llm_s on its last stage
+  std::vector<double> encoder_tokens;         // units x tokens per unit
+  std::vector<double> llm_tokens;             // sequence length
+  std::vector<double> visual_tokens;          // features the encoder hands the LLM
+};
+
+struct PlannerOptions {
+  PlanStrategy strategy = PlanStrategy::DataAware;
+  int64_t global_batch = 0;  // must equal PlannerSamples::batch_size
+  bool prune = true;         // false: simulate every memory-feasible candidate
+  int64_t top_k = 5;
+  bool order_microbatches = true;    // DataAware: best of a few orderings per step
+  bool balanced_layer_split = true;  // DataAware: min-max layer split (else uniform)
+  bool zero1 = true;
+  int64_t max_tp = 0;  // 0: gpus_per_node
+  // Microbatches per DP rank to try; empty = 1, 2, 3, 4, 6, 8, 12, 16, ... (x1.5 / x4/3
+  // steps) up to global_batch / dp.
+  std::vector<int64_t> microbatch_choices;
+  int64_t balance_work_budget = -1;  // per balance call; -1 = dflop::default_work_budget
+  uint64_t seed = 0;
+};
+
+struct ModuleLayout {
+  int64_t tp = 1, pp = 1, dp = 1;
+  int64_t first_rank = 0;
+  std::vector<int64_t> layers_per_stage;  // pp entries, sum = num_layers
+  // Full activation recomputation: compute x 4/3, activations = each layer's bf16 input
+  // plus one layer's working set. Colocated layouts use the LLM's flag for both modules.
+  bool recompute = false;
+};
+
+struct Layout {
+  bool colocated = false;  // true: the encoder runs inside the LLM's first stage
+  ModuleLayout encoder;    // colocated: tp = llm.tp, pp = dp = 1 (not a GPU set of its own)
+  ModuleLayout llm;
+  int64_t num_microbatches = 1;
+};
+
+// Microbatch orderings tried per step (DataAware with order_microbatches).
+enum class MicrobatchOrder : int8_t {
+  AsScheduled = 0,
+  LongestFirst = 1,
+  ShortestFirst = 2,
+  ShortEnds = 3,  // short microbatches first and last, long ones in the middle
+};
+
+struct StepBreakdown {
+  double step_time_s = 0.0;
+  double idle_fraction = 0.0;           // idle GPU-seconds over all GPUs / (step x GPUs)
+  std::vector<double> stage_compute_s;  // per combined stage, mean over replicas
+  std::vector<double> stage_allreduce_s;
+  double transfer_s = 0.0;  // encoder -> LLM feature transfer, sum over microbatches
+  MicrobatchOrder order = MicrobatchOrder::AsScheduled;
+};
+
+struct LayoutScore {
+  Layout layout;
+  double mean_step_time_s = 0.0;
+  double lower_bound_s = 0.0;
+  double estimate_s = 0.0;  // MeanShapeReference: the formula's estimate; else 0
+  double mean_idle_fraction = 0.0;
+  double mean_step_time_as_scheduled_s = 0.0;  // without microbatch ordering
+  double peak_memory_bytes = 0.0;              // over stages of both modules
+  std::vector<StepBreakdown> steps;            // one per sampled batch
+};
+
+struct PlannerStats {
+  int64_t num_candidates = 0;       // layouts enumerated (incl. microbatch counts)
+  int64_t num_memory_rejected = 0;  // over memory (model states or activations)
+  int64_t num_bounded = 0;          // lower bound computed
+  int64_t num_simulated = 0;        // fully scored
+  int64_t num_pruned = 0;           // skipped because their bound exceeded the k-th best
+};
+
+// Smallest memory need found when no layout fits, for the error message.
+struct MemoryShortfall {
+  bool found = false;
+  double needed_bytes = 0.0;  // the smallest peak memory per GPU over all layouts
+  bool encoder = false;       // which module's stage holds that peak
+  int64_t stage = 0;
+};
+
+struct PlanResult {
+  std::vector<LayoutScore> best;  // up to top_k, best first
+  PlannerStats stats;
+  MemoryShortfall shortfall;  // filled when best is empty
+};
+
+// Checks every argument; throws InvalidArgument naming the first problem.
+void validate_planner_input(const ClusterParams& cluster, const ModuleParams& encoder,
+                            const ModuleParams& llm, const PlannerSamples& samples,
+                            const PlannerOptions& options);
+
+// Searches the layouts of options.strategy. Returns an empty `best` (and the memory
+// shortfall) when no layout fits in memory.
+PlanResult plan_layouts(const ClusterParams& cluster, const ModuleParams& encoder,
+                        const ModuleParams& llm, const PlannerSamples& samples,
+                        const PlannerOptions& options);
+
+// Scores one given layout (strategy decides the schedule: data-blind split for a
+// colocated layout, balance otherwise); throws Infeasible if it does not fit in memory.
+LayoutScore evaluate_layout(const ClusterParams& cluster, const ModuleParams& encoder,
+                            const ModuleParams& llm, const PlannerSamples& samples,
+                            const PlannerOptions& options, const Layout& layout);
+
+// One sampled batch of a layout as simulator input (for timelines), with the schedule.
+struct StepModel {
+  PipelineSimInput sim;                   // replicas = LLM dp, stages = encoder pp + LLM pp
+  std::vector<int64_t> assignment;        // bin of each sample (after ordering)
+  std::vector<int64_t> microbatch_order;  // position -> original microbatch
+  int64_t num_encoder_stages = 0;
+};
+StepModel build_step(const ClusterParams& cluster, const ModuleParams& encoder,
+                     const ModuleParams& llm, const PlannerSamples& samples,
+                     const PlannerOptions& options, const Layout& layout, int64_t batch);
+
+// Layer counts per stage: uniform (the remainder to the first stages), or min-max over
+// stages of (layers x per_layer + first_stage_extra on the first stage + last_stage_extra
+// on the last stage), each stage >= 1.
+std::vector<int64_t> split_layers(int64_t num_layers, int64_t num_stages, double per_layer,
+                                  double first_stage_extra, double last_stage_extra, bool balanced);
+
+// The microbatch counts tried for dp ranks: see PlannerOptions::microbatch_choices.
+std::vector<int64_t> default_microbatch_choices(int64_t max_microbatches);
+
+}  // namespace dflop

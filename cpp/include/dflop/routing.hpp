@@ -1,0 +1,58 @@
+// Routing of one microbatch's encoder features between the encoder's and the LLM's
+// data-parallel replicas (the inter-model communicator's plan).
+//
+// Every sample of a microbatch is encoded by one encoder DP replica (`src_replica`) and
+// consumed by one LLM DP replica (`dst_replica`, from the Schedule); its features are
+// `rows` rows of the LLM's hidden size (the sample's visual tokens, 0 for text-only
+// samples). The plan says how many rows each (src, dst) pair moves and in which order the
+// samples travel, so that both ends derive every message shape without a handshake.
+//
+// Orders (all by sample index = position in the microbatch's arrays):
+// - pair (s, d): the samples with src s and dst d, ascending;
+// - send order of src s: its pairs (s, 0), (s, 1), ..., (s, D-1) concatenated, i.e. its
+//   samples grouped by dst, ascending within a group (one contiguous slice per dst);
+// - recv order of dst d: its samples ascending (the order of Schedule.bin, which is how
+//   the LLM replica lays out its packed sequence).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace dflop {
+
+struct RoutingPlan {
+  int64_t num_samples = 0;
+  int64_t num_src = 0;  // encoder DP replicas
+  int64_t num_dst = 0;  // LLM DP replicas
+  // num_src x num_dst, row-major: feature rows that src s sends to dst d.
+  std::vector<int64_t> send_rows;
+  // CSR over the num_src x num_dst pairs (row-major, num_src * num_dst + 1 offsets):
+  // pair_samples[pair_offsets[s * D + d] .. pair_offsets[s * D + d + 1]) are pair (s, d).
+  std::vector<int64_t> pair_offsets;
+  std::vector<int64_t> pair_samples;
+  // CSR per src (num_src + 1 offsets): each src's send order.
+  std::vector<int64_t> send_offsets;
+  std::vector<int64_t> send_order;
+  // CSR per dst (num_dst + 1 offsets): each dst's receive order.
+  std::vector<int64_t> recv_offsets;
+  std::vector<int64_t> recv_order;
+};
+
+// Validates and builds the plan in O(N + S * D). Throws InvalidArgument naming the
+// argument and the first offending index when num_src or num_dst < 1, a replica is out of
+// [0, num_src) / [0, num_dst), or rows[i] < 0.
+RoutingPlan plan_routing(const int64_t* src_replica, const int64_t* dst_replica,
+                         const int64_t* rows, int64_t num_samples, int64_t num_src,
+                         int64_t num_dst);
+
+// Splits one microbatch's samples across `num_replicas` encoder DP replicas, minimising
+// the largest replica's summed encoder cost: LPT (costliest first onto the least loaded
+// replica; ties: fewer samples, then lower index) followed by a bounded local search of
+// moves and swaps out of the most loaded replica. Zero-cost (text-only) samples are
+// dealt last, each to the replica with the fewest samples. Deterministic; replicas may
+// end up empty. Returns the replica of each sample. Throws InvalidArgument for
+// num_replicas < 1 or a negative / non-finite cost (naming its index).
+std::vector<int64_t> split_for_encoder(const double* costs, int64_t num_samples,
+                                       int64_t num_replicas);
+
+}  // namespace dflop

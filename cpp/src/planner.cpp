@@ -1,0 +1,1242 @@
+// Planner: enumeration of layouts, cheap lower bounds, scoring by balance + simulation.
+// The model is documented in planner.hpp; this file explains the search.
+//
+// Search (DataAware and DataBlindColocated): every candidate gets a lower bound on its mean
+// simulated step time that needs no schedule (per stage: its share of the batch's total
+// load over the DP replicas, or the largest sample, plus m microbatch constants and its
+// gradient all-reduce). Candidates are simulated in increasing (bound, tie key) order and
+// the search stops once the next bound exceeds the k-th best simulated time, so the result
+// equals exhaustive evaluation. To keep memory bounded at 1,024 GPUs (millions of
+// candidates), a first pass keeps only the few lowest bounds, simulates them to get an
+// incumbent, and a second pass collects just the candidates whose bound can still beat it.
+#include "dflop/planner.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <optional>
+#include <queue>
+#include <set>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "dflop/balance.hpp"
+#include "dflop/errors.hpp"
+#include "dflop/simulator.hpp"
+
+namespace dflop {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kForwardShare = 1.0 / 3.0;    // training = forward + 2 x forward (backward)
+constexpr double kTpAllReducesPerLayer = 4.0;  // 2 forward + 2 backward (Megatron-LM)
+constexpr double kBf16Bytes = 2.0;
+
+std::string fmt(double v) {
+  std::ostringstream s;
+  s.precision(6);
+  s << v;
+  return s.str();
+}
+
+// ---------------------------------------------------------------------------------------
+// Validation
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw InvalidArgument(message);
+}
+
+void check_finite_nonneg(const char* name, double v) {
+  require(std::isfinite(v) && v >= 0.0,
+          std::string(name) + " must be finite and >= 0, got " + fmt(v));
+}
+
+void check_positive(const char* name, double v) {
+  require(std::isfinite(v) && v > 0.0,
+          std::string(name) + " must be finite and > 0, got " + fmt(v));
+}
+
+void check_module(const char* module, const ModuleParams& p) {
+  const std::string m(module);
+  require(p.num_layers >= 1, m + ".num_layers must be >= 1, got " + std::to_string(p.num_layers));
+  require(p.num_heads >= 1, m + ".num_heads must be >= 1, got " + std::to_string(p.num_heads));
+  require(p.hidden_size >= 1,
+          m + ".hidden_size must be >= 1, got " + std::to_string(p.hidden_size));
+  const std::pair<const char*, double> fields[] = {
+      {"params_per_layer", p.params_per_layer},
+      {"first_stage_params", p.first_stage_params},
+      {"last_stage_params", p.last_stage_params},
+      {"activation_bytes_per_token_layer", p.activation_bytes_per_token_layer},
+      {"last_stage_activation_bytes_per_token", p.last_stage_activation_bytes_per_token},
+      {"microbatch_constant_s", p.microbatch_constant_s}};
+  for (const auto& [name, value] : fields) check_finite_nonneg((m + "." + name).c_str(), value);
+}
+
+void check_column(const char* name, const std::vector<double>& v, size_t expected, bool fraction) {
+  require(v.size() == expected, std::string("samples.") + name + " has " +
+                                    std::to_string(v.size()) + " values, expected " +
+                                    std::to_string(expected));
+  for (size_t i = 0; i < v.size(); ++i) {
+    const bool ok = std::isfinite(v[i]) && v[i] >= 0.0 && (!fraction || v[i] <= 1.0);
+    if (!ok) {
+      throw InvalidArgument(std::string("samples.") + name + "[" + std::to_string(i) +
+                            "] must be finite and in [0, " + (fraction ? "1" : "inf") + "), got " +
+                            fmt(v[i]));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Cost and memory model of one module
+
+struct ModuleModel {
+  const ModuleParams* p = nullptr;
+  const ClusterParams* c = nullptr;
+
+  double eff(int64_t t) const { return 1.0 / (1.0 + c->tp_gemm_loss * std::log2(double(t))); }
+  // Seconds of TP communication per token and layer at degree t.
+  double comm_per_token_layer(int64_t t) const {
+    if (t <= 1) return 0.0;
+    return kTpAllReducesPerLayer * 2.0 * double(t - 1) / double(t) * double(p->hidden_size) *
+           kBf16Bytes / c->intra_node_bandwidth_bytes_per_s;
+  }
+  // Stage time of summed samples: body (spread over layers), last (last-stage-only) and
+  // tokens; n layers on the stage.
+  // With full activation recomputation the forward runs twice: 4/3 of the compute.
+  double stage_time(int64_t t, bool recompute, int64_t n, bool is_last, double body, double last,
+                    double tokens) const {
+    const double compute = (body * double(n) / double(p->num_layers) + (is_last ? last : 0.0)) /
+                           (double(t) * eff(t)) * (recompute ? 4.0 / 3.0 : 1.0);
+    return compute + tokens * double(n) * comm_per_token_layer(t);
+  }
+  double stage_constant(int64_t t, int64_t n) const {
+    return p->microbatch_constant_s * double(n) / double(p->num_layers) +
+           (t > 1 ? double(n) * kTpAllReducesPerLayer * c->link_latency_s : 0.0);
+  }
+  double stage_params(const ModuleLayout& l, int64_t s) const {
+    return p->params_per_layer * double(l.layers_per_stage[size_t(s)]) +
+           (s == 0 ? p->first_stage_params : 0.0) + (s == l.pp - 1 ? p->last_stage_params : 0.0);
+  }
+  double all_params() const {
+    return p->params_per_layer * double(p->num_layers) + p->first_stage_params +
+           p->last_stage_params;
+  }
+  double state_bytes(double params, int64_t t, int64_t dp, bool zero1) const {
+    const double per_param = zero1 ? 4.0 + 12.0 / double(dp) : 16.0;
+    return params * per_param / double(t);
+  }
+  // Activation bytes of one microbatch of `tokens` tokens per GPU on a stage.
+  // Full recomputation keeps only each layer's bf16 input, plus one layer's working set.
+  double activation_bytes(int64_t t, bool recompute, int64_t n, bool is_last, double tokens) const {
+    const double layers = recompute ? double(n) * kBf16Bytes * double(p->hidden_size) +
+                                          p->activation_bytes_per_token_layer
+                                    : double(n) * p->activation_bytes_per_token_layer;
+    return tokens * (layers + (is_last ? p->last_stage_activation_bytes_per_token : 0.0)) /
+           double(t);
+  }
+};
+
+int64_t node_of(int64_t rank, int64_t gpn) { return rank / gpn; }
+
+// Bandwidth of a module's DP group at stage s (rank order: tp fastest, then dp, then pp).
+double dp_bandwidth(const ClusterParams& c, const ModuleLayout& l, int64_t s) {
+  const int64_t first = l.first_rank + s * l.tp * l.dp;
+  const int64_t last = first + (l.dp - 1) * l.tp;
+  return node_of(first, c.gpus_per_node) == node_of(last, c.gpus_per_node)
+             ? c.intra_node_bandwidth_bytes_per_s
+             : c.inter_node_bandwidth_bytes_per_s;
+}
+
+double allreduce_time(const ClusterParams& c, const ModuleModel& mm, const ModuleLayout& l,
+                      int64_t s, double extra_params) {
+  if (l.dp <= 1) return 0.0;
+  const double bytes = kBf16Bytes * (mm.stage_params(l, s) + extra_params) / double(l.tp);
+  return 2.0 * double(l.dp - 1) / double(l.dp) * bytes / dp_bandwidth(c, l, s) + c.link_latency_s;
+}
+
+// Bandwidth between stage s and s + 1 of a module (worst replica).
+double stage_link_bandwidth(const ClusterParams& c, const ModuleLayout& l, int64_t s) {
+  for (int64_t d = 0; d < l.dp; ++d) {
+    const int64_t a = l.first_rank + s * l.tp * l.dp + d * l.tp;
+    if (node_of(a, c.gpus_per_node) != node_of(a + l.tp * l.dp, c.gpus_per_node)) {
+      return c.inter_node_bandwidth_bytes_per_s;
+    }
+  }
+  return c.intra_node_bandwidth_bytes_per_s;
+}
+
+double encoder_llm_bandwidth(const ClusterParams& c, const ModuleLayout& enc,
+                             const ModuleLayout& llm) {
+  const int64_t enc_first = enc.first_rank + (enc.pp - 1) * enc.tp * enc.dp;
+  const int64_t enc_last = enc_first + enc.tp * enc.dp - 1;
+  const int64_t llm_last = llm.first_rank + llm.tp * llm.dp - 1;
+  const int64_t gpn = c.gpus_per_node;
+  return node_of(enc_first, gpn) == node_of(llm_last, gpn) &&
+                 node_of(enc_last, gpn) == node_of(llm.first_rank, gpn)
+             ? c.intra_node_bandwidth_bytes_per_s
+             : c.inter_node_bandwidth_bytes_per_s;
+}
+
+// ---------------------------------------------------------------------------------------
+// Per-batch sums used by the bounds
+
+struct BatchSums {
+  double enc_body = 0, enc_last = 0, enc_tokens = 0;
+  double llm_body = 0, llm_last = 0, llm_tokens = 0;
+  double max_enc_tokens = 0, max_llm_tokens = 0;
+  // Largest single sample's (body, last, tokens) per module, by its total time at t = 1.
+  std::array<double, 3> max_enc{0, 0, 0}, max_llm{0, 0, 0};
+};
+
+struct Context {
+  const ClusterParams& c;
+  const PlannerSamples& x;
+  const PlannerOptions& o;
+  ModuleModel enc, llm;
+  std::vector<BatchSums> sums;
+  int64_t n = 0;  // samples per batch
+
+  Context(const ClusterParams& cluster, const ModuleParams& e, const ModuleParams& l,
+          const PlannerSamples& samples, const PlannerOptions& options)
+      : c(cluster), x(samples), o(options) {
+    enc.p = &e;
+    enc.c = &cluster;
+    llm.p = &l;
+    llm.c = &cluster;
+    n = samples.batch_size;
+    sums.resize(size_t(samples.num_batches));
+    for (int64_t b = 0; b < samples.num_batches; ++b) {
+      BatchSums& s = sums[size_t(b)];
+      double best_e = -1, best_l = -1;
+      for (int64_t i = b * n; i < (b + 1) * n; ++i) {
+        const size_t k = size_t(i);
+        const double eb = x.encoder_s[k] * (1 - x.encoder_last_fraction[k]);
+        const double el = x.encoder_s[k] * x.encoder_last_fraction[k];
+        const double lb = x.llm_s[k] * (1 - x.llm_last_fraction[k]);
+        const double ll = x.llm_s[k] * x.llm_last_fraction[k];
+        s.enc_body += eb;
+        s.enc_last += el;
+        s.enc_tokens += x.encoder_tokens[k];
+        s.llm_body += lb;
+        s.llm_last += ll;
+        s.llm_tokens += x.llm_tokens[k];
+        s.max_enc_tokens = std::max(s.max_enc_tokens, x.encoder_tokens[k]);
+        s.max_llm_tokens = std::max(s.max_llm_tokens, x.llm_tokens[k]);
+        if (x.encoder_s[k] > best_e) {
+          best_e = x.encoder_s[k];
+          s.max_enc = {eb, el, x.encoder_tokens[k]};
+        }
+        if (x.llm_s[k] > best_l) {
+          best_l = x.llm_s[k];
+          s.max_llm = {lb, ll, x.llm_tokens[k]};
+        }
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// Layout helpers
+
+int64_t total_stages(const Layout& l) { return l.colocated ? l.llm.pp : l.encoder.pp + l.llm.pp; }
+
+// The tie key: fewer pipeline stages, less TP, fewer microbatches, fewer encoder GPUs,
+// then the degrees themselves. Independent of the enumeration order.
+using TieKey = std::array<int64_t, 11>;
+TieKey tie_key(const Layout& l) {
+  const int64_t v = l.colocated ? 0 : l.encoder.tp * l.encoder.pp * l.encoder.dp;
+  return {total_stages(l),
+          l.encoder.tp + l.llm.tp,
+          l.num_microbatches,
+          v,
+          l.encoder.tp,
+          l.encoder.pp,
+          l.llm.tp,
+          l.llm.pp,
+          l.colocated ? 1 : 0,
+          l.encoder.recompute ? 1 : 0,
+          l.llm.recompute ? 1 : 0};
+}
+
+bool better(double a_time, const Layout& a, double b_time, const Layout& b) {
+  if (a_time != b_time) return a_time < b_time;
+  return tie_key(a) < tie_key(b);
+}
+
+// Parallel degrees of a module on `gpus` GPUs starting at first_rank.
+struct Degrees {
+  int64_t tp, pp, dp;
+};
+std::vector<Degrees> module_degrees(const ClusterParams& c, const ModuleParams& p, int64_t gpus,
+                                    int64_t first_rank, int64_t max_tp, bool tp_divides_other,
+                                    int64_t other_heads) {
+  std::vector<Degrees> out;
+  for (int64_t tp = 1; tp <= std::min(max_tp, gpus); ++tp) {
+    if (c.gpus_per_node % tp || p.num_heads % tp || gpus % tp || first_rank % tp) continue;
+    if (tp_divides_other && other_heads % tp) continue;
+    const int64_t rest = gpus / tp;
+    for (int64_t pp = 1; pp <= std::min(rest, p.num_layers); ++pp) {
+      if (rest % pp) continue;
+      out.push_back({tp, pp, rest / pp});
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// Scoring one layout
+
+struct BinSums {  // per bin (LLM) or per microbatch (encoder, before / dp_enc)
+  std::vector<double> enc_body, enc_last, enc_tokens, llm_body, llm_last, llm_tokens, visual;
+  void resize(size_t bins) {
+    for (auto* v : {&enc_body, &enc_last, &enc_tokens, &llm_body, &llm_last, &llm_tokens, &visual})
+      v->assign(bins, 0.0);
+  }
+};
+
+class Evaluator {
+ public:
+  explicit Evaluator(const Context& ctx) : ctx_(ctx) {}
+
+  // The schedule of batch b: bin of each sample (bin = microbatch x dp + rank).
+  std::vector<int64_t> assign(const Layout& l, int64_t b) const {
+    const int64_t n = ctx_.n, m = l.num_microbatches, dp = l.llm.dp;
+    std::vector<int64_t> bins(static_cast<size_t>(n), 0);
+    if (l.colocated && ctx_.o.strategy == PlanStrategy::DataBlindColocated) {
+      // Data-blind: dataset order, equal-count microbatches, each split evenly over ranks
+      // (the same rule as dflop.data_blind_schedule).
+      std::vector<int64_t> count(static_cast<size_t>(m), 0), seen(size_t(m), 0);
+      for (int64_t i = 0; i < n; ++i) ++count[size_t(i * m / n)];
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t mb = i * m / n;
+        const int64_t rank = seen[size_t(mb)]++ * dp / count[size_t(mb)];
+        bins[size_t(i)] = mb * dp + rank;
+      }
+      return bins;
+    }
+    // Per-sample time of an average stage of each module, so that the balance's min-max
+    // targets the pipeline's bottleneck in seconds.
+    const ModuleLayout &e = l.encoder, &g = l.llm;
+    std::vector<double> costs(size_t(2 * n));
+    for (int64_t i = 0; i < n; ++i) {
+      const size_t k = size_t(b * n + i);
+      const auto& x = ctx_.x;
+      const double enc =
+          ctx_.enc.stage_time(e.tp, e.recompute, ctx_.enc.p->num_layers, true,
+                              x.encoder_s[k] * (1 - x.encoder_last_fraction[k]),
+                              x.encoder_s[k] * x.encoder_last_fraction[k], x.encoder_tokens[k]);
+      const double lm = ctx_.llm.stage_time(g.tp, g.recompute, ctx_.llm.p->num_layers, true,
+                                            x.llm_s[k] * (1 - x.llm_last_fraction[k]),
+                                            x.llm_s[k] * x.llm_last_fraction[k], x.llm_tokens[k]);
+      if (l.colocated) {
+        // Column 0: the first stage (the encoder plus its LLM layers); column 1: an
+        // average LLM stage. Both are per bin (every replica runs its own encoder).
+        const double first = double(g.layers_per_stage[0]) / double(ctx_.llm.p->num_layers);
+        const double enc_here =
+            ctx_.enc.stage_time(g.tp, g.recompute, ctx_.enc.p->num_layers, true,
+                                x.encoder_s[k] * (1 - x.encoder_last_fraction[k]),
+                                x.encoder_s[k] * x.encoder_last_fraction[k], x.encoder_tokens[k]);
+        costs[size_t(2 * i)] = enc_here + lm * first;
+      } else {
+        costs[size_t(2 * i)] = enc / double(e.pp * e.dp);
+      }
+      costs[size_t(2 * i + 1)] = lm / double(g.pp);
+    }
+    BalanceOptions bo;
+    bo.num_microbatches = m;
+    bo.dp_size = dp;
+    if (!l.colocated) bo.microbatch_dims = {0};
+    bo.seed = ctx_.o.seed + uint64_t(b);
+    bo.work_budget = ctx_.o.balance_work_budget;
+    return balance(costs.data(), n, 2, bo).assignment;
+  }
+
+  BinSums bin_sums(const Layout& l, int64_t b, const std::vector<int64_t>& bins) const {
+    BinSums s;
+    s.resize(size_t(l.num_microbatches * l.llm.dp));
+    const auto& x = ctx_.x;
+    for (int64_t i = 0; i < ctx_.n; ++i) {
+      const size_t k = size_t(b * ctx_.n + i), bin = size_t(bins[size_t(i)]);
+      s.enc_body[bin] += x.encoder_s[k] * (1 - x.encoder_last_fraction[k]);
+      s.enc_last[bin] += x.encoder_s[k] * x.encoder_last_fraction[k];
+      s.enc_tokens[bin] += x.encoder_tokens[k];
+      s.llm_body[bin] += x.llm_s[k] * (1 - x.llm_last_fraction[k]);
+      s.llm_last[bin] += x.llm_s[k] * x.llm_last_fraction[k];
+      s.llm_tokens[bin] += x.llm_tokens[k];
+      s.visual[bin] += x.visual_tokens[k];
+    }
+    return s;
+  }
+
+  // Peak memory per GPU over all stages, given the largest LLM bin tokens, the largest
+  // encoder tokens per encoder GPU per microbatch (disaggregated) or per bin (colocated).
+  struct Memory {
+    double peak = 0.0;
+    bool encoder = false;
+    int64_t stage = 0;
+  };
+  Memory memory(const Layout& l, double llm_bin_tokens, double enc_tokens) const {
+    Memory out;
+    const int64_t S = total_stages(l), m = l.num_microbatches;
+    const bool zero1 = ctx_.o.zero1;
+    auto consider = [&](double bytes, bool is_enc, int64_t stage) {
+      if (bytes > out.peak) out = {bytes, is_enc, stage};
+    };
+    const ModuleLayout &e = l.encoder, &g = l.llm;
+    int64_t offset = 0;
+    if (!l.colocated) {
+      for (int64_t s = 0; s < e.pp; ++s) {
+        const int64_t n = e.layers_per_stage[size_t(s)];
+        const double in_flight = double(std::min(S - s, m));
+        consider(ctx_.enc.state_bytes(ctx_.enc.stage_params(e, s), e.tp, e.dp, zero1) +
+                     in_flight *
+                         ctx_.enc.activation_bytes(e.tp, e.recompute, n, s == e.pp - 1, enc_tokens),
+                 true, s);
+      }
+      offset = e.pp;
+    }
+    for (int64_t s = 0; s < g.pp; ++s) {
+      const int64_t n = g.layers_per_stage[size_t(s)];
+      const double in_flight = double(std::min(S - (offset + s), m));
+      double bytes = ctx_.llm.state_bytes(ctx_.llm.stage_params(g, s), g.tp, g.dp, zero1) +
+                     in_flight * ctx_.llm.activation_bytes(g.tp, g.recompute, n, s == g.pp - 1,
+                                                           llm_bin_tokens);
+      bool is_enc = false;
+      if (l.colocated && s == 0) {
+        const double enc_bytes =
+            ctx_.enc.state_bytes(ctx_.enc.all_params(), g.tp, g.dp, zero1) +
+            in_flight * ctx_.enc.activation_bytes(g.tp, g.recompute, ctx_.enc.p->num_layers, true,
+                                                  enc_tokens);
+        bytes += enc_bytes;
+        is_enc = enc_bytes > bytes - enc_bytes;
+      }
+      consider(bytes, is_enc, s);
+    }
+    out.peak += ctx_.c.memory_reserve_bytes;
+    return out;
+  }
+
+  // Memory with the smallest bins any schedule could give (for pruning before balance).
+  Memory memory_lower_bound(const Layout& l) const {
+    double llm_tokens = 0, enc_tokens = 0;
+    const double bins = double(l.num_microbatches * l.llm.dp);
+    for (const BatchSums& s : ctx_.sums) {
+      llm_tokens = std::max(llm_tokens, std::max(s.llm_tokens / bins, s.max_llm_tokens));
+      if (l.colocated) {
+        enc_tokens = std::max(enc_tokens, std::max(s.enc_tokens / bins, s.max_enc_tokens));
+      } else {
+        enc_tokens = std::max(
+            enc_tokens, std::max(s.enc_tokens / double(l.num_microbatches), s.max_enc_tokens) /
+                            double(l.encoder.dp));
+      }
+    }
+    return memory(l, llm_tokens, enc_tokens);
+  }
+
+  // Simulator input of batch b given the bin sums and a microbatch order.
+  PipelineSimInput sim_input(const Layout& l, const BinSums& s, const std::vector<int64_t>& order,
+                             bool record_events) const {
+    const ModuleLayout &e = l.encoder, &g = l.llm;
+    const int64_t m = l.num_microbatches, R = g.dp, S = total_stages(l);
+    const int64_t E = l.colocated ? 0 : e.pp;
+    PipelineSimInput in;
+    in.num_replicas = R;
+    in.num_stages = S;
+    in.num_microbatches = m;
+    in.record_events = record_events;
+    const size_t cells = size_t(R * S * m);
+    in.forward_s.assign(cells, 0.0);
+    in.backward_s.assign(cells, 0.0);
+    in.link_latency_s.assign(size_t(S - 1), ctx_.c.link_latency_s);
+    in.link_bandwidth_bytes_per_s.assign(size_t(S - 1), 0.0);
+    in.activation_bytes.assign(size_t(R * (S - 1) * m), 0.0);
+    in.allreduce_s.assign(size_t(S), 0.0);
+    auto put = [&](int64_t r, int64_t st, int64_t k, double seconds) {
+      const size_t i = size_t((r * S + st) * m + k);
+      in.forward_s[i] = seconds * kForwardShare;
+      in.backward_s[i] = seconds * (1.0 - kForwardShare);
+    };
+    const double enc_h = double(ctx_.enc.p->hidden_size), llm_h = double(ctx_.llm.p->hidden_size);
+    for (int64_t k = 0; k < m; ++k) {
+      const int64_t mb = order[size_t(k)];
+      if (!l.colocated) {
+        double body = 0, last = 0, tokens = 0;
+        for (int64_t r = 0; r < R; ++r) {
+          const size_t bin = size_t(mb * R + r);
+          body += s.enc_body[bin];
+          last += s.enc_last[bin];
+          tokens += s.enc_tokens[bin];
+        }
+        const double dp = double(e.dp);
+        for (int64_t st = 0; st < E; ++st) {
+          const int64_t nl = e.layers_per_stage[size_t(st)];
+          const double t = ctx_.enc.stage_time(e.tp, e.recompute, nl, st == E - 1, body / dp,
+                                               last / dp, tokens / dp) +
+                           ctx_.enc.stage_constant(e.tp, nl);
+          for (int64_t r = 0; r < R; ++r) put(r, st, k, t);
+          if (st < E - 1) {
+            for (int64_t r = 0; r < R; ++r) {
+              in.activation_bytes[size_t((r * (S - 1) + st) * m + k)] =
+                  tokens / dp * enc_h * kBf16Bytes / double(e.tp);
+            }
+          }
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          in.activation_bytes[size_t((r * (S - 1) + (E - 1)) * m + k)] =
+              s.visual[size_t(mb * R + r)] * llm_h * kBf16Bytes;
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const size_t bin = size_t(mb * R + r);
+        for (int64_t st = 0; st < g.pp; ++st) {
+          const int64_t nl = g.layers_per_stage[size_t(st)];
+          double t = ctx_.llm.stage_time(g.tp, g.recompute, nl, st == g.pp - 1, s.llm_body[bin],
+                                         s.llm_last[bin], s.llm_tokens[bin]) +
+                     ctx_.llm.stage_constant(g.tp, nl);
+          if (l.colocated && st == 0) {
+            t += ctx_.enc.stage_time(g.tp, g.recompute, ctx_.enc.p->num_layers, true,
+                                     s.enc_body[bin], s.enc_last[bin], s.enc_tokens[bin]) +
+                 ctx_.enc.stage_constant(g.tp, ctx_.enc.p->num_layers);
+          }
+          put(r, E + st, k, t);
+          if (st < g.pp - 1) {
+            in.activation_bytes[size_t((r * (S - 1) + E + st) * m + k)] =
+                s.llm_tokens[bin] * llm_h * kBf16Bytes / double(g.tp);
+          }
+        }
+      }
+    }
+    for (int64_t st = 0; st + 1 < E; ++st) {
+      in.link_bandwidth_bytes_per_s[size_t(st)] = stage_link_bandwidth(ctx_.c, e, st);
+    }
+    if (!l.colocated) {
+      in.link_bandwidth_bytes_per_s[size_t(E - 1)] = encoder_llm_bandwidth(ctx_.c, e, g);
+      for (int64_t st = 0; st < E; ++st) {
+        in.allreduce_s[size_t(st)] = allreduce_time(ctx_.c, ctx_.enc, e, st, 0.0);
+      }
+    }
+    for (int64_t st = 0; st < g.pp; ++st) {
+      if (st + 1 < g.pp) {
+        in.link_bandwidth_bytes_per_s[size_t(E + st)] = stage_link_bandwidth(ctx_.c, g, st);
+      }
+      const double extra = (l.colocated && st == 0) ? ctx_.enc.all_params() : 0.0;
+      in.allreduce_s[size_t(E + st)] = allreduce_time(ctx_.c, ctx_.llm, g, st, extra);
+    }
+    return in;
+  }
+
+  // Microbatch orderings (position -> microbatch) to try.
+  std::vector<std::pair<MicrobatchOrder, std::vector<int64_t>>> orders(
+      const Layout& l, const PipelineSimInput& base) const {
+    const int64_t m = l.num_microbatches, R = base.num_replicas, S = base.num_stages;
+    std::vector<int64_t> identity(static_cast<size_t>(m));
+    std::iota(identity.begin(), identity.end(), 0);
+    std::vector<std::pair<MicrobatchOrder, std::vector<int64_t>>> out;
+    out.emplace_back(MicrobatchOrder::AsScheduled, identity);
+    if (!ctx_.o.order_microbatches || m < 3 || ctx_.o.strategy != PlanStrategy::DataAware) {
+      return out;
+    }
+    // Length of a microbatch: its slowest replica's time summed over stages.
+    std::vector<double> length(static_cast<size_t>(m), 0.0);
+    for (int64_t k = 0; k < m; ++k) {
+      for (int64_t r = 0; r < R; ++r) {
+        double sum = 0;
+        for (int64_t st = 0; st < S; ++st) {
+          const size_t i = size_t((r * S + st) * m + k);
+          sum += base.forward_s[i] + base.backward_s[i];
+        }
+        length[size_t(k)] = std::max(length[size_t(k)], sum);
+      }
+    }
+    std::vector<int64_t> asc = identity;
+    std::stable_sort(asc.begin(), asc.end(),
+                     [&](int64_t a, int64_t b) { return length[size_t(a)] < length[size_t(b)]; });
+    std::vector<int64_t> desc(asc.rbegin(), asc.rend());
+    std::vector<int64_t> ends(static_cast<size_t>(m));
+    int64_t front = 0, back = m - 1;
+    for (int64_t i = 0; i < m; ++i) ends[size_t(i % 2 == 0 ? front++ : back--)] = asc[size_t(i)];
+    out.emplace_back(MicrobatchOrder::LongestFirst, desc);
+    out.emplace_back(MicrobatchOrder::ShortestFirst, asc);
+    out.emplace_back(MicrobatchOrder::ShortEnds, ends);
+    return out;
+  }
+
+  // Reorders a simulator input built with the identity order (cheaper than rebuilding).
+  static PipelineSimInput permuted(const PipelineSimInput& in, const std::vector<int64_t>& order) {
+    PipelineSimInput out = in;
+    const int64_t R = in.num_replicas, S = in.num_stages, m = in.num_microbatches;
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t st = 0; st < S; ++st) {
+        for (int64_t k = 0; k < m; ++k) {
+          const size_t to = size_t((r * S + st) * m + k);
+          const size_t from = size_t((r * S + st) * m + order[size_t(k)]);
+          out.forward_s[to] = in.forward_s[from];
+          out.backward_s[to] = in.backward_s[from];
+        }
+      }
+      for (int64_t st = 0; st + 1 < S; ++st) {
+        for (int64_t k = 0; k < m; ++k) {
+          out.activation_bytes[size_t((r * (S - 1) + st) * m + k)] =
+              in.activation_bytes[size_t((r * (S - 1) + st) * m + order[size_t(k)])];
+        }
+      }
+    }
+    return out;
+  }
+
+  StepBreakdown breakdown(const Layout& l, const PipelineSimInput& in, const PipelineSimResult& res,
+                          MicrobatchOrder order) const {
+    StepBreakdown out;
+    out.step_time_s = res.step_time_s;
+    out.order = order;
+    const int64_t R = in.num_replicas, S = in.num_stages, m = in.num_microbatches;
+    const int64_t E = l.colocated ? 0 : l.encoder.pp;
+    out.stage_compute_s.assign(size_t(S), 0.0);
+    double busy_gpu_s = 0.0;
+    for (int64_t st = 0; st < S; ++st) {
+      double sum = 0;
+      for (int64_t r = 0; r < R; ++r) sum += res.busy_s[size_t(r * S + st)];
+      out.stage_compute_s[size_t(st)] = sum / double(R);
+      // Encoder stage: tp x dp_enc GPUs share replica 0's work (replicas are copies);
+      // LLM stage: tp GPUs per replica.
+      busy_gpu_s += st < E ? res.busy_s[size_t(st)] * double(l.encoder.tp * l.encoder.dp)
+                           : sum * double(l.llm.tp);
+    }
+    out.stage_allreduce_s = in.allreduce_s;
+    const double gpus = double(ctx_.c.num_gpus);
+    out.idle_fraction = res.step_time_s > 0 ? 1.0 - busy_gpu_s / (res.step_time_s * gpus) : 0.0;
+    if (E > 0) {
+      const double bw = in.link_bandwidth_bytes_per_s[size_t(E - 1)];
+      for (int64_t k = 0; k < m; ++k) {
+        double bytes = 0;
+        for (int64_t r = 0; r < R; ++r)
+          bytes += in.activation_bytes[size_t((r * (S - 1) + E - 1) * m + k)];
+        out.transfer_s += bytes / double(R) / bw;
+      }
+    }
+    return out;
+  }
+
+  // Full score; `feasible` false when the exact memory check fails (score unset then).
+  LayoutScore score(const Layout& l, bool* feasible, Memory* mem_out) const {
+    LayoutScore out;
+    out.layout = l;
+    const int64_t B = ctx_.x.num_batches;
+    std::vector<std::vector<int64_t>> assignments(static_cast<size_t>(B));
+    std::vector<BinSums> sums(static_cast<size_t>(B));
+    double llm_tokens = 0, enc_tokens = 0;
+    const int64_t m = l.num_microbatches, R = l.llm.dp;
+    for (int64_t b = 0; b < B; ++b) {
+      assignments[size_t(b)] = assign(l, b);
+      sums[size_t(b)] = bin_sums(l, b, assignments[size_t(b)]);
+      const BinSums& s = sums[size_t(b)];
+      for (size_t bin = 0; bin < s.llm_tokens.size(); ++bin) {
+        llm_tokens = std::max(llm_tokens, s.llm_tokens[bin]);
+        if (l.colocated) enc_tokens = std::max(enc_tokens, s.enc_tokens[bin]);
+      }
+      if (!l.colocated) {
+        for (int64_t k = 0; k < m; ++k) {
+          double t = 0;
+          for (int64_t r = 0; r < R; ++r) t += s.enc_tokens[size_t(k * R + r)];
+          enc_tokens = std::max(enc_tokens, t / double(l.encoder.dp));
+        }
+      }
+    }
+    const Memory mem = memory(l, llm_tokens, enc_tokens);
+    if (mem_out) *mem_out = mem;
+    out.peak_memory_bytes = mem.peak;
+    *feasible = mem.peak <= ctx_.c.gpu_memory_bytes;
+    if (!*feasible) return out;
+    std::vector<int64_t> identity(static_cast<size_t>(m));
+    std::iota(identity.begin(), identity.end(), 0);
+    double total = 0, total_plain = 0, idle = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const PipelineSimInput base = sim_input(l, sums[size_t(b)], identity, false);
+      double best = kInf;
+      StepBreakdown best_breakdown;
+      double plain = 0;
+      for (const auto& [kind, order] : orders(l, base)) {
+        const PipelineSimInput in =
+            kind == MicrobatchOrder::AsScheduled ? base : permuted(base, order);
+        const PipelineSimResult res = simulate_pipeline(in);
+        if (kind == MicrobatchOrder::AsScheduled) plain = res.step_time_s;
+        if (res.step_time_s < best) {
+          best = res.step_time_s;
+          best_breakdown = breakdown(l, in, res, kind);
+        }
+      }
+      total += best;
+      total_plain += plain;
+      idle += best_breakdown.idle_fraction;
+      out.steps.push_back(std::move(best_breakdown));
+    }
+    out.mean_step_time_s = total / double(B);
+    out.mean_step_time_as_scheduled_s = total_plain / double(B);
+    out.mean_idle_fraction = idle / double(B);
+    return out;
+  }
+
+  // Mean-shape estimate of the reference's optimizer: every bin holds global_batch / bins
+  // mean samples; (m + S - 1) x the slowest stage's microbatch time.
+  double mean_shape_estimate(const Layout& l) const {
+    double enc_body = 0, enc_last = 0, enc_tok = 0, llm_body = 0, llm_last = 0, llm_tok = 0;
+    for (const BatchSums& s : ctx_.sums) {
+      enc_body += s.enc_body;
+      enc_last += s.enc_last;
+      enc_tok += s.enc_tokens;
+      llm_body += s.llm_body;
+      llm_last += s.llm_last;
+      llm_tok += s.llm_tokens;
+    }
+    const double samples = double(ctx_.n * ctx_.x.num_batches);
+    const double per_mb = double(ctx_.n) / double(l.num_microbatches);  // samples per microbatch
+    const ModuleLayout &e = l.encoder, &g = l.llm;
+    double slowest = 0;
+    const double ef = per_mb / double(e.dp) / samples;
+    for (int64_t st = 0; st < e.pp; ++st) {
+      const int64_t nl = e.layers_per_stage[size_t(st)];
+      slowest = std::max(slowest, ctx_.enc.stage_time(e.tp, e.recompute, nl, st == e.pp - 1,
+                                                      enc_body * ef, enc_last * ef, enc_tok * ef) +
+                                      ctx_.enc.stage_constant(e.tp, nl));
+    }
+    const double lf = per_mb / double(g.dp) / samples;
+    for (int64_t st = 0; st < g.pp; ++st) {
+      const int64_t nl = g.layers_per_stage[size_t(st)];
+      slowest = std::max(slowest, ctx_.llm.stage_time(g.tp, g.recompute, nl, st == g.pp - 1,
+                                                      llm_body * lf, llm_last * lf, llm_tok * lf) +
+                                      ctx_.llm.stage_constant(g.tp, nl));
+    }
+    return double(l.num_microbatches + total_stages(l) - 1) * slowest;
+  }
+
+ private:
+  const Context& ctx_;
+};
+
+// ---------------------------------------------------------------------------------------
+// Lower bounds per module (mean over batches of the slowest stage's bound)
+
+// Stage s of a module cannot finish before: its replica's share of the batch's load (the
+// busiest replica carries at least the mean, and at least the largest sample) plus m
+// microbatch constants, then its all-reduce.
+double module_bound(const Context& ctx, const ModuleModel& mm, const ModuleLayout& l, int64_t m,
+                    bool is_encoder, double extra_allreduce_params) {
+  double total = 0;
+  for (const BatchSums& s : ctx.sums) {
+    const double body = is_encoder ? s.enc_body : s.llm_body;
+    const double last = is_encoder ? s.enc_last : s.llm_last;
+    const double tokens = is_encoder ? s.enc_tokens : s.llm_tokens;
+    const auto& big = is_encoder ? s.max_enc : s.max_llm;
+    double worst = 0;
+    for (int64_t st = 0; st < l.pp; ++st) {
+      const int64_t nl = l.layers_per_stage[size_t(st)];
+      const bool is_last = st == l.pp - 1;
+      const double share =
+          mm.stage_time(l.tp, l.recompute, nl, is_last, body, last, tokens) / double(l.dp);
+      // Encoder replicas share every microbatch: the largest sample is split too.
+      const double item = mm.stage_time(l.tp, l.recompute, nl, is_last, big[0], big[1], big[2]) /
+                          (is_encoder ? double(l.dp) : 1.0);
+      const double busy = std::max(share, item) + double(m) * mm.stage_constant(l.tp, nl);
+      worst = std::max(
+          worst, busy + allreduce_time(ctx.c, mm, l, st, st == 0 ? extra_allreduce_params : 0.0));
+    }
+    total += worst;
+  }
+  return total / double(ctx.sums.size());
+}
+
+// Colocated: the encoder's load sits on the LLM's first stage of every replica.
+double colocated_bound(const Context& ctx, const Layout& l) {
+  const ModuleLayout& g = l.llm;
+  const int64_t m = l.num_microbatches;
+  double total = 0;
+  for (const BatchSums& s : ctx.sums) {
+    double worst = 0;
+    for (int64_t st = 0; st < g.pp; ++st) {
+      const int64_t nl = g.layers_per_stage[size_t(st)];
+      const bool is_last = st == g.pp - 1;
+      double share =
+          ctx.llm.stage_time(g.tp, g.recompute, nl, is_last, s.llm_body, s.llm_last, s.llm_tokens);
+      double c = ctx.llm.stage_constant(g.tp, nl);
+      if (st == 0) {
+        share += ctx.enc.stage_time(g.tp, g.recompute, ctx.enc.p->num_layers, true, s.enc_body,
+                                    s.enc_last, s.enc_tokens);
+        c += ctx.enc.stage_constant(g.tp, ctx.enc.p->num_layers);
+      }
+      const double busy = share / double(g.dp) + double(m) * c;
+      const double extra = st == 0 ? ctx.enc.all_params() : 0.0;
+      worst = std::max(worst, busy + allreduce_time(ctx.c, ctx.llm, g, st, extra));
+    }
+    total += worst;
+  }
+  return total / double(ctx.sums.size());
+}
+
+// ---------------------------------------------------------------------------------------
+// Search
+
+struct Candidate {
+  double bound;
+  Layout layout;
+};
+
+bool candidate_less(const Candidate& a, const Candidate& b) {
+  return better(a.bound, a.layout, b.bound, b.layout);
+}
+
+// `colocated_recompute`: set for a colocated LLM layout (the encoder joins its first stage).
+ModuleLayout make_module(const ModuleModel& mm, const Degrees& d, int64_t first_rank, bool balanced,
+                         const Context& ctx,
+                         std::optional<bool> colocated_recompute = std::nullopt) {
+  ModuleLayout l;
+  l.tp = d.tp;
+  l.pp = d.pp;
+  l.dp = d.dp;
+  l.first_rank = first_rank;
+  // Per-layer vs last-stage-only load of the average sample, for the balanced split.
+  double body = 0, last = 0;
+  const bool is_encoder = &mm == &ctx.enc;
+  for (const BatchSums& s : ctx.sums) {
+    body += is_encoder ? s.enc_body : s.llm_body;
+    last += is_encoder ? s.enc_last : s.llm_last;
+  }
+  double first = 0;
+  if (colocated_recompute) {
+    // The encoder's time at this tp, in the LLM's unit (time at t = 1 before TP scaling).
+    double enc = 0;
+    for (const BatchSums& s : ctx.sums) enc += s.enc_body + s.enc_last;
+    first = enc * (*colocated_recompute ? 4.0 / 3.0 : 1.0) * ctx.llm.eff(d.tp) / ctx.enc.eff(d.tp);
+  }
+  l.layers_per_stage =
+      split_layers(mm.p->num_layers, d.pp, body / double(mm.p->num_layers), first, last, balanced);
+  return l;
+}
+
+class Search {
+ public:
+  Search(const Context& ctx) : ctx_(ctx), eval_(ctx) {}
+
+  PlanResult run() {
+    const PlannerOptions& o = ctx_.o;
+    enumerate();
+    std::sort(cands_.begin(), cands_.end(), candidate_less);
+    if (o.strategy == PlanStrategy::MeanShapeReference) {
+      // The reference ranks by its estimate; we report the simulated time of its choice
+      // (and of the next ones when top_k > 1), walking down the estimate ranking past
+      // layouts that fail the exact memory check.
+      for (const Candidate& c : cands_) {
+        if (int64_t(best_.size()) >= o.top_k) break;
+        evaluate(c);
+      }
+    } else if (!o.prune) {
+      for (const Candidate& c : cands_) evaluate(c);
+    } else {
+      // Phase 1 kept the lowest bounds only; simulate them for an incumbent.
+      std::set<TieKey> done;
+      for (const Candidate& c : cands_) {
+        if (c.bound > kth_best()) break;
+        evaluate(c);
+        done.insert(tie_key(c.layout));
+      }
+      // Phase 2: everything whose bound can still beat the k-th best (not counted again).
+      threshold_ = kth_best();
+      collect_all_ = true;
+      cands_.clear();
+      enumerate();
+      std::sort(cands_.begin(), cands_.end(), candidate_less);
+      for (const Candidate& c : cands_) {
+        if (c.bound > kth_best()) break;
+        if (done.count(tie_key(c.layout))) continue;
+        evaluate(c);
+      }
+      stats_.num_pruned = stats_.num_bounded - stats_.num_simulated - exact_rejected_;
+    }
+    PlanResult result;
+    result.stats = stats_;
+    result.best = best_;
+    if (best_.empty()) result.shortfall = shortfall_;
+    return result;
+  }
+
+ private:
+  double kth_best() const {
+    if (int64_t(best_.size()) < ctx_.o.top_k) return kInf;
+    return best_.back().mean_step_time_s;
+  }
+
+  void note_shortfall(const Evaluator::Memory& mem) {
+    if (!shortfall_.found || mem.peak < shortfall_.needed_bytes) {
+      shortfall_ = {true, mem.peak, mem.encoder, mem.stage};
+    }
+  }
+
+  void evaluate(const Candidate& c) {
+    bool feasible = false;
+    Evaluator::Memory mem;
+    LayoutScore score = eval_.score(c.layout, &feasible, &mem);
+    if (!feasible) {
+      ++stats_.num_memory_rejected;
+      ++exact_rejected_;
+      note_shortfall(mem);
+      return;
+    }
+    ++stats_.num_simulated;
+    score.lower_bound_s = ctx_.o.strategy == PlanStrategy::MeanShapeReference ? 0.0 : c.bound;
+    if (ctx_.o.strategy == PlanStrategy::MeanShapeReference) score.estimate_s = c.bound;
+    best_.push_back(std::move(score));
+    std::sort(best_.begin(), best_.end(), [](const LayoutScore& a, const LayoutScore& b) {
+      return better(a.mean_step_time_s, a.layout, b.mean_step_time_s, b.layout);
+    });
+    if (int64_t(best_.size()) > ctx_.o.top_k) best_.pop_back();
+  }
+
+  // Offers a candidate to the current pass.
+  void offer(double bound, const Layout& l) {
+    if (!collect_all_) ++stats_.num_bounded;
+    if (!ctx_.o.prune || ctx_.o.strategy == PlanStrategy::MeanShapeReference || collect_all_) {
+      if (collect_all_ && bound > threshold_) return;
+      cands_.push_back({bound, l});
+      return;
+    }
+    // Phase 1: keep the lowest bounds in a bounded max-heap.
+    const size_t keep = size_t(std::max<int64_t>(4 * ctx_.o.top_k, 32));
+    Candidate c{bound, l};
+    if (cands_.size() < keep) {
+      cands_.push_back(std::move(c));
+      std::push_heap(cands_.begin(), cands_.end(), candidate_less);
+    } else if (candidate_less(c, cands_.front())) {
+      std::pop_heap(cands_.begin(), cands_.end(), candidate_less);
+      cands_.back() = std::move(c);
+      std::push_heap(cands_.begin(), cands_.end(), candidate_less);
+    }
+  }
+
+  // Checks memory with the smallest possible bins; returns false (and counts) if over.
+  bool fits(const Layout& l) {
+    const Evaluator::Memory mem = eval_.memory_lower_bound(l);
+    if (mem.peak <= ctx_.c.gpu_memory_bytes) return true;
+    if (!collect_all_) ++stats_.num_memory_rejected;
+    note_shortfall(mem);
+    return false;
+  }
+
+  std::vector<int64_t> microbatch_choices(int64_t dp) const {
+    const int64_t max_m = ctx_.n / dp;
+    std::vector<int64_t> out;
+    if (ctx_.o.microbatch_choices.empty()) {
+      out = default_microbatch_choices(max_m);
+    } else {
+      for (int64_t m : ctx_.o.microbatch_choices) {
+        if (m >= 1 && m <= max_m) out.push_back(m);
+      }
+    }
+    return out;
+  }
+
+  void enumerate() {
+    if (ctx_.o.strategy != PlanStrategy::MeanShapeReference) enumerate_colocated();
+    if (ctx_.o.strategy != PlanStrategy::DataBlindColocated) enumerate_disaggregated();
+  }
+
+  int64_t max_tp() const {
+    return ctx_.o.max_tp > 0 ? std::min(ctx_.o.max_tp, ctx_.c.gpus_per_node) : ctx_.c.gpus_per_node;
+  }
+
+  void enumerate_colocated() {
+    const int64_t N = ctx_.c.num_gpus;
+    for (const auto& [d, recompute] : with_recompute(
+             module_degrees(ctx_.c, *ctx_.llm.p, N, 0, max_tp(), true, ctx_.enc.p->num_heads))) {
+      Layout l;
+      l.colocated = true;
+      // The data-blind baseline splits layers uniformly (Megatron-LM); dflop balances
+      // them with the encoder's load on the first stage.
+      l.llm = make_module(ctx_.llm, d, 0,
+                          ctx_.o.strategy == PlanStrategy::DataAware && ctx_.o.balanced_layer_split,
+                          ctx_, recompute);
+      l.llm.recompute = recompute;
+      l.encoder.tp = d.tp;
+      l.encoder.recompute = recompute;
+      l.encoder.layers_per_stage = {ctx_.enc.p->num_layers};
+      for (int64_t m : microbatch_choices(d.dp)) {
+        l.num_microbatches = m;
+        if (!collect_all_) ++stats_.num_candidates;
+        const double bound = colocated_bound(ctx_, l);
+        if (collect_all_ && bound > threshold_) continue;
+        if (!fits(l)) continue;
+        offer(bound, l);
+      }
+    }
+  }
+
+  void enumerate_disaggregated() {
+    const int64_t N = ctx_.c.num_gpus;
+    const bool balanced = ctx_.o.balanced_layer_split;
+    const bool reference = ctx_.o.strategy == PlanStrategy::MeanShapeReference;
+    for (int64_t v = 1; v < N; ++v) {
+      std::vector<ModuleLayout> encs, llms;
+      for (const auto& [d, recompute] :
+           with_recompute(module_degrees(ctx_.c, *ctx_.enc.p, v, 0, max_tp(), false, 1))) {
+        encs.push_back(make_module(ctx_.enc, d, 0, balanced, ctx_));
+        encs.back().recompute = recompute;
+      }
+      if (encs.empty()) continue;
+      for (const auto& [d, recompute] :
+           with_recompute(module_degrees(ctx_.c, *ctx_.llm.p, N - v, v, max_tp(), false, 1))) {
+        llms.push_back(make_module(ctx_.llm, d, v, balanced, ctx_));
+        llms.back().recompute = recompute;
+      }
+      // Per-module bounds depend on m only through the constants: cache per (layout, m).
+      for (const ModuleLayout& g : llms) {
+        const std::vector<int64_t> ms = microbatch_choices(g.dp);
+        for (int64_t m : ms) {
+          const double llm_bound = reference ? 0.0 : module_bound(ctx_, ctx_.llm, g, m, false, 0.0);
+          for (const ModuleLayout& e : encs) {
+            Layout l;
+            l.encoder = e;
+            l.llm = g;
+            l.num_microbatches = m;
+            if (!collect_all_) ++stats_.num_candidates;
+            double bound = 0;
+            if (reference) {
+              bound = eval_.mean_shape_estimate(l);
+            } else {
+              bound = std::max(llm_bound, enc_bound(e, m));
+              if (collect_all_ && bound > threshold_) continue;
+            }
+            if (!fits(l)) continue;
+            offer(bound, l);
+          }
+        }
+      }
+    }
+  }
+
+  // Every degree with and without full activation recomputation.
+  static std::vector<std::pair<Degrees, bool>> with_recompute(const std::vector<Degrees>& ds) {
+    std::vector<std::pair<Degrees, bool>> out;
+    for (bool recompute : {false, true}) {
+      for (const Degrees& d : ds) out.emplace_back(d, recompute);
+    }
+    return out;
+  }
+
+  double enc_bound(const ModuleLayout& e, int64_t m) {
+    const auto key = std::make_tuple(e.tp, e.pp, e.dp, m, e.recompute);
+    auto it = enc_bound_cache_.find(key);
+    if (it != enc_bound_cache_.end()) return it->second;
+    const double v = module_bound(ctx_, ctx_.enc, e, m, true, 0.0);
+    enc_bound_cache_.emplace(key, v);
+    return v;
+  }
+
+  const Context& ctx_;
+  Evaluator eval_;
+  std::vector<Candidate> cands_;
+  std::vector<LayoutScore> best_;
+  PlannerStats stats_;
+  MemoryShortfall shortfall_;
+  double threshold_ = kInf;
+  bool collect_all_ = false;
+  int64_t exact_rejected_ = 0;
+  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, bool>, double> enc_bound_cache_;
+};
+
+void check_layout(const ClusterParams& c, const ModuleParams& enc, const ModuleParams& llm,
+                  const PlannerOptions& o, const Layout& l) {
+  auto check_module_layout = [&](const char* name, const ModuleParams& p, const ModuleLayout& m) {
+    const std::string n(name);
+    require(m.tp >= 1 && m.pp >= 1 && m.dp >= 1, n + ": tp, pp, dp must be >= 1");
+    require(c.gpus_per_node % m.tp == 0 && p.num_heads % m.tp == 0,
+            n + ".tp=" + std::to_string(m.tp) + " must divide gpus_per_node and num_heads");
+    require(m.first_rank % m.tp == 0, n + ".first_rank must be a multiple of tp");
+    require(int64_t(m.layers_per_stage.size()) == m.pp,
+            n + ".layers_per_stage must have pp entries");
+    int64_t sum = 0;
+    for (int64_t x : m.layers_per_stage) {
+      require(x >= 1, n + ".layers_per_stage entries must be >= 1");
+      sum += x;
+    }
+    require(sum == p.num_layers,
+            n + ".layers_per_stage must sum to num_layers=" + std::to_string(p.num_layers));
+  };
+  check_module_layout("llm", llm, l.llm);
+  require(l.num_microbatches >= 1, "num_microbatches must be >= 1");
+  require(l.num_microbatches * l.llm.dp <= o.global_batch,
+          "num_microbatches x llm.dp must be <= global_batch (one sample per bin at least)");
+  if (l.colocated) {
+    require(l.llm.first_rank == 0 && l.llm.tp * l.llm.pp * l.llm.dp == c.num_gpus,
+            "a colocated layout must use all num_gpus from rank 0");
+    require(enc.num_heads % l.llm.tp == 0, "colocated: llm.tp must divide the encoder's heads");
+  } else {
+    check_module_layout("encoder", enc, l.encoder);
+    const int64_t v = l.encoder.tp * l.encoder.pp * l.encoder.dp;
+    require(l.encoder.first_rank == 0 && l.llm.first_rank == v &&
+                v + l.llm.tp * l.llm.pp * l.llm.dp == c.num_gpus,
+            "encoder ranks [0, V) and LLM ranks [V, num_gpus) must cover the cluster");
+  }
+}
+
+}  // namespace
+
+std::vector<int64_t> default_microbatch_choices(int64_t max_microbatches) {
+  std::vector<int64_t> out;
+  // 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ...: about x1.4 per step.
+  for (int64_t p = 1; p <= max_microbatches; p *= 2) {
+    out.push_back(p);
+    if (p >= 2 && p + p / 2 <= max_microbatches) out.push_back(p + p / 2);
+  }
+  if (max_microbatches >= 1 && (out.empty() || out.back() != max_microbatches)) {
+    // Also the largest count (one sample per bin): it can beat the rounded steps.
+    out.push_back(max_microbatches);
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+std::vector<int64_t> split_layers(int64_t num_layers, int64_t num_stages, double per_layer,
+                                  double first_stage_extra, double last_stage_extra,
+                                  bool balanced) {
+  require(num_stages >= 1 && num_stages <= num_layers,
+          "num_stages must be in [1, num_layers=" + std::to_string(num_layers) + "], got " +
+              std::to_string(num_stages));
+  std::vector<int64_t> out(static_cast<size_t>(num_stages), num_layers / num_stages);
+  for (int64_t s = 0; s < num_layers % num_stages; ++s) ++out[size_t(s)];
+  if (!balanced || num_stages == 1 || !(per_layer > 0)) return out;
+  // Water-filling: give each next layer to the stage whose load after it is smallest
+  // (ties: the earliest stage); optimal for min-max with one extra on the last stage.
+  std::fill(out.begin(), out.end(), 1);
+  auto load = [&](int64_t s, int64_t layers) {
+    return double(layers) * per_layer + (s == 0 ? first_stage_extra : 0.0) +
+           (s == num_stages - 1 ? last_stage_extra : 0.0);
+  };
+  for (int64_t k = num_stages; k < num_layers; ++k) {
+    int64_t best = 0;
+    for (int64_t s = 1; s < num_stages; ++s) {
+      if (load(s, out[size_t(s)] + 1) < load(best, out[size_t(best)] + 1)) best = s;
+    }
+    ++out[size_t(best)];
+  }
+  return out;
+}
+
+void validate_planner_input(const ClusterParams& c, const ModuleParams& enc,
+                            const ModuleParams& llm, const PlannerSamples& x,
+                            const PlannerOptions& o) {
+  require(c.num_gpus >= 2,
+          "cluster.num_gpus must be >= 2 (the encoder and the LLM need one "
+          "GPU each), got " +
+              std::to_string(c.num_gpus));
+  require(c.gpus_per_node >= 1,
+          "cluster.gpus_per_node must be >= 1, got " + std::to_string(c.gpus_per_node));
+  check_positive("cluster.gpu_memory_bytes", c.gpu_memory_bytes);
+  check_positive("cluster.intra_node_bandwidth_bytes_per_s", c.intra_node_bandwidth_bytes_per_s);
+  check_positive("cluster.inter_node_bandwidth_bytes_per_s", c.inter_node_bandwidth_bytes_per_s);
+  check_finite_nonneg("cluster.link_latency_s", c.link_latency_s);
+  check_finite_nonneg("cluster.tp_gemm_loss", c.tp_gemm_loss);
+  check_finite_nonneg("cluster.memory_reserve_bytes", c.memory_reserve_bytes);
+  check_module("encoder", enc);
+  check_module("llm", llm);
+  require(x.num_batches >= 1,
+          "samples.num_batches must be >= 1, got " + std::to_string(x.num_batches));
+  require(x.batch_size >= 1,
+          "samples.batch_size must be >= 1, got " + std::to_string(x.batch_size));
+  require(o.global_batch == x.batch_size, "global_batch=" + std::to_string(o.global_batch) +
+                                              " must equal the sampled batch size " +
+                                              std::to_string(x.batch_size));
+  require(o.top_k >= 1, "top_k must be >= 1, got " + std::to_string(o.top_k));
+  require(o.max_tp >= 0, "max_tp must be >= 0, got " + std::to_string(o.max_tp));
+  require(int(o.strategy) >= 0 && int(o.strategy) <= 2, "strategy is not a PlanStrategy");
+  for (size_t i = 0; i < o.microbatch_choices.size(); ++i) {
+    require(o.microbatch_choices[i] >= 1, "microbatch_choices[" + std::to_string(i) +
+                                              "] must be >= 1, got " +
+                                              std::to_string(o.microbatch_choices[i]));
+  }
+  const size_t total = size_t(x.num_batches) * size_t(x.batch_size);
+  check_column("encoder_s", x.encoder_s, total, false);
+  check_column("llm_s", x.llm_s, total, false);
+  check_column("encoder_last_fraction", x.encoder_last_fraction, total, true);
+  check_column("llm_last_fraction", x.llm_last_fraction, total, true);
+  check_column("encoder_tokens", x.encoder_tokens, total, false);
+  check_column("llm_tokens", x.llm_tokens, total, false);
+  check_column("visual_tokens", x.visual_tokens, total, false);
+}
+
+PlanResult plan_layouts(const ClusterParams& c, const ModuleParams& enc, const ModuleParams& llm,
+                        const PlannerSamples& x, const PlannerOptions& o) {
+  validate_planner_input(c, enc, llm, x, o);
+  const Context ctx(c, enc, llm, x, o);
+  Search search(ctx);
+  return search.run();
+}
+
+LayoutScore evaluate_layout(const ClusterParams& c, const ModuleParams& enc,
+                            const ModuleParams& llm, const PlannerSamples& x,
+                            const PlannerOptions& o, const Layout& l) {
+  validate_planner_input(c, enc, llm, x, o);
+  check_layout(c, enc, llm, o, l);
+  const Context ctx(c, enc, llm, x, o);
+  Evaluator eval(ctx);
+  bool feasible = false;
+  Evaluator::Memory mem;
+  LayoutScore score = eval.score(l, &feasible, &mem);
+  if (!feasible) {
+    throw Infeasible("layout needs " + fmt(mem.peak / 1e9) + " GB on " +
+                     (mem.encoder ? "encoder" : "LLM") + " stage " + std::to_string(mem.stage) +
+                     ", more than gpu_memory_bytes = " + fmt(c.gpu_memory_bytes / 1e9) + " GB");
+  }
+  score.lower_bound_s =
+      l.colocated ? colocated_bound(ctx, l)
+                  : std::max(module_bound(ctx, ctx.llm, l.llm, l.num_microbatches, false, 0.0),
+                             module_bound(ctx, ctx.enc, l.encoder, l.num_microbatches, true, 0.0));
+  return score;
+}
+
+StepModel build_step(const ClusterParams& c, const ModuleParams& enc, const ModuleParams& llm,
+                     const PlannerSamples& x, const PlannerOptions& o, const Layout& l,
+                     int64_t batch) {
+  validate_planner_input(c, enc, llm, x, o);
+  check_layout(c, enc, llm, o, l);
+  require(
+      batch >= 0 && batch < x.num_batches,
+      "batch must be in [0, " + std::to_string(x.num_batches) + "), got " + std::to_string(batch));
+  const Context ctx(c, enc, llm, x, o);
+  Evaluator eval(ctx);
+  StepModel out;
+  std::vector<int64_t> bins = eval.assign(l, batch);
+  const BinSums sums = eval.bin_sums(l, batch, bins);
+  std::vector<int64_t> identity(static_cast<size_t>(l.num_microbatches));
+  std::iota(identity.begin(), identity.end(), 0);
+  const PipelineSimInput base = eval.sim_input(l, sums, identity, true);
+  double best = kInf;
+  for (const auto& [kind, order] : eval.orders(l, base)) {
+    PipelineSimInput in =
+        kind == MicrobatchOrder::AsScheduled ? base : Evaluator::permuted(base, order);
+    PipelineSimInput quiet = in;
+    quiet.record_events = false;
+    const double t = simulate_pipeline(quiet).step_time_s;
+    if (t < best) {
+      best = t;
+      out.sim = std::move(in);
+      out.microbatch_order = order;
+    }
+  }
+  // Renumber bins so that microbatch k of the step is the k-th in the chosen order.
+  std::vector<int64_t> position(static_cast<size_t>(l.num_microbatches));
+  for (size_t k = 0; k < out.microbatch_order.size(); ++k) {
+    position[size_t(out.microbatch_order[k])] = int64_t(k);
+  }
+  const int64_t dp = l.llm.dp;
+  for (auto& b : bins) b = position[size_t(b / dp)] * dp + b % dp;
+  out.assignment = std::move(bins);
+  out.num_encoder_stages = l.colocated ? 0 : l.encoder.pp;
+  return out;
+}
+
+}  // namespace dflop

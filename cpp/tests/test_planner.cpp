@@ -1,0 +1,158 @@
+// Planner: layer split, microbatch choices, validation, memory infeasibility, and pruning
+// returning the same layouts as exhaustive evaluation.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "check.hpp"
+#include "dflop/errors.hpp"
+#include "dflop/planner.hpp"
+
+namespace {
+
+using dflop::ClusterParams;
+using dflop::ModuleParams;
+using dflop::PlannerOptions;
+using dflop::PlannerSamples;
+
+struct Problem {
+  ClusterParams cluster;
+  ModuleParams encoder, llm;
+  PlannerSamples samples;
+  PlannerOptions options;
+};
+
+// A small deterministic workload: 2 batches of 24 samples, a heavy encoder tail.
+Problem make_problem(int64_t num_gpus) {
+  Problem p;
+  p.cluster.num_gpus = num_gpus;
+  p.cluster.gpus_per_node = 4;
+  p.cluster.gpu_memory_bytes = 80e9;
+  p.encoder = {8, 8, 1024, 12.6e6, 1e6, 4e6, 34.0 * 1024, 0.0, 1e-3};
+  p.llm = {16, 16, 2048, 50e6, 64e6, 64e6, 34.0 * 2048, 4.0 * 32000, 2e-3};
+  p.samples.num_batches = 2;
+  p.samples.batch_size = 24;
+  uint64_t state = 12345;
+  auto next = [&state]() {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return double(state >> 11) / double(1ULL << 53);
+  };
+  for (int64_t i = 0; i < 48; ++i) {
+    const double units = i % 3 == 0 ? 0.0 : 1.0 + double(int64_t(next() * 10));
+    const double seq = 200.0 + next() * 3000.0 + units * 100.0;
+    p.samples.encoder_s.push_back(units * 0.05);
+    p.samples.llm_s.push_back(seq * 1e-4);
+    p.samples.encoder_last_fraction.push_back(units > 0 ? 0.05 : 0.0);
+    p.samples.llm_last_fraction.push_back(0.1);
+    p.samples.encoder_tokens.push_back(units * 729);
+    p.samples.llm_tokens.push_back(seq);
+    p.samples.visual_tokens.push_back(units * 100.0);
+  }
+  p.options.global_batch = 24;
+  p.options.top_k = 3;
+  return p;
+}
+
+dflop::PlanResult run(const Problem& p) {
+  return dflop::plan_layouts(p.cluster, p.encoder, p.llm, p.samples, p.options);
+}
+
+TEST_CASE(split_layers_uniform_and_balanced) {
+  CHECK(dflop::split_layers(10, 3, 1.0, 0.0, 0.0, false) == (std::vector<int64_t>{4, 3, 3}));
+  CHECK(dflop::split_layers(10, 3, 1.0, 0.0, 2.0, true) == (std::vector<int64_t>{4, 4, 2}));
+  // The first stage carries 3 layers' worth of extra load: the best max load is 5.
+  const auto first_heavy = dflop::split_layers(10, 3, 1.0, 3.0, 0.0, true);
+  CHECK_EQ(first_heavy[0] + first_heavy[1] + first_heavy[2], 10);
+  CHECK_EQ(std::max({first_heavy[0] + 3, first_heavy[1], first_heavy[2]}), 5);
+  CHECK(dflop::split_layers(5, 5, 1.0, 0.0, 9.0, true) == (std::vector<int64_t>{1, 1, 1, 1, 1}));
+  CHECK_THROWS_AS(dflop::split_layers(3, 4, 1.0, 0.0, 0.0, true), dflop::InvalidArgument);
+}
+
+TEST_CASE(microbatch_choices) {
+  CHECK(dflop::default_microbatch_choices(1) == (std::vector<int64_t>{1}));
+  CHECK(dflop::default_microbatch_choices(16) == (std::vector<int64_t>{1, 2, 3, 4, 6, 8, 12, 16}));
+  CHECK(dflop::default_microbatch_choices(0).empty());
+}
+
+TEST_CASE(pruning_equals_exhaustive) {
+  for (int64_t gpus : {4, 8, 12}) {
+    Problem p = make_problem(gpus);
+    const auto pruned = run(p);
+    p.options.prune = false;
+    const auto full = run(p);
+    CHECK_EQ(pruned.best.size(), full.best.size());
+    for (size_t i = 0; i < pruned.best.size() && i < full.best.size(); ++i) {
+      CHECK_EQ(pruned.best[i].mean_step_time_s, full.best[i].mean_step_time_s);
+      CHECK_EQ(pruned.best[i].layout.llm.tp, full.best[i].layout.llm.tp);
+      CHECK_EQ(pruned.best[i].layout.llm.pp, full.best[i].layout.llm.pp);
+      CHECK_EQ(pruned.best[i].layout.num_microbatches, full.best[i].layout.num_microbatches);
+      CHECK(pruned.best[i].mean_step_time_s >= pruned.best[i].lower_bound_s * (1 - 1e-12));
+    }
+    CHECK(pruned.stats.num_simulated <= full.stats.num_simulated);
+  }
+}
+
+TEST_CASE(layouts_respect_constraints) {
+  const Problem p = make_problem(12);
+  const auto result = run(p);
+  CHECK(!result.best.empty());
+  for (const auto& s : result.best) {
+    const auto& l = s.layout;
+    const int64_t llm_gpus = l.llm.tp * l.llm.pp * l.llm.dp;
+    if (l.colocated) {
+      CHECK_EQ(llm_gpus, 12);
+    } else {
+      const int64_t enc_gpus = l.encoder.tp * l.encoder.pp * l.encoder.dp;
+      CHECK_EQ(enc_gpus + llm_gpus, 12);
+      CHECK_EQ(l.llm.first_rank, enc_gpus);
+      CHECK_EQ(l.llm.first_rank % l.llm.tp, 0);
+      CHECK_EQ(p.cluster.gpus_per_node % l.encoder.tp, 0);
+    }
+    CHECK_EQ(p.cluster.gpus_per_node % l.llm.tp, 0);
+    CHECK(l.num_microbatches * l.llm.dp <= p.options.global_batch);
+    CHECK(s.peak_memory_bytes <= p.cluster.gpu_memory_bytes);
+  }
+}
+
+TEST_CASE(memory_infeasible_reports_shortfall) {
+  Problem p = make_problem(4);
+  p.cluster.gpu_memory_bytes = 1e9;
+  const auto result = run(p);
+  CHECK(result.best.empty());
+  CHECK(result.shortfall.found);
+  CHECK(result.shortfall.needed_bytes > 1e9);
+  CHECK(result.stats.num_memory_rejected > 0);
+}
+
+TEST_CASE(baselines_run) {
+  Problem p = make_problem(8);
+  p.options.strategy = dflop::PlanStrategy::DataBlindColocated;
+  const auto blind = run(p);
+  CHECK(!blind.best.empty());
+  for (const auto& s : blind.best) CHECK(s.layout.colocated);
+  p.options.strategy = dflop::PlanStrategy::MeanShapeReference;
+  p.options.top_k = 1;
+  const auto ref = run(p);
+  CHECK_EQ(ref.best.size(), size_t{1});
+  CHECK(ref.best[0].estimate_s > 0.0);
+  p.options.strategy = dflop::PlanStrategy::DataAware;
+  p.options.top_k = 1;
+  const auto dflop_best = run(p);
+  CHECK(dflop_best.best[0].mean_step_time_s <= blind.best[0].mean_step_time_s);
+}
+
+TEST_CASE(validation_names_the_problem) {
+  Problem p = make_problem(8);
+  p.options.global_batch = 10;
+  CHECK_THROWS_AS(run(p), dflop::InvalidArgument);
+  p = make_problem(8);
+  p.samples.llm_s[3] = -1.0;
+  CHECK_THROWS_AS(run(p), dflop::InvalidArgument);
+  p = make_problem(8);
+  p.cluster.num_gpus = 1;
+  CHECK_THROWS_AS(run(p), dflop::InvalidArgument);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return dflop_test::run_all(argc, argv); }

@@ -1,0 +1,213 @@
+"""``dflop plan`` and ``dflop simulate``: choose a parallel layout; simulate a planned step."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="choose the encoder/LLM parallel layout from the data (simulated steps)",
+        description="Search (tp, pp, dp) for the encoder and the LLM on disjoint GPUs, the "
+        "layer split and the number of microbatches; score each layout by simulating steps "
+        "on global batches sampled from the shapes; print the best layouts and the "
+        "data-blind baseline, and write the plan JSON the trainer reads.",
+    )
+    p.add_argument(
+        "--perf",
+        default="analytic",
+        help="performance model JSON (dflop.profiling) or 'analytic' (FLOP model, default)",
+    )
+    p.add_argument("--encoder", default="siglip-400m", help="encoder preset (default siglip-400m)")
+    p.add_argument("--llm", default="llm-7b", help="LLM preset (default llm-7b)")
+    p.add_argument(
+        "--shapes", default="synthetic", help="ShapeDistribution JSON/Parquet or 'synthetic'"
+    )
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0)
+    p.add_argument("--intra-node-gbps", type=float, default=300.0, help="GB/s per GPU (NVLink)")
+    p.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s per GPU (network)")
+    p.add_argument("--global-batch", type=int, default=256)
+    p.add_argument("--gpu-flops", type=float, default=312e12, help="analytic: peak FLOP/s")
+    p.add_argument("--mfu", type=float, default=0.4, help="analytic: achieved fraction")
+    p.add_argument("--batches", type=int, default=4, help="sampled batches per candidate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top", type=int, default=5, help="layouts to keep (default 5)")
+    p.add_argument("--no-prune", action="store_true", help="simulate every candidate")
+    p.add_argument("--reference", action="store_true", help="also run the mean-shape optimizer")
+    p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(handler=run_plan)
+
+    s = subparsers.add_parser(
+        "simulate",
+        help="simulate one sampled step of a plan and write its timeline",
+        description="Rebuild the plan's sampled batches, simulate one of them under the "
+        "chosen layout and write the timeline as Chrome-trace JSON and/or a PNG Gantt chart.",
+    )
+    s.add_argument("plan", help="plan JSON written by 'dflop plan'")
+    s.add_argument("--layout", type=int, default=0, help="index of the layout (0 = best)")
+    s.add_argument("--baseline", action="store_true", help="simulate the data-blind baseline")
+    s.add_argument("--batch", type=int, default=0, help="which sampled batch (default 0)")
+    s.add_argument("--trace", default=None, help="Chrome-trace JSON output (Perfetto)")
+    s.add_argument("--png", default=None, help="PNG Gantt chart output (needs matplotlib)")
+    s.add_argument("--json", action="store_true", help="print JSON instead of text")
+    s.set_defaults(handler=run_simulate)
+
+
+def _performance_model(perf: str, encoder: Any, llm: Any, gpu_flops: float, mfu: float) -> Any:
+    if perf == "analytic":
+        from dflop.data.costs import AnalyticCostModel
+
+        return AnalyticCostModel(encoder, llm, gpu_flops=gpu_flops, mfu=mfu)
+    if not os.path.exists(perf):
+        raise FileNotFoundError(f"--perf {perf}: no such file (or use --perf analytic)")
+    try:
+        from dflop.profiling import CostModel, PerformanceModel
+    except ImportError as error:
+        raise ImportError(
+            f"--perf {perf}: loading a measured performance model needs dflop.profiling "
+            f"({error}); use --perf analytic"
+        ) from None
+    loader = getattr(CostModel, "load", None)
+    if callable(loader):
+        return loader(perf)
+    return CostModel(PerformanceModel.load(perf))
+
+
+def _shapes(shapes: str) -> Any:
+    if shapes == "synthetic":
+        return None
+    if not os.path.exists(shapes):
+        raise FileNotFoundError(f"--shapes {shapes}: no such file (or use --shapes synthetic)")
+    from dflop.data.distribution import ShapeDistribution
+
+    return ShapeDistribution.load(shapes)
+
+
+def _configs(encoder: Any, llm: Any) -> tuple[Any, Any]:
+    from dflop.data.costs import ENCODER_PRESETS, LLM_PRESETS, EncoderConfig, LLMConfig
+
+    def resolve(kind: str, value: Any, presets: dict, cls: type) -> Any:
+        if isinstance(value, dict):
+            return cls(**value)
+        if value not in presets:
+            raise ValueError(
+                f"unknown {kind} preset {value!r}; known: {', '.join(sorted(presets))}"
+            )
+        return presets[value]
+
+    return (
+        resolve("encoder", encoder, ENCODER_PRESETS, EncoderConfig),
+        resolve("llm", llm, LLM_PRESETS, LLMConfig),
+    )
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from dflop.planner import ClusterSpec, PlannerConfig, plan
+
+    encoder, llm = _configs(args.encoder, args.llm)
+    model = _performance_model(args.perf, encoder, llm, args.gpu_flops, args.mfu)
+    cluster = ClusterSpec(
+        num_gpus=args.gpus,
+        gpus_per_node=args.gpus_per_node,
+        gpu_memory_bytes=args.gpu_memory_gb * 1e9,
+        intra_node_bandwidth_bytes_per_s=args.intra_node_gbps * 1e9,
+        inter_node_bandwidth_bytes_per_s=args.inter_node_gbps * 1e9,
+    )
+    config = PlannerConfig(
+        num_batches=args.batches,
+        seed=args.seed,
+        top_k=args.top,
+        prune=not args.no_prune,
+        reference=args.reference,
+    )
+    inputs = {
+        "perf": args.perf if args.perf == "analytic" else os.path.abspath(args.perf),
+        "gpu_flops": args.gpu_flops,
+        "mfu": args.mfu,
+        "shapes": args.shapes if args.shapes == "synthetic" else os.path.abspath(args.shapes),
+    }
+    result = plan(
+        model,
+        encoder,
+        llm,
+        cluster,
+        global_batch=args.global_batch,
+        shapes=_shapes(args.shapes),
+        config=config,
+        inputs_description=inputs,
+    )
+    if args.output:
+        result.save(args.output)
+    if args.json:
+        print(result.to_json())
+    else:
+        print(result.table())
+        if args.output:
+            print(f"plan written to {args.output}")
+    return 0
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from dflop.planner import Plan, PlannerConfig, prepare_inputs, simulate_layout
+
+    plan = Plan.load(args.plan)
+    if args.baseline:
+        if plan.baseline is None:
+            raise ValueError(f"{args.plan} has no data-blind baseline")
+        layout = plan.baseline
+    else:
+        if not 0 <= args.layout < len(plan.layouts):
+            raise ValueError(f"--layout {args.layout} is out of range [0, {len(plan.layouts)})")
+        layout = plan.layouts[args.layout]
+    info = plan.inputs
+    encoder, llm = _configs(info.get("encoder", "siglip-400m"), info.get("llm", "llm-7b"))
+    model = _performance_model(
+        info.get("perf", "analytic"),
+        encoder,
+        llm,
+        info.get("gpu_flops", 312e12),
+        info.get("mfu", 0.4),
+    )
+    num_batches = int(info.get("num_batches", 1))
+    if not 0 <= args.batch < num_batches:
+        raise ValueError(f"--batch {args.batch} is out of range [0, {num_batches})")
+    inputs = prepare_inputs(
+        model,
+        encoder,
+        llm,
+        global_batch=plan.global_batch,
+        shapes=_shapes(info.get("shapes", "synthetic")),
+        num_batches=num_batches,
+        seed=int(info.get("seed", 0)),
+    )
+    result = simulate_layout(
+        plan.cluster, inputs, layout, PlannerConfig(seed=int(info.get("seed", 0))), batch=args.batch
+    )
+    if args.trace:
+        result.write_chrome_trace(args.trace)
+    if args.png:
+        result.write_gantt_png(args.png, title=layout.describe())
+    summary = {
+        "layout": layout.describe(),
+        "batch": args.batch,
+        "step_time_s": result.step_time_s,
+        "idle_fraction_of_pipeline_stages": result.idle_fraction,
+        "num_events": int(result.events.shape[0]),
+        "trace": args.trace,
+        "png": args.png,
+    }
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print(f"{layout.describe()}: batch {args.batch} step {result.step_time_s:.3f} s")
+        for path in (args.trace, args.png):
+            if path:
+                print(f"wrote {path}")
+    return 0

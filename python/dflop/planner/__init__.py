@@ -1,0 +1,53 @@
+"""Data-aware 3D-parallelism planner: ``dflop.planner.plan()``.
+
+Given a performance model (anything with ``.costs(shapes) -> (N, 2)`` seconds of the
+whole encoder / whole LLM on one GPU and ``.microbatch_constant_s``), a shape
+distribution (anything with ``.sample(n, seed) -> SampleShapes``; default: the embedded
+synthetic mix), the model configs, a :class:`ClusterSpec` and the global batch size, the
+planner searches disjoint GPU sets for the encoder and the LLM, a (tp, pp, dp) for each,
+the layer split and the number of microbatches, and scores every candidate by simulating
+steps on sampled global batches, each balanced by the scheduler's C++ core and run
+through the pipeline simulator. The result is a :class:`Plan` (JSON, versioned) with the
+best layouts, a predicted step-time breakdown and the data-blind Megatron-LM-style
+baseline. The cost and memory models are documented in ``cpp/include/dflop/planner.hpp``
+and summarised in :mod:`dflop.planner.model`.
+"""
+
+from dflop.planner.model import ClusterSpec, ModuleSpec, PlannerConfig, module_specs
+from dflop.planner.plan import (
+    PLAN_FORMAT,
+    PLAN_VERSION,
+    LayoutPlan,
+    ModulePlan,
+    Plan,
+    StepPrediction,
+)
+from dflop.planner.search import (
+    InfeasibleClusterError,
+    PlannerInputs,
+    evaluate_layout,
+    plan,
+    prepare_inputs,
+    search_layouts,
+    simulate_layout,
+)
+
+__all__ = [
+    "PLAN_FORMAT",
+    "PLAN_VERSION",
+    "ClusterSpec",
+    "InfeasibleClusterError",
+    "LayoutPlan",
+    "ModulePlan",
+    "ModuleSpec",
+    "Plan",
+    "PlannerConfig",
+    "PlannerInputs",
+    "StepPrediction",
+    "evaluate_layout",
+    "module_specs",
+    "plan",
+    "prepare_inputs",
+    "search_layouts",
+    "simulate_layout",
+]

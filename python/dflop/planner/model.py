@@ -1,0 +1,259 @@
+"""Inputs of the planner: the cluster, the per-module parameters, the search settings.
+
+Cost model (per GPU; the C++ core in ``cpp/include/dflop/planner.hpp`` is the reference):
+
+- The performance model gives each sample's training time (forward + backward) of the
+  whole encoder and the whole LLM on one GPU. A per-sample fraction of it runs on the
+  module's last stage only (LM head, projector: from the FLOP counts of the configs); the
+  rest is spread evenly over the layers. Forward is 1/3 of it, backward 2/3.
+- Tensor parallelism t: compute / (t * eff(t)) with ``eff(t) = 1 / (1 + tp_gemm_loss *
+  log2 t)``, plus 4 activation all-reduces per layer (Megatron-LM) of ``tokens * hidden *
+  2`` bytes at ring cost ``2 (t-1)/t * bytes / intra-node bandwidth``, and their latency
+  once per microbatch. t divides gpus_per_node and the module's first rank, so TP groups
+  never cross a node.
+- Encoder DP replicas share each microbatch (its time is the microbatch's load / dp_enc).
+- Pipeline transfers: ``tokens * hidden * 2 / t`` bytes between stages, ``visual tokens *
+  LLM hidden * 2`` bytes from the encoder to the LLM; intra-node bandwidth when both ends
+  share a node. Gradient all-reduce per stage: ``2 (dp-1)/dp * 2 bytes * params / t`` over
+  the DP group's bandwidth (inter-node when it spans nodes), after the last backward.
+
+Memory model (per GPU of a stage): ``16`` bytes per parameter for mixed-precision Adam
+over t (``4 + 12 / dp`` with ZeRO-1, Megatron's distributed optimizer, the default), plus
+activations of ``min(S - s, m)`` microbatches in flight at stage s of the 1F1B pipeline of
+S = pp_enc + pp_llm stages: ``tokens * layers * 34 * hidden / t`` bytes (FlashAttention,
+sequence parallelism; Korthikanti et al. 2022) plus the LLM's fp32 logits on its last
+stage, for the largest bin of the sampled batches; plus ``memory_reserve_bytes``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from dflop.data.costs import EncoderConfig, LLMConfig
+
+__all__ = ["ClusterSpec", "ModuleSpec", "PlannerConfig", "module_specs"]
+
+ACTIVATION_BYTES_PER_HIDDEN = 34.0
+"""Activation bytes per token, layer and hidden unit (bf16, FlashAttention, SP)."""
+
+
+def _check_int(cls: str, name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{cls}.{name}={value!r} must be an int")
+    if value < minimum:
+        raise ValueError(f"{cls}.{name}={value} must be >= {minimum}")
+
+
+def _check_number(cls: str, name: str, value: Any, *, positive: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"{cls}.{name}={value!r} must be a number")
+    ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
+    if not ok:
+        raise ValueError(f"{cls}.{name}={value!r} must be finite and {'>' if positive else '>='} 0")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A homogeneous GPU cluster.
+
+    Attributes:
+        num_gpus: GPUs in total (>= 2: the encoder and the LLM get one each at least).
+        gpus_per_node: GPUs per node (tensor parallelism stays inside a node).
+        gpu_memory_bytes: memory per GPU.
+        intra_node_bandwidth_bytes_per_s: per-GPU NVLink-class bandwidth.
+        inter_node_bandwidth_bytes_per_s: per-GPU network bandwidth between nodes.
+        link_latency_s: latency of a point-to-point transfer or collective.
+        tp_gemm_loss: tensor-parallel GEMM efficiency loss, ``eff(t) = 1 / (1 + loss *
+            log2 t)``.
+        memory_reserve_bytes: memory per GPU kept free (CUDA context, fragmentation).
+    """
+
+    num_gpus: int
+    gpus_per_node: int = 8
+    gpu_memory_bytes: float = 80e9
+    intra_node_bandwidth_bytes_per_s: float = 300e9
+    inter_node_bandwidth_bytes_per_s: float = 25e9
+    link_latency_s: float = 5e-6
+    tp_gemm_loss: float = 0.05
+    memory_reserve_bytes: float = 2e9
+
+    def __post_init__(self) -> None:
+        _check_int("ClusterSpec", "num_gpus", self.num_gpus, 2)
+        _check_int("ClusterSpec", "gpus_per_node", self.gpus_per_node, 1)
+        for name in (
+            "gpu_memory_bytes",
+            "intra_node_bandwidth_bytes_per_s",
+            "inter_node_bandwidth_bytes_per_s",
+        ):
+            _check_number("ClusterSpec", name, getattr(self, name), positive=True)
+        for name in ("link_latency_s", "tp_gemm_loss", "memory_reserve_bytes"):
+            _check_number("ClusterSpec", name, getattr(self, name), positive=False)
+        if self.memory_reserve_bytes >= self.gpu_memory_bytes:
+            raise ValueError(
+                f"ClusterSpec.memory_reserve_bytes={self.memory_reserve_bytes:g} must be below "
+                f"gpu_memory_bytes={self.gpu_memory_bytes:g}"
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.num_gpus // self.gpus_per_node)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ClusterSpec:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """What the planner needs of one module (encoder + projector, or the LLM).
+
+    Attributes:
+        num_layers, num_heads, hidden_size: architecture (tp must divide num_heads).
+        params_per_layer: parameters of one layer.
+        first_stage_params: parameters only the first stage holds (embeddings).
+        last_stage_params: parameters only the last stage holds (LM head, projector).
+        activation_bytes_per_token_layer: activation bytes kept per token and layer at
+            t = 1 for the backward pass.
+        last_stage_activation_bytes_per_token: extra bytes per token on the last stage at
+            t = 1 (the LLM's fp32 logits).
+        microbatch_constant_s: per-microbatch constant time of the whole module.
+    """
+
+    num_layers: int
+    num_heads: int
+    hidden_size: int
+    params_per_layer: float
+    first_stage_params: float = 0.0
+    last_stage_params: float = 0.0
+    activation_bytes_per_token_layer: float = 0.0
+    last_stage_activation_bytes_per_token: float = 0.0
+    microbatch_constant_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_heads", "hidden_size"):
+            _check_int("ModuleSpec", name, getattr(self, name), 1)
+        for name in (
+            "params_per_layer",
+            "first_stage_params",
+            "last_stage_params",
+            "activation_bytes_per_token_layer",
+            "last_stage_activation_bytes_per_token",
+            "microbatch_constant_s",
+        ):
+            _check_number("ModuleSpec", name, getattr(self, name), positive=False)
+
+    @property
+    def num_params(self) -> float:
+        return (
+            self.params_per_layer * self.num_layers
+            + self.first_stage_params
+            + (self.last_stage_params)
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def module_specs(
+    encoder: EncoderConfig, llm: LLMConfig, microbatch_constant_s: Any = (0.0, 0.0)
+) -> tuple[ModuleSpec, ModuleSpec]:
+    """(encoder, LLM) :class:`ModuleSpec` from the configs (parameter counts of a ViT with
+    a 2-layer MLP projector and of a GQA/SwiGLU decoder with an untied LM head)."""
+    constants = np.asarray(microbatch_constant_s, dtype=np.float64).reshape(-1)
+    if constants.shape != (2,):
+        raise ValueError(
+            f"microbatch_constant_s must have 2 values (encoder, LLM), got {constants.shape}"
+        )
+    h = encoder.hidden_size
+    p_in = encoder.projector_input_size or h
+    p_hid = encoder.projector_hidden_size or llm.hidden_size
+    enc = ModuleSpec(
+        num_layers=encoder.num_layers,
+        num_heads=encoder.num_heads,
+        hidden_size=h,
+        # qkv + out (4 h^2), MLP (2 h I), biases and two norms.
+        params_per_layer=float(4 * h * h + 2 * h * encoder.intermediate_size + 9 * h),
+        first_stage_params=float(3 * encoder.patch_px**2 * h + encoder.tokens_per_unit * h),
+        last_stage_params=float(p_in * p_hid + p_hid * llm.hidden_size),
+        activation_bytes_per_token_layer=ACTIVATION_BYTES_PER_HIDDEN * h,
+        microbatch_constant_s=float(constants[0]),
+    )
+    g = llm.hidden_size
+    d = llm.resolved_head_dim
+    llm_spec = ModuleSpec(
+        num_layers=llm.num_layers,
+        num_heads=llm.num_heads,
+        hidden_size=g,
+        params_per_layer=float(
+            g * d * (llm.num_heads + 2 * llm.num_kv_heads)
+            + llm.num_heads * d * g
+            + 3 * g * llm.intermediate_size
+            + 2 * g
+        ),
+        first_stage_params=float(llm.vocab_size * g),
+        last_stage_params=float(llm.vocab_size * g),
+        activation_bytes_per_token_layer=ACTIVATION_BYTES_PER_HIDDEN * g,
+        last_stage_activation_bytes_per_token=4.0 * llm.vocab_size,
+        microbatch_constant_s=float(constants[1]),
+    )
+    return enc, llm_spec
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Search settings.
+
+    Attributes:
+        num_batches: global batches sampled from the distribution and simulated per
+            candidate (the score is the mean step time).
+        seed: seed of the sampled batches (batch b uses ``seed + b``) and of the balance.
+        top_k: layouts kept.
+        prune: skip candidates whose lower bound exceeds the k-th best simulated time
+            (the result equals exhaustive evaluation).
+        order_microbatches: try a few microbatch orders per step and keep the fastest.
+        balanced_layer_split: split layers to balance stages (the LM head / projector on
+            the last stage counts); False: uniform split.
+        zero1: shard the optimizer states over DP (Megatron's distributed optimizer).
+        max_tp: largest tensor-parallel degree (None: gpus_per_node).
+        microbatch_choices: microbatch counts to try (None: 1, 2, 3, 4, 6, 8, 12, ...).
+        balance_time_budget_ms: scheduler effort per balance (None: default by size).
+        baseline: also search the data-blind Megatron-LM-style baseline.
+        reference: also run the reference's mean-shape optimizer.
+    """
+
+    num_batches: int = 4
+    seed: int = 0
+    top_k: int = 5
+    prune: bool = True
+    order_microbatches: bool = True
+    balanced_layer_split: bool = True
+    zero1: bool = True
+    max_tp: int | None = None
+    microbatch_choices: tuple[int, ...] | None = None
+    balance_time_budget_ms: float | None = None
+    baseline: bool = True
+    reference: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("PlannerConfig", "num_batches", self.num_batches, 1)
+        _check_int("PlannerConfig", "seed", self.seed, 0)
+        _check_int("PlannerConfig", "top_k", self.top_k, 1)
+        if self.max_tp is not None:
+            _check_int("PlannerConfig", "max_tp", self.max_tp, 1)
+        if self.microbatch_choices is not None:
+            for k, m in enumerate(self.microbatch_choices):
+                _check_int("PlannerConfig", f"microbatch_choices[{k}]", m, 1)
+        if self.balance_time_budget_ms is not None:
+            _check_number(
+                "PlannerConfig",
+                "balance_time_budget_ms",
+                self.balance_time_budget_ms,
+                positive=False,
+            )

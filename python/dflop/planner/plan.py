@@ -1,0 +1,354 @@
+"""The planner's output: :class:`Plan`, saved as versioned JSON that the trainer reads.
+
+File format (version 1)::
+
+    {"format": "dflop.plan", "version": 1, "global_batch": 256,
+     "cluster": {...ClusterSpec...}, "inputs": {...how to rebuild the sampled batches...},
+     "layouts": [LayoutPlan, ...],          # best first
+     "baseline": LayoutPlan | null,         # data-blind Megatron-LM-style
+     "reference": LayoutPlan | null,        # the reference's mean-shape optimizer
+     "stats": {...}, "planning_time_s": ...}
+
+A ``LayoutPlan`` holds per module (``encoder``, ``llm``): ``tp``, ``pp``, ``dp``,
+``first_rank``, ``num_gpus``, ``layers_per_stage``, ``layer_ranges`` ([start, end) per
+stage) and ``stage_ranks`` (per stage, per DP replica, the TP ranks); global rank =
+``first_rank + stage * tp * dp + dp_rank * tp + tp_rank``. A colocated layout (baseline)
+runs the encoder inside the LLM's first stage (``encoder.num_gpus == 0``). Plus
+``num_microbatches`` (per LLM DP rank and step), ``global_batch`` and the prediction.
+Readers reject files of a newer version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dflop.planner.model import ClusterSpec
+
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "LayoutPlan", "ModulePlan", "Plan", "StepPrediction"]
+
+PLAN_FORMAT = "dflop.plan"
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """The parallel layout of one module."""
+
+    tp: int
+    pp: int
+    dp: int
+    first_rank: int
+    layers_per_stage: tuple[int, ...]
+    colocated: bool = False
+    """True for the encoder of a colocated layout: it has no GPUs of its own."""
+    recompute: bool = False
+    """Full activation recomputation (forward runs twice; only layer inputs are kept)."""
+
+    @property
+    def num_gpus(self) -> int:
+        return 0 if self.colocated else self.tp * self.pp * self.dp
+
+    @property
+    def layer_ranges(self) -> list[tuple[int, int]]:
+        """[start, end) layer indices of each stage."""
+        out, start = [], 0
+        for n in self.layers_per_stage:
+            out.append((start, start + n))
+            start += n
+        return out
+
+    def rank(self, stage: int, dp_rank: int, tp_rank: int) -> int:
+        """Global rank of (stage, DP replica, TP rank): tp fastest, then dp, then pp."""
+        return self.first_rank + stage * self.tp * self.dp + dp_rank * self.tp + tp_rank
+
+    @property
+    def stage_ranks(self) -> list[list[list[int]]]:
+        """Per stage, per DP replica, the TP group's global ranks."""
+        if self.colocated:
+            return []
+        return [
+            [[self.rank(s, d, t) for t in range(self.tp)] for d in range(self.dp)]
+            for s in range(self.pp)
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.dp,
+            "first_rank": self.first_rank,
+            "num_gpus": self.num_gpus,
+            "colocated": self.colocated,
+            "recompute": self.recompute,
+            "layers_per_stage": list(self.layers_per_stage),
+            "layer_ranges": [list(r) for r in self.layer_ranges],
+            "stage_ranks": self.stage_ranks,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModulePlan:
+        return cls(
+            tp=int(data["tp"]),
+            pp=int(data["pp"]),
+            dp=int(data["dp"]),
+            first_rank=int(data["first_rank"]),
+            layers_per_stage=tuple(int(n) for n in data["layers_per_stage"]),
+            colocated=bool(data.get("colocated", False)),
+            recompute=bool(data.get("recompute", False)),
+        )
+
+    def core_dict(self) -> dict[str, Any]:
+        """The layout as the native core takes it."""
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.dp,
+            "first_rank": self.first_rank,
+            "layers_per_stage": list(self.layers_per_stage),
+            "recompute": self.recompute,
+        }
+
+    def describe(self) -> str:
+        rc = " rc" if self.recompute else ""
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}{rc}"
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """Simulated step of a layout, averaged over the sampled batches.
+
+    ``stage_*`` lists cover the combined pipeline: encoder stages first, then LLM stages
+    (only LLM stages for a colocated layout); times are means over batches and replicas.
+    """
+
+    step_time_s: float
+    throughput_samples_per_s: float
+    idle_fraction: float
+    """Idle GPU-seconds over all GPUs / (step time x GPUs)."""
+    lower_bound_s: float
+    step_time_as_scheduled_s: float
+    """Without microbatch reordering (equal to step_time_s when it is off)."""
+    stage_compute_s: tuple[float, ...]
+    stage_allreduce_s: tuple[float, ...]
+    stage_bubble_s: tuple[float, ...]
+    """step time - compute - all-reduce: waiting (pipeline fill/drain, imbalance, barrier)."""
+    transfer_s: float
+    """Encoder -> LLM feature transfer time per step (overlapped with compute when it can)."""
+    peak_memory_bytes: float
+    step_times_s: tuple[float, ...]
+    """Per sampled batch."""
+    microbatch_orders: tuple[str, ...] = ()
+    estimate_s: float = 0.0
+    """The reference optimizer's mean-shape estimate (reference layouts only)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for key, value in out.items():
+            if isinstance(value, tuple):
+                out[key] = list(value)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepPrediction:
+        kwargs = dict(data)
+        for key, value in kwargs.items():
+            if isinstance(value, list):
+                kwargs[key] = tuple(value)
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """One layout with its prediction."""
+
+    encoder: ModulePlan
+    llm: ModulePlan
+    num_microbatches: int
+    global_batch: int
+    prediction: StepPrediction
+    colocated: bool = False
+    schedule: str = "balanced"
+    """How each step's batch is split: "balanced" (dflop.schedule per step) or
+    "data_blind" (equal-count microbatches in dataset order: the baseline)."""
+
+    @property
+    def num_encoder_gpus(self) -> int:
+        return self.encoder.num_gpus
+
+    def describe(self) -> str:
+        if self.colocated:
+            blind = ", data-blind" if self.schedule == "data_blind" else ""
+            return f"colocated ({self.llm.describe()}{blind}) | m={self.num_microbatches}"
+        e, g = self.encoder, self.llm
+        return (
+            f"enc {e.num_gpus} GPUs ({e.describe()}) | llm {g.num_gpus} GPUs ({g.describe()}) "
+            f"| m={self.num_microbatches}"
+        )
+
+    def core_dict(self) -> dict[str, Any]:
+        return {
+            "colocated": self.colocated,
+            "encoder": self.encoder.core_dict(),
+            "llm": self.llm.core_dict(),
+            "num_microbatches": self.num_microbatches,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "colocated": self.colocated,
+            "encoder": self.encoder.to_dict(),
+            "llm": self.llm.to_dict(),
+            "num_microbatches": self.num_microbatches,
+            "global_batch": self.global_batch,
+            "schedule": self.schedule,
+            "prediction": self.prediction.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LayoutPlan:
+        return cls(
+            encoder=ModulePlan.from_dict(data["encoder"]),
+            llm=ModulePlan.from_dict(data["llm"]),
+            num_microbatches=int(data["num_microbatches"]),
+            global_batch=int(data["global_batch"]),
+            prediction=StepPrediction.from_dict(data["prediction"]),
+            colocated=bool(data.get("colocated", False)),
+            schedule=str(data.get("schedule", "balanced")),
+        )
+
+
+@dataclass
+class Plan:
+    """The planner's result: the best layouts (best first) and the baselines."""
+
+    cluster: ClusterSpec
+    global_batch: int
+    layouts: list[LayoutPlan]
+    baseline: LayoutPlan | None = None
+    reference: LayoutPlan | None = None
+    inputs: dict[str, Any] = field(default_factory=dict)
+    """How the sampled batches were built (perf model, shapes, configs, seed, batches)."""
+    stats: dict[str, Any] = field(default_factory=dict)
+    planning_time_s: float = 0.0
+    version: int = PLAN_VERSION
+
+    @property
+    def best(self) -> LayoutPlan:
+        return self.layouts[0]
+
+    @property
+    def speedup_over_baseline(self) -> float | None:
+        if self.baseline is None:
+            return None
+        return self.baseline.prediction.step_time_s / self.best.prediction.step_time_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT,
+            "version": self.version,
+            "global_batch": self.global_batch,
+            "cluster": self.cluster.to_dict(),
+            "inputs": self.inputs,
+            "layouts": [layout.to_dict() for layout in self.layouts],
+            "baseline": None if self.baseline is None else self.baseline.to_dict(),
+            "reference": None if self.reference is None else self.reference.to_dict(),
+            "stats": self.stats,
+            "planning_time_s": self.planning_time_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        if data.get("format") != PLAN_FORMAT:
+            raise ValueError(f"not a dflop plan (format={data.get('format')!r})")
+        version = data.get("version")
+        if not isinstance(version, int) or version < 1 or version > PLAN_VERSION:
+            raise ValueError(
+                f"plan version {version!r} is not supported (this dflop reads 1..{PLAN_VERSION})"
+            )
+        return cls(
+            cluster=ClusterSpec.from_dict(data["cluster"]),
+            global_batch=int(data["global_batch"]),
+            layouts=[LayoutPlan.from_dict(d) for d in data["layouts"]],
+            baseline=None
+            if data.get("baseline") is None
+            else LayoutPlan.from_dict(data["baseline"]),
+            reference=(
+                None if data.get("reference") is None else LayoutPlan.from_dict(data["reference"])
+            ),
+            inputs=dict(data.get("inputs", {})),
+            stats=dict(data.get("stats", {})),
+            planning_time_s=float(data.get("planning_time_s", 0.0)),
+            version=version,
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json())
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{os.fspath(path)} is not valid JSON: {error}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{os.fspath(path)} is not a dflop plan")
+        return cls.from_dict(data)
+
+    def table(self) -> str:
+        """A human-readable summary."""
+        rows = [("#", "layout", "step s", "samples/s", "idle", "mem GB")]
+
+        def row(name: str, lp: LayoutPlan) -> tuple[str, ...]:
+            p = lp.prediction
+            return (
+                name,
+                lp.describe(),
+                f"{p.step_time_s:.3f}",
+                f"{p.throughput_samples_per_s:.1f}",
+                f"{100 * p.idle_fraction:.1f}%",
+                f"{p.peak_memory_bytes / 1e9:.1f}",
+            )
+
+        for i, lp in enumerate(self.layouts):
+            rows.append(row(str(i + 1), lp))
+        if self.baseline is not None:
+            rows.append(row("blind", self.baseline))
+        if self.reference is not None:
+            rows.append(row("ref", self.reference))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        best = self.best.prediction
+        lines.append("")
+        lines.append(
+            f"best: {self.best.describe()}; layers per stage enc {list(self.best.encoder.layers_per_stage)} "
+            f"llm {list(self.best.llm.layers_per_stage)}"
+        )
+        lines.append(
+            "  per stage compute s: "
+            + ", ".join(f"{v:.3f}" for v in best.stage_compute_s)
+            + "; all-reduce s: "
+            + ", ".join(f"{v:.3f}" for v in best.stage_allreduce_s)
+            + "; bubble s: "
+            + ", ".join(f"{v:.3f}" for v in best.stage_bubble_s)
+            + f"; encoder->LLM transfer {best.transfer_s:.3f} s"
+        )
+        if self.speedup_over_baseline is not None:
+            lines.append(
+                f"speed-up over the data-blind baseline: {self.speedup_over_baseline:.2f}x"
+            )
+        lines.append(
+            f"planned in {self.planning_time_s:.2f} s; candidates {self.stats.get('num_candidates')}, "
+            f"simulated {self.stats.get('num_simulated')}, pruned {self.stats.get('num_pruned')}, "
+            f"over memory {self.stats.get('num_memory_rejected')}"
+        )
+        return "\n".join(lines)

@@ -1,0 +1,455 @@
+"""Building the planner's inputs, calling the native search, assembling the :class:`Plan`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import numpy as np
+
+from dflop import _core
+from dflop.data.costs import EncoderConfig, LLMConfig
+from dflop.data.shapes import SampleShapes
+from dflop.planner.model import ClusterSpec, ModuleSpec, PlannerConfig, module_specs
+from dflop.planner.plan import LayoutPlan, ModulePlan, Plan, StepPrediction
+
+__all__ = [
+    "InfeasibleClusterError",
+    "PlannerInputs",
+    "evaluate_layout",
+    "plan",
+    "prepare_inputs",
+    "search_layouts",
+    "simulate_layout",
+]
+
+
+_DEFAULT_CONFIG = PlannerConfig()
+
+
+class InfeasibleClusterError(ValueError):
+    """No layout fits the cluster's memory; the message says what does not fit and the
+    smallest memory per GPU or GPU count that would."""
+
+
+class PerformanceModelLike(Protocol):
+    def costs(self, shapes: SampleShapes) -> np.ndarray: ...
+
+    @property
+    def microbatch_constant_s(self) -> np.ndarray: ...
+
+
+class _SyntheticShapes:
+    """The embedded synthetic mix as a distribution: ``sample(n, seed)`` draws fresh shapes."""
+
+    def __init__(self, family: str) -> None:
+        self.family = family
+
+    def sample(self, num_samples: int, seed: int = 0) -> SampleShapes:
+        from dflop.data.synthetic import synthetic_shapes
+
+        return synthetic_shapes(num_samples, seed=seed, family=self.family)
+
+
+class _Bootstrap:
+    """A fixed SampleShapes as a distribution (uniform draws with replacement)."""
+
+    def __init__(self, shapes: SampleShapes) -> None:
+        if len(shapes) == 0:
+            raise ValueError("shapes is empty: nothing to sample batches from")
+        self.shapes = shapes
+
+    def sample(self, num_samples: int, seed: int = 0) -> SampleShapes:
+        rng = np.random.default_rng(seed)
+        return self.shapes.take(rng.integers(0, len(self.shapes), size=num_samples))
+
+
+@dataclass(frozen=True)
+class PlannerInputs:
+    """Everything the native search reads: module specs and the sampled batches."""
+
+    encoder: ModuleSpec
+    llm: ModuleSpec
+    samples: dict[str, Any]
+    """Columns of ``num_batches x global_batch`` samples (see the core's PlannerSamples)."""
+    global_batch: int
+    num_batches: int
+
+
+def _last_stage_fractions(
+    shapes: SampleShapes, encoder: EncoderConfig, llm: LLMConfig
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-sample share of each module's FLOPs that runs on its last stage only: the
+    projector for the encoder, the LM head for the LLM."""
+    enc_total = encoder.forward_flops(shapes.encoder_units, shapes.tokens_per_unit, llm.hidden_size)
+    p_in = float(encoder.projector_input_size or encoder.hidden_size)
+    p_hid = float(encoder.projector_hidden_size or llm.hidden_size)
+    projector = (
+        shapes.encoder_tokens.astype(np.float64)
+        * encoder.projector_token_ratio
+        * 2.0
+        * (p_in * p_hid + p_hid * llm.hidden_size)
+    )
+    enc_fraction = np.divide(
+        projector, enc_total, out=np.zeros_like(enc_total), where=enc_total > 0
+    )
+    seq = shapes.seq_len.astype(np.float64)
+    llm_total = llm.forward_flops(seq)
+    head = 2.0 * llm.hidden_size * llm.vocab_size * seq
+    llm_fraction = np.divide(head, llm_total, out=np.zeros_like(llm_total), where=llm_total > 0)
+    return np.clip(enc_fraction, 0.0, 1.0), np.clip(llm_fraction, 0.0, 1.0)
+
+
+def _as_distribution(shapes: Any, family: str) -> Any:
+    if shapes is None or (isinstance(shapes, str) and shapes == "synthetic"):
+        return _SyntheticShapes(family)
+    if isinstance(shapes, SampleShapes):
+        return _Bootstrap(shapes)
+    if not callable(getattr(shapes, "sample", None)):
+        raise TypeError(
+            "shapes must be None/'synthetic', a SampleShapes, or have .sample(n, seed), got "
+            f"{type(shapes).__name__}"
+        )
+    return shapes
+
+
+def prepare_inputs(
+    performance_model: PerformanceModelLike,
+    encoder: EncoderConfig,
+    llm: LLMConfig,
+    *,
+    global_batch: int,
+    shapes: Any = None,
+    num_batches: int = 4,
+    seed: int = 0,
+) -> PlannerInputs:
+    """Sample ``num_batches`` global batches (batch b with seed ``seed + b``) and compute
+    their per-sample costs with ``performance_model``."""
+    if not isinstance(encoder, EncoderConfig):
+        raise TypeError(f"encoder must be an EncoderConfig, got {type(encoder).__name__}")
+    if not isinstance(llm, LLMConfig):
+        raise TypeError(f"llm must be an LLMConfig, got {type(llm).__name__}")
+    if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)):
+        raise TypeError(f"global_batch must be an int, got {type(global_batch).__name__}")
+    if global_batch < 1:
+        raise ValueError(f"global_batch={global_batch} must be >= 1")
+    if not callable(getattr(performance_model, "costs", None)) or not hasattr(
+        performance_model, "microbatch_constant_s"
+    ):
+        raise TypeError(
+            "performance_model must have .costs(shapes) and .microbatch_constant_s, got "
+            f"{type(performance_model).__name__}"
+        )
+    distribution = _as_distribution(shapes, encoder.default_family)
+    batches = [
+        distribution.sample(int(global_batch), seed=int(seed) + b) for b in range(num_batches)
+    ]
+    batch = SampleShapes.concat(batches)
+    if len(batch) != num_batches * global_batch:
+        raise ValueError(
+            f"the distribution returned {len(batch)} samples for {num_batches} batches of "
+            f"{global_batch}"
+        )
+    costs = np.asarray(performance_model.costs(batch), dtype=np.float64)
+    if costs.shape != (len(batch), 2):
+        raise ValueError(f"performance_model.costs returned shape {costs.shape}, expected (N, 2)")
+    enc_fraction, llm_fraction = _last_stage_fractions(batch, encoder, llm)
+    enc_spec, llm_spec = module_specs(encoder, llm, performance_model.microbatch_constant_s)
+    samples = {
+        "num_batches": int(num_batches),
+        "batch_size": int(global_batch),
+        "encoder_s": np.ascontiguousarray(costs[:, 0]),
+        "llm_s": np.ascontiguousarray(costs[:, 1]),
+        "encoder_last_fraction": enc_fraction,
+        "llm_last_fraction": llm_fraction,
+        "encoder_tokens": batch.encoder_tokens.astype(np.float64),
+        "llm_tokens": batch.seq_len.astype(np.float64),
+        "visual_tokens": batch.llm_visual_tokens.astype(np.float64),
+    }
+    return PlannerInputs(enc_spec, llm_spec, samples, int(global_batch), int(num_batches))
+
+
+def _options(config: PlannerConfig, strategy: str, global_batch: int, top_k: int) -> dict:
+    budget = None
+    if config.balance_time_budget_ms is not None:
+        budget = int(_core.work_budget_for_ms(float(config.balance_time_budget_ms)))
+    return {
+        "strategy": strategy,
+        "global_batch": global_batch,
+        "prune": config.prune,
+        "top_k": top_k,
+        "order_microbatches": config.order_microbatches,
+        "balanced_layer_split": config.balanced_layer_split,
+        "zero1": config.zero1,
+        "max_tp": config.max_tp or 0,
+        "microbatch_choices": list(config.microbatch_choices or []),
+        "balance_work_budget": -1 if budget is None else budget,
+        "seed": config.seed,
+    }
+
+
+def _layout_plan(raw: dict[str, Any], global_batch: int, strategy: str) -> LayoutPlan:
+    layout = raw["layout"]
+    colocated = bool(layout["colocated"])
+    enc = layout["encoder"]
+    encoder = ModulePlan(
+        tp=int(enc["tp"]),
+        pp=int(enc["pp"]),
+        dp=int(enc["dp"]),
+        first_rank=int(enc["first_rank"]),
+        layers_per_stage=tuple(int(n) for n in enc["layers_per_stage"]),
+        colocated=colocated,
+        recompute=bool(enc.get("recompute", False)),
+    )
+    g = layout["llm"]
+    llm = ModulePlan(
+        tp=int(g["tp"]),
+        pp=int(g["pp"]),
+        dp=int(g["dp"]),
+        first_rank=int(g["first_rank"]),
+        layers_per_stage=tuple(int(n) for n in g["layers_per_stage"]),
+        recompute=bool(g.get("recompute", False)),
+    )
+    steps = raw["steps"]
+    compute = np.mean([s["stage_compute_s"] for s in steps], axis=0)
+    allreduce = np.mean([s["stage_allreduce_s"] for s in steps], axis=0)
+    step_time = float(raw["mean_step_time_s"])
+    bubble = np.maximum(step_time - compute - allreduce, 0.0)
+    prediction = StepPrediction(
+        step_time_s=step_time,
+        throughput_samples_per_s=global_batch / step_time if step_time > 0 else 0.0,
+        idle_fraction=float(raw["mean_idle_fraction"]),
+        lower_bound_s=float(raw["lower_bound_s"]),
+        step_time_as_scheduled_s=float(raw["mean_step_time_as_scheduled_s"]),
+        stage_compute_s=tuple(float(v) for v in compute),
+        stage_allreduce_s=tuple(float(v) for v in allreduce),
+        stage_bubble_s=tuple(float(v) for v in bubble),
+        transfer_s=float(np.mean([s["transfer_s"] for s in steps])),
+        peak_memory_bytes=float(raw["peak_memory_bytes"]),
+        step_times_s=tuple(float(s["step_time_s"]) for s in steps),
+        microbatch_orders=tuple(str(s["order"]) for s in steps),
+        estimate_s=float(raw.get("estimate_s", 0.0)),
+    )
+    return LayoutPlan(
+        encoder,
+        llm,
+        int(layout["num_microbatches"]),
+        global_batch,
+        prediction,
+        colocated,
+        schedule="data_blind" if strategy == "data_blind" else "balanced",
+    )
+
+
+def search_layouts(
+    cluster: ClusterSpec,
+    inputs: PlannerInputs,
+    config: PlannerConfig = _DEFAULT_CONFIG,
+    *,
+    strategy: str = "data_aware",
+    top_k: int | None = None,
+) -> tuple[list[LayoutPlan], dict[str, Any]]:
+    """Run one native search. ``strategy``: "data_aware" (dflop), "data_blind" (the
+    Megatron-LM-style colocated baseline) or "mean_shape" (the reference's optimizer).
+
+    Returns the layouts (best first; empty when nothing fits) and the raw result's stats
+    and memory shortfall: ``{"stats": ..., "shortfall": ...}``.
+    """
+    if not isinstance(cluster, ClusterSpec):
+        raise TypeError(f"cluster must be a ClusterSpec, got {type(cluster).__name__}")
+    raw = _core.plan_layouts(
+        cluster.to_dict(),
+        inputs.encoder.to_dict(),
+        inputs.llm.to_dict(),
+        inputs.samples,
+        _options(config, strategy, inputs.global_batch, top_k or config.top_k),
+    )
+    layouts = [_layout_plan(r, inputs.global_batch, strategy) for r in raw["best"]]
+    return layouts, {"stats": dict(raw["stats"]), "shortfall": dict(raw["shortfall"])}
+
+
+def _smallest_fitting_gpus(
+    cluster: ClusterSpec, inputs: PlannerInputs, config: PlannerConfig
+) -> int | None:
+    """The smallest GPU count (whole nodes, up to 64x) with a layout that fits."""
+    quick = replace(config, num_batches=1, top_k=1, order_microbatches=False)
+    one = replace(
+        inputs,
+        num_batches=1,
+        samples={
+            k: (v[: inputs.global_batch] if isinstance(v, np.ndarray) else v)
+            for k, v in inputs.samples.items()
+        }
+        | {"num_batches": 1},
+    )
+    step = cluster.gpus_per_node
+    num = -(-cluster.num_gpus // step) * step
+    if num == cluster.num_gpus:
+        num += step
+    while num <= 64 * cluster.num_gpus:
+        layouts, _ = search_layouts(replace(cluster, num_gpus=num), one, quick, top_k=1)
+        if layouts:
+            return num
+        num *= 2 if num >= 8 * step else 1
+        num += 0 if num >= 8 * step else step
+    return None
+
+
+def _infeasible(
+    cluster: ClusterSpec, inputs: PlannerInputs, config: PlannerConfig, shortfall: dict
+) -> InfeasibleClusterError:
+    available = cluster.gpu_memory_bytes
+    needed = float(shortfall.get("needed_bytes", 0.0))
+    what = (
+        f"the {shortfall.get('module', 'llm')} stage {shortfall.get('stage', 0)} of the "
+        f"least memory-hungry layout needs {needed / 1e9:.1f} GB per GPU (model states + "
+        f"activations in flight + {cluster.memory_reserve_bytes / 1e9:.1f} GB reserve)"
+        if shortfall.get("found")
+        else "no layout satisfies the parallelism constraints"
+    )
+    gpus = _smallest_fitting_gpus(cluster, inputs, config)
+    fix = [f"gpu_memory_bytes >= {needed / 1e9:.1f} GB"] if shortfall.get("found") else []
+    if gpus is not None:
+        fix.append(f"num_gpus >= {gpus}")
+    return InfeasibleClusterError(
+        f"no layout fits {cluster.num_gpus} GPUs of {available / 1e9:.1f} GB: {what}, more "
+        f"than the {available / 1e9:.1f} GB available; it would fit with "
+        + (" or ".join(fix) if fix else "a larger cluster")
+    )
+
+
+def plan(
+    performance_model: PerformanceModelLike,
+    encoder: EncoderConfig,
+    llm: LLMConfig,
+    cluster: ClusterSpec,
+    *,
+    global_batch: int,
+    shapes: Any = None,
+    config: PlannerConfig = _DEFAULT_CONFIG,
+    inputs_description: dict[str, Any] | None = None,
+) -> Plan:
+    """Plan the parallel layout of an encoder + LLM on ``cluster``.
+
+    Args:
+        performance_model: per-sample costs (``.costs(shapes) -> (N, 2)`` seconds of the
+            whole encoder / LLM on one GPU) and ``.microbatch_constant_s``.
+        encoder, llm: the model configs (parameters, layers, heads, hidden size).
+        cluster: the GPUs.
+        global_batch: samples per step.
+        shapes: a distribution with ``.sample(n, seed)``, a SampleShapes to bootstrap
+            from, or None / "synthetic" for the embedded synthetic mix.
+        config: search settings.
+        inputs_description: stored in ``Plan.inputs`` so that ``dflop simulate`` can
+            rebuild the sampled batches.
+
+    Raises:
+        InfeasibleClusterError: (a ValueError) nothing fits in memory.
+    """
+    if not isinstance(config, PlannerConfig):
+        raise TypeError(f"config must be a PlannerConfig, got {type(config).__name__}")
+    start = time.perf_counter()
+    inputs = prepare_inputs(
+        performance_model,
+        encoder,
+        llm,
+        global_batch=global_batch,
+        shapes=shapes,
+        num_batches=config.num_batches,
+        seed=config.seed,
+    )
+    layouts, raw = search_layouts(cluster, inputs, config)
+    if not layouts:
+        raise _infeasible(cluster, inputs, config, raw["shortfall"])
+    baseline = reference = None
+    if config.baseline:
+        found, _ = search_layouts(cluster, inputs, config, strategy="data_blind", top_k=1)
+        baseline = found[0] if found else None
+    if config.reference:
+        found, _ = search_layouts(cluster, inputs, config, strategy="mean_shape", top_k=1)
+        reference = found[0] if found else None
+    description = dict(inputs_description or {})
+    description.setdefault("encoder", _config_dict(encoder))
+    description.setdefault("llm", _config_dict(llm))
+    description.setdefault("num_batches", config.num_batches)
+    description.setdefault("seed", config.seed)
+    return Plan(
+        cluster=cluster,
+        global_batch=int(global_batch),
+        layouts=layouts,
+        baseline=baseline,
+        reference=reference,
+        inputs=description,
+        stats=raw["stats"],
+        planning_time_s=time.perf_counter() - start,
+    )
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(config)
+
+
+def evaluate_layout(
+    cluster: ClusterSpec,
+    inputs: PlannerInputs,
+    layout: LayoutPlan,
+    config: PlannerConfig = _DEFAULT_CONFIG,
+) -> LayoutPlan:
+    """Score a given layout on ``inputs`` (a colocated one with the data-blind schedule).
+
+    Raises:
+        dflop.InfeasibleError: (a ValueError) the layout does not fit in memory.
+    """
+    strategy = "data_blind" if layout.schedule == "data_blind" else "data_aware"
+    raw = _core.evaluate_layout(
+        cluster.to_dict(),
+        inputs.encoder.to_dict(),
+        inputs.llm.to_dict(),
+        inputs.samples,
+        _options(config, strategy, inputs.global_batch, 1),
+        layout.core_dict(),
+    )
+    return _layout_plan(raw, inputs.global_batch, strategy)
+
+
+def simulate_layout(
+    cluster: ClusterSpec,
+    inputs: PlannerInputs,
+    layout: LayoutPlan,
+    config: PlannerConfig = _DEFAULT_CONFIG,
+    *,
+    batch: int = 0,
+) -> Any:
+    """Simulate sampled batch ``batch`` under ``layout`` with events recorded: a
+    :class:`dflop.simulator.SimulationResult` (write_chrome_trace / write_gantt_png).
+
+    Stages are the encoder's then the LLM's; replicas are the LLM's DP ranks (encoder
+    stages repeat in every replica: its DP replicas share each microbatch).
+    """
+    from dflop.simulator import simulate_pipeline
+
+    strategy = "data_blind" if layout.schedule == "data_blind" else "data_aware"
+    step = _core.build_step(
+        cluster.to_dict(),
+        inputs.encoder.to_dict(),
+        inputs.llm.to_dict(),
+        inputs.samples,
+        _options(config, strategy, inputs.global_batch, 1),
+        layout.core_dict(),
+        int(batch),
+    )
+    num_links = step["forward_s"].shape[1] - 1
+    return simulate_pipeline(
+        step["forward_s"],
+        step["backward_s"],
+        schedule="1f1b",
+        link_latency_s=np.asarray(step["link_latency_s"], dtype=np.float64).reshape(num_links),
+        activation_bytes=step["activation_bytes"] if num_links else None,
+        link_bandwidth_bytes_per_s=np.asarray(
+            step["link_bandwidth_bytes_per_s"], dtype=np.float64
+        ).reshape(num_links),
+        allreduce_s=np.asarray(step["allreduce_s"], dtype=np.float64),
+    )

@@ -1,0 +1,277 @@
+"""Planner: constraints, memory, determinism, pruning = exhaustive, JSON, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from dflop import _core
+from dflop.data.costs import AnalyticCostModel
+from dflop.planner import (
+    ClusterSpec,
+    InfeasibleClusterError,
+    Plan,
+    PlannerConfig,
+    plan,
+    prepare_inputs,
+    search_layouts,
+    simulate_layout,
+)
+
+FAST = PlannerConfig(num_batches=2, top_k=3)
+
+
+def _plan(
+    gpus: int = 16,
+    encoder: str = "siglip-400m",
+    llm: str = "llm-7b",
+    batch: int = 64,
+    config: PlannerConfig = FAST,
+    **cluster,
+) -> Plan:
+    model = AnalyticCostModel(encoder, llm)
+    return plan(
+        model,
+        model.encoder,
+        model.llm,
+        ClusterSpec(num_gpus=gpus, **cluster),
+        global_batch=batch,
+        config=config,
+    )
+
+
+def _inputs(encoder: str = "siglip-400m", llm: str = "llm-7b", batch: int = 64, batches: int = 2):
+    model = AnalyticCostModel(encoder, llm)
+    return prepare_inputs(model, model.encoder, model.llm, global_batch=batch, num_batches=batches)
+
+
+def _check_layout(lp, cluster: ClusterSpec, encoder_heads: int, llm_heads: int, layers) -> None:
+    gpn = cluster.gpus_per_node
+    used: list[int] = []
+    for module, heads, num_layers in (
+        (lp.encoder, encoder_heads, layers[0]),
+        (lp.llm, llm_heads, layers[1]),
+    ):
+        assert gpn % module.tp == 0 and heads % module.tp == 0
+        assert sum(module.layers_per_stage) == num_layers
+        assert all(n >= 1 for n in module.layers_per_stage)
+        assert module.layer_ranges[-1][1] == num_layers
+        for stage in module.stage_ranks:
+            for group in stage:
+                assert len({r // gpn for r in group}) == 1  # TP inside one node
+                used.extend(group)
+    if lp.colocated:
+        assert lp.encoder.num_gpus == 0
+    assert sorted(used) == list(range(cluster.num_gpus))  # disjoint, all GPUs
+    assert lp.num_microbatches * lp.llm.dp <= lp.global_batch
+
+
+def test_layouts_respect_constraints() -> None:
+    result = _plan(16)
+    model = AnalyticCostModel("siglip-400m", "llm-7b")
+    assert 1 <= len(result.layouts) <= 3
+    for lp in [*result.layouts, result.baseline]:
+        assert lp is not None
+        _check_layout(
+            lp,
+            result.cluster,
+            model.encoder.num_heads,
+            model.llm.num_heads,
+            (model.encoder.num_layers, model.llm.num_layers),
+        )
+        p = lp.prediction
+        assert p.step_time_s >= p.lower_bound_s * (1 - 1e-9)
+        assert 0.0 <= p.idle_fraction < 1.0
+        assert p.peak_memory_bytes <= result.cluster.gpu_memory_bytes
+    times = [lp.prediction.step_time_s for lp in result.layouts]
+    assert times == sorted(times)
+    assert result.best.prediction.step_time_s <= result.baseline.prediction.step_time_s
+
+
+def test_disaggregated_layout_on_large_encoder() -> None:
+    result = _plan(32, encoder="vit-6b", batch=128)
+    best = result.best
+    assert not best.colocated and best.encoder.num_gpus >= 1 and best.llm.num_gpus >= 1
+    assert best.encoder.tp == 1  # 25 heads: no TP degree within a node divides them but 1
+    assert best.llm.first_rank == best.encoder.num_gpus
+
+
+def test_infeasible_cluster_message() -> None:
+    with pytest.raises(InfeasibleClusterError) as info:
+        _plan(8, encoder="vit-6b", llm="llm-72b", batch=32, config=PlannerConfig(num_batches=1))
+    message = str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert "8 GPUs of 80.0 GB" in message and "llm stage" in message
+    assert "gpu_memory_bytes >=" in message and "num_gpus >=" in message
+
+
+def test_memory_limit_rejects_layouts() -> None:
+    inputs = _inputs()
+    big, raw_big = search_layouts(ClusterSpec(num_gpus=16), inputs, FAST)
+    small, raw_small = search_layouts(ClusterSpec(num_gpus=16, gpu_memory_bytes=40e9), inputs, FAST)
+    assert raw_small["stats"]["num_memory_rejected"] > raw_big["stats"]["num_memory_rejected"]
+    for lp in small:
+        assert lp.prediction.peak_memory_bytes <= 40e9
+    assert small[0].prediction.step_time_s >= big[0].prediction.step_time_s
+
+
+def test_deterministic() -> None:
+    a, b = _plan(16).to_dict(), _plan(16).to_dict()
+    a.pop("planning_time_s"), b.pop("planning_time_s")
+    assert a == b
+
+
+@pytest.mark.parametrize(("gpus", "encoder"), [(8, "siglip-400m"), (16, "vit-6b")])
+def test_pruning_matches_exhaustive(gpus: int, encoder: str) -> None:
+    inputs = _inputs(encoder=encoder, batch=32)
+    cluster = ClusterSpec(num_gpus=gpus)
+    pruned, raw_pruned = search_layouts(cluster, inputs, PlannerConfig(num_batches=2, top_k=3))
+    full, raw_full = search_layouts(
+        cluster, inputs, PlannerConfig(num_batches=2, top_k=3, prune=False)
+    )
+    assert [lp.to_dict() for lp in pruned] == [lp.to_dict() for lp in full]
+    assert raw_pruned["stats"]["num_simulated"] < raw_full["stats"]["num_simulated"]
+
+
+def test_microbatch_ordering_never_hurts() -> None:
+    inputs = _inputs(encoder="vit-6b", batch=64)
+    layouts, _ = search_layouts(ClusterSpec(num_gpus=16), inputs, FAST)
+    for lp in layouts:
+        p = lp.prediction
+        assert p.step_time_s <= p.step_time_as_scheduled_s + 1e-12
+
+
+def test_plan_json_roundtrip(tmp_path) -> None:
+    result = _plan(16)
+    path = tmp_path / "plan.json"
+    result.save(path)
+    loaded = Plan.load(path)
+    assert loaded.to_dict() == result.to_dict()
+    data = json.loads(path.read_text())
+    assert data["format"] == "dflop.plan" and data["version"] == 1
+    llm = data["layouts"][0]["llm"]
+    assert {"tp", "pp", "dp", "layer_ranges", "stage_ranks", "first_rank"} <= set(llm)
+    data["version"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="version 99"):
+        Plan.load(path)
+
+
+def test_simulate_layout_timeline(tmp_path) -> None:
+    result = _plan(16)
+    inputs = _inputs()
+    sim = simulate_layout(result.cluster, inputs, result.best, batch=0)
+    assert sim.step_time_s == pytest.approx(result.best.prediction.step_times_s[0])
+    sim.write_chrome_trace(tmp_path / "t.json")
+    assert json.loads((tmp_path / "t.json").read_text())
+
+
+def test_cluster_spec_validation_names_field() -> None:
+    with pytest.raises(ValueError, match="ClusterSpec.num_gpus"):
+        ClusterSpec(num_gpus=1)
+    with pytest.raises(ValueError, match="ClusterSpec.gpu_memory_bytes"):
+        ClusterSpec(num_gpus=8, gpu_memory_bytes=-1)
+    with pytest.raises(TypeError, match="ClusterSpec.gpus_per_node"):
+        ClusterSpec(num_gpus=8, gpus_per_node=2.5)
+    with pytest.raises(ValueError, match="PlannerConfig.top_k"):
+        PlannerConfig(top_k=0)
+
+
+def test_core_split_layers_and_microbatches() -> None:
+    assert _core.split_layers(10, 3, 1.0, 0.0, 0.0, False) == [4, 3, 3]
+    # An LM head worth 2 layers on the last stage: it takes fewer layers.
+    assert _core.split_layers(10, 3, 1.0, 0.0, 2.0, True) == [4, 4, 2]
+    assert _core.default_microbatch_choices(10) == [1, 2, 3, 4, 6, 8, 10]
+    with pytest.raises(ValueError, match="num_stages"):
+        _core.split_layers(3, 4, 1.0, 0.0, 0.0, True)
+
+
+def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
+    env = dict(os.environ, MPLBACKEND="Agg")
+    return subprocess.run(
+        [sys.executable, "-m", "dflop.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_plan_and_simulate(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    out = _cli(
+        "plan",
+        "--perf",
+        "analytic",
+        "--encoder",
+        "siglip-400m",
+        "--llm",
+        "llm-7b",
+        "--shapes",
+        "synthetic",
+        "--gpus",
+        "16",
+        "--gpus-per-node",
+        "8",
+        "--gpu-memory-gb",
+        "80",
+        "--global-batch",
+        "64",
+        "--batches",
+        "2",
+        "-o",
+        "plan.json",
+        "--top",
+        "2",
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "samples/s" in out.stdout and "data-blind" in out.stdout
+    out = _cli(
+        "plan", "--gpus", "16", "--global-batch", "64", "--batches", "2", "--json", cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["format"] == "dflop.plan"
+    out = _cli("simulate", "plan.json", "--trace", "out.json", "--png", "out.png", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "out.png").stat().st_size > 0
+    assert json.loads((tmp_path / "out.json").read_text())
+    bad = _cli(
+        "plan",
+        "--encoder",
+        "vit-6b",
+        "--llm",
+        "llm-72b",
+        "--gpus",
+        "8",
+        "--global-batch",
+        "32",
+        "--batches",
+        "1",
+        cwd=tmp_path,
+    )
+    assert bad.returncode == 2 and "no layout fits" in bad.stderr
+    missing = _cli("plan", "--perf", "nope.json", "--gpus", "8", cwd=tmp_path)
+    assert missing.returncode == 2 and "nope.json" in missing.stderr
+
+
+def test_accepts_custom_distribution_and_shapes() -> None:
+    from dflop.data.synthetic import synthetic_shapes
+
+    model = AnalyticCostModel("siglip-400m", "llm-7b")
+    shapes = synthetic_shapes(500, seed=3)
+    result = plan(
+        model,
+        model.encoder,
+        model.llm,
+        ClusterSpec(num_gpus=8),
+        global_batch=32,
+        shapes=shapes,
+        config=FAST,
+    )
+    assert np.isfinite(result.best.prediction.step_time_s)
