@@ -1,0 +1,610 @@
+"""The inter-model communicator: encoder features to the LLM, gradients back.
+
+Each sample's features go from the encoder DP replica that computed them (its last stage,
+tp rank 0: an *encoder bridge rank*) straight to the LLM DP replica that the Schedule gave
+the sample (its first stage, tp rank 0: an *LLM bridge rank*); gradients travel back the
+same way. That is an all-to-all with uneven splits between the S encoder and D LLM bridge
+ranks, with no hub rank.
+
+Why point-to-point and not ``all_to_all``
+    A collective needs every member of the group to call the same collectives in the same
+    order. In 1F1B the last encoder stage and the first LLM stage interleave forward and
+    backward microbatches differently (the encoder stage sends forward k+1 before it needs
+    backward k; the LLM stage needs forward k+1 only after it sent backward k), so one
+    collective per transfer would be called in different orders on the two sides and
+    deadlock. Instead every transfer is a batch of ``isend``/``irecv`` pairs
+    (``batch_isend_irecv``), one per (src, dst) pair that moves at least one row, tagged
+    with (microbatch, direction, data|header). Matching is then per pair and per tag
+    (gloo) or per pair and direction in issue order (NCCL, which ignores tags), so the two
+    directions never wait on each other and empty pairs cost nothing.
+
+Blocking: a send completes only once the peer has posted the matching receive (gloo's
+sends are rendezvous; NCCL's block the stream likewise). So, as in any 1F1B runtime, a
+stage must not block on a send while its peer blocks on a send the other way: post
+receives early with ``wait=False`` (e.g. the encoder posts ``recv_grads`` before it
+sends the next microbatch's features) or issue sends with ``wait=False`` and wait later.
+
+Shapes come from the :class:`~dflop.runtime.routing.RoutingPlan`, which every rank
+derives from the step's Schedule, so there is no shape handshake. With ``debug=True``
+every (src, dst) pair, even an empty one, first exchanges a small header (magic,
+microbatch id, direction, rows, hidden size, dtype); the receiver compares it with its own
+plan and raises a ``RuntimeError`` naming both ranks and the mismatch instead of hanging
+or silently misreading rows (the data receives are posted only after the check, from a
+short-lived helper thread, so debug mode blocks exactly like normal mode; it is meant for
+gloo/CPU runs and is untested on NCCL).
+
+Timeouts: every wait uses ``timeout_s`` (default: the topology's group timeout); a peer
+that never answers becomes a ``RuntimeError`` naming the ranks and the microbatch. The
+process-wide default (``init_process_group(timeout=...)``, set by
+:mod:`dflop.runtime.launch`) bounds everything else.
+
+Tensors: one message per (src, dst) pair: the pair's samples' rows concatenated in
+``plan.pair_samples(src, dst)`` order. The sender's tensor form is its ``send_order``
+(pairs (s, 0), (s, 1), ... concatenated), so each message is one slice; the receiver's
+tensor form is its ``recv_order`` (ascending sample position) and costs one row gather.
+On NCCL the buffers live on the current CUDA device; transfers are issued on torch's
+P2P stream (ordering with compute streams is torch's: the returned tensors are safe to
+use on the current stream once ``wait`` returned).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dflop.runtime.routing import RoutingPlan
+from dflop.runtime.topology import Topology
+
+__all__ = ["BridgeCommunicator", "PendingTransfer"]
+
+FEATURES = 0
+GRADS = 1
+_DIRECTION_NAMES = {FEATURES: "features", GRADS: "gradients"}
+_HEADER_MAGIC = 0x0DF1_0B12  # tells a debug header from stray data
+_HEADER_LEN = 6  # magic, microbatch id, direction, rows, hidden, dtype code
+_DTYPE_CODES = {
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.float64: 4,
+}
+
+FeatureInput = Union[Mapping[int, torch.Tensor], torch.Tensor]
+FeatureOutput = Union[dict[int, torch.Tensor], torch.Tensor]
+
+
+def _tag(microbatch_id: int, direction: int, header: bool) -> int:
+    """Distinct tag per (microbatch, direction, data|header): gloo matches a recv to the
+    send of the same peer and tag, so transfers of different microbatches or directions
+    can be in flight at once in any order."""
+    return (microbatch_id * 2 + direction) * 2 + (1 if header else 0)
+
+
+class PendingTransfer:
+    """A transfer in flight. ``wait()`` blocks (up to the communicator's timeout) until
+    every message of it completed and returns the received data (None for sends)."""
+
+    def __init__(
+        self,
+        works: Sequence[Any],
+        finish: Callable[[], Any],
+        describe: Callable[[], str],
+        timeout_s: float,
+        keepalive: Sequence[torch.Tensor] = (),
+        prepare: Callable[[], list[Any]] | None = None,
+    ) -> None:
+        self._works = list(works)
+        self._prepare = prepare  # debug mode: header check, then the data works
+        self._finish = finish
+        self._describe = describe
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._timeout_s = timeout_s
+        self._keepalive = list(keepalive)  # send buffers must outlive the send
+        self._done = False
+        self._result: Any = None
+
+    def wait(self) -> Any:
+        if not self._done:
+            if self._prepare is not None:
+                self._works += self._prepare()
+                self._prepare = None
+            for work in self._works:
+                try:
+                    work.wait(self._timeout)
+                except RuntimeError as error:
+                    raise RuntimeError(
+                        f"{self._describe()} failed or timed out (timeout {self._timeout_s:g} s): "
+                        f"{error}"
+                    ) from error
+            self._result = self._finish()
+            self._works.clear()
+            self._keepalive.clear()
+            self._done = True
+        return self._result
+
+
+class BridgeCommunicator:
+    """Moves encoder features to the LLM and their gradients back (see the module doc).
+
+    Build it on every bridge rank (``topology.info.is_bridge_sender`` or
+    ``is_bridge_receiver``), all with the same ``hidden_size``, ``dtype`` and ``debug``:
+    the constructor runs one small collective on the bridge group (which also warms up
+    NCCL's P2P, whose first use on a group must involve all its ranks) and checks that
+    they agree.
+
+    Encoder side: :meth:`send_features`, :meth:`recv_grads`. LLM side:
+    :meth:`recv_features`, :meth:`send_grads`. Each takes ``wait=True``; with
+    ``wait=False`` it returns a :class:`PendingTransfer` whose ``wait()`` returns the
+    result (so receives can be posted early and overlap compute).
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        hidden_size: int,
+        dtype: torch.dtype = torch.float32,
+        *,
+        device: torch.device | str | None = None,
+        debug: bool = False,
+        timeout_s: float | None = None,
+    ) -> None:
+        info = topology.info
+        if not (info.is_bridge_sender or info.is_bridge_receiver) or topology.bridge_group is None:
+            raise ValueError(
+                f"rank {info.rank} ({info.module} stage {info.pp_rank}, tp rank {info.tp_rank}) "
+                "is not a bridge rank: only the last encoder stage's and the first LLM "
+                "stage's tp-rank-0 ranks build a BridgeCommunicator"
+            )
+        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"hidden_size must be an integer >= 1, got {hidden_size!r}")
+        if dtype not in _DTYPE_CODES:
+            raise ValueError(f"dtype must be one of {list(_DTYPE_CODES)}, got {dtype}")
+        self.topology = topology
+        self.layout = topology.layout
+        self.rank = info.rank
+        self.side = "encoder" if info.is_bridge_sender else "llm"
+        self.replica = info.dp_rank
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.debug = bool(debug)
+        self.timeout_s = float(topology.timeout_s if timeout_s is None else timeout_s)
+        self.group = topology.bridge_group
+        if device is None:
+            backend = dist.get_backend(self.group)
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if backend == "nccl"
+                else torch.device("cpu")
+            )
+        self.device = torch.device(device)
+        self._check_agreement()
+
+    # ---- public API ---------------------------------------------------------------------
+
+    def send_features(
+        self, microbatch_id: int, plan: RoutingPlan, features: FeatureInput, *, wait: bool = True
+    ) -> PendingTransfer:
+        """Encoder side: send this replica's features of ``microbatch_id``.
+
+        ``features``: ``{sample_id: Tensor[rows_i, hidden]}`` for this replica's samples
+        (``plan.send_order[replica]``; zero-row samples may be left out), or one
+        ``Tensor[plan.send_rows(replica), hidden]`` in send order. Only data moves (no
+        autograd): keep the graph on this side and feed :meth:`recv_grads`'s result to
+        ``backward``.
+        """
+        self._require("encoder", "send_features")
+        src = self.replica
+        self._check_plan(plan)
+        buffers = self._split_outgoing(
+            features,
+            plan.send_order[src],
+            plan,
+            counts=plan.send_counts[src, :],
+            what=f"features of microbatch {microbatch_id}",
+        )
+        peers = [self.layout.llm_bridge_rank(d) for d in range(plan.num_dst)]
+        return self._send(microbatch_id, FEATURES, buffers, peers, wait)
+
+    def recv_features(
+        self, microbatch_id: int, plan: RoutingPlan, *, as_tensor: bool = False, wait: bool = True
+    ) -> FeatureOutput | PendingTransfer:
+        """LLM side: receive the features of this replica's samples of ``microbatch_id``.
+
+        Returns ``{sample_id: Tensor[rows_i, hidden]}`` for every sample of
+        ``plan.recv_order[replica]`` (zero-row samples get an empty tensor; the values are
+        views of one buffer), or with ``as_tensor=True`` one
+        ``Tensor[plan.recv_rows(replica), hidden]`` in recv order.
+        """
+        self._require("llm", "recv_features")
+        dst = self.replica
+        self._check_plan(plan)
+        counts = plan.send_counts[:, dst]
+        peers = [self.layout.encoder_bridge_rank(s) for s in range(plan.num_src)]
+        arrival_ids = [plan.pair_samples(s, dst) for s in range(plan.num_src)]
+
+        def finish(arrived: torch.Tensor) -> FeatureOutput:
+            if as_tensor:
+                index = plan.recv_arrival_index(dst)
+                if _is_identity(index):
+                    return arrived
+                return arrived.index_select(0, torch.from_numpy(index).to(arrived.device))
+            return _as_dict(arrived, arrival_ids, plan, order=plan.recv_order[dst])
+
+        return self._recv(microbatch_id, FEATURES, counts, peers, finish, wait)
+
+    def send_grads(
+        self, microbatch_id: int, plan: RoutingPlan, grads: FeatureInput, *, wait: bool = True
+    ) -> PendingTransfer:
+        """LLM side: send the gradients w.r.t. the received features back to the encoder
+        replicas that computed them. ``grads``: ``{sample_id: Tensor[rows_i, hidden]}``
+        or one ``Tensor[plan.recv_rows(replica), hidden]`` in recv order."""
+        self._require("llm", "send_grads")
+        dst = self.replica
+        self._check_plan(plan)
+        counts = plan.send_counts[:, dst]
+        what = f"gradients of microbatch {microbatch_id}"
+        if isinstance(grads, torch.Tensor):
+            self._check_tensor(grads, plan.recv_rows(dst), what)
+            index = plan.recv_arrival_index(dst)
+            if not _is_identity(index):
+                inverse = np.argsort(index, kind="stable")
+                grads = grads.index_select(0, torch.from_numpy(inverse).to(grads.device))
+            buffers = _slices(grads.detach(), counts)
+        else:
+            arrival_order = np.concatenate(
+                [plan.pair_samples(s, dst) for s in range(plan.num_src)] + [np.zeros(0, np.int64)]
+            )
+            buffers = self._split_outgoing(grads, arrival_order, plan, counts=counts, what=what)
+        peers = [self.layout.encoder_bridge_rank(s) for s in range(plan.num_src)]
+        return self._send(microbatch_id, GRADS, buffers, peers, wait)
+
+    def recv_grads(
+        self, microbatch_id: int, plan: RoutingPlan, *, as_tensor: bool = False, wait: bool = True
+    ) -> FeatureOutput | PendingTransfer:
+        """Encoder side: receive the gradients of this replica's features of
+        ``microbatch_id``: ``{sample_id: Tensor[rows_i, hidden]}`` or, with
+        ``as_tensor=True``, one tensor in send order (matching :meth:`send_features`'
+        tensor form, so ``features.backward(grads)`` works directly)."""
+        self._require("encoder", "recv_grads")
+        src = self.replica
+        self._check_plan(plan)
+        counts = plan.send_counts[src, :]
+        peers = [self.layout.llm_bridge_rank(d) for d in range(plan.num_dst)]
+        pair_ids = [plan.pair_samples(src, d) for d in range(plan.num_dst)]
+
+        def finish(arrived: torch.Tensor) -> FeatureOutput:
+            return arrived if as_tensor else _as_dict(arrived, pair_ids, plan, order=None)
+
+        return self._recv(microbatch_id, GRADS, counts, peers, finish, wait)
+
+    # ---- transport ----------------------------------------------------------------------
+
+    def _send(
+        self,
+        microbatch_id: int,
+        direction: int,
+        buffers: list[torch.Tensor],
+        peers: list[int],
+        wait: bool,
+    ) -> PendingTransfer:
+        ops, keep = [], []
+        for peer, buffer in zip(peers, buffers):
+            rows = int(buffer.shape[0])
+            if self.debug:
+                header = self._header(microbatch_id, direction, rows)
+                keep.append(header)
+                ops.append(self._op(dist.isend, header, peer, _tag(microbatch_id, direction, True)))
+            if rows > 0:
+                keep.append(buffer)
+                ops.append(
+                    self._op(dist.isend, buffer, peer, _tag(microbatch_id, direction, False))
+                )
+        works = dist.batch_isend_irecv(ops) if ops else []
+        active = [p for p, b in zip(peers, buffers) if self.debug or b.shape[0] > 0]
+        transfer = PendingTransfer(
+            works,
+            finish=lambda: None,
+            describe=lambda: self._describe("sending", microbatch_id, direction, active),
+            timeout_s=self.timeout_s,
+            keepalive=keep,
+        )
+        if wait:
+            transfer.wait()
+        return transfer
+
+    def _recv(
+        self,
+        microbatch_id: int,
+        direction: int,
+        counts: np.ndarray,
+        peers: list[int],
+        finish: Callable[[torch.Tensor], Any],
+        wait: bool,
+    ) -> Any:
+        total_rows = int(counts.sum())
+        arrived = torch.empty(total_rows, self.hidden_size, dtype=self.dtype, device=self.device)
+        parts, start = [], 0
+        for peer, rows in zip(peers, counts.tolist()):
+            # A leading-dim slice of a contiguous buffer is contiguous: receive in place.
+            parts.append((peer, arrived.narrow(0, start, rows)))
+            start += rows
+        active = [peer for peer, part in parts if part.shape[0] > 0]
+        tag = _tag(microbatch_id, direction, False)
+        if self.debug:
+            works: list[Any] = []
+            prepare = self._debug_prepare(microbatch_id, direction, counts, peers, parts)
+        else:
+            ops = [self._op(dist.irecv, part, peer, tag) for peer, part in parts if part.shape[0]]
+            works, prepare = (dist.batch_isend_irecv(ops) if ops else []), None
+        transfer = PendingTransfer(
+            works,
+            finish=lambda: finish(arrived),
+            describe=lambda: self._describe("receiving", microbatch_id, direction, active),
+            timeout_s=self.timeout_s,
+            prepare=prepare,
+        )
+        return transfer.wait() if wait else transfer
+
+    def _op(self, fn: Any, tensor: torch.Tensor, peer: int, tag: int) -> dist.P2POp:
+        return dist.P2POp(fn, tensor, peer=peer, group=self.group, tag=tag)
+
+    # ---- debug headers ------------------------------------------------------------------
+
+    def _header(self, microbatch_id: int, direction: int, rows: int) -> torch.Tensor:
+        values = [
+            _HEADER_MAGIC,
+            microbatch_id,
+            direction,
+            rows,
+            self.hidden_size,
+            _DTYPE_CODES[self.dtype],
+        ]
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _debug_prepare(
+        self,
+        microbatch_id: int,
+        direction: int,
+        counts: np.ndarray,
+        peers: list[int],
+        parts: list[tuple[int, torch.Tensor]],
+    ) -> Callable[[], list[Any]]:
+        """Debug receive: post the header receives now; a helper thread waits for them,
+        compares them with the plan and only then posts the data receives.
+
+        Posting a data receive before its header is checked is unsafe: gloo aborts the
+        process when a message is longer than the posted buffer (and silently accepts a
+        shorter one). Waiting for the headers on the caller's thread instead would change
+        when the data receives get posted, and gloo's sends only complete once the
+        matching receive is posted, so a ``wait=False`` receive must post its data
+        without the caller's help: hence one short-lived thread per debug receive. On a
+        mismatch the thread still drains the messages as the headers describe them (so
+        the sender does not hang) and ``wait()`` raises the mismatch.
+        """
+        headers = [torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device) for _ in peers]
+        header_tag = _tag(microbatch_id, direction, True)
+        ops = [self._op(dist.irecv, h, p, header_tag) for h, p in zip(headers, peers)]
+        header_works = dist.batch_isend_irecv(ops) if ops else []
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                for work in header_works:
+                    work.wait(timeout)
+            except RuntimeError as error:
+                outcome["error"] = RuntimeError(
+                    f"{self._describe('receiving debug headers for', microbatch_id, direction, peers)}"
+                    f" failed or timed out (timeout {self.timeout_s:g} s): {error}"
+                )
+                return
+            mismatch = self._header_mismatch(microbatch_id, direction, counts, peers, headers)
+            tag = _tag(microbatch_id, direction, False)
+            if mismatch is None:
+                recvs = [self._op(dist.irecv, t, p, tag) for p, t in parts if t.shape[0]]
+                outcome["works"] = dist.batch_isend_irecv(recvs) if recvs else []
+                return
+            outcome["error"] = RuntimeError(mismatch)
+            drains = []
+            for (peer, _), header in zip(parts, headers):
+                magic, _, _, rows, hidden, code = header.tolist()
+                itemsize = {v: k for k, v in _DTYPE_CODES.items()}.get(code, torch.uint8).itemsize
+                if magic == _HEADER_MAGIC and rows > 0 and hidden > 0:
+                    sink = torch.empty(
+                        rows * hidden * itemsize, dtype=torch.uint8, device=self.device
+                    )
+                    drains.append(self._op(dist.irecv, sink, peer, tag))
+            for work in dist.batch_isend_irecv(drains) if drains else []:
+                with contextlib.suppress(RuntimeError):
+                    work.wait(timeout)
+
+        thread = threading.Thread(
+            target=run, name=f"dflop-bridge-debug-mb{microbatch_id}", daemon=True
+        )
+        thread.start()
+
+        def prepare() -> list[Any]:
+            thread.join(self.timeout_s * 2 + 1.0)  # run() bounds its own waits by timeout_s
+            if thread.is_alive():
+                raise RuntimeError(
+                    f"{self._describe('checking debug headers for', microbatch_id, direction, peers)}"
+                    " did not finish in time"
+                )
+            if "error" in outcome:
+                raise outcome["error"]
+            return outcome["works"]
+
+        return prepare
+
+    def _header_mismatch(
+        self,
+        microbatch_id: int,
+        direction: int,
+        counts: np.ndarray,
+        peers: list[int],
+        headers: list[torch.Tensor],
+    ) -> str | None:
+        """None if every header matches the plan, else a message naming both ranks."""
+        expected = self._header(microbatch_id, direction, 0).tolist()
+        fields = ["magic", "microbatch", "direction", "rows", "hidden_size", "dtype code"]
+        for header, peer, rows in zip(headers, peers, counts.tolist()):
+            got = header.tolist()
+            expected[3] = rows
+            if got == expected:
+                continue
+            diffs = ", ".join(
+                f"{name}: sent {g}, expected {e}"
+                for name, g, e in zip(fields, got, expected)
+                if g != e
+            )
+            return (
+                f"bridge {_DIRECTION_NAMES[direction]} mismatch for microbatch {microbatch_id}: "
+                f"rank {peer} ({self._peer_role()} replica {self._peer_replica(peer)}) sent a "
+                f"header that rank {self.rank} ({self._role()} replica {self.replica}) does not "
+                f"expect from its routing plan ({diffs}); the two ranks derived different "
+                "plans (different Schedule, encoder split or rows?)"
+            )
+        return None
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _check_agreement(self) -> None:
+        """One all-reduce over the bridge group: everyone's (hidden, dtype, debug) equal."""
+        mine = [self.hidden_size, _DTYPE_CODES[self.dtype], int(self.debug)]
+        values = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=self.device)
+        work = dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"rank {self.rank}: BridgeCommunicator setup on the bridge group "
+                f"{list(self.topology.bridge_ranks)} failed or timed out (every bridge rank "
+                f"must build one): {error}"
+            ) from error
+        highest, lowest = values[:3].tolist(), [-v for v in values[3:].tolist()]
+        if highest != lowest:
+            raise ValueError(
+                "bridge ranks disagree on (hidden_size, dtype code, debug): "
+                f"between {lowest} and {highest}; rank {self.rank} has {mine}"
+            )
+
+    def _require(self, side: str, method: str) -> None:
+        if self.side != side:
+            raise RuntimeError(
+                f"{method} runs on {side} bridge ranks; rank {self.rank} is an {self.side} "
+                "bridge rank"
+            )
+
+    def _check_plan(self, plan: RoutingPlan) -> None:
+        if not isinstance(plan, RoutingPlan):
+            raise TypeError(f"plan must be a RoutingPlan, got {type(plan).__name__}")
+        if plan.num_src != self.layout.encoder.dp or plan.num_dst != self.layout.llm.dp:
+            raise ValueError(
+                f"the plan routes {plan.num_src} encoder x {plan.num_dst} LLM replicas but the "
+                f"layout has encoder dp={self.layout.encoder.dp}, llm dp={self.layout.llm.dp} "
+                "(pass num_src/num_dst to plan_routing)"
+            )
+
+    def _check_tensor(self, tensor: torch.Tensor, rows: int, what: str) -> None:
+        expected = (rows, self.hidden_size)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(
+                f"rank {self.rank}: {what} has shape {tuple(tensor.shape)}, the plan expects "
+                f"{expected}"
+            )
+        if tensor.dtype != self.dtype:
+            raise ValueError(
+                f"rank {self.rank}: {what} has dtype {tensor.dtype}, expected {self.dtype}"
+            )
+
+    def _split_outgoing(
+        self,
+        data: FeatureInput,
+        order: np.ndarray,
+        plan: RoutingPlan,
+        *,
+        counts: np.ndarray,
+        what: str,
+    ) -> list[torch.Tensor]:
+        """One contiguous buffer per peer: rows of ``order``'s samples, cut by ``counts``."""
+        total_rows = int(counts.sum())
+        if isinstance(data, torch.Tensor):
+            self._check_tensor(data, total_rows, what)
+            return _slices(data.detach(), counts)
+        if not isinstance(data, Mapping):
+            raise TypeError(f"{what} must be a dict of tensors or one tensor, got {type(data)}")
+        rows = plan.rows_of(order)
+        pieces = []
+        for sample_id, sample_rows in zip(order.tolist(), rows.tolist()):
+            tensor = data.get(sample_id)
+            if tensor is None:
+                if sample_rows == 0:
+                    continue
+                raise KeyError(
+                    f"rank {self.rank}: {what} lacks sample {sample_id} ({sample_rows} rows)"
+                )
+            self._check_tensor(tensor, sample_rows, f"{what}, sample {sample_id}")
+            pieces.append(tensor.detach())
+        joined = (
+            torch.cat(pieces)
+            if pieces
+            else torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device)
+        )
+        return _slices(joined, counts)
+
+    def _role(self) -> str:
+        return "encoder" if self.side == "encoder" else "LLM"
+
+    def _peer_role(self) -> str:
+        return "LLM" if self.side == "encoder" else "encoder"
+
+    def _peer_replica(self, peer: int) -> int:
+        first = self.layout.first_rank("llm" if self.side == "encoder" else "encoder")
+        mod = self.layout.llm if self.side == "encoder" else self.layout.encoder
+        return (peer - first) // (mod.tp * mod.pp)
+
+    def _describe(self, verb: str, microbatch_id: int, direction: int, peers: list[int]) -> str:
+        return (
+            f"rank {self.rank} ({self._role()} bridge, replica {self.replica}) {verb} "
+            f"{_DIRECTION_NAMES[direction]} of microbatch {microbatch_id} with rank(s) {peers}"
+        )
+
+
+def _slices(tensor: torch.Tensor, counts: np.ndarray) -> list[torch.Tensor]:
+    """Contiguous row slices of ``tensor`` of ``counts`` rows each."""
+    tensor = tensor.contiguous()
+    out, start = [], 0
+    for rows in counts.tolist():
+        out.append(tensor.narrow(0, start, rows))
+        start += rows
+    return out
+
+
+def _as_dict(
+    arrived: torch.Tensor,
+    ids_by_peer: Sequence[np.ndarray],
+    plan: RoutingPlan,
+    order: np.ndarray | None,
+) -> dict[int, torch.Tensor]:
+    """Per-sample views of ``arrived`` (the peers' messages concatenated in order), keyed
+    by sample id and iterating in ``order`` (default: arrival order)."""
+    views: dict[int, torch.Tensor] = {}
+    start = 0
+    for ids in ids_by_peer:
+        for sample_id, rows in zip(ids.tolist(), plan.rows_of(ids).tolist()):
+            views[sample_id] = arrived.narrow(0, start, rows)
+            start += rows
+    if order is None:
+        return views
+    return {sample_id: views[sample_id] for sample_id in order.tolist()}
+
+
+def _is_identity(index: np.ndarray) -> bool:
+    return bool(np.array_equal(index, np.arange(index.shape[0])))

@@ -1,0 +1,354 @@
+"""Starting the ranks: local processes (:func:`spawn_local`) or torchrun (:func:`init_from_env`).
+
+A distributed run must never hang: when one rank dies, its peers block in a collective
+or a receive until their timeout. :func:`spawn_local` therefore watches every child from
+the parent and, at the first rank that raises, exits non-zero or is killed (or when the
+whole run exceeds ``timeout_s``), kills the others and raises :class:`SpawnError` naming
+the rank and why. Under torchrun the same role is torchrun's (it tears the job down when a
+worker fails); :func:`init_from_env` sets a collective timeout so that a rank waiting on a
+dead peer fails instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "ProcessInfo",
+    "SpawnError",
+    "init_from_env",
+    "spawn_local",
+]
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Default limit of a whole :func:`spawn_local` run and of each collective."""
+
+_KILL_GRACE_S = 5.0  # how long to wait for a killed child to be reaped
+_SETTLE_S = 0.3  # after a first failure, time for the others to report (to find the culprit)
+
+
+class SpawnError(RuntimeError):
+    """A rank of :func:`spawn_local` failed, was killed, or the run timed out.
+
+    Attributes:
+        rank: the first failing rank (None for a timeout).
+        exitcode: its exit code (negative: killed by that signal), if it exited.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+
+
+class ProcessInfo(NamedTuple):
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "is still running"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name}"
+    return f"exited with code {exitcode}"
+
+
+def _child_main(
+    rank: int,
+    world_size: int,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    host: str,
+    port: int,
+    backend: str,
+    collective_timeout_s: float,
+    num_threads: int,
+    conn: multiprocessing.connection.Connection,
+) -> None:
+    """Body of one spawned rank: join the group, run ``fn``, report back, exit."""
+    exitcode = 0
+    try:
+        os.environ.update(
+            MASTER_ADDR=host,
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+        )
+        import torch
+        import torch.distributed as dist
+
+        if num_threads > 0:
+            torch.set_num_threads(num_threads)
+        timeout = datetime.timedelta(seconds=collective_timeout_s)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        # The parent hosts the rendezvous store, so the port is known and held: no race
+        # on a "free" port between choosing it and binding it.
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+        result = fn(rank, world_size, *args)
+        conn.send(("ok", result))
+        # The work is done and reported: teardown trouble is not a failure.
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    except BaseException as error:  # report everything, including SystemExit
+        exitcode = error.code if isinstance(error, SystemExit) and error.code else 1
+        if not isinstance(exitcode, int):
+            exitcode = 1
+        try:
+            text = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
+            conn.send(("error", text, time.time()))
+        except Exception:  # the parent may already be gone
+            pass
+    finally:
+        try:
+            conn.close()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            # Skip interpreter teardown: a half-torn-down process group (a peer died) can
+            # block in its destructor, and the parent is waiting for this exit.
+            os._exit(exitcode)
+
+
+def spawn_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    backend: str = "gloo",
+    *,
+    collective_timeout_s: float | None = None,
+    start_method: str | None = None,
+    num_threads: int | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes.
+
+    Each process gets MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK set, joins the
+    default process group (``backend``, collective timeout ``collective_timeout_s``,
+    default ``timeout_s``) through a TCP store the parent hosts on a free port, runs
+    ``fn`` and returns its (picklable) result. ``fn`` and ``args`` must be picklable
+    (a module-level function).
+
+    Returns:
+        The results, in rank order.
+
+    Raises:
+        SpawnError: as soon as one rank raises, exits non-zero or is killed (the message
+            names the rank and carries its traceback), or when the whole run takes longer
+            than ``timeout_s``. The other ranks are killed first, so this never hangs.
+
+    ``start_method``: multiprocessing start method; default ``"forkserver"`` where the
+    platform has it, else ``"spawn"``. The fork server imports torch once and forks every
+    rank from that clean process (no CUDA context, no thread pools: as safe as spawn), so
+    a run after the first starts in a fraction of a second instead of each rank
+    importing torch anew.
+
+    ``num_threads``: torch intra-op threads per process; default ``cpu_count // world_size``
+    (at least 1), so local ranks do not oversubscribe the cores.
+    """
+    import torch.distributed as dist
+
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    collective_timeout_s = float(
+        timeout_s if collective_timeout_s is None else collective_timeout_s
+    )
+    if num_threads is None:
+        num_threads = max(1, (os.cpu_count() or 1) // world_size)
+    host = "127.0.0.1"
+    store = dist.TCPStore(
+        host,
+        0,
+        None,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=collective_timeout_s),
+        wait_for_workers=False,
+    )
+    if start_method is None:
+        available = multiprocessing.get_all_start_methods()
+        start_method = "forkserver" if "forkserver" in available else "spawn"
+    ctx = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        # Only takes effect when this process starts its fork server (the first time).
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "dflop.runtime.launch"])
+    procs, conns = [], []
+    try:
+        for rank in range(world_size):
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_child_main,
+                args=(
+                    rank,
+                    world_size,
+                    fn,
+                    tuple(args),
+                    host,
+                    store.port,
+                    backend,
+                    collective_timeout_s,
+                    num_threads,
+                    child_end,
+                ),
+                name=f"dflop-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child_end.close()  # the parent keeps only the reading end: EOF when the child ends
+            procs.append(proc)
+            conns.append(parent_end)
+        return _watch(procs, conns, timeout_s)
+    finally:
+        _kill_all(procs)
+        for conn in conns:
+            conn.close()
+        del store
+
+
+def _watch(
+    procs: list[Any], conns: list[multiprocessing.connection.Connection], timeout_s: float
+) -> list[Any]:
+    """Wait for every rank; raise at the first failure or at the deadline."""
+    world_size = len(procs)
+    deadline = time.monotonic() + timeout_s
+    messages: dict[int, tuple[Any, ...]] = {}
+    finished: set[int] = set()
+
+    def read(rank: int) -> None:
+        if rank in messages:
+            return
+        try:
+            if conns[rank].poll():
+                messages[rank] = conns[rank].recv()
+        except (EOFError, OSError):
+            pass
+
+    def failed(rank: int) -> bool:
+        read(rank)
+        message = messages.get(rank)
+        if message is not None and message[0] == "error":
+            return True
+        exitcode = procs[rank].exitcode
+        if exitcode is None:
+            return False
+        read(rank)  # a result sent just before exiting
+        return exitcode != 0 or rank not in messages
+
+    while len(finished) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            running = [r for r in range(world_size) if r not in finished]
+            raise SpawnError(
+                f"spawn_local timed out after {timeout_s:g} s; ranks {running} of "
+                f"{world_size} were still running and have been killed"
+            )
+        waitables = [procs[r].sentinel for r in range(world_size) if r not in finished]
+        waitables += [
+            conns[r] for r in range(world_size) if r not in messages and r not in finished
+        ]
+        multiprocessing.connection.wait(waitables, timeout=min(remaining, 1.0))
+        if any(failed(r) for r in range(world_size) if r not in finished):
+            _raise_root_cause(procs, messages, failed)
+        finished.update(r for r in range(world_size) if procs[r].exitcode == 0 and r in messages)
+    return [messages[r][1] for r in range(world_size)]
+
+
+def _raise_root_cause(
+    procs: list[Any], messages: dict[int, tuple[Any, ...]], failed: Callable[[int], bool]
+) -> None:
+    """Report the failure that most likely caused the others.
+
+    When one rank dies its peers soon fail too (a closed connection in a collective), so
+    after the first failure the others are given a moment to report, then the culprit is
+    chosen: a rank that vanished without a Python error (killed, ``os._exit``) cannot be a
+    consequence of a peer's failure, so it wins; otherwise the earliest error by the
+    ranks' own clocks.
+    """
+    world_size = len(procs)
+    settle_until = time.monotonic() + _SETTLE_S
+    while time.monotonic() < settle_until:
+        multiprocessing.connection.wait([p.sentinel for p in procs], timeout=0.05)
+    failures = [r for r in range(world_size) if failed(r)]
+    silent = [r for r in failures if r not in messages or messages[r][0] != "error"]
+    if silent:
+        rank = silent[0]
+        procs[rank].join(_KILL_GRACE_S)
+        exitcode = procs[rank].exitcode
+        text = f"rank {rank} of {world_size} {_describe_exit(exitcode)} without finishing its work"
+    else:
+        rank = min(failures, key=lambda r: messages[r][2])
+        procs[rank].join(_KILL_GRACE_S)
+        exitcode = procs[rank].exitcode
+        text = f"rank {rank} of {world_size} failed:\n{messages[rank][1]}"
+    others = [r for r in failures if r != rank]
+    if others:
+        text += f"\n(ranks {others} failed after it)"
+    raise SpawnError(text + "\nThe other ranks have been killed.", rank=rank, exitcode=exitcode)
+
+
+def _kill_all(procs: list[Any]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()  # SIGKILL: a rank stuck in a collective does not answer SIGTERM
+    for proc in procs:
+        proc.join(_KILL_GRACE_S)
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> ProcessInfo:
+    """Join the default process group from torchrun's environment.
+
+    Reads RANK, WORLD_SIZE, LOCAL_RANK (and MASTER_ADDR/MASTER_PORT through ``env://``).
+    ``backend`` defaults to ``nccl`` when CUDA is available (then the current device is
+    set to LOCAL_RANK) and ``gloo`` otherwise. ``timeout_s`` is the default timeout of
+    every collective and receive: a rank whose peer died fails after it instead of
+    hanging, and torchrun then tears the job down.
+    """
+    import torch
+    import torch.distributed as dist
+
+    missing = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_from_env needs {missing} in the environment (launch with torchrun, or use "
+            "spawn_local for local processes)"
+        )
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend,
+            init_method="env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    return ProcessInfo(rank, world_size, local_rank, backend)

@@ -1,0 +1,514 @@
+"""dflop's pipeline engine: one training step (forward + backward) over encoder stages
+then LLM stages, with 1F1B and a different tensor shape in every microbatch.
+
+Each rank runs exactly ``pipeline_actions(schedule, S, m, global_stage)`` (the order the
+simulator models), where S = encoder stages + LLM stages. Per action:
+
+- forward of microbatch j: receive the stage input (pixels from the batch source on the
+  first encoder stage; hidden states from the previous stage of the same replica; on the
+  first LLM stage, token embeddings merged with the visual features that the bridge
+  brings from the encoder replicas), run the stage, send the output on (or, on the last
+  LLM stage, compute ``sum_loss / global target tokens``);
+- backward of microbatch j: receive the output's gradient (or start from the loss), run
+  ``torch.autograd.backward``, send the input's gradient back (over the bridge for the
+  visual features).
+
+Every message shape comes from the :class:`~dflop.runtime.step_data.StepPlan`, which all
+ranks derive from the same Schedule: no shape handshake. A microbatch share with nothing
+in it (an encoder replica with no images, e.g. in a text-only microbatch; an empty LLM
+bin) computes nothing and sends nothing stage-to-stage, since both ends read the same
+plan; bridge ranks still call the communicator, which skips zero-row pairs (and, in debug
+mode, still exchanges their headers). ``debug=True`` sends a small header before every
+stage-to-stage tensor and raises :class:`ShapeMismatchError` naming both ranks when the
+plans disagree, instead of corrupting or hanging.
+
+Sends are non-blocking (``isend``) and awaited at the end of the step: 1F1B needs that
+(a stage posts forward j+1 while its successor is still sending the gradient of j).
+After the last backward, gradients are summed over the module's DP group; since every
+microbatch loss is already divided by the global target count, the result equals the
+single-process gradient of (sum of all losses / global target tokens).
+
+torch.distributed.pipelining fixes shapes at the first microbatch, hence this engine.
+Tensor parallelism inside a stage is not implemented here (tp must be 1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dflop.models.config import ModelConfig
+from dflop.models.decoder import IGNORE_INDEX, DecoderStage
+from dflop.models.multimodal import merge_visual_features
+from dflop.models.vision import VisionStage
+from dflop.runtime.communicator import BridgeCommunicator
+from dflop.runtime.step_data import MicrobatchPlan, StepPlan
+from dflop.runtime.synthetic_batch import TextInputs
+from dflop.runtime.topology import RankInfo, Topology
+from dflop.simulator import pipeline_actions
+
+__all__ = [
+    "ActionTiming",
+    "BatchSource",
+    "PipelineEngine",
+    "ShapeMismatchError",
+    "StepResult",
+    "build_stage",
+]
+
+FORWARD, BACKWARD = "forward", "backward"
+
+# Debug header: [magic, microbatch, kind (0 activation / 1 gradient), ndim, dims...].
+_HEADER_MAGIC = 0x0DF10F
+_HEADER_DIMS = 4
+_HEADER_LEN = 4 + _HEADER_DIMS
+
+
+class ShapeMismatchError(RuntimeError):
+    """Two ranks disagree on a message's shape (their StepPlans differ)."""
+
+
+class BatchSource(Protocol):
+    """Where a rank gets the tensors of the samples it computes (see ``SyntheticBatch``)."""
+
+    def pixel_values(self, sample_ids: np.ndarray) -> Tensor:
+        """``[U, C, H, W]``: the visual units of ``sample_ids``, in that order."""
+        ...
+
+    def text_inputs(self, sample_ids: np.ndarray) -> TextInputs:
+        """Packed tokens, placeholder mask and labels of ``sample_ids``, in that order."""
+        ...
+
+
+@dataclass(frozen=True)
+class ActionTiming:
+    """One executed action; times in seconds from the start of the step."""
+
+    kind: str
+    """``"forward"`` or ``"backward"``."""
+    microbatch: int
+    start_s: float
+    """When its inputs had arrived and compute began."""
+    end_s: float
+    wait_s: float
+    """Seconds before ``start_s`` spent waiting for its inputs (receives; on first stages
+    also fetching the batch source's tensors)."""
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The outcome of one step on one rank."""
+
+    loss_sum: float
+    """Summed token losses of the whole global batch (all ranks: all-reduced)."""
+    num_target_tokens: int
+    """Target tokens of the whole global batch (the loss normaliser)."""
+    timings: tuple[ActionTiming, ...]
+    """This rank's actions, in execution order."""
+    step_time_s: float
+    """From the first action to the end of the gradient all-reduce."""
+    busy_s: float
+    """Forward + backward compute seconds (waits for inputs excluded)."""
+    idle_s: float
+    """``step_time_s - busy_s``: bubbles, waits, all-reduce."""
+    global_stage: int
+
+    @property
+    def loss(self) -> float:
+        """Mean loss per target token over the global batch."""
+        return self.loss_sum / max(self.num_target_tokens, 1)
+
+    @property
+    def actions(self) -> list[tuple[bool, int]]:
+        """Executed ``(is_forward, microbatch)`` order (compare with ``pipeline_actions``)."""
+        return [(t.kind == FORWARD, t.microbatch) for t in self.timings]
+
+
+def build_stage(
+    config: ModelConfig,
+    info: RankInfo,
+    *,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> VisionStage | DecoderStage:
+    """This rank's part of the model, built on its own with the full model's weights for
+    ``seed`` (name-keyed init): a ``VisionStage`` on encoder ranks (with the patch embedding
+    on the first stage, final norm + projector on the last), a ``DecoderStage`` on LLM ranks
+    (token embedding on the first stage, head on the last)."""
+    first, end = info.layer_range
+    kw = {"has_embed": info.is_first_stage, "has_head": info.is_last_stage}
+    if info.module == "encoder":
+        stage: VisionStage | DecoderStage = VisionStage(
+            config.vision, config.projector, first, end, device=device, dtype=dtype, **kw
+        )
+    else:
+        stage = DecoderStage(config.decoder, first, end, device=device, dtype=dtype, **kw)
+    stage.init_weights(seed)
+    return stage
+
+
+class _Clock:
+    """Timestamps: ``perf_counter`` on CPU; CUDA events on GPU (resolved at step end, so
+    timing adds no host synchronisation inside the step)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.origin = self.mark()
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, stamp: Any) -> float:
+        """Seconds from the clock's origin to ``stamp`` (call after a synchronisation)."""
+        if not self.cuda:
+            return stamp - self.origin
+        return self.origin.elapsed_time(stamp) / 1000.0
+
+
+@dataclass
+class _Sent:
+    """An ``isend`` in flight; holds its tensor so the buffer outlives the transfer."""
+
+    work: Any
+    tensor: Tensor
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
+@dataclass
+class _InFlight:
+    """What a forward keeps for its backward."""
+
+    stage_input: Tensor | None = None
+    """The received input (requires grad) whose gradient goes back to the previous stage."""
+    visual_features: Tensor | None = None
+    """First LLM stage: the bridged features (requires grad); their gradient goes back."""
+    output: Tensor | None = None
+    """The tensor to differentiate (stage output, or the normalised loss on the last stage)."""
+
+
+class PipelineEngine:
+    """Runs training steps of one rank's stage; see the module docstring.
+
+    Args:
+        topology: this rank's :class:`Topology` (``Topology.create`` on every rank).
+        stage: this rank's ``VisionStage`` / ``DecoderStage`` (e.g. :func:`build_stage`),
+            already on ``device``.
+        schedule: ``"1f1b"`` (default) or ``"gpipe"``, as in ``pipeline_actions``.
+        debug: send a shape header before every stage-to-stage tensor (and ask the bridge
+            to do the same) to report plan mismatches clearly.
+        device: where activations live; default: the stage's parameters' device.
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        stage: VisionStage | DecoderStage,
+        *,
+        schedule: str = "1f1b",
+        debug: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
+        info = topology.info
+        layout = topology.layout
+        if layout.module(info.module).tp != 1:
+            raise NotImplementedError("PipelineEngine runs tp=1 stages only")
+        expect = VisionStage if info.module == "encoder" else DecoderStage
+        if not isinstance(stage, expect):
+            raise TypeError(
+                f"rank {info.rank} is an {info.module} rank: stage must be a {expect.__name__}"
+            )
+        self.topology = topology
+        self.info = info
+        self.layout = layout
+        self.stage = stage
+        self.schedule = schedule
+        self.debug = debug
+        param = next(stage.parameters())
+        self.device = torch.device(device) if device is not None else param.device
+        self.dtype = param.dtype
+        self.is_encoder = info.module == "encoder"
+        self.bridge: BridgeCommunicator | None = None
+        if info.is_bridge_sender or info.is_bridge_receiver:
+            hidden = stage.projector_config.hidden if self.is_encoder else stage.config.hidden
+            self.bridge = BridgeCommunicator(
+                topology, hidden, self.dtype, device=self.device, debug=debug
+            )
+        self._pending: list[Any] = []  # sends in flight (waited for at the end of the step)
+
+    # ------------------------------------------------------------------ step
+
+    def run_step(self, plan: StepPlan, batch: BatchSource) -> StepResult:
+        """One step over ``plan``'s microbatches: forward + backward of every microbatch in
+        ``pipeline_actions`` order, then the DP gradient all-reduce. Gradients are reset
+        first, so after the call ``p.grad`` holds this step's gradients (no optimizer step).
+        """
+        if plan.num_microbatches != self.layout.num_microbatches:
+            raise ValueError(
+                f"the StepPlan has {plan.num_microbatches} microbatches, the layout "
+                f"{self.layout.num_microbatches}"
+            )
+        self.stage.zero_grad(set_to_none=True)
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        clock = self.clock = _Clock(self.device)
+        stamps: list[tuple[str, int, Any, Any, Any]] = []
+        in_flight: dict[int, _InFlight] = {}
+        actions = pipeline_actions(
+            self.schedule,
+            self.info.num_global_stages,
+            plan.num_microbatches,
+            self.info.global_stage,
+        )
+        for is_forward, j in actions:
+            mb = plan.microbatches[j]
+            arrive = clock.mark()
+            if not is_forward:
+                start = self._backward(mb, in_flight.pop(j))
+            elif self.is_encoder:
+                in_flight[j], start = self._encoder_forward(mb, batch)
+            else:
+                in_flight[j], start = self._llm_forward(mb, plan, batch)
+            # start is None for an empty share: it waited for nothing and computed nothing.
+            start = arrive if start is None else start
+            stamps.append((FORWARD if is_forward else BACKWARD, j, arrive, start, clock.mark()))
+        self._wait_sends()
+        self._all_reduce_grads()
+        loss_sum = self._global_loss_sum()
+        end = clock.mark()
+        if clock.cuda:
+            torch.cuda.synchronize(self.device)
+        return self._result(plan, clock, stamps, end, loss_sum)
+
+    def _result(
+        self, plan: StepPlan, clock: _Clock, stamps: list, end: Any, loss_sum: float
+    ) -> StepResult:
+        timings = tuple(
+            ActionTiming(
+                kind,
+                j,
+                clock.seconds(start),
+                clock.seconds(stop),
+                clock.seconds(start) - clock.seconds(arrive),
+            )
+            for kind, j, arrive, start, stop in stamps
+        )
+        step_time_s = clock.seconds(end)
+        busy_s = sum(t.duration_s for t in timings)
+        return StepResult(
+            loss_sum=loss_sum,
+            num_target_tokens=plan.num_target_tokens,
+            timings=timings,
+            step_time_s=step_time_s,
+            busy_s=busy_s,
+            idle_s=step_time_s - busy_s,
+            global_stage=self.info.global_stage,
+        )
+
+    # ------------------------------------------------------------------ forward
+
+    def _encoder_forward(self, mb: MicrobatchPlan, batch: BatchSource) -> tuple[_InFlight, Any]:
+        """Returns the saved state and the clock mark at which compute began."""
+        share = mb.encoder[self.info.dp_rank]
+        state = _InFlight()
+        if share.is_empty:
+            # No images for this replica: nothing to receive or run. The bridge is still
+            # called (with zero rows) so that its debug headers stay in step.
+            if self.bridge is not None:
+                self._bridge_send_features(mb, self._empty_rows())
+            return state, None
+        if self.info.is_first_stage:
+            x = batch.pixel_values(share.sample_ids).to(self.device)
+            if x.shape[0] != share.units:
+                raise ValueError(
+                    f"microbatch {mb.index}: the batch source gave {x.shape[0]} units for "
+                    f"{share.units} in the StepPlan"
+                )
+        else:
+            vision = self.stage.vision_config
+            shape = (share.units, vision.tokens_per_unit, vision.hidden)
+            x = state.stage_input = self._recv(shape, self.info.prev_rank, mb.index, kind=0)
+        start = self.clock.mark()
+        state.output = self.stage(x)
+        if self.info.is_last_stage:  # projected features [rows, llm hidden]: over the bridge
+            self._bridge_send_features(mb, state.output.detach())
+        else:
+            self._send(state.output.detach(), self.info.next_rank, mb.index, kind=0)
+        return state, start
+
+    def _llm_forward(
+        self, mb: MicrobatchPlan, plan: StepPlan, batch: BatchSource
+    ) -> tuple[_InFlight, Any]:
+        share = mb.llm[self.info.dp_rank]
+        state = _InFlight()
+        features = None
+        if self.info.is_first_stage:
+            # Called even for zero rows, to keep the bridge's debug headers in step.
+            features = self.bridge.recv_features(mb.index, mb.routing, as_tensor=True)
+        if share.is_empty:  # an empty bin: nothing to run
+            return state, None
+        text = None
+        if self.info.is_first_stage or self.info.is_last_stage:
+            text = batch.text_inputs(share.sample_ids)
+            self._check_text(mb, share.cu_seqlens, text)
+        cu_seqlens = torch.from_numpy(np.array(share.cu_seqlens)).to(self.device)
+        if self.info.is_first_stage:
+            start = self.clock.mark()
+            x = self.stage.embed(text.token_ids.to(self.device))
+            if share.visual_rows > 0:
+                features = features.to(self.device).requires_grad_(True)
+                state.visual_features = features
+                x = merge_visual_features(x, text.image_token_mask, features)
+        else:
+            shape = (share.tokens, self.stage.config.hidden)
+            x = state.stage_input = self._recv(shape, self.info.prev_rank, mb.index, kind=0)
+            start = self.clock.mark()
+        if not self.info.is_last_stage:
+            state.output = self.stage.hidden_states(x, cu_seqlens)
+            self._send(state.output.detach(), self.info.next_rank, mb.index, kind=0)
+            return state, start
+        labels = text.labels.masked_fill(text.image_token_mask, IGNORE_INDEX).to(self.device)
+        sum_loss, num_targets = self.stage.loss(x, cu_seqlens, labels)
+        if self.debug and int(num_targets) != share.target_tokens:
+            raise ShapeMismatchError(
+                f"rank {self.info.rank}, microbatch {mb.index}: {int(num_targets)} target "
+                f"tokens, the StepPlan says {share.target_tokens}"
+            )
+        self._loss_sum += sum_loss.detach().double()
+        # Normalise by the GLOBAL target count: summing the gradients of all microbatches
+        # and replicas then gives the gradient of the mean loss of the global batch.
+        state.output = sum_loss / plan.num_target_tokens
+        return state, start
+
+    def _check_text(self, mb: MicrobatchPlan, cu_seqlens: np.ndarray, text: TextInputs) -> None:
+        if text.cu_seqlens.tolist() != cu_seqlens.tolist():
+            raise ValueError(
+                f"rank {self.info.rank}, microbatch {mb.index}: the batch source's sequence "
+                f"lengths {text.cu_seqlens.tolist()} differ from the StepPlan's "
+                f"{cu_seqlens.tolist()} (build both from the same shapes)"
+            )
+
+    # ------------------------------------------------------------------ backward
+
+    def _backward(self, mb: MicrobatchPlan, state: _InFlight) -> Any:
+        """Returns the clock mark at which compute began (None: nothing to compute)."""
+        start = None
+        if self.is_encoder and self.info.is_last_stage:
+            # Called even for an empty share, to keep the bridge's debug headers in step.
+            grad = self.bridge.recv_grads(mb.index, mb.routing, as_tensor=True)
+        if state.output is not None:  # else an empty share: its forward did nothing either
+            if self.is_encoder and self.info.is_last_stage:
+                grad = grad.to(self.device)
+            elif self.info.is_last_stage:
+                grad = None  # the loss is a scalar: backward starts from 1
+            else:
+                shape = tuple(state.output.shape)
+                grad = self._recv(shape, self.info.next_rank, mb.index, kind=1)
+            start = self.clock.mark()
+            torch.autograd.backward(state.output, grad)
+            if state.stage_input is not None:
+                self._send(state.stage_input.grad, self.info.prev_rank, mb.index, kind=1)
+        if not self.is_encoder and self.info.is_first_stage:
+            features = state.visual_features
+            grad = self._empty_rows() if features is None else features.grad
+            self._pending.append(self.bridge.send_grads(mb.index, mb.routing, grad, wait=False))
+        return start
+
+    def _bridge_send_features(self, mb: MicrobatchPlan, features: Tensor) -> None:
+        self._pending.append(self.bridge.send_features(mb.index, mb.routing, features, wait=False))
+
+    def _empty_rows(self) -> Tensor:
+        return torch.empty(0, self.bridge.hidden_size, dtype=self.dtype, device=self.device)
+
+    # ------------------------------------------------------------------ p2p within a module
+
+    @staticmethod
+    def _tag(microbatch: int, kind: int, header: bool) -> int:
+        # Distinct tags per (microbatch, direction, header/payload) keep gloo's matching
+        # unambiguous even with several messages between two ranks in flight.
+        return (2 * microbatch + kind) * 2 + int(header)
+
+    def _send(self, tensor: Tensor, dst: int, microbatch: int, kind: int) -> None:
+        tensor = tensor.contiguous()
+        if self.debug:
+            header = self._header(tuple(tensor.shape), microbatch, kind)
+            self._pending.append(
+                _Sent(dist.isend(header, dst, tag=self._tag(microbatch, kind, True)), header)
+            )
+        self._pending.append(
+            _Sent(dist.isend(tensor, dst, tag=self._tag(microbatch, kind, False)), tensor)
+        )
+
+    def _recv(self, shape: Sequence[int], src: int, microbatch: int, kind: int) -> Tensor:
+        if self.debug:
+            self._check_header(tuple(shape), src, microbatch, kind)
+        buffer = torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
+        dist.irecv(buffer, src, tag=self._tag(microbatch, kind, False)).wait()
+        return buffer.requires_grad_(kind == 0)
+
+    def _header(self, shape: tuple[int, ...], microbatch: int, kind: int) -> Tensor:
+        dims = list(shape) + [-1] * (_HEADER_DIMS - len(shape))
+        values = [_HEADER_MAGIC, microbatch, kind, len(shape), *dims]
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _check_header(self, shape: tuple[int, ...], src: int, microbatch: int, kind: int) -> None:
+        got = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+        dist.irecv(got, src, tag=self._tag(microbatch, kind, True)).wait()
+        expected = self._header(shape, microbatch, kind)
+        if not torch.equal(got, expected):
+            values = got.tolist()
+            sent = tuple(values[4 : 4 + values[3]]) if 0 <= values[3] <= _HEADER_DIMS else values
+            what = "activation" if kind == 0 else "gradient"
+            raise ShapeMismatchError(
+                f"rank {self.info.rank} expected the {what} of microbatch {microbatch} from "
+                f"rank {src} with shape {shape}, but rank {src} sent shape {sent} (microbatch "
+                f"{values[1]}): the ranks' StepPlans differ (build them from the same "
+                "Schedule, shapes and layout on every rank)"
+            )
+
+    def _wait_sends(self) -> None:
+        for handle in self._pending:
+            handle.wait()
+        self._pending.clear()
+
+    # ------------------------------------------------------------------ collectives
+
+    def _all_reduce_grads(self) -> None:
+        """Sum gradients over the module's DP replicas, as one flat buffer (one collective).
+        A replica that computed nothing this step contributes zeros, so every replica
+        calls the collective with the same buffer size."""
+        if len(self.topology.dp_ranks) == 1:
+            return
+        params = [p for p in self.stage.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=self.topology.dp_group)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+            offset += n
+
+    def _global_loss_sum(self) -> float:
+        """The global batch's loss sum on every rank (only last LLM stages contribute)."""
+        total = self._loss_sum.clone()
+        dist.all_reduce(total)
+        return float(total.item())

@@ -1,0 +1,257 @@
+"""Every shape of one training step, derived identically on every rank.
+
+:meth:`StepPlan.build` turns the step's :class:`~dflop.scheduler.Schedule`, the global
+batch's :class:`~dflop.data.SampleShapes` and the :class:`RuntimeLayout` into, per
+microbatch: the samples of each LLM DP replica (the Schedule's bins), the split of the
+microbatch's visual samples across encoder DP replicas, the routing plan between them, and
+the size of every message (pixel units, feature rows, packed tokens, ``cu_seqlens``). It
+is a pure function of its inputs (the encoder split and the routing plan are deterministic
+C++), so all ranks build the same plan and no rank ever needs a shape handshake.
+
+Sample order conventions (shared with :mod:`dflop.runtime.routing`):
+
+- A microbatch's *visual samples* (``units > 0``) are listed in ascending global index;
+  routing positions index this list.
+- An LLM replica packs its samples in ascending global index (``Schedule.bin`` order), so
+  its placeholders expect visual features in that order (the routing plan's receive order).
+- An encoder replica encodes its samples in the routing plan's send order (grouped by
+  destination LLM replica, ascending within a group), so the features bound for each
+  LLM replica are one contiguous slice of its output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dflop.data.shapes import SampleShapes
+from dflop.runtime.routing import RoutingPlan, encoder_split, plan_routing
+from dflop.runtime.topology import RuntimeLayout
+from dflop.scheduler import Schedule
+
+__all__ = ["EncoderShare", "LLMShare", "MicrobatchPlan", "StepPlan"]
+
+
+def _frozen(array: np.ndarray) -> np.ndarray:
+    array = np.ascontiguousarray(array, dtype=np.int64)
+    array.setflags(write=False)
+    return array
+
+
+@dataclass(frozen=True)
+class EncoderShare:
+    """What one encoder DP replica computes of one microbatch."""
+
+    sample_ids: np.ndarray
+    """Global sample indices, in encoding (= routing send) order."""
+    units: int
+    """Visual units: pixels ``[units, C, H, W]``; stage-to-stage activations
+    ``[units, tokens_per_unit, vision hidden]``."""
+    feature_rows: int
+    """Rows of projected features sent over the bridge: ``units * tokens_per_unit``."""
+
+    @property
+    def is_empty(self) -> bool:
+        return self.units == 0
+
+
+@dataclass(frozen=True)
+class LLMShare:
+    """What one LLM DP replica computes of one microbatch (a Schedule bin)."""
+
+    sample_ids: np.ndarray
+    """Global sample indices, ascending (``Schedule.bin`` order): the packing order."""
+    cu_seqlens: np.ndarray
+    """(n + 1,) int64: cumulative sequence lengths of the packed samples."""
+    visual_rows: int
+    """Feature rows received over the bridge (placeholder positions)."""
+    target_tokens: int
+    """Target tokens of these samples (loss terms)."""
+
+    @property
+    def tokens(self) -> int:
+        """Packed positions T: stage-to-stage activations are ``[T, hidden]``."""
+        return int(self.cu_seqlens[-1])
+
+    @property
+    def is_empty(self) -> bool:
+        return self.tokens == 0
+
+
+@dataclass(frozen=True)
+class MicrobatchPlan:
+    """Microbatch ``index`` across all replicas of both modules."""
+
+    index: int
+    visual_sample_ids: np.ndarray
+    """Global indices of the microbatch's samples with visual units, ascending; the
+    routing plan's sample positions index this array."""
+    visual_rows: np.ndarray
+    """Feature rows of each visual sample (aligned with ``visual_sample_ids``)."""
+    encoder_replica: np.ndarray
+    """Encoder DP replica of each visual sample."""
+    llm_replica: np.ndarray
+    """LLM DP replica of each visual sample."""
+    routing: RoutingPlan
+    encoder: tuple[EncoderShare, ...]
+    """One per encoder DP replica."""
+    llm: tuple[LLMShare, ...]
+    """One per LLM DP replica."""
+
+    @property
+    def is_text_only(self) -> bool:
+        return self.visual_sample_ids.size == 0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """All microbatches of one step plus the global loss normaliser."""
+
+    microbatches: tuple[MicrobatchPlan, ...]
+    num_target_tokens: int
+    """Target tokens of the whole global batch: every rank divides its loss sums by it,
+    so the gradients summed over microbatches and DP replicas are those of the mean loss."""
+    tokens_per_unit: int
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.microbatches)
+
+    @classmethod
+    def build(
+        cls,
+        schedule: Schedule,
+        shapes: SampleShapes,
+        layout: RuntimeLayout,
+        target_tokens: np.ndarray,
+        *,
+        tokens_per_unit: int,
+        encoder_costs: np.ndarray | None = None,
+    ) -> StepPlan:
+        """The plan of one step.
+
+        Args:
+            schedule: the step's Schedule over the LLM's DP replicas (``dp_size`` = LLM dp,
+                ``num_microbatches`` = the pipeline's microbatches).
+            shapes: the global batch, conformed to the model (``llm_visual_tokens ==
+                encoder_units * tokens_per_unit``, e.g. by ``ShapeScaler``).
+            layout: the runtime layout (encoder and LLM parallel sizes).
+            target_tokens: (N,) target tokens of every sample (e.g.
+                ``SyntheticBatch.target_tokens()``).
+            tokens_per_unit: the model's encoder tokens per visual unit.
+            encoder_costs: (N,) cost of each sample on the encoder, used to split a
+                microbatch across encoder replicas; default: its encoder tokens.
+        """
+        _check_inputs(schedule, shapes, layout, target_tokens, tokens_per_unit)
+        units = shapes.encoder_units.astype(np.int64)
+        rows = units * tokens_per_unit
+        costs = rows.astype(np.float64) if encoder_costs is None else np.asarray(encoder_costs)
+        seq_lens = (rows + shapes.text_tokens).astype(np.int64)
+        targets = np.asarray(target_tokens, dtype=np.int64)
+        microbatches = tuple(
+            _microbatch_plan(j, schedule, layout, units, rows, seq_lens, targets, costs)
+            for j in range(schedule.num_microbatches)
+        )
+        return cls(microbatches, int(targets.sum()), int(tokens_per_unit))
+
+
+def _check_inputs(
+    schedule: Schedule,
+    shapes: SampleShapes,
+    layout: RuntimeLayout,
+    target_tokens: np.ndarray,
+    tokens_per_unit: int,
+) -> None:
+    if schedule.num_samples != len(shapes) or len(target_tokens) != len(shapes):
+        raise ValueError(
+            f"the Schedule covers {schedule.num_samples} samples, shapes {len(shapes)} and "
+            f"target_tokens {len(target_tokens)}: they must describe the same global batch"
+        )
+    if schedule.dp_size != layout.llm.dp:
+        raise ValueError(
+            f"Schedule.dp_size={schedule.dp_size} must equal the LLM's dp={layout.llm.dp}"
+        )
+    if schedule.num_microbatches != layout.num_microbatches:
+        raise ValueError(
+            f"Schedule.num_microbatches={schedule.num_microbatches} must equal "
+            f"RuntimeLayout.num_microbatches={layout.num_microbatches}"
+        )
+    expected = shapes.encoder_units * tokens_per_unit
+    bad = np.flatnonzero(shapes.llm_visual_tokens != expected)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"sample {i}: llm_visual_tokens={shapes.llm_visual_tokens[i]} != encoder_units "
+            f"{shapes.encoder_units[i]} x tokens_per_unit {tokens_per_unit}: conform the shapes "
+            "to the model (ShapeScaler) before planning the step"
+        )
+
+
+def _microbatch_plan(
+    j: int,
+    schedule: Schedule,
+    layout: RuntimeLayout,
+    units: np.ndarray,
+    rows: np.ndarray,
+    seq_lens: np.ndarray,
+    targets: np.ndarray,
+    encoder_costs: np.ndarray,
+) -> MicrobatchPlan:
+    llm_bins = schedule.microbatches  # bins of replica r: llm_bins(r)[j]
+    llm = tuple(
+        _llm_share(np.asarray(llm_bins(r)[j]), rows, seq_lens, targets)
+        for r in range(layout.llm.dp)
+    )
+    # The microbatch's visual samples, ascending, with the LLM replica that consumes each.
+    members = np.concatenate([share.sample_ids for share in llm])
+    owner = np.concatenate(
+        [np.full(share.sample_ids.size, r, dtype=np.int64) for r, share in enumerate(llm)]
+    )
+    order = np.argsort(members, kind="stable")
+    members, owner = members[order], owner[order]
+    visual = units[members] > 0
+    visual_ids, llm_replica = members[visual], owner[visual]
+    src = np.asarray(encoder_split(visual_ids, encoder_costs, layout.encoder.dp), np.int64)
+    routing = plan_routing(
+        src,
+        llm_replica,
+        rows[visual_ids],
+        num_src=layout.encoder.dp,
+        num_dst=layout.llm.dp,
+        sample_ids=visual_ids,
+    )
+    encoder = tuple(
+        _encoder_share(np.asarray(routing.send_order[e]), units, rows)
+        for e in range(layout.encoder.dp)
+    )
+    return MicrobatchPlan(
+        index=j,
+        visual_sample_ids=_frozen(visual_ids),
+        visual_rows=_frozen(rows[visual_ids]),
+        encoder_replica=_frozen(src),
+        llm_replica=_frozen(llm_replica),
+        routing=routing,
+        encoder=encoder,
+        llm=llm,
+    )
+
+
+def _encoder_share(sample_ids: np.ndarray, units: np.ndarray, rows: np.ndarray) -> EncoderShare:
+    return EncoderShare(
+        sample_ids=_frozen(sample_ids),
+        units=int(units[sample_ids].sum()),
+        feature_rows=int(rows[sample_ids].sum()),
+    )
+
+
+def _llm_share(
+    sample_ids: np.ndarray, rows: np.ndarray, seq_lens: np.ndarray, targets: np.ndarray
+) -> LLMShare:
+    cu = np.concatenate(([0], np.cumsum(seq_lens[sample_ids], dtype=np.int64)))
+    return LLMShare(
+        sample_ids=_frozen(sample_ids),
+        cu_seqlens=_frozen(cu),
+        visual_rows=int(rows[sample_ids].sum()),
+        target_tokens=int(targets[sample_ids].sum()),
+    )

@@ -1,0 +1,246 @@
+"""Real model inputs for a global batch of synthetic sample shapes.
+
+The planner and scheduler see only :class:`~dflop.data.SampleShapes`; training needs
+tensors. :class:`SyntheticBatch` renders them deterministically from ``(seed, sample
+index)``, one sample at a time, so every rank materialises ONLY the samples it needs
+(encoder ranks: pixels of their share; LLM ranks: tokens and labels of theirs) and two
+ranks asking for the same sample get the same tensors.
+
+Layout of sample i (``T = units * tokens_per_unit + text_tokens`` positions)::
+
+    [prompt head][image placeholders: units * tokens_per_unit][prompt tail][answer]
+
+The prompt is ``max(1, text_tokens // 3)`` tokens split around the image, the answer the
+rest. Labels are the token ids on the answer and ``IGNORE_INDEX`` (-100) on the prompt and
+the placeholders, so sample i has exactly ``answer`` target tokens (the answer never starts
+at position 0, and the loss shifts within the sample): the global target count is known
+from shapes alone, with no communication.
+
+Shapes of a real model family (729 tokens per unit, thousands of text tokens) do not fit a
+tiny CPU model: :class:`ShapeScaler` maps them onto the model first, keeping their relative
+sizes (more units / longer text stay bigger) so scheduling still has something to balance.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dflop.data.shapes import SampleShapes
+from dflop.models.config import ModelConfig
+from dflop.models.decoder import IGNORE_INDEX
+
+__all__ = [
+    "IMAGE_TOKEN_ID",
+    "SampleLayout",
+    "ShapeScaler",
+    "SyntheticBatch",
+    "TextInputs",
+    "sample_layout",
+]
+
+#: Token id at image placeholder positions (its embedding is replaced by visual features).
+IMAGE_TOKEN_ID = 0
+
+# Streams of the per-sample generators (seeded with (seed, sample index, stream)).
+_PIXEL_STREAM, _TOKEN_STREAM = 0, 1
+
+
+@dataclass(frozen=True)
+class ShapeScaler:
+    """Maps sample shapes onto a (small) model so that they can be trained on.
+
+    Per sample: ``units = min(ceil(encoder_units / unit_divisor), max_units_per_sample)`` (a
+    visual sample keeps at least one unit, a text-only sample none); the LLM sees ``units * tokens_per_unit`` visual tokens (the model's
+    own tokens per unit, so placeholders and features agree); text tokens become
+    ``clip(ceil(text_tokens / text_divisor), min_text_tokens, max_text_tokens)``.
+    ``None`` disables a cap; ``ShapeScaler(tpu, max_units_per_sample=None, unit_divisor=1,
+    text_divisor=1, min_text_tokens=2, max_text_tokens=None)`` only conforms the visual
+    tokens to the model.
+    """
+
+    tokens_per_unit: int
+    max_units_per_sample: int | None = 4
+    unit_divisor: int = 4
+    text_divisor: int = 8
+    min_text_tokens: int = 4
+    max_text_tokens: int | None = 64
+
+    def __post_init__(self) -> None:
+        if min(self.tokens_per_unit, self.unit_divisor, self.text_divisor) < 1:
+            raise ValueError("ShapeScaler.tokens_per_unit and the divisors must be >= 1")
+        if self.max_units_per_sample is not None and self.max_units_per_sample < 1:
+            raise ValueError("ShapeScaler.max_units_per_sample must be >= 1 (or None)")
+        # Two text tokens at least: one of prompt (so no answer starts a sample) + one answer.
+        if self.min_text_tokens < 2:
+            raise ValueError("ShapeScaler.min_text_tokens must be >= 2 (a prompt and an answer)")
+        if self.max_text_tokens is not None and self.max_text_tokens < self.min_text_tokens:
+            raise ValueError("ShapeScaler.max_text_tokens must be >= min_text_tokens")
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, **caps: int | None) -> ShapeScaler:
+        """A scaler for ``config`` (its tokens per unit); ``caps`` override the defaults."""
+        return cls(config.vision.tokens_per_unit, **caps)
+
+    def scale(self, shapes: SampleShapes) -> SampleShapes:
+        units = -(-shapes.encoder_units.astype(np.int64) // self.unit_divisor)  # ceil
+        if self.max_units_per_sample is not None:
+            units = np.minimum(units, self.max_units_per_sample)
+        text = -(-shapes.text_tokens.astype(np.int64) // self.text_divisor)  # ceil
+        text = np.maximum(text, self.min_text_tokens)
+        if self.max_text_tokens is not None:
+            text = np.minimum(text, self.max_text_tokens)
+        tokens_per_unit = np.where(units > 0, self.tokens_per_unit, 0).astype(np.int64)
+        return SampleShapes(
+            encoder_units=units,
+            tokens_per_unit=tokens_per_unit,
+            llm_visual_tokens=units * tokens_per_unit,
+            text_tokens=text,
+            modality=shapes.modality.copy(),
+        )
+
+
+@dataclass(frozen=True)
+class SampleLayout:
+    """Position counts of one sample, in sequence order (see the module docstring)."""
+
+    prompt_head: int
+    visual: int
+    prompt_tail: int
+    answer: int
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_head + self.visual + self.prompt_tail + self.answer
+
+
+def sample_layout(visual_tokens: int, text_tokens: int) -> SampleLayout:
+    """The layout of a sample with ``visual_tokens`` placeholders and ``text_tokens`` text."""
+    if text_tokens < 2:
+        raise ValueError(f"a sample needs >= 2 text tokens (prompt + answer), got {text_tokens}")
+    prompt = max(1, text_tokens // 3)
+    head = prompt // 2
+    return SampleLayout(head, visual_tokens, prompt - head, text_tokens - prompt)
+
+
+@dataclass(frozen=True)
+class TextInputs:
+    """The LLM side of a packed microbatch (T positions, n samples)."""
+
+    token_ids: Tensor
+    """LongTensor[T]; ``IMAGE_TOKEN_ID`` at placeholders."""
+    image_token_mask: Tensor
+    """BoolTensor[T]: True at image placeholder positions."""
+    labels: Tensor
+    """LongTensor[T]: token ids on answers, -100 elsewhere."""
+    cu_seqlens: Tensor
+    """LongTensor[n + 1]: cumulative sample lengths, 0 .. T."""
+    unit_counts: Tensor
+    """LongTensor[n]: visual units per sample."""
+
+
+class SyntheticBatch:
+    """Deterministic tensors for the samples of ``shapes`` (already conformed to ``config``,
+    e.g. by :class:`ShapeScaler`): ``pixel_values(ids)``, ``text_inputs(ids)``.
+
+    Sample indices are positions in ``shapes`` (the global batch, as in a ``Schedule``).
+    """
+
+    def __init__(self, shapes: SampleShapes, config: ModelConfig, seed: int = 0) -> None:
+        vision = config.vision
+        visual = shapes.encoder_units * vision.tokens_per_unit
+        bad = np.flatnonzero(shapes.llm_visual_tokens != visual)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"sample {i} has llm_visual_tokens={shapes.llm_visual_tokens[i]} but "
+                f"{shapes.encoder_units[i]} units x {vision.tokens_per_unit} tokens per unit "
+                f"of the model = {visual[i]}: conform the shapes with ShapeScaler first"
+            )
+        self.shapes = shapes
+        self.config = config
+        self.seed = seed
+        self._layouts = [sample_layout(int(v), int(t)) for v, t in zip(visual, shapes.text_tokens)]
+        too_long = [
+            i for i, lay in enumerate(self._layouts) if lay.seq_len > config.decoder.max_seq_len
+        ]
+        if too_long:
+            i = too_long[0]
+            raise ValueError(
+                f"sample {i} has {self._layouts[i].seq_len} positions, more than "
+                f"DecoderConfig.max_seq_len={config.decoder.max_seq_len}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def layout(self, sample_id: int) -> SampleLayout:
+        return self._layouts[sample_id]
+
+    def target_tokens(self) -> np.ndarray:
+        """(N,) int64: target tokens of every sample (its answer length)."""
+        return np.array([lay.answer for lay in self._layouts], dtype=np.int64)
+
+    def pixel_values(self, sample_ids: np.ndarray | list[int]) -> Tensor:
+        """``[U, C, H, W]`` float32: the units of ``sample_ids``, in that order."""
+        v = self.config.vision
+        units = [self._render_units(int(i)) for i in sample_ids]
+        if not units:
+            return torch.zeros(0, v.channels, v.image_size_px, v.image_size_px)
+        return torch.cat(units)
+
+    def text_inputs(self, sample_ids: np.ndarray | list[int]) -> TextInputs:
+        """The packed LLM inputs of ``sample_ids``, in that order."""
+        ids = [int(i) for i in sample_ids]
+        parts = [self._sample_text(i) for i in ids]
+        lens = [self._layouts[i].seq_len for i in ids]
+        cu = torch.tensor([0, *np.cumsum(lens, dtype=np.int64).tolist()], dtype=torch.long)
+        units = torch.tensor([int(self.shapes.encoder_units[i]) for i in ids], dtype=torch.long)
+        if not parts:
+            empty = torch.zeros(0, dtype=torch.long)
+            return TextInputs(empty, empty.bool(), empty, cu, units)
+        tokens, mask, labels = (torch.cat(t) for t in zip(*parts))
+        return TextInputs(tokens, mask, labels, cu, units)
+
+    def model_inputs(self, sample_ids: np.ndarray | list[int]) -> dict[str, Tensor]:
+        """Keyword arguments of ``MultimodalModel.forward`` for ``sample_ids`` packed."""
+        text = self.text_inputs(sample_ids)
+        return {
+            "pixel_values": self.pixel_values(sample_ids),
+            "unit_counts_per_sample": text.unit_counts,
+            "token_ids": text.token_ids,
+            "image_token_mask": text.image_token_mask,
+            "cu_seqlens": text.cu_seqlens,
+            "labels": text.labels,
+        }
+
+    def _render_units(self, sample_id: int) -> Tensor:
+        """Smooth per-channel sinusoidal patterns (random frequencies and phases), so the
+        encoder sees structured images rather than noise."""
+        v = self.config.vision
+        num_units = int(self.shapes.encoder_units[sample_id])
+        rng = np.random.default_rng([self.seed, sample_id, _PIXEL_STREAM])
+        freq = torch.from_numpy(rng.uniform(0.5, 3.0, size=(num_units, v.channels, 2)))
+        phase = torch.from_numpy(rng.uniform(0.0, 2 * math.pi, size=(num_units, v.channels)))
+        axis = torch.linspace(0.0, 1.0, v.image_size_px, dtype=torch.float64)
+        y, x = axis[:, None], axis[None, :]  # [H, 1], [1, W]
+        angle = 2 * math.pi * (freq[..., 0, None, None] * x + freq[..., 1, None, None] * y)
+        return (0.5 * torch.sin(angle + phase[..., None, None])).float()  # [U, C, H, W]
+
+    def _sample_text(self, sample_id: int) -> tuple[Tensor, Tensor, Tensor]:
+        lay = self._layouts[sample_id]
+        rng = np.random.default_rng([self.seed, sample_id, _TOKEN_STREAM])
+        # Text ids avoid IMAGE_TOKEN_ID so a placeholder is never mistaken for text.
+        tokens = torch.from_numpy(rng.integers(1, self.config.decoder.vocab_size, lay.seq_len))
+        visual_start = lay.prompt_head
+        answer_start = lay.seq_len - lay.answer
+        mask = torch.zeros(lay.seq_len, dtype=torch.bool)
+        mask[visual_start : visual_start + lay.visual] = True
+        tokens[mask] = IMAGE_TOKEN_ID
+        labels = torch.full((lay.seq_len,), IGNORE_INDEX, dtype=torch.long)
+        labels[answer_start:] = tokens[answer_start:]
+        return tokens.long(), mask, labels

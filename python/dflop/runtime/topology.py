@@ -1,0 +1,434 @@
+"""Placement of the encoder and the LLM on disjoint ranks, and their process groups.
+
+Rank layout (world of ``V + L`` ranks):
+
+- ranks ``[0, V)`` hold the encoder (vision tower + projector), ``V = encoder.num_gpus``;
+- ranks ``[V, V + L)`` hold the LLM, ``L = llm.num_gpus``;
+- inside a module whose first rank is ``first``::
+
+      rank = first + (dp_idx * pp + pp_idx) * tp + tp_idx
+
+  Tensor parallelism is innermost so that a TP group is a run of consecutive ranks (on a
+  GPU node: one NVLink island); then the pipeline stages of one DP replica; DP outermost.
+
+The pipeline of one training step runs over ``pe + pl`` *global stages*: encoder stages
+``0 .. pe - 1`` then LLM stages ``pe .. pe + pl - 1``. Between encoder stage ``pe - 1``
+and LLM stage ``pe`` features do not follow a fixed replica-to-replica link: each sample
+moves from the encoder replica that computed it to the LLM replica that the Schedule gave
+it (see :mod:`dflop.runtime.communicator`).
+
+:func:`rank_info` is pure (no torch.distributed), so layouts can be checked anywhere;
+:meth:`Topology.create` builds the process groups and needs an initialised default group.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "DEFAULT_GROUP_TIMEOUT_S",
+    "ModuleLayout",
+    "RankInfo",
+    "RuntimeLayout",
+    "Topology",
+    "rank_info",
+    "uniform_layer_ranges",
+]
+
+Module = Literal["encoder", "llm"]
+
+DEFAULT_GROUP_TIMEOUT_S = 300.0
+"""Timeout of every process group's collectives unless the caller passes one: long enough
+for a slow first step on a big model, short enough that a dead peer surfaces as an error."""
+
+
+def _positive_int(owner: str, name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{owner}.{name} must be an integer, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{owner}.{name} must be >= 1, got {value}")
+    return value
+
+
+def uniform_layer_ranges(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ...]:
+    """Half-open layer ranges splitting ``num_layers`` over ``num_stages`` as evenly as
+    possible; the first ``num_layers % num_stages`` stages get one layer more."""
+    _positive_int("uniform_layer_ranges", "num_stages", num_stages)
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
+        raise ValueError(f"num_layers must be an integer >= 0, got {num_layers!r}")
+    base, extra = divmod(num_layers, num_stages)
+    ranges, first = [], 0
+    for stage in range(num_stages):
+        end = first + base + (1 if stage < extra else 0)
+        ranges.append((first, end))
+        first = end
+    return tuple(ranges)
+
+
+@dataclass(frozen=True)
+class ModuleLayout:
+    """Parallel layout of one module (the encoder or the LLM).
+
+    Attributes:
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size (stages).
+        dp: data-parallel size (replicas).
+        layer_ranges: per pipeline stage, the half-open ``[first, end)`` range of
+            transformer blocks it holds; contiguous from 0 (a stage may be empty, e.g. a
+            last encoder stage holding only the projector).
+    """
+
+    tp: int
+    pp: int
+    dp: int
+    layer_ranges: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        owner = "ModuleLayout"
+        for name in ("tp", "pp", "dp"):
+            _positive_int(owner, name, getattr(self, name))
+        try:
+            ranges = tuple((int(a), int(b)) for a, b in self.layer_ranges)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"{owner}.layer_ranges must be a sequence of (first, end) integer pairs, "
+                f"got {self.layer_ranges!r}"
+            ) from None
+        object.__setattr__(self, "layer_ranges", ranges)
+        if len(ranges) != self.pp:
+            raise ValueError(
+                f"{owner}.layer_ranges has {len(ranges)} ranges but pp={self.pp} stages"
+            )
+        expected_first = 0
+        for stage, (first, end) in enumerate(ranges):
+            if first != expected_first or end < first:
+                raise ValueError(
+                    f"{owner}.layer_ranges[{stage}]=({first}, {end}) must start at "
+                    f"{expected_first} and have end >= first (ranges are contiguous from 0)"
+                )
+            expected_first = end
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_ranges[-1][1]
+
+    def local_rank(self, dp_idx: int, pp_idx: int, tp_idx: int) -> int:
+        """Rank offset inside the module: ``(dp_idx * pp + pp_idx) * tp + tp_idx``."""
+        for name, value, size in (
+            ("dp", dp_idx, self.dp),
+            ("pp", pp_idx, self.pp),
+            ("tp", tp_idx, self.tp),
+        ):
+            if not 0 <= value < size:
+                raise ValueError(f"{name}_idx={value} is out of range [0, {size})")
+        return (dp_idx * self.pp + pp_idx) * self.tp + tp_idx
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.dp,
+            "layer_ranges": [list(r) for r in self.layer_ranges],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModuleLayout:
+        missing = {"tp", "pp", "dp", "layer_ranges"} - set(data)
+        if missing:
+            raise ValueError(f"ModuleLayout dict lacks {sorted(missing)}")
+        return cls(
+            tp=data["tp"],
+            pp=data["pp"],
+            dp=data["dp"],
+            layer_ranges=tuple(tuple(r) for r in data["layer_ranges"]),
+        )
+
+
+@dataclass(frozen=True)
+class RuntimeLayout:
+    """Where the encoder and the LLM run and how one step is cut into microbatches.
+
+    Attributes:
+        encoder: layout of the vision tower + projector on ranks ``[0, V)``.
+        llm: layout of the decoder on ranks ``[V, V + L)``.
+        num_microbatches: microbatches per LLM DP replica per step (the Schedule's).
+        global_batch: samples per step over all LLM DP replicas; the balancer gives every
+            bin a sample, so it must be >= ``num_microbatches * llm.dp``.
+    """
+
+    encoder: ModuleLayout
+    llm: ModuleLayout
+    num_microbatches: int
+    global_batch: int
+
+    def __post_init__(self) -> None:
+        for name in ("encoder", "llm"):
+            if not isinstance(getattr(self, name), ModuleLayout):
+                raise TypeError(f"RuntimeLayout.{name} must be a ModuleLayout")
+        _positive_int("RuntimeLayout", "num_microbatches", self.num_microbatches)
+        _positive_int("RuntimeLayout", "global_batch", self.global_batch)
+        bins = self.num_microbatches * self.llm.dp
+        if self.global_batch < bins:
+            raise ValueError(
+                f"RuntimeLayout.global_batch={self.global_batch} is smaller than "
+                f"num_microbatches * llm.dp = {bins}: every microbatch needs a sample"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.encoder.num_gpus + self.llm.num_gpus
+
+    @property
+    def num_global_stages(self) -> int:
+        return self.encoder.pp + self.llm.pp
+
+    def module(self, name: Module) -> ModuleLayout:
+        if name not in ("encoder", "llm"):
+            raise ValueError(f"module must be 'encoder' or 'llm', got {name!r}")
+        return self.encoder if name == "encoder" else self.llm
+
+    def first_rank(self, name: Module) -> int:
+        """Global rank of the module's ``(dp, pp, tp) = (0, 0, 0)``."""
+        self.module(name)  # validates the name
+        return 0 if name == "encoder" else self.encoder.num_gpus
+
+    def rank_of(self, name: Module, dp_idx: int, pp_idx: int, tp_idx: int = 0) -> int:
+        """Global rank of a module's ``(dp_idx, pp_idx, tp_idx)``."""
+        return self.first_rank(name) + self.module(name).local_rank(dp_idx, pp_idx, tp_idx)
+
+    def encoder_bridge_rank(self, dp_idx: int) -> int:
+        """The rank sending encoder replica ``dp_idx``'s features: its last stage, tp 0."""
+        return self.rank_of("encoder", dp_idx, self.encoder.pp - 1, 0)
+
+    def llm_bridge_rank(self, dp_idx: int) -> int:
+        """The rank receiving LLM replica ``dp_idx``'s features: its first stage, tp 0."""
+        return self.rank_of("llm", dp_idx, 0, 0)
+
+    @property
+    def bridge_ranks(self) -> tuple[int, ...]:
+        """Encoder bridge ranks (replica order), then LLM bridge ranks (replica order)."""
+        return tuple(self.encoder_bridge_rank(d) for d in range(self.encoder.dp)) + tuple(
+            self.llm_bridge_rank(d) for d in range(self.llm.dp)
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "encoder": self.encoder.to_dict(),
+            "llm": self.llm.to_dict(),
+            "num_microbatches": self.num_microbatches,
+            "global_batch": self.global_batch,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RuntimeLayout:
+        missing = {"encoder", "llm", "num_microbatches", "global_batch"} - set(data)
+        if missing:
+            raise ValueError(f"RuntimeLayout dict lacks {sorted(missing)}")
+        return cls(
+            encoder=ModuleLayout.from_dict(data["encoder"]),
+            llm=ModuleLayout.from_dict(data["llm"]),
+            num_microbatches=data["num_microbatches"],
+            global_batch=data["global_batch"],
+        )
+
+    @classmethod
+    def simple(
+        cls,
+        encoder_dp: int = 1,
+        encoder_pp: int = 1,
+        llm_dp: int = 1,
+        llm_pp: int = 1,
+        *,
+        encoder_layers: int,
+        llm_layers: int,
+        num_microbatches: int,
+        global_batch: int,
+        encoder_tp: int = 1,
+        llm_tp: int = 1,
+    ) -> RuntimeLayout:
+        """A layout with uniform layer splits (:func:`uniform_layer_ranges`)."""
+        return cls(
+            encoder=ModuleLayout(
+                encoder_tp, encoder_pp, encoder_dp, uniform_layer_ranges(encoder_layers, encoder_pp)
+            ),
+            llm=ModuleLayout(llm_tp, llm_pp, llm_dp, uniform_layer_ranges(llm_layers, llm_pp)),
+            num_microbatches=num_microbatches,
+            global_batch=global_batch,
+        )
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Everything a rank needs to know about its place in the layout.
+
+    ``prev_rank`` / ``next_rank`` are the neighbouring pipeline stages of the same module,
+    DP replica and TP index (None at the module's first / last stage: the encoder-to-LLM
+    hop goes through the bridge instead). ``is_bridge_sender`` is true on the last encoder
+    stage's tp-rank-0 ranks and ``is_bridge_receiver`` on the first LLM stage's tp-rank-0
+    ranks: exactly the members of the bridge group (with tp > 1 the other TP ranks of
+    those stages get or give the features through their TP group).
+    """
+
+    rank: int
+    module: Module
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    global_stage: int
+    num_global_stages: int
+    prev_rank: int | None
+    next_rank: int | None
+    layer_range: tuple[int, int]
+    is_bridge_sender: bool
+    is_bridge_receiver: bool
+
+    @property
+    def is_first_stage(self) -> bool:
+        """First stage of its module."""
+        return self.prev_rank is None
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Last stage of its module."""
+        return self.next_rank is None
+
+
+def rank_info(layout: RuntimeLayout, rank: int) -> RankInfo:
+    """The place of ``rank`` in ``layout`` (pure: no torch.distributed)."""
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"rank must be an integer, got {rank!r}")
+    if not 0 <= rank < layout.world_size:
+        raise ValueError(f"rank={rank} is out of range [0, {layout.world_size})")
+    name: Module = "encoder" if rank < layout.encoder.num_gpus else "llm"
+    mod = layout.module(name)
+    offset = rank - layout.first_rank(name)
+    tp_idx = offset % mod.tp
+    pp_idx = (offset // mod.tp) % mod.pp
+    dp_idx = offset // (mod.tp * mod.pp)
+    stage_base = 0 if name == "encoder" else layout.encoder.pp
+    return RankInfo(
+        rank=rank,
+        module=name,
+        tp_rank=tp_idx,
+        pp_rank=pp_idx,
+        dp_rank=dp_idx,
+        global_stage=stage_base + pp_idx,
+        num_global_stages=layout.num_global_stages,
+        prev_rank=rank - mod.tp if pp_idx > 0 else None,
+        next_rank=rank + mod.tp if pp_idx < mod.pp - 1 else None,
+        layer_range=mod.layer_ranges[pp_idx],
+        is_bridge_sender=name == "encoder" and pp_idx == mod.pp - 1 and tp_idx == 0,
+        is_bridge_receiver=name == "llm" and pp_idx == 0 and tp_idx == 0,
+    )
+
+
+def _module_groups(layout: RuntimeLayout, name: Module) -> tuple[list[list[int]], list[list[int]]]:
+    """(DP groups, TP groups) of a module as lists of global ranks, in a fixed order."""
+    mod = layout.module(name)
+    dp_groups = [
+        [layout.rank_of(name, d, p, t) for d in range(mod.dp)]
+        for p in range(mod.pp)
+        for t in range(mod.tp)
+    ]
+    tp_groups = [
+        [layout.rank_of(name, d, p, t) for t in range(mod.tp)]
+        for d in range(mod.dp)
+        for p in range(mod.pp)
+    ]
+    return dp_groups, tp_groups
+
+
+@dataclass(frozen=True, eq=False)
+class Topology:
+    """A rank's :class:`RankInfo` plus its process groups.
+
+    Attributes:
+        layout: the runtime layout.
+        info: this rank's place in it.
+        dp_group: the ranks of the same module, stage and TP index over its DP replicas
+            (gradient all-reduce).
+        tp_group: the ranks of the same module, replica and stage (tensor parallelism).
+        bridge_group: the bridge ranks (``layout.bridge_ranks``) if this rank is one of
+            them, else None. The communicator's point-to-point transfers run on it.
+        dp_ranks, tp_ranks: the global ranks of this rank's DP and TP groups.
+        bridge_ranks: all bridge ranks (the same on every rank).
+        timeout_s: the groups' collective timeout.
+    """
+
+    layout: RuntimeLayout
+    info: RankInfo
+    dp_group: Any
+    tp_group: Any
+    bridge_group: Any
+    dp_ranks: tuple[int, ...]
+    tp_ranks: tuple[int, ...]
+    bridge_ranks: tuple[int, ...]
+    timeout_s: float
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @classmethod
+    def create(
+        cls, layout: RuntimeLayout, rank: int | None = None, *, timeout_s: float | None = None
+    ) -> Topology:
+        """Create all process groups of ``layout``; call it on EVERY rank, same arguments.
+
+        torch.distributed requires every rank to call ``new_group`` for every group, in the
+        same order, even for groups it is not a member of, so this creates them all in a
+        fixed order (encoder DP groups, encoder TP groups, LLM DP groups, LLM TP groups, the
+        bridge group) and keeps this rank's. ``rank`` defaults to the default group's rank
+        and must equal it; the world size must equal ``layout.world_size``.
+        """
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("Topology.create needs torch.distributed to be initialised first")
+        world = dist.get_world_size()
+        if world != layout.world_size:
+            raise ValueError(
+                f"the layout needs {layout.world_size} ranks (encoder {layout.encoder.num_gpus} "
+                f"+ LLM {layout.llm.num_gpus}) but the world has {world}"
+            )
+        if rank is None:
+            rank = dist.get_rank()
+        elif rank != dist.get_rank():
+            raise ValueError(f"rank={rank} differs from torch.distributed's rank {dist.get_rank()}")
+        info = rank_info(layout, rank)
+        timeout_s = DEFAULT_GROUP_TIMEOUT_S if timeout_s is None else float(timeout_s)
+        timeout = datetime.timedelta(seconds=timeout_s)
+
+        mine: dict[str, tuple[Any, tuple[int, ...]]] = {}
+
+        def create_all(kind: str, groups: Sequence[list[int]]) -> None:
+            for ranks in groups:
+                group = dist.new_group(ranks=ranks, timeout=timeout)
+                if rank in ranks:
+                    mine[kind] = (group, tuple(ranks))
+
+        for name in ("encoder", "llm"):
+            dp_groups, tp_groups = _module_groups(layout, name)
+            create_all("dp", dp_groups)
+            create_all("tp", tp_groups)
+        bridge = list(layout.bridge_ranks)
+        create_all("bridge", [bridge])
+        bridge_group = mine["bridge"][0] if "bridge" in mine else None
+        return cls(
+            layout=layout,
+            info=info,
+            dp_group=mine["dp"][0],
+            tp_group=mine["tp"][0],
+            bridge_group=bridge_group,
+            dp_ranks=mine["dp"][1],
+            tp_ranks=mine["tp"][1],
+            bridge_ranks=tuple(bridge),
+            timeout_s=timeout_s,
+        )
