@@ -126,6 +126,7 @@ class Solver {
   std::vector<int64_t> pos_;  // index of an item inside members_[bin_of_[item]]
   std::vector<double> bin_load_, group_load_;
   // Undo log of (item, previous bin) for reverting a perturbation.
+  bool has_group_dims_ = false;
   bool logging_ = false;
   std::vector<std::pair<int64_t, int64_t>> undo_;
 
@@ -221,6 +222,7 @@ class Solver {
 
   void construct() {
     const int64_t n = pr_.n, d = pr_.d, b = pr_.b;
+    for (int64_t k = 0; k < d; ++k) has_group_dims_ = has_group_dims_ || pr_.is_group[k];
     bin_of_.assign(n, -1);
     pos_.assign(n, -1);
     members_.assign(b, {});
@@ -264,6 +266,11 @@ class Solver {
     }
 
     int64_t next_empty = 0, num_empty = b;
+    // Once only as many items remain as bins are empty, each must open an empty bin. With
+    // microbatch dims the empty bins differ by their group's load: pick the lightest group
+    // that still has one (all empty bins of a group are alike).
+    std::vector<int64_t> empty_in_group(pr_.m, pr_.p), next_empty_in_group(pr_.m, 0);
+    MinTree open_groups(pr_.m);
     std::vector<int64_t> candidates;
     for (int64_t pos = 0; pos < n; ++pos) {
       const int64_t i = order[pos];
@@ -271,7 +278,10 @@ class Solver {
       int64_t chosen = next_empty < b ? next_empty : 0;
       while (next_empty < b && !members_[next_empty].empty()) ++next_empty;
       if (remaining <= num_empty) {
-        chosen = next_empty;  // the rest must fill the empty bins
+        const int64_t g = open_groups.argmin();
+        int64_t& k = next_empty_in_group[g];
+        while (!members_[g * pr_.p + k].empty()) ++k;
+        chosen = g * pr_.p + k;
       } else {
         candidates.clear();
         for (auto& t : bin_trees) candidates.push_back(t.argmin());
@@ -295,8 +305,10 @@ class Solver {
           }
         }
       }
-      if (members_[chosen].empty()) --num_empty;
+      const int64_t g_chosen = group(chosen);
+      if (members_[chosen].empty()) --num_empty, --empty_in_group[g_chosen];
       place(i, chosen);
+      open_groups.set(g_chosen, empty_in_group[g_chosen] > 0 ? group_key(g_chosen, -1) : kInf);
       for (size_t t = 0; t < bin_trees.size(); ++t)
         bin_trees[t].set(chosen, bin_key(chosen, bin_tree_dim[t]));
       for (size_t t = 0; t < group_trees.size(); ++t)
@@ -379,32 +391,34 @@ class Solver {
   }
 
   // Bins by increasing height; partners are taken from the front.
-  void partners_by_height(std::vector<int64_t>& out) const {
+  // Bins by increasing height (h); partners are taken from the front. Enough are kept for
+  // the widest scan: sources of a critical microbatch skip the p bins of their own group.
+  void partners_by_height(const std::vector<double>& h, std::vector<int64_t>& out) {
     const int64_t b = pr_.b;
     out.resize(b);
     std::iota(out.begin(), out.end(), 0);
-    std::vector<double> h(b);
-    for (int64_t bin = 0; bin < b; ++bin) h[bin] = height(bin);
     auto by_height = [&](int64_t x, int64_t y) { return h[x] != h[y] ? h[x] < h[y] : x < y; };
-    // Enough partners for the widest scan (sources of a microbatch skip their own group).
-    const int64_t keep = std::min<int64_t>(b, kMaxPartners + 2 * pr_.p + 1);
-    std::partial_sort(out.begin(), out.begin() + keep, out.end(), by_height);
+    const int64_t keep = std::min<int64_t>(b, kMaxPartners + 1 + (has_group_dims_ ? pr_.p : 0));
+    std::nth_element(out.begin(), out.begin() + (keep - 1), out.end(), by_height);
+    std::sort(out.begin(), out.begin() + keep, by_height);
     out.resize(keep);
+    work_ += b / 2 + keep * 4;
   }
 
   // Descends to a local optimum: repeatedly relieves a critical bin. Returns the makespan.
   double descend() {
     std::vector<int64_t> partners, critical;
+    std::vector<double> h(pr_.b);
     while (true) {
       double mk = 0.0;
-      for (int64_t bin = 0; bin < pr_.b; ++bin) mk = std::max(mk, height(bin));
-      work_ += pr_.b * pr_.d / 4 + 1;
+      for (int64_t bin = 0; bin < pr_.b; ++bin) mk = std::max(mk, h[bin] = height(bin));
+      work_ += pr_.b * pr_.d / 2 + 1;
       if (mk <= pr_.lower_bound * (1 + kGapTolerance) || out_of_budget()) return mk;
       const double limit = mk * (1 - kRelEps);
       critical.clear();
       for (int64_t bin = 0; bin < pr_.b; ++bin)
-        if (height(bin) >= limit) critical.push_back(bin);
-      partners_by_height(partners);
+        if (h[bin] >= limit) critical.push_back(bin);
+      partners_by_height(h, partners);
       bool improved = false;
       for (int64_t a : critical) {
         const Op op = best_op(a, limit, partners);
