@@ -34,6 +34,8 @@ constexpr double kGapTolerance = 1e-6;
 constexpr int64_t kMaxPartners = 48;
 // Once an improving op is found, partners scanned before taking the best found so far.
 constexpr int64_t kPartnersAfterFound = 1;
+// Improving moves between refreshes of the partner ranking (an O(B) step).
+constexpr int64_t kMovesPerPartnerRefresh = 8;
 // Perturbations in a row without a better makespan before the search gives up.
 constexpr int64_t kMaxFruitlessPerturbations = 4000;
 
@@ -127,6 +129,7 @@ class Solver {
   std::vector<double> bin_load_, group_load_;
   // Undo log of (item, previous bin) for reverting a perturbation.
   bool has_group_dims_ = false;
+  bool stale_partners_ = true;
   bool logging_ = false;
   std::vector<std::pair<int64_t, int64_t>> undo_;
 
@@ -409,6 +412,8 @@ class Solver {
   double descend() {
     std::vector<int64_t> partners, critical;
     std::vector<double> h(pr_.b);
+    int64_t moves_since_refresh = 0;
+    stale_partners_ = true;
     while (true) {
       double mk = 0.0;
       for (int64_t bin = 0; bin < pr_.b; ++bin) mk = std::max(mk, h[bin] = height(bin));
@@ -418,17 +423,30 @@ class Solver {
       critical.clear();
       for (int64_t bin = 0; bin < pr_.b; ++bin)
         if (h[bin] >= limit) critical.push_back(bin);
-      partners_by_height(h, partners);
+      // The partner list only orders the search (every op is checked against the current
+      // loads), so a slightly stale one is fine: refresh it every few moves, and always
+      // before concluding that no op improves.
       bool improved = false;
-      for (int64_t a : critical) {
-        const Op op = best_op(a, limit, partners);
-        if (op.i >= 0) {
-          apply(op);
-          ++improving_moves_;
-          improved = true;
+      for (int attempt = 0; attempt < 2 && !improved; ++attempt) {
+        if (stale_partners_ || moves_since_refresh >= kMovesPerPartnerRefresh) {
+          partners_by_height(h, partners);
+          stale_partners_ = false;
+          moves_since_refresh = 0;
+        } else if (attempt == 1) {
           break;
         }
-        if (out_of_budget()) return mk;
+        for (int64_t a : critical) {
+          const Op op = best_op(a, limit, partners);
+          if (op.i >= 0) {
+            apply(op);
+            ++improving_moves_;
+            ++moves_since_refresh;
+            improved = true;
+            break;
+          }
+          if (out_of_budget()) return mk;
+        }
+        if (!improved) stale_partners_ = true;
       }
       if (!improved) return mk;
     }
