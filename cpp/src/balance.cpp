@@ -34,6 +34,8 @@ constexpr double kGapTolerance = 1e-6;
 constexpr int64_t kMaxPartners = 48;
 // Once an improving op is found, partners scanned before taking the best found so far.
 constexpr int64_t kPartnersAfterFound = 1;
+// Extra budget (x the budget) for a search still over a capacity when its budget ends.
+constexpr int64_t kInfeasibleBudgetFactor = 20;
 // Improving moves between refreshes of the partner ranking (an O(B) step).
 constexpr int64_t kMovesPerPartnerRefresh = 8;
 // Perturbations in a row without a better makespan before the search gives up.
@@ -104,11 +106,24 @@ class Solver {
   }
 
   BalanceResult run() {
+    const int64_t budget = budget_;
     construct();
     BalanceResult res;
     res.stats.initial_makespan = makespan();
-    res.stats.work_budget = budget_;
+    res.stats.work_budget = budget;
     search();
+    if (makespan() >= pr_.overflow_base) {
+      // Capacity-aware construction led to a dead end. Second attempt: balance ignoring the
+      // capacities (a balanced schedule is usually well inside them), then repair.
+      enforce_caps_ = false;
+      construct();
+      budget_ = work_ + budget;
+      search();
+      enforce_caps_ = true;
+      budget_ = work_ + budget;
+      budget_extended_ = false;
+      search();
+    }
     finish(res);
     return res;
   }
@@ -130,6 +145,8 @@ class Solver {
   // Undo log of (item, previous bin) for reverting a perturbation.
   bool has_group_dims_ = false;
   bool stale_partners_ = true;
+  bool budget_extended_ = false;
+  bool enforce_caps_ = true;
   bool logging_ = false;
   std::vector<std::pair<int64_t, int64_t>> undo_;
 
@@ -148,7 +165,7 @@ class Solver {
   // that repairing capacity always comes before shortening the makespan.
   double value(double v, int64_t k) const {
     const double cap = pr_.cap[k];
-    if (v <= cap * (1 + kCapRelTol)) return v;
+    if (!enforce_caps_ || v <= cap * (1 + kCapRelTol)) return v;
     return pr_.overflow_base + (v - cap);
   }
   double height(int64_t bin) const {
@@ -468,7 +485,8 @@ class Solver {
       const auto& to = members_[y];
       const int64_t i = from[rng_.below(from.size())];
       const int64_t j = to[rng_.below(to.size())];
-      if (evaluate(x, y, i, j, kInf) >= pr_.overflow_base) continue;
+      // Never create a capacity violation; while repairing one, never make it worse.
+      if (evaluate(x, y, i, j, kInf) >= std::max(pr_.overflow_base, mk)) continue;
       apply({i, j, y, 0.0});
     }
   }
@@ -483,8 +501,16 @@ class Solver {
     if (pr_.b < 2) return;
     double best = descend();
     int64_t fruitless = 0;
-    while (!out_of_budget() && best > pr_.lower_bound * (1 + kGapTolerance) &&
-           fruitless < kMaxFruitlessPerturbations) {
+    while (true) {
+      if (out_of_budget() || fruitless >= kMaxFruitlessPerturbations) {
+        // Still over a capacity: an error would lose the step, so search (deterministically)
+        // longer once before giving up.
+        if (best < pr_.overflow_base || budget_extended_) break;
+        budget_extended_ = true;
+        budget_ = work_ + kInfeasibleBudgetFactor * std::max<int64_t>(budget_, 1);
+        fruitless = 0;
+      }
+      if (best <= pr_.lower_bound * (1 + kGapTolerance)) break;
       undo_.clear();
       logging_ = true;
       perturb(best);
