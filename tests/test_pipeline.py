@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 from dflop.data.shapes import Modality, SampleShapes  # noqa: E402
 from dflop.models import build_model, model_config  # noqa: E402
 from dflop.runtime import RuntimeLayout, SpawnError, Topology, spawn_local  # noqa: E402
+from dflop.runtime.tensor_parallel import full_tensor  # noqa: E402
 from dflop.runtime.pipeline import PipelineEngine, build_stage  # noqa: E402
 from dflop.runtime.step_data import StepPlan  # noqa: E402
 from dflop.runtime.synthetic_batch import ShapeScaler, SyntheticBatch  # noqa: E402
@@ -96,11 +97,17 @@ def _rank_step(
         share = dataclasses.replace(mb.encoder[0], units=mb.encoder[0].units + 1)
         mb = dataclasses.replace(mb, encoder=(share, *mb.encoder[1:]))
         plan = dataclasses.replace(plan, microbatches=(mb, *plan.microbatches[1:]))
-    stage = build_stage(CONFIG, info, seed=MODEL_SEED)
+    stage = build_stage(
+        CONFIG,
+        info,
+        seed=MODEL_SEED,
+        tp_group=topology.tp_group,
+        tp_size=layout.module(info.module).tp,
+    )
     engine = PipelineEngine(topology, stage, debug=debug)
     result = engine.run_step(plan, batch)
-    grads = {
-        _full_name(info.module, name): p.grad.numpy().copy()
+    grads = {  # full_tensor gathers tensor-parallel shards (a no-op for plain tensors)
+        _full_name(info.module, name): full_tensor(p.grad).numpy().copy()
         for name, p in stage.named_parameters()
         if p.grad is not None
     }
@@ -183,6 +190,17 @@ def test_both_modules_pipelined_and_replicated_in_debug_mode():
         args=(spec, ASSIGN_B, True, False),
         timeout_s=SPAWN_TIMEOUT_S,
         num_threads=1,
+    )
+    _check_against_reference(results)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_both_modules_matches_single_process():
+    # Encoder tp=2, LLM tp=2 x pp=2 (6 ranks), debug headers on: the bridge runs on TP rank
+    # 0 and broadcasts within the TP group; activations are replicated across TP ranks.
+    spec = dict(encoder_tp=2, llm_tp=2, llm_pp=2, num_microbatches=4)
+    results = spawn_local(
+        _rank_step, 6, args=(spec, ASSIGN_A, True, False), timeout_s=240, num_threads=1
     )
     _check_against_reference(results)
 

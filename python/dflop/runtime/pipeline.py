@@ -29,7 +29,12 @@ microbatch loss is already divided by the global target count, the result equals
 single-process gradient of (sum of all losses / global target tokens).
 
 torch.distributed.pipelining fixes shapes at the first microbatch, hence this engine.
-Tensor parallelism inside a stage is not implemented here (tp must be 1).
+Tensor parallelism (tp > 1, :mod:`dflop.runtime.tensor_parallel`): every TP rank of a
+stage holds the same replicated activations, so stage-to-stage messages go from TP rank t
+to TP rank t of the neighbouring stage as with tp=1. Only TP rank 0 of the bridge stages
+is in the bridge group: it sends the features / receives their gradients alone, and on
+the receiving side broadcasts what arrived to the rest of its TP group. The loss is
+counted on TP rank 0 only.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from dflop.models.vision import VisionStage
 from dflop.runtime.communicator import BridgeCommunicator
 from dflop.runtime.step_data import MicrobatchPlan, StepPlan
 from dflop.runtime.synthetic_batch import TextInputs
+from dflop.runtime.tensor_parallel import apply_tensor_parallel, local_tensor
 from dflop.runtime.topology import RankInfo, Topology
 from dflop.simulator import pipeline_actions
 
@@ -142,11 +148,15 @@ def build_stage(
     seed: int = 0,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    tp_group: Any = None,
+    tp_size: int = 1,
 ) -> VisionStage | DecoderStage:
     """This rank's part of the model, built on its own with the full model's weights for
     ``seed`` (name-keyed init): a ``VisionStage`` on encoder ranks (with the patch embedding
     on the first stage, final norm + projector on the last), a ``DecoderStage`` on LLM ranks
-    (token embedding on the first stage, head on the last)."""
+    (token embedding on the first stage, head on the last). With ``tp_size > 1`` the stage
+    is then sharded over ``tp_group`` (``Topology.tp_group``; see
+    :func:`dflop.runtime.tensor_parallel.apply_tensor_parallel`)."""
     first, end = info.layer_range
     kw = {"has_embed": info.is_first_stage, "has_head": info.is_last_stage}
     if info.module == "encoder":
@@ -156,7 +166,8 @@ def build_stage(
     else:
         stage = DecoderStage(config.decoder, first, end, device=device, dtype=dtype, **kw)
     stage.init_weights(seed)
-    return stage
+    # Every TP rank initialised the same full weights; each keeps its slice.
+    return apply_tensor_parallel(stage, tp_group, tp_size=tp_size)
 
 
 class _Clock:
@@ -228,8 +239,7 @@ class PipelineEngine:
     ) -> None:
         info = topology.info
         layout = topology.layout
-        if layout.module(info.module).tp != 1:
-            raise NotImplementedError("PipelineEngine runs tp=1 stages only")
+        self.tp_size = layout.module(info.module).tp
         expect = VisionStage if info.module == "encoder" else DecoderStage
         if not isinstance(stage, expect):
             raise TypeError(
@@ -347,7 +357,8 @@ class PipelineEngine:
         start = self.clock.mark()
         state.output = self.stage(x)
         if self.info.is_last_stage:  # projected features [rows, llm hidden]: over the bridge
-            self._bridge_send_features(mb, state.output.detach())
+            if self.bridge is not None:  # TP rank 0 (the other TP ranks hold the same rows)
+                self._bridge_send_features(mb, state.output.detach())
         else:
             self._send(state.output.detach(), self.info.next_rank, mb.index, kind=0)
         return state, start
@@ -360,7 +371,11 @@ class PipelineEngine:
         features = None
         if self.info.is_first_stage:
             # Called even for zero rows, to keep the bridge's debug headers in step.
-            features = self.bridge.recv_features(mb.index, mb.routing, as_tensor=True)
+            if self.bridge is not None:  # TP rank 0
+                features = self.bridge.recv_features(mb.index, mb.routing, as_tensor=True)
+            if self.tp_size > 1 and share.visual_rows > 0:
+                shape = (share.visual_rows, self.stage.config.hidden)
+                features = self._tp_broadcast(features, shape)
         if share.is_empty:  # an empty bin: nothing to run
             return state, None
         text = None
@@ -390,7 +405,8 @@ class PipelineEngine:
                 f"rank {self.info.rank}, microbatch {mb.index}: {int(num_targets)} target "
                 f"tokens, the StepPlan says {share.target_tokens}"
             )
-        self._loss_sum += sum_loss.detach().double()
+        if self.info.tp_rank == 0:  # every TP rank computes the same loss: count it once
+            self._loss_sum += sum_loss.detach().double()
         # Normalise by the GLOBAL target count: summing the gradients of all microbatches
         # and replicas then gives the gradient of the mean loss of the global batch.
         state.output = sum_loss / plan.num_target_tokens
@@ -411,7 +427,11 @@ class PipelineEngine:
         start = None
         if self.is_encoder and self.info.is_last_stage:
             # Called even for an empty share, to keep the bridge's debug headers in step.
-            grad = self.bridge.recv_grads(mb.index, mb.routing, as_tensor=True)
+            grad = None
+            if self.bridge is not None:  # TP rank 0
+                grad = self.bridge.recv_grads(mb.index, mb.routing, as_tensor=True)
+            if self.tp_size > 1 and state.output is not None:
+                grad = self._tp_broadcast(grad, tuple(state.output.shape))
         if state.output is not None:  # else an empty share: its forward did nothing either
             if self.is_encoder and self.info.is_last_stage:
                 grad = grad.to(self.device)
@@ -424,7 +444,7 @@ class PipelineEngine:
             torch.autograd.backward(state.output, grad)
             if state.stage_input is not None:
                 self._send(state.stage_input.grad, self.info.prev_rank, mb.index, kind=1)
-        if not self.is_encoder and self.info.is_first_stage:
+        if not self.is_encoder and self.info.is_first_stage and self.bridge is not None:
             features = state.visual_features
             grad = self._empty_rows() if features is None else features.grad
             self._pending.append(self.bridge.send_grads(mb.index, mb.routing, grad, wait=False))
@@ -432,6 +452,16 @@ class PipelineEngine:
 
     def _bridge_send_features(self, mb: MicrobatchPlan, features: Tensor) -> None:
         self._pending.append(self.bridge.send_features(mb.index, mb.routing, features, wait=False))
+
+    def _tp_broadcast(self, tensor: Tensor | None, shape: tuple[int, ...]) -> Tensor:
+        """TP rank 0's ``tensor`` (bridge data) on every rank of the TP group; the other
+        ranks pass None and allocate ``shape`` (from the StepPlan)."""
+        if tensor is None:
+            tensor = torch.empty(shape, dtype=self.dtype, device=self.device)
+        else:
+            tensor = tensor.to(self.device, self.dtype).contiguous()
+        dist.broadcast(tensor, self.topology.tp_ranks[0], group=self.topology.tp_group)
+        return tensor
 
     def _empty_rows(self) -> Tensor:
         return torch.empty(0, self.bridge.hidden_size, dtype=self.dtype, device=self.device)
@@ -499,12 +529,13 @@ class PipelineEngine:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        grads = [local_tensor(p.grad) for p in params]  # a DTensor's local shard
+        flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.topology.dp_group)
         offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset : offset + n].view_as(g))
             offset += n
 
     def _global_loss_sum(self) -> float:
