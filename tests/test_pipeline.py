@@ -18,10 +18,10 @@ torch = pytest.importorskip("torch")
 from dflop.data.shapes import Modality, SampleShapes  # noqa: E402
 from dflop.models import build_model, model_config  # noqa: E402
 from dflop.runtime import RuntimeLayout, SpawnError, Topology, spawn_local  # noqa: E402
-from dflop.runtime.tensor_parallel import full_tensor  # noqa: E402
 from dflop.runtime.pipeline import PipelineEngine, build_stage  # noqa: E402
 from dflop.runtime.step_data import StepPlan  # noqa: E402
 from dflop.runtime.synthetic_batch import ShapeScaler, SyntheticBatch  # noqa: E402
+from dflop.runtime.tensor_parallel import full_tensor  # noqa: E402
 from dflop.scheduler import schedule_from_assignment  # noqa: E402
 from dflop.simulator import pipeline_actions  # noqa: E402
 
