@@ -16,15 +16,15 @@ def run_cli(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
     )
 
 
-def test_main_job_demo_runs() -> None:
-    result = run_cli("demo", "--steps", "3")
+def test_scheduler_only_demo_runs() -> None:
+    result = run_cli("demo", "--scheduler-only", "--steps", "3")
     assert result.returncode == 0, result.stderr
     assert "total" in result.stdout
     assert "dflop max s" in result.stdout
 
 
 def test_demo_json_dflop_beats_blind() -> None:
-    result = run_cli("demo", "--steps", "4", "--json")
+    result = run_cli("demo", "--scheduler-only", "--steps", "4", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert len(report["steps"]) == 4
@@ -35,7 +35,7 @@ def test_demo_json_dflop_beats_blind() -> None:
 
 
 def test_demo_bad_argument_is_a_clear_error() -> None:
-    result = run_cli("demo", "--dp-size", "0")
+    result = run_cli("demo", "--scheduler-only", "--dp-size", "0")
     assert result.returncode == 2
     assert "dp_size" in result.stderr
     assert "Traceback" not in result.stderr

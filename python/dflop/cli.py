@@ -10,7 +10,7 @@ from collections.abc import Sequence
 __all__ = ["build_parser", "main"]
 
 # Subcommand modules under dflop.commands, in the order they appear in --help.
-COMMAND_MODULES = ("demo", "profile", "plan")
+COMMAND_MODULES = ("demo", "train", "profile", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,8 +1,13 @@
-"""The embedded demo: dflop's scheduler against a data-blind split on synthetic steps.
+"""The embedded demos (no dataset, no GPU).
 
-Runs with no dataset and no GPU: every step draws a global batch from the embedded
-LLaVA-OneVision-like mix (:mod:`dflop.data.synthetic`), prices it with the analytic
-FLOP cost model, and balances it both ways.
+- :func:`run_full_demo` (``dflop demo``, the main job): profile the model on this CPU,
+  profile the synthetic data, plan for two local processes (an encoder stage and an LLM
+  stage), then train a few dozen steps, every step both with dflop's scheduling and
+  data-blind on the same weights and batch; print the comparison and write the measured
+  timelines.
+- :func:`run_demo` (``dflop demo --scheduler-only``): dflop's scheduler against a
+  data-blind split on synthetic steps priced by the analytic FLOP cost model of a large
+  model (no training).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import numpy as np
 from dflop.data import AnalyticCostModel, synthetic_shapes
 from dflop.scheduler import data_blind_schedule, schedule
 
-__all__ = ["DemoConfig", "DemoStep", "run_demo"]
+__all__ = ["DemoConfig", "DemoStep", "FullDemoConfig", "run_demo", "run_full_demo"]
 
 
 @dataclass(frozen=True)
@@ -148,3 +153,136 @@ def demo_json(config: DemoConfig, steps: list[DemoStep]) -> str:
         "lower_bound_s": float(np.sum([s.lower_bound_s for s in steps])),
     }
     return json.dumps({"config": asdict(config), "steps": rows, "total": summary}, indent=2)
+
+
+# ---------------------------------------------------------------------------- full demo
+
+DEMO_MIX = {"single_image": 0.4, "multi_image": 0.0, "video": 0.1, "text": 0.5}
+"""The demo's synthetic mix: LLaVA-OneVision-like samples with a larger text share, so
+that some microbatches load the encoder and others the LLM."""
+DEMO_SCALER = {
+    "max_units_per_sample": 8,
+    "unit_divisor": 2,
+    "text_divisor": 1,
+    "max_text_tokens": 512,
+}
+"""ShapeScaler settings mapping the real shapes onto the small demo model."""
+
+
+@dataclass(frozen=True)
+class FullDemoConfig:
+    """Settings of :func:`run_full_demo` (errors name the field).
+
+    ``preset`` ``small+tiny`` pairs the small vision tower with the tiny LLM: with the
+    tiny tower the encoder costs a few percent of the LLM and no schedule could matter.
+    """
+
+    steps: int = 24
+    global_batch: int = 24
+    num_microbatches: int = 8
+    preset: str = "small+tiny"
+    out_dir: str = "dflop-demo-out"
+    seed: int = 0
+
+    def validate(self) -> None:
+        for name in ("steps", "global_batch", "num_microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"FullDemoConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.global_batch < self.num_microbatches:
+            raise ValueError(
+                f"FullDemoConfig.global_batch={self.global_batch} must be >= "
+                f"num_microbatches={self.num_microbatches}"
+            )
+
+
+def run_full_demo(config: FullDemoConfig, out: TextIO = sys.stdout) -> dict:
+    """Profile, plan, train both ways; returns the summary (also in ``out_dir/summary.json``)."""
+    import os
+
+    from dflop.data import ShapeDistribution
+    from dflop.models import model_config
+    from dflop.profiling import CostModel
+    from dflop.train import TrainConfig
+    from dflop.train.data import ScaledShapes, StepShapes
+    from dflop.train.planning import plan_local, quick_profile
+    from dflop.train.run import Prepared, print_summary, run_training
+
+    config.validate()
+    model = model_config(config.preset)
+    os.makedirs(config.out_dir, exist_ok=True)
+    path = lambda name: os.path.join(config.out_dir, name)  # noqa: E731
+
+    def log(text: str) -> None:
+        print(text, file=out, flush=True)
+
+    start_s = time.perf_counter()
+    log(f"[1/4] profiling the {config.preset} model on this CPU (1 thread, quick) ...")
+    perf = quick_profile(model, threads=1, seed=config.seed)
+    perf.save(path("perf.json"))
+    log(perf.summary())
+
+    log("\n[2/4] profiling the data (embedded synthetic LLaVA-OneVision-like mix) ...")
+    step_shapes = StepShapes(
+        model, config.global_batch, seed=config.seed, mix=DEMO_MIX, scaler=DEMO_SCALER
+    )
+    scaled = ScaledShapes(step_shapes).sample(4096, seed=config.seed)
+    shapes = ShapeDistribution(samples=scaled, family="llava-ov", source="synthetic demo mix")
+    shapes.save(path("shapes.json"))
+    counts = ", ".join(f"{k} {v}" for k, v in shapes.modality_counts().items() if v)
+    log(
+        f"4096 samples ({counts}); scaled to the model: units/sample mean "
+        f"{scaled.encoder_units.mean():.1f} (max {scaled.encoder_units.max()}), sequence "
+        f"mean {scaled.seq_len.mean():.0f} (max {scaled.seq_len.max()}) tokens"
+    )
+
+    log("\n[3/4] planning for 2 local processes ...")
+    local = plan_local(
+        CostModel(perf),
+        model,
+        2,
+        config.global_batch,
+        ScaledShapes(step_shapes),
+        seed=config.seed,
+        num_microbatches=config.num_microbatches,
+    )
+    local.plan.save(path("plan.json"))
+    log(f"{local.description}: predicted step {local.predicted_step_time_s:.3f} s")
+
+    log(
+        f"\n[4/4] training {config.steps} steps; every step runs with dflop's schedule and "
+        "data-blind (same weights, same batch) ..."
+    )
+    train_config = TrainConfig(
+        model=config.preset,
+        global_batch=config.global_batch,
+        num_microbatches=config.num_microbatches,
+        steps=config.steps,
+        seed=config.seed,
+        schedule="compare",
+        mix=DEMO_MIX,
+        scaler=DEMO_SCALER,
+        trace=path("timeline.json"),
+        png=path("timeline.png"),
+        trace_steps=1,
+        log_every=max(1, config.steps // 6),
+        progress=False,
+        timeout_s=120.0,
+    )
+    prepared = Prepared(local.layout, perf.to_dict(), None, local.description)
+    report = run_training(train_config, log=log, prepared=prepared)
+    log("")
+    rows = print_summary(report, out=out, warmup=min(2, config.steps - 1))
+    summary = {
+        "config": asdict(config),
+        "layout": report.layout,
+        "summary": {k: v.to_dict() for k, v in rows.items()},
+        "wall_s": time.perf_counter() - start_s,
+    }
+    with open(path("summary.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=1, default=str)
+    log(
+        f"\nfiles in {config.out_dir}/: perf.json, shapes.json, plan.json, summary.json, "
+        "timeline-dflop.json/.png and timeline-blind.json/.png (open the JSON in "
+        f"ui.perfetto.dev); {summary['wall_s']:.0f} s in total"
+    )
+    return summary

@@ -1,0 +1,130 @@
+"""``dflop train``: train the reference multimodal model with dflop's per-step scheduling."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train the multimodal model: heterogeneous pipeline, per-step balancing",
+        description="Train dflop's reference model (encoder and LLM on disjoint ranks, 1F1B "
+        "pipeline) with every step's batch balanced by dflop.schedule() (or data-blind). "
+        "Spawns local processes (gloo on CPU), or runs as one rank under torchrun. Prints "
+        "loss, step time, samples/s, tokens/s and each stage's busy share per step, and a "
+        "summary; writes the measured timeline as Chrome-trace JSON and PNG.",
+    )
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--plan", default=None, help="plan JSON from 'dflop plan' (best layout)")
+    where.add_argument(
+        "--layout",
+        default=None,
+        help="manual layout, e.g. 'enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1,m=4' "
+        "(default: plan for --nproc local processes)",
+    )
+    p.add_argument("--data", default="synthetic", help="synthetic, shapes file or LLaVA dataset")
+    p.add_argument("--family", default="llava-ov", help="dataset shape rules")
+    p.add_argument("--preset", default="tiny", help="model preset (tiny, small, small+tiny, ...)")
+    p.add_argument("--nproc", type=int, default=None, help="local processes (default: layout's)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--global-batch", type=int, default=None, help="samples per step")
+    p.add_argument("--num-microbatches", type=int, default=None)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--schedule",
+        choices=("dflop", "blind", "compare"),
+        default="dflop",
+        help="dflop (balanced), blind (equal-count), compare (both on every step)",
+    )
+    p.add_argument("--perf", default=None, help="performance model JSON (default: quick profile)")
+    p.add_argument("--no-adaptive", action="store_true", help="no online cost-model correction")
+    p.add_argument("--mix", default=None, help="synthetic mix JSON, e.g. '{\"text\": 0.4, ...}'")
+    p.add_argument("--scaler", default=None, help="ShapeScaler arguments as JSON")
+    p.add_argument("--checkpoint-dir", default=None, help="save here; resume from here")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: at the end)")
+    p.add_argument("--trace", default=None, help="Chrome-trace JSON of the measured timeline")
+    p.add_argument("--png", default=None, help="PNG Gantt chart of the measured timeline")
+    p.add_argument("--trace-steps", type=int, default=2, help="last steps in the timeline")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout (s)")
+    p.add_argument("--debug", action="store_true", help="shape headers on every message")
+    p.add_argument("--quiet", action="store_true", help="no per-step lines")
+    p.add_argument("--json", default=None, metavar="PATH", help="write metrics JSON here")
+    p.set_defaults(handler=run)
+
+
+def _json_arg(text: str | None, flag: str) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{flag}: not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag}: expected a JSON object")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflop.train import TrainConfig
+
+    config = TrainConfig(
+        model=args.preset,
+        plan=args.plan,
+        layout=args.layout,
+        nproc=args.nproc,
+        num_microbatches=args.num_microbatches,
+        data=args.data,
+        family=args.family,
+        mix=_json_arg(args.mix, "--mix"),
+        scaler=_json_arg(args.scaler, "--scaler") or {},
+        global_batch=args.global_batch,
+        steps=args.steps,
+        lr=args.lr,
+        seed=args.seed,
+        schedule=args.schedule,
+        perf=args.perf,
+        adaptive=not args.no_adaptive,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        trace=args.trace,
+        png=args.png,
+        trace_steps=args.trace_steps,
+        log_every=0 if args.quiet else 1,
+        debug=args.debug,
+        device=args.device,
+        timeout_s=args.timeout,
+    )
+    return train_main(config, args.json)
+
+
+def train_main(config, json_path: str | None = None) -> int:
+    """Run, print the summary; a failed rank is one clear error and exit code 1."""
+    from dflop.runtime.launch import SpawnError
+    from dflop.train.run import print_summary, run_training
+
+    try:
+        report = run_training(config)
+    except SpawnError as error:
+        print(f"dflop train: error: {error}", file=sys.stderr)
+        return 1
+    if report is None:  # a torchrun rank other than 0
+        return 0
+    print()
+    rows = print_summary(report)
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(
+                {
+                    "layout": report.layout,
+                    "steps": [m.to_dict() for m in report.metrics],
+                    "summary": {k: v.to_dict() for k, v in rows.items()},
+                },
+                f,
+                indent=1,
+            )
+    return 0

@@ -1,0 +1,182 @@
+"""``TrainConfig``: everything one ``dflop train`` run needs, validated up front.
+
+Errors name the field (``TrainConfig.steps=0 must be >= 1``) so a bad command line or
+config file fails at once, before any process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["SCHEDULE_MODES", "TrainConfig"]
+
+SCHEDULE_MODES: tuple[str, ...] = ("dflop", "blind", "compare")
+"""``dflop``: every step balanced by ``dflop.schedule()`` (computed one step ahead);
+``blind``: equal-count microbatches in dataset order (what a data-blind framework does);
+``compare``: every step runs twice on the same weights and batch, once each way (the
+optimizer steps once), to measure both on the same steps in the same run."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Settings of a training run.
+
+    Model and layout:
+        model: model preset (``dflop.models.model_config``: ``tiny``, ``small``,
+            ``VISION+DECODER`` such as ``small+tiny``).
+        plan: a plan JSON from ``dflop plan`` (its best layout is used), or None.
+        layout: a manual layout ``"enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1[,m=4]"``, or None.
+            With neither, the planner plans for ``nproc`` local processes.
+        nproc: local processes to spawn (None: the layout's world size, else 2).
+        num_microbatches: microbatches per step (None: the plan's / layout's).
+
+    Data:
+        data: ``"synthetic"`` (the embedded LLaVA-OneVision-like mix), a ShapeDistribution
+            file (``.json``/``.parquet`` from ``dflop profile-data``), or a LLaVA-style
+            dataset (``.json``/``.jsonl``/``.yaml``, profiled into shapes at start).
+            Tensors are synthesised from the shapes (``SyntheticBatch``).
+        family: shape rules of a dataset (``llava-ov`` or ``internvl``).
+        mix: synthetic mix override (``MixSpec`` fractions), e.g. ``{"text": 0.4, ...}``.
+        scaler: ``ShapeScaler`` arguments mapping real shapes onto the small model.
+        global_batch: samples per step (None: the plan's, else 16).
+
+    Optimisation:
+        steps: total steps (a resumed run continues up to it).
+        lr, weight_decay: AdamW settings.
+        seed: model init and data seed (step k's batch is drawn with ``seed``, ``k``).
+
+    Scheduling:
+        schedule: one of :data:`SCHEDULE_MODES`.
+        perf: performance model JSON (``dflop profile-model``) or None: profile the model
+            quickly at start.
+        adaptive: correct the cost model from measured microbatch times.
+        order_microbatches: put the microbatch with the lightest encoder first and the one
+            with the lightest LLM last (shrinks the pipeline's fill/drain bubbles).
+        lookahead: schedules computed ahead of training (>= 1).
+        schedule_deadline: give every schedule a deadline of one step time (True) or solve
+            to the end (False).
+
+    Output:
+        checkpoint_dir, checkpoint_every: where and how often (steps; 0: only at the end)
+            to checkpoint; a run resumes from the latest checkpoint there.
+        trace, png: measured timeline files (in ``compare`` mode one per mode, with
+            ``-dflop`` / ``-blind`` before the extension).
+        trace_steps: how many final steps the timeline shows.
+        log_every: print a line every this many steps (0: none).
+        progress: show a progress bar (tqdm) when stdout is a terminal.
+        debug: shape headers on every pipeline message.
+
+    Runtime:
+        device: ``auto`` (CUDA if available), ``cpu`` or ``cuda``.
+        timeout_s: limit of every collective: a rank waiting longer on a peer fails.
+        run_timeout_s: limit of a whole local run (None: none beyond the collectives').
+        threads: torch threads per process (None: cores // processes).
+    """
+
+    model: str = "tiny"
+    plan: str | None = None
+    layout: str | None = None
+    nproc: int | None = None
+    num_microbatches: int | None = None
+    data: str = "synthetic"
+    family: str = "llava-ov"
+    mix: dict[str, float] | None = None
+    scaler: dict[str, Any] = field(default_factory=dict)
+    global_batch: int | None = None
+    steps: int = 20
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    seed: int = 0
+    schedule: str = "dflop"
+    perf: str | None = None
+    adaptive: bool = True
+    order_microbatches: bool = True
+    lookahead: int = 2
+    schedule_deadline: bool = True
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    trace: str | None = None
+    png: str | None = None
+    trace_steps: int = 2
+    log_every: int = 1
+    progress: bool = True
+    debug: bool = False
+    device: str = "auto"
+    timeout_s: float = 300.0
+    run_timeout_s: float | None = None
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"TrainConfig.{name}={getattr(self, name)!r} must be {rule}")
+
+        def integer(name: str, minimum: int, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise bad(name, f"an integer >= {minimum}")
+
+        integer("steps", 1)
+        integer("global_batch", 1, optional=True)
+        integer("seed", 0)
+        integer("lookahead", 1)
+        integer("checkpoint_every", 0)
+        integer("trace_steps", 1)
+        integer("log_every", 0)
+        integer("nproc", 2, optional=True)
+        integer("num_microbatches", 1, optional=True)
+        integer("threads", 1, optional=True)
+        for name, positive in (("lr", True), ("weight_decay", False), ("timeout_s", True)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise bad(name, "a number")
+            if not math.isfinite(value) or (value <= 0 if positive else value < 0):
+                raise bad(name, "finite and > 0" if positive else "finite and >= 0")
+        if self.schedule not in SCHEDULE_MODES:
+            raise bad("schedule", f"one of {SCHEDULE_MODES}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise bad("device", "'auto', 'cpu' or 'cuda'")
+        if self.plan is not None and self.layout is not None:
+            raise ValueError("TrainConfig.plan and TrainConfig.layout are exclusive: give one")
+        for name in ("plan", "perf"):
+            path = getattr(self, name)
+            if path is not None and not os.path.exists(path):
+                raise FileNotFoundError(f"TrainConfig.{name}={path!r}: no such file")
+        if self.data != "synthetic" and not os.path.exists(self.data):
+            raise FileNotFoundError(
+                f"TrainConfig.data={self.data!r}: no such file (or use 'synthetic')"
+            )
+        if not isinstance(self.scaler, dict):
+            raise TypeError(f"TrainConfig.scaler must be a dict, got {type(self.scaler).__name__}")
+        from dflop.models import model_config
+
+        model_config(self.model)  # raises ValueError naming the preset
+        if self.mix is not None:
+            from dflop.data.synthetic import MixSpec
+
+            MixSpec.from_mapping(self.mix)
+        if self.scaler:
+            from dflop.runtime.synthetic_batch import ShapeScaler
+
+            known = {f.name for f in dataclasses.fields(ShapeScaler)} - {"tokens_per_unit"}
+            unknown = sorted(set(self.scaler) - known)
+            if unknown:
+                raise ValueError(
+                    f"TrainConfig.scaler has unknown field {unknown[0]!r}; known: {sorted(known)}"
+                )
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The schedules every step runs, in the order of step 0."""
+        return ("dflop", "blind") if self.schedule == "compare" else (self.schedule,)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,208 @@
+"""Per-step metrics from the ranks' measured actions, and the run's summary.
+
+Every rank reports, per step and schedule mode, a :class:`RankRecord`: its executed
+actions with start/end times (seconds from its step start; the ranks start together,
+right after the schedule broadcast). Rank 0 turns them into a :class:`StepMetrics`:
+
+- ``step_time_s``: the slowest rank's step (the step ends when every rank is done);
+- ``busy_share[s]``: forward + backward seconds of global stage ``s`` over the step time,
+  averaged over its ranks; ``idle_share``: idle rank-seconds over all rank-seconds
+  (``1 - busy``: pipeline bubbles, waits for imbalanced microbatches, all-reduces);
+- throughput: global batch samples and LLM tokens (packed positions) per second.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ModeSummary", "RankRecord", "StepMetrics", "step_metrics", "summarise"]
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """One rank's measured step (picklable; gathered to rank 0)."""
+
+    rank: int
+    module: str
+    dp_rank: int
+    global_stage: int
+    step_time_s: float
+    busy_s: float
+    actions: tuple[tuple[str, int, float, float], ...]
+    """(kind "forward"/"backward", microbatch, start_s, end_s) in execution order."""
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One step of one schedule mode (rank 0's view)."""
+
+    step: int
+    mode: str
+    loss: float
+    step_time_s: float
+    idle_share: float
+    idle_s: float
+    """Idle rank-seconds summed over ranks."""
+    busy_share: tuple[float, ...]
+    """Per global stage (encoder stages first)."""
+    samples_per_s: float
+    tokens_per_s: float
+    predicted_step_time_s: float = math.nan
+    """The simulator's prediction from the cost model before the step (nan: none)."""
+    schedule_ratio: float = math.nan
+    """The schedule's makespan / lower bound."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["busy_share"] = list(self.busy_share)
+        return out
+
+
+def step_metrics(
+    step: int,
+    mode: str,
+    loss: float,
+    records: list[RankRecord],
+    num_samples: int,
+    num_tokens: int,
+    *,
+    predicted_step_time_s: float = math.nan,
+    schedule_ratio: float = math.nan,
+) -> StepMetrics:
+    step_time_s = max(r.step_time_s for r in records)
+    num_stages = max(r.global_stage for r in records) + 1
+    busy: list[list[float]] = [[] for _ in range(num_stages)]
+    for r in records:
+        busy[r.global_stage].append(r.busy_s / step_time_s if step_time_s > 0 else 0.0)
+    idle_s = sum(step_time_s - r.busy_s for r in records)
+    total = step_time_s * len(records)
+    return StepMetrics(
+        step=step,
+        mode=mode,
+        loss=loss,
+        step_time_s=step_time_s,
+        idle_share=idle_s / total if total > 0 else 0.0,
+        idle_s=idle_s,
+        busy_share=tuple(float(np.mean(b)) if b else 0.0 for b in busy),
+        samples_per_s=num_samples / step_time_s if step_time_s > 0 else 0.0,
+        tokens_per_s=num_tokens / step_time_s if step_time_s > 0 else 0.0,
+        predicted_step_time_s=predicted_step_time_s,
+        schedule_ratio=schedule_ratio,
+    )
+
+
+def measured_microbatch_times(
+    records: list[RankRecord], num_microbatches: int, llm_dp: int
+) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
+    """Measured forward + backward seconds per microbatch.
+
+    Returns ``(encoder_s (m,), llm_s (m, llm_dp), forward_fraction)``: the encoder time of
+    microbatch j is summed over every encoder rank (all its stages and DP replicas: the
+    whole encoder's work on that microbatch, as the cost model prices it); the LLM time of
+    microbatch j on replica r is summed over that replica's stages. ``forward_fraction``
+    per module: forward seconds over forward + backward seconds.
+    """
+    encoder = np.zeros(num_microbatches)
+    llm = np.zeros((num_microbatches, llm_dp))
+    forward = {"encoder": 0.0, "llm": 0.0}
+    total = {"encoder": 0.0, "llm": 0.0}
+    for r in records:
+        for kind, j, start_s, end_s in r.actions:
+            duration = end_s - start_s
+            if r.module == "encoder":
+                encoder[j] += duration
+            else:
+                llm[j, r.dp_rank] += duration
+            total[r.module] += duration
+            if kind == "forward":
+                forward[r.module] += duration
+    fraction = {k: forward[k] / total[k] if total[k] > 0 else 1.0 / 3.0 for k in total}
+    return encoder, llm, fraction
+
+
+def timeline_records(records: list[RankRecord], offset_s: float) -> list[dict[str, Any]]:
+    """Events for :func:`dflop.timeline.make_events`: pid = the rank's DP replica, tid =
+    its global stage; times shifted by ``offset_s`` (to lay several steps end to end)."""
+    out = []
+    for r in records:
+        for kind, j, start_s, end_s in r.actions:
+            out.append(
+                {
+                    "replica": r.dp_rank,
+                    "stage": r.global_stage,
+                    "kind": "fwd" if kind == "forward" else "bwd",
+                    "microbatch": j,
+                    "start_s": start_s + offset_s,
+                    "end_s": end_s + offset_s,
+                }
+            )
+    return out
+
+
+@dataclass(frozen=True)
+class ModeSummary:
+    """Means over the measured steps of one mode (the first ``warmup`` steps excluded)."""
+
+    mode: str
+    num_steps: int
+    step_time_s: float
+    idle_share: float
+    idle_s: float
+    samples_per_s: float
+    tokens_per_s: float
+    busy_share: tuple[float, ...]
+    predicted_step_time_s: float
+    final_loss: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prediction_error(self) -> float:
+        """|predicted - measured| / measured of the mean step time (nan without predictions)."""
+        if math.isnan(self.predicted_step_time_s) or self.step_time_s <= 0:
+            return math.nan
+        return abs(self.predicted_step_time_s - self.step_time_s) / self.step_time_s
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["busy_share"] = list(self.busy_share)
+        out["prediction_error"] = self.prediction_error
+        return out
+
+
+def summarise(metrics: list[StepMetrics], mode: str, warmup: int = 1) -> ModeSummary:
+    """Mean of ``mode``'s steps after the first ``warmup`` (when enough steps remain)."""
+    rows = [m for m in metrics if m.mode == mode]
+    if len(rows) > warmup:
+        rows = rows[warmup:]
+    if not rows:
+        raise ValueError(f"no measured steps of mode {mode!r}")
+    predicted = [m.predicted_step_time_s for m in rows if not math.isnan(m.predicted_step_time_s)]
+    total_time = sum(m.step_time_s for m in rows)
+    return ModeSummary(
+        mode=mode,
+        num_steps=len(rows),
+        step_time_s=total_time / len(rows),
+        idle_share=float(np.mean([m.idle_share for m in rows])),
+        idle_s=float(np.mean([m.idle_s for m in rows])),
+        samples_per_s=sum(m.samples_per_s * m.step_time_s for m in rows) / total_time,
+        tokens_per_s=sum(m.tokens_per_s * m.step_time_s for m in rows) / total_time,
+        busy_share=tuple(float(v) for v in np.mean([m.busy_share for m in rows], axis=0)),
+        predicted_step_time_s=float(np.mean(predicted)) if predicted else math.nan,
+        final_loss=rows[-1].loss,
+    )
+
+
+def format_step(m: StepMetrics, num_steps: int) -> str:
+    busy = " ".join(f"s{s} {100 * b:.0f}%" for s, b in enumerate(m.busy_share))
+    predicted = ""
+    if not math.isnan(m.predicted_step_time_s):
+        predicted = f" (sim {m.predicted_step_time_s:.3f} s)"
+    return (
+        f"step {m.step + 1:>4}/{num_steps} [{m.mode:>5}] loss {m.loss:.4f} | "
+        f"{m.step_time_s:.3f} s{predicted} | {m.samples_per_s:.1f} samples/s | "
+        f"{m.tokens_per_s:,.0f} tok/s | busy {busy} | idle {100 * m.idle_share:.0f}%"
+    )

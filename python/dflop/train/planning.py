@@ -1,0 +1,263 @@
+"""Where the ranks' layout and the cost model come from: a plan file, a manual layout, or
+the planner run for the local processes; a performance model file or a quick profile.
+
+The planner thinks in GPUs; for local CPU processes it is given a "cluster" of ``nproc``
+devices on one node (memory: this host's RAM split between them, links: shared memory)
+and ``max_tp=1``, since the runtime runs tensor-parallel size 1 only (see the README:
+tp > 1 needs GPUs and is not implemented by the pipeline engine yet).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from dflop.models.config import ModelConfig
+from dflop.runtime.topology import ModuleLayout, RuntimeLayout, uniform_layer_ranges
+
+__all__ = [
+    "LocalPlan",
+    "cost_configs",
+    "layout_from_plan",
+    "parse_layout",
+    "plan_local",
+    "quick_profile",
+]
+
+_LAYOUT_KEYS = {
+    "enc_dp": "encoder_dp",
+    "enc_pp": "encoder_pp",
+    "enc_tp": "encoder_tp",
+    "llm_dp": "llm_dp",
+    "llm_pp": "llm_pp",
+    "llm_tp": "llm_tp",
+    "m": "num_microbatches",
+}
+
+
+def parse_layout(
+    spec: str, model: ModelConfig, global_batch: int, num_microbatches: int | None = None
+) -> RuntimeLayout:
+    """``"enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1[,m=4]"`` as a :class:`RuntimeLayout` with
+    uniform layer splits. Missing sizes are 1; ``m`` defaults to ``num_microbatches`` or
+    ``min(4, global_batch // llm_dp)``."""
+    values: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if not eq or key not in _LAYOUT_KEYS:
+            raise ValueError(
+                f"layout {spec!r}: {part!r} is not KEY=VALUE with KEY in {sorted(_LAYOUT_KEYS)}"
+            )
+        try:
+            values[_LAYOUT_KEYS[key]] = int(value)
+        except ValueError:
+            raise ValueError(f"layout {spec!r}: {key}={value!r} is not an integer") from None
+        if values[_LAYOUT_KEYS[key]] < 1:
+            raise ValueError(f"layout {spec!r}: {key} must be >= 1")
+    llm_dp = values.get("llm_dp", 1)
+    m = values.pop("num_microbatches", None) or num_microbatches
+    if m is None:
+        m = max(1, min(4, global_batch // llm_dp))
+    return RuntimeLayout.simple(
+        **values,
+        encoder_layers=model.vision.layers,
+        llm_layers=model.decoder.layers,
+        num_microbatches=m,
+        global_batch=global_batch,
+    )
+
+
+def layout_from_plan(
+    path: str | os.PathLike[str],
+    model: ModelConfig,
+    global_batch: int | None = None,
+    num_microbatches: int | None = None,
+) -> RuntimeLayout:
+    """The best layout of a plan JSON as a :class:`RuntimeLayout`.
+
+    Raises:
+        ValueError: a colocated layout (the runtime needs disjoint encoder and LLM ranks),
+            or layer counts that do not match ``model``.
+    """
+    from dflop.planner import Plan
+
+    plan = Plan.load(path)
+    best = plan.best
+    if best.colocated:
+        raise ValueError(
+            f"{path}: the best layout is colocated ({best.describe()}); dflop's runtime runs "
+            "the encoder and the LLM on disjoint ranks"
+        )
+    modules = {}
+    for name, part, layers in (
+        ("encoder", best.encoder, model.vision.layers),
+        ("llm", best.llm, model.decoder.layers),
+    ):
+        if sum(part.layers_per_stage) != layers:
+            raise ValueError(
+                f"{path}: the plan's {name} has {sum(part.layers_per_stage)} layers, the model "
+                f"{layers}: plan for the same model (dflop plan --encoder/--llm)"
+            )
+        modules[name] = ModuleLayout(part.tp, part.pp, part.dp, tuple(part.layer_ranges))
+    return RuntimeLayout(
+        encoder=modules["encoder"],
+        llm=modules["llm"],
+        num_microbatches=num_microbatches or best.num_microbatches,
+        global_batch=global_batch or best.global_batch,
+    )
+
+
+def cost_configs(model: ModelConfig) -> tuple[Any, Any]:
+    """(EncoderConfig, LLMConfig) of dflop's reference model, for the planner."""
+    from dflop.data.costs import EncoderConfig, LLMConfig
+
+    v, p, d = model.vision, model.projector, model.decoder
+    encoder = EncoderConfig(
+        name="vision",
+        hidden_size=v.hidden,
+        num_layers=v.layers,
+        intermediate_size=v.mlp_hidden,
+        num_heads=v.heads,
+        tokens_per_unit=v.tokens_per_unit,
+        patch_px=v.patch_size_px,
+        projector_hidden_size=p.intermediate,
+    )
+    llm = LLMConfig(
+        name="decoder",
+        hidden_size=d.hidden,
+        num_layers=d.layers,
+        intermediate_size=d.mlp_hidden,
+        num_heads=d.heads,
+        num_kv_heads=d.kv_heads,
+        vocab_size=d.vocab_size,
+    )
+    return encoder, llm
+
+
+def quick_profile(
+    model: ModelConfig,
+    *,
+    threads: int = 1,
+    seed: int = 0,
+    max_units: int = 16,
+    max_tokens: int = 1024,
+    repeats: int = 3,
+) -> Any:
+    """A :class:`~dflop.profiling.PerformanceModel` of ``model`` on this CPU, measured in a
+    few seconds (fewer repeats and shapes than ``dflop profile-model``)."""
+    from dflop.models import build_model
+    from dflop.profiling import (
+        default_seq_len_mixes,
+        default_unit_counts,
+        fit_performance_model,
+        profile_model,
+    )
+
+    reference = build_model(model, seed=seed)
+    result = profile_model(
+        reference.vision,
+        reference.decoder,
+        device="cpu",
+        unit_counts=default_unit_counts(max_units),
+        seq_len_mixes=default_seq_len_mixes(min(max_tokens, model.decoder.max_seq_len)),
+        warmup=1,
+        repeats=repeats,
+        seed=seed,
+        num_threads=threads,
+        measure_memory=False,
+    )
+    return fit_performance_model(result, seed=seed)
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    """The planner's answer for the local processes."""
+
+    layout: RuntimeLayout
+    description: str
+    predicted_step_time_s: float
+    plan: Any
+
+
+def plan_local(
+    cost_model: Any,
+    model: ModelConfig,
+    nproc: int,
+    global_batch: int,
+    shapes: Any,
+    *,
+    seed: int = 0,
+    num_microbatches: int | None = None,
+    memory_bytes: float | None = None,
+) -> LocalPlan:
+    """Plan ``model`` on ``nproc`` local processes with ``dflop.planner.plan``.
+
+    ``shapes``: a distribution with ``.sample(n, seed)`` (the scaled shapes the model is
+    trained on). ``num_microbatches`` restricts the planner's choice of m.
+    """
+    from dflop.planner import ClusterSpec, PlannerConfig, plan
+
+    encoder, llm = cost_configs(model)
+    if memory_bytes is None:
+        memory_bytes = _host_memory_bytes() / nproc
+    cluster = ClusterSpec(
+        num_gpus=nproc,
+        gpus_per_node=nproc,
+        gpu_memory_bytes=float(memory_bytes),
+        intra_node_bandwidth_bytes_per_s=5e9,  # shared memory between local processes
+        inter_node_bandwidth_bytes_per_s=5e9,
+        link_latency_s=1e-4,  # gloo over loopback
+        memory_reserve_bytes=0.0,
+    )
+    choices = None if num_microbatches is None else (int(num_microbatches),)
+    if choices is None:
+        choices = tuple(m for m in (1, 2, 3, 4, 6, 8, 12, 16) if m <= global_batch)
+    config = PlannerConfig(
+        seed=seed, max_tp=1, baseline=False, microbatch_choices=choices, top_k=20
+    )
+    result = plan(
+        cost_model, encoder, llm, cluster, global_batch=global_batch, shapes=shapes, config=config
+    )
+    # The runtime needs the encoder on ranks of its own (no colocated layouts) and every
+    # local process used.
+    usable = [
+        lp
+        for lp in result.layouts
+        if not lp.colocated and lp.encoder.num_gpus + lp.llm.num_gpus == nproc
+    ]
+    if not usable:
+        raise ValueError(
+            f"the planner found no layout with the encoder and the LLM on disjoint ranks "
+            f"over {nproc} processes (found: {[lp.describe() for lp in result.layouts]}); "
+            "pass a layout (--layout enc_dp=1,llm_pp=1)"
+        )
+    best = usable[0]
+    layout = RuntimeLayout(
+        encoder=ModuleLayout(
+            best.encoder.tp, best.encoder.pp, best.encoder.dp, tuple(best.encoder.layer_ranges)
+        ),
+        llm=ModuleLayout(best.llm.tp, best.llm.pp, best.llm.dp, tuple(best.llm.layer_ranges)),
+        num_microbatches=best.num_microbatches,
+        global_batch=global_batch,
+    )
+    return LocalPlan(layout, best.describe(), best.prediction.step_time_s, result)
+
+
+def default_layout(model: ModelConfig, nproc: int, global_batch: int, m: int) -> RuntimeLayout:
+    """Fallback without the planner: one encoder process, the others LLM pipeline stages."""
+    llm_pp = nproc - 1
+    return RuntimeLayout(
+        encoder=ModuleLayout(1, 1, 1, uniform_layer_ranges(model.vision.layers, 1)),
+        llm=ModuleLayout(1, llm_pp, 1, uniform_layer_ranges(model.decoder.layers, llm_pp)),
+        num_microbatches=m,
+        global_batch=global_batch,
+    )
+
+
+def _host_memory_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16e9

@@ -1,0 +1,528 @@
+"""``Trainer``: one rank's training loop (any rank of the layout, encoder or LLM).
+
+Per step k, on every rank:
+
+1. draw step k's global batch (shapes seeded by (seed, k): the same on every rank) and
+   its synthetic tensors (each rank renders only the samples it computes);
+2. take step k's Schedule. **Rank 0 computes every schedule and broadcasts its
+   assignment** (one int64 tensor per step): the cost model it prices samples with is
+   corrected from measured times, and schedules may be cut short by a deadline, so
+   recomputing them on every rank could disagree. On rank 0 an
+   :class:`~dflop.async_scheduler.AsyncScheduler` solves step k + lookahead while step k
+   trains, and its deadline keeps training from ever waiting on it;
+3. build the StepPlan (deterministic from schedule, shapes and layout) and run the
+   pipelined forward/backward (:class:`~dflop.runtime.pipeline.PipelineEngine`), then the
+   AdamW step on this rank's stage;
+4. gather every rank's measured actions to rank 0, which prints the step's metrics, feeds
+   the measured microbatch times to the cost model's adaptive correction
+   (:func:`~dflop.train.metrics.measured_microbatch_times` documents the mapping), and
+   submits the next schedule.
+
+In ``compare`` mode a step runs twice on the same weights and batch (dflop's schedule and
+the data-blind one, alternating which goes first), and the optimizer steps once.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dflop.models import model_config
+from dflop.runtime.topology import RuntimeLayout
+from dflop.scheduler import Schedule, data_blind_schedule, schedule_from_assignment
+from dflop.train.config import TrainConfig
+from dflop.train.data import StepShapes, _step_seed
+from dflop.train.metrics import (
+    RankRecord,
+    StepMetrics,
+    format_step,
+    measured_microbatch_times,
+    step_metrics,
+    timeline_records,
+)
+
+__all__ = ["FAULT_ENV", "TrainReport", "Trainer"]
+
+FAULT_ENV = "DFLOP_FAULT_INJECT"
+"""``"RANK:STEP"``: that rank raises at the start of that step (to test failure handling)."""
+
+
+@dataclass
+class TrainReport:
+    """What rank 0 returns: every step's metrics and the timelines of the last steps."""
+
+    config: dict[str, Any]
+    layout: dict[str, Any]
+    metrics: list[StepMetrics]
+    timelines: dict[str, list[dict[str, Any]]]
+    """Per mode: event records of the last ``trace_steps`` steps, laid end to end."""
+    start_step: int
+    performance_model: dict[str, Any] | None = None
+    """The cost model's corrected coefficients at the end."""
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class Trainer:
+    """One rank of a training run. Create it on every rank after the default process group
+    is initialised; :meth:`train` returns a :class:`TrainReport` on rank 0, None elsewhere.
+
+    Args:
+        config: the run's settings.
+        layout: the runtime layout (the same on every rank).
+        performance_model: rank 0's prior cost model (a PerformanceModel or its dict);
+            ignored on other ranks, and unused in ``blind`` mode.
+        device: this rank's torch device.
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        layout: RuntimeLayout,
+        performance_model: Any = None,
+        *,
+        device: Any = "cpu",
+        distribution: Any = None,
+    ) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from dflop.runtime.pipeline import PipelineEngine, build_stage
+        from dflop.runtime.topology import Topology
+
+        self.config = config
+        self.layout = layout
+        self.device = torch.device(device)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.is_leader = self.rank == 0
+        self.model_config = model_config(config.model)
+        self.topology = Topology.create(layout, self.rank, timeout_s=config.timeout_s)
+        self.info = self.topology.info
+        self.stage = build_stage(self.model_config, self.info, seed=config.seed, device=self.device)
+        self.engine = PipelineEngine(self.topology, self.stage, debug=config.debug)
+        self.optimizer = torch.optim.AdamW(
+            self.stage.parameters(), lr=config.lr, weight_decay=config.weight_decay
+        )
+        self.step_shapes = StepShapes(
+            self.model_config,
+            layout.global_batch,
+            seed=config.seed,
+            distribution=distribution,
+            family=config.family,
+            mix=config.mix,
+            scaler=config.scaler,
+        )
+        self.tokens_per_unit = self.model_config.vision.tokens_per_unit
+        self.start_step = 0
+        self._resume()
+        self.cost_model = None
+        self.scheduler = None
+        self._forward_fraction = {"encoder": 1.0 / 3.0, "llm": 1.0 / 3.0}
+        self._last_step_wall_s: float | None = None
+        self._link_latency_s = 0.0
+        self._calibrated = False
+        if self.is_leader and "dflop" in config.modes:
+            self._start_scheduler(performance_model)
+
+    # ------------------------------------------------------------------ setup
+
+    def _start_scheduler(self, performance_model: Any) -> None:
+        from dflop.async_scheduler import AsyncScheduler
+        from dflop.profiling import CostModel, PerformanceModel
+
+        if performance_model is None:
+            raise ValueError("the dflop schedule needs a performance model on rank 0")
+        if isinstance(performance_model, dict):
+            performance_model = PerformanceModel.from_dict(performance_model)
+        self.cost_model = CostModel(performance_model)
+        self.scheduler = AsyncScheduler(
+            self.layout.num_microbatches,
+            self.layout.llm.dp,
+            microbatch_dims=(0,),
+            seed=self.config.seed,
+            lookahead=self.config.lookahead,
+        )
+        for step in range(
+            self.start_step, min(self.config.steps, self.start_step + self.config.lookahead)
+        ):
+            self._submit(step)
+
+    def _resume(self) -> None:
+        from dflop.train.checkpoint import latest_checkpoint, load_checkpoint
+
+        if not self.config.checkpoint_dir:
+            return
+        folder = latest_checkpoint(self.config.checkpoint_dir)
+        if folder is None:
+            return
+        state = load_checkpoint(folder, self.rank, self._checkpoint_identity())
+        self.stage.load_state_dict(state["stage"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.start_step = int(state["step"]) + 1
+        if self.is_leader:
+            print(f"resumed from {folder} (step {self.start_step} next)", flush=True)
+
+    def _checkpoint_identity(self) -> dict[str, Any]:
+        return {
+            "layout": self.layout.to_dict(),
+            "model": self.config.model,
+            "world_size": self.world_size,
+            "seed": self.config.seed,
+        }
+
+    # ------------------------------------------------------------------ scheduling (rank 0)
+
+    def _schedule_costs(self, shapes: Any) -> np.ndarray:
+        """Per-sample stage seconds: the encoder's work is split over its pp x dp ranks
+        (replicas share each microbatch: a microbatch dimension), the LLM's over its pp."""
+        costs = np.array(self.cost_model.costs(shapes), dtype=np.float64)
+        costs[:, 0] /= self.layout.encoder.pp * self.layout.encoder.dp
+        costs[:, 1] /= self.layout.llm.pp
+        return costs
+
+    def _submit(self, step: int) -> None:
+        deadline = None
+        if self.config.schedule_deadline and self._last_step_wall_s is not None:
+            deadline = max(0.01, (self.config.lookahead - 1) * self._last_step_wall_s)
+        shapes = self.step_shapes.shapes(step)
+        self.scheduler.submit(step, self._schedule_costs(shapes), deadline_s=deadline)
+
+    def _leader_schedules(self, step: int, shapes: Any) -> dict[str, Schedule]:
+        m, dp = self.layout.num_microbatches, self.layout.llm.dp
+        out: dict[str, Schedule] = {}
+        for mode in self.config.modes:
+            if mode == "dflop":
+                s = self.scheduler.get(step)
+                if self.config.order_microbatches:
+                    s = self._order(s, shapes)
+                out[mode] = s
+                nxt = step + self.config.lookahead
+                if nxt < self.config.steps:
+                    self._submit(nxt)
+            else:
+                costs = np.stack([shapes.encoder_tokens, shapes.seq_len], axis=1).astype(float)
+                if self.cost_model is not None:
+                    costs = self._schedule_costs(shapes)
+                out[mode] = data_blind_schedule(costs, m, dp, microbatch_dims=(0,))
+        return out
+
+    def _predicted_loads(self, s: Schedule, shapes: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Predicted (encoder (m,), LLM (m, dp)) seconds of whole-module work, constants in."""
+        m, dp = s.num_microbatches, s.dp_size
+        encoder = np.zeros(m)
+        llm = np.zeros((m, dp))
+        for j in range(m):
+            ids = np.concatenate([s.microbatches(r)[j] for r in range(dp)])
+            encoder[j] = self.cost_model.predict_microbatch(shapes.take(ids))[0]
+            for r in range(dp):
+                llm[j, r] = self.cost_model.predict_microbatch(shapes.take(s.microbatches(r)[j]))[1]
+        return encoder, llm
+
+    def _order(self, s: Schedule, shapes: Any) -> Schedule:
+        """Reorder microbatches: the lightest encoder microbatch first (the LLM waits for
+        it), the lightest LLM microbatch last (the encoder waits for its backward)."""
+        m = s.num_microbatches
+        if m < 2:
+            return s
+        encoder, llm = self._predicted_loads(s, shapes)
+        first = int(np.argmin(encoder))
+        rest = [j for j in range(m) if j != first]
+        last = min(rest, key=lambda j: float(llm[j].max()))
+        order = [first, *[j for j in rest if j != last], last]
+        new_index = np.empty(m, dtype=np.int64)
+        new_index[order] = np.arange(m)
+        old_mb, replica = np.divmod(np.asarray(s.assignment), s.dp_size)
+        assignment = new_index[old_mb] * s.dp_size + replica
+        reordered = schedule_from_assignment(
+            self._schedule_costs(shapes), assignment, m, s.dp_size, microbatch_dims=(0,)
+        )
+        return _with_solver_info(reordered, s)
+
+    def _predict_step_s(self, s: Schedule, shapes: Any) -> float:
+        """The simulator's step time for schedule ``s`` under the current cost model."""
+        from dflop.simulator import simulate_pipeline
+
+        enc, llm = self.layout.encoder, self.layout.llm
+        encoder, llm_load = self._predicted_loads(s, shapes)
+        m, dp = s.num_microbatches, s.dp_size
+        num_stages = enc.pp + llm.pp
+        total = np.zeros((dp, num_stages, m))
+        total[:, : enc.pp, :] = (encoder / (enc.pp * enc.dp))[None, None, :]
+        total[:, enc.pp :, :] = (llm_load.T / llm.pp)[:, None, :]
+        fwd_share = np.zeros(num_stages)
+        fwd_share[: enc.pp] = self._forward_fraction["encoder"]
+        fwd_share[enc.pp :] = self._forward_fraction["llm"]
+        forward = total * fwd_share[None, :, None]
+        latency = np.full(num_stages - 1, self._link_latency_s)
+        return simulate_pipeline(forward, total - forward, link_latency_s=latency).step_time_s
+
+    def _calibrate_latency(self, records: list[RankRecord], s: Schedule) -> None:
+        """Fit the per-transfer latency that makes the simulator, fed the MEASURED action
+        times, reproduce the measured step (messages, Python overhead, the loss all-reduce);
+        smoothed over steps and used in later predictions."""
+        from dflop.simulator import simulate_pipeline
+
+        enc, llm = self.layout.encoder, self.layout.llm
+        num_stages = enc.pp + llm.pp
+        if num_stages < 2:
+            return
+        shape = (s.dp_size, num_stages, s.num_microbatches)
+        forward, backward = np.zeros(shape), np.zeros(shape)
+        for r in records:
+            replicas = range(s.dp_size) if r.module == "encoder" else [r.dp_rank]
+            for kind, j, start_s, end_s in r.actions:
+                target = forward if kind == "forward" else backward
+                for q in replicas:  # encoder replicas share a microbatch: the slowest counts
+                    target[q, r.global_stage, j] = max(
+                        target[q, r.global_stage, j], end_s - start_s
+                    )
+        measured = max(r.step_time_s for r in records)
+
+        def simulated(latency_s: float) -> float:
+            lat = np.full(num_stages - 1, latency_s)
+            return simulate_pipeline(forward, backward, link_latency_s=lat).step_time_s
+
+        low, high = 0.0, measured
+        if simulated(low) >= measured:
+            fitted = 0.0
+        else:
+            for _ in range(20):
+                mid = 0.5 * (low + high)
+                low, high = (mid, high) if simulated(mid) < measured else (low, mid)
+            fitted = 0.5 * (low + high)
+        self._link_latency_s = (
+            0.7 * self._link_latency_s + 0.3 * fitted if self._calibrated else fitted
+        )
+        self._calibrated = True
+
+    # ------------------------------------------------------------------ communication
+
+    def _broadcast_schedules(self, step: int, shapes: Any) -> dict[str, Schedule]:
+        import torch
+        import torch.distributed as dist
+
+        modes = self.config.modes
+        n = len(shapes)
+        comm_device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        if self.is_leader:
+            schedules = self._leader_schedules(step, shapes)
+            stacked = np.stack([np.asarray(schedules[mode].assignment) for mode in modes])
+            buffer = torch.from_numpy(stacked.astype(np.int64)).to(comm_device)
+        else:
+            buffer = torch.empty((len(modes), n), dtype=torch.int64, device=comm_device)
+        dist.broadcast(buffer, src=0)
+        if self.is_leader:
+            return schedules
+        assignments = buffer.cpu().numpy()
+        zeros = np.zeros((n, 2))
+        m, dp = self.layout.num_microbatches, self.layout.llm.dp
+        return {
+            mode: schedule_from_assignment(zeros, assignments[i], m, dp, microbatch_dims=(0,))
+            for i, mode in enumerate(modes)
+        }
+
+    def _record(self, mode_results: dict[str, Any]) -> dict[str, RankRecord]:
+        info = self.info
+        return {
+            mode: RankRecord(
+                rank=self.rank,
+                module=info.module,
+                dp_rank=info.dp_rank,
+                global_stage=info.global_stage,
+                step_time_s=result.step_time_s,
+                busy_s=result.busy_s,
+                actions=tuple((t.kind, t.microbatch, t.start_s, t.end_s) for t in result.timings),
+            )
+            for mode, result in mode_results.items()
+        }
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> TrainReport | None:
+        """Run steps ``start_step .. config.steps - 1``; see the module docstring."""
+        import torch.distributed as dist
+
+        from dflop.runtime.step_data import StepPlan
+        from dflop.runtime.synthetic_batch import SyntheticBatch
+
+        config = self.config
+        fault = _fault_step(self.rank)
+        metrics: list[StepMetrics] = []
+        recent: dict[str, collections.deque] = {
+            mode: collections.deque(maxlen=config.trace_steps) for mode in config.modes
+        }
+        bar = self._progress_bar()
+        num_fallbacks_before = 0
+        try:
+            for step in range(self.start_step, config.steps):
+                if step == fault:
+                    raise RuntimeError(
+                        f"injected failure on rank {self.rank} at step {step} ({FAULT_ENV})"
+                    )
+                wall_start = time.perf_counter()
+                shapes = self.step_shapes.shapes(step)
+                batch = SyntheticBatch(
+                    shapes, self.model_config, seed=_step_seed(config.seed + 1, step)
+                )
+                schedules = self._broadcast_schedules(step, shapes)
+                predicted = {}
+                if self.is_leader and self.cost_model is not None:
+                    predicted = {
+                        mode: self._predict_step_s(s, shapes) for mode, s in schedules.items()
+                    }
+                order = list(config.modes) if step % 2 == 0 else list(reversed(config.modes))
+                results = {}
+                for mode in order:
+                    plan = StepPlan.build(
+                        schedules[mode],
+                        shapes,
+                        self.layout,
+                        batch.target_tokens(),
+                        tokens_per_unit=self.tokens_per_unit,
+                    )
+                    results[mode] = self.engine.run_step(plan, batch)
+                self.optimizer.step()
+                gathered: list[Any] | None = [None] * self.world_size if self.is_leader else None
+                dist.gather_object(self._record(results), gathered, dst=0)
+                self._last_step_wall_s = time.perf_counter() - wall_start
+                if self.is_leader:
+                    for mode in config.modes:
+                        records = [g[mode] for g in gathered]
+                        row = step_metrics(
+                            step,
+                            mode,
+                            results[mode].loss,
+                            records,
+                            len(shapes),
+                            int(shapes.seq_len.sum()),
+                            predicted_step_time_s=predicted.get(mode, math.nan),
+                            schedule_ratio=schedules[mode].ratio,
+                        )
+                        metrics.append(row)
+                        recent[mode].append((records, row.step_time_s))
+                        self._observe(records, schedules[mode], shapes)
+                        self._calibrate_latency(records, schedules[mode])
+                        self._log(row, bar)
+                    if bar is not None:
+                        bar.update(1)
+                if config.checkpoint_dir and (
+                    step == config.steps - 1
+                    or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
+                ):
+                    self.save_checkpoint(step)
+            if self.scheduler is not None:
+                num_fallbacks_before = self.scheduler.num_fallbacks
+        finally:
+            if bar is not None:
+                bar.close()
+            if self.scheduler is not None:
+                self.scheduler.close()
+        if not self.is_leader:
+            return None
+        return TrainReport(
+            config=config.to_dict(),
+            layout=self.layout.to_dict(),
+            metrics=metrics,
+            timelines={mode: _lay_out(recent[mode]) for mode in config.modes},
+            start_step=self.start_step,
+            performance_model=(
+                self.cost_model.performance_model.to_dict() if self.cost_model else None
+            ),
+            stats={"schedule_fallbacks": num_fallbacks_before},
+        )
+
+    def save_checkpoint(self, step: int) -> None:
+        """Save every rank's stage and optimizer after ``step`` (call on every rank)."""
+        import torch.distributed as dist
+
+        from dflop.train.checkpoint import save_checkpoint
+
+        state = {
+            "stage": self.stage.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            **self._checkpoint_identity(),
+        }
+        save_checkpoint(self.config.checkpoint_dir, step, self.rank, state, barrier=dist.barrier)
+
+    # ------------------------------------------------------------------ rank 0 bookkeeping
+
+    def _observe(self, records: list[RankRecord], s: Schedule, shapes: Any) -> None:
+        encoder_s, llm_s, fraction = measured_microbatch_times(
+            records, s.num_microbatches, s.dp_size
+        )
+        for module, value in fraction.items():  # smoothed forward share, for predictions
+            self._forward_fraction[module] = 0.8 * self._forward_fraction[module] + 0.2 * value
+        if self.cost_model is None or not self.config.adaptive:
+            return
+        rows, times = [], []
+        for j in range(s.num_microbatches):
+            bins = [s.microbatches(r)[j] for r in range(s.dp_size)]
+            if s.dp_size == 1:
+                rows.append(shapes.take(bins[0]))
+                times.append((encoder_s[j], llm_s[j, 0]))
+                continue
+            rows.append(shapes.take(np.concatenate(bins)))
+            times.append((encoder_s[j], math.nan))
+            for r, ids in enumerate(bins):
+                rows.append(shapes.take(ids))
+                times.append((math.nan, llm_s[j, r]))
+        self.cost_model.observe(rows, np.array(times))
+
+    def _progress_bar(self) -> Any:
+        if not (self.is_leader and self.config.progress and sys.stdout.isatty()):
+            return None
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return None
+        return tqdm(
+            total=self.config.steps, initial=self.start_step, unit="step", dynamic_ncols=True
+        )
+
+    def _log(self, row: StepMetrics, bar: Any) -> None:
+        every = self.config.log_every
+        if not every or ((row.step + 1) % every and row.step != self.config.steps - 1):
+            return
+        line = format_step(row, self.config.steps)
+        if bar is not None:
+            bar.write(line)
+        else:
+            print(line, flush=True)
+
+
+def _with_solver_info(reordered: Schedule, original: Schedule) -> Schedule:
+    import dataclasses
+
+    return dataclasses.replace(
+        reordered,
+        seed=original.seed,
+        solve_time_s=original.solve_time_s,
+        stats=original.stats,
+    )
+
+
+def _lay_out(steps: collections.deque) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    offset_s = 0.0
+    for records, step_time_s in steps:
+        events.extend(timeline_records(records, offset_s))
+        offset_s += step_time_s
+    return events
+
+
+def _fault_step(rank: int) -> int | None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return None
+    try:
+        fault_rank, fault_step = (int(v) for v in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"{FAULT_ENV}={spec!r} must be RANK:STEP") from None
+    return fault_step if fault_rank == rank else None

@@ -1,0 +1,154 @@
+"""``dflop train``, the full demo and the DDP example, as real subprocesses with timeouts.
+
+Each run spawns real gloo processes; every subprocess has a timeout, so a hang fails the
+test instead of blocking the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from dflop.train import TrainConfig  # noqa: E402
+from dflop.train.planning import parse_layout  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 150
+LAYOUT = "enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1,m=2"
+
+
+def run_cli(*args: str, env: dict | None = None, timeout_s: float = TIMEOUT_S):
+    executable = shutil.which("dflop")
+    command = [executable] if executable else [sys.executable, "-m", "dflop.cli"]
+    return subprocess.run(
+        [*command, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture(scope="module")
+def perf_json(tmp_path_factory) -> str:
+    """A quick performance model of the tiny preset (so the runs below skip profiling)."""
+    from dflop.models import model_config
+    from dflop.train.planning import quick_profile
+
+    path = tmp_path_factory.mktemp("perf") / "perf.json"
+    quick_profile(model_config("tiny"), repeats=1, max_units=4, max_tokens=256).save(path)
+    return str(path)
+
+
+def _train(tmp_path: Path, perf: str, *extra: str, env: dict | None = None):
+    metrics = tmp_path / f"metrics-{len(list(tmp_path.iterdir()))}.json"
+    args = ["train", "--perf", perf, "--global-batch", "8", "--json", str(metrics), *extra]
+    result = run_cli(*args, env=env)
+    report = json.loads(metrics.read_text()) if metrics.exists() else None
+    return result, report
+
+
+def test_train_end_to_end_writes_trace_and_png(tmp_path, perf_json) -> None:
+    """Planned for 2 local processes (encoder stage + LLM stage), 3 steps."""
+    trace, png = tmp_path / "t.json", tmp_path / "t.png"
+    result, report = _train(
+        tmp_path,
+        perf_json,
+        "--nproc", "2", "--num-microbatches", "2", "--steps", "3",
+        "--trace", str(trace), "--png", str(png),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "planned for 2 local processes" in result.stdout
+    assert "step    3/3 [dflop]" in result.stdout and "samples/s" in result.stdout
+    assert png.stat().st_size > 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["name"][0] for e in events if e.get("ph") == "X"} == {"F", "B"}
+    assert {e["tid"] for e in events if e.get("ph") == "X"} == {0, 1}  # tid = global stage
+    assert len(report["steps"]) == 3
+    assert all(0 <= s["idle_share"] < 1 for s in report["steps"])
+
+
+def test_checkpoint_resume_matches_uninterrupted_run(tmp_path, perf_json) -> None:
+    common = ["--layout", LAYOUT, "--steps", "4", "--quiet"]
+    result, full = _train(tmp_path, perf_json, *common)
+    assert result.returncode == 0, result.stderr
+    ckpt = tmp_path / "ckpt"
+    result, _ = _train(
+        tmp_path, perf_json, "--layout", LAYOUT, "--steps", "2", "--quiet",
+        "--checkpoint-dir", str(ckpt),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert (ckpt / "latest").read_text().strip() == "step-000001"
+    result, resumed = _train(tmp_path, perf_json, *common, "--checkpoint-dir", str(ckpt))
+    assert result.returncode == 0, result.stderr
+    assert "resumed from" in result.stdout
+    assert [s["step"] for s in resumed["steps"]] == [2, 3]
+    for got, want in zip(resumed["steps"], full["steps"][2:]):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+
+
+def test_failing_rank_exits_nonzero_with_a_clear_message(tmp_path, perf_json) -> None:
+    result, _ = _train(
+        tmp_path, perf_json, "--layout", LAYOUT, "--steps", "3", "--timeout", "30",
+        env={"DFLOP_FAULT_INJECT": "1:1"},
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "rank 1 of 2 failed" in result.stderr
+    assert "injected failure on rank 1 at step 1" in result.stderr
+
+
+def test_full_demo_runs(tmp_path) -> None:
+    out = tmp_path / "demo"
+    result = run_cli(
+        "demo", "--steps", "3", "--global-batch", "8", "--num-microbatches", "2",
+        "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "dflop vs data-blind on the same steps" in result.stdout
+    for name in ("perf.json", "plan.json", "summary.json", "timeline-dflop.png"):
+        assert (out / name).stat().st_size > 0, name
+    summary = json.loads((out / "summary.json").read_text())["summary"]
+    assert set(summary) == {"dflop", "blind"}
+
+
+def test_ddp_example_runs() -> None:
+    result = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "ddp_balance.py"), "--steps", "2",
+         "--global-batch", "16"],
+        capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "step 1:" in result.stdout and "data-blind" in result.stdout
+
+
+# ---------------------------------------------------------------- no processes
+
+
+def test_config_errors_name_the_field() -> None:
+    with pytest.raises(ValueError, match="TrainConfig.steps"):
+        TrainConfig(steps=0)
+    with pytest.raises(ValueError, match="TrainConfig.schedule"):
+        TrainConfig(schedule="fast")
+    with pytest.raises(ValueError, match="TrainConfig.scaler has unknown field 'cap'"):
+        TrainConfig(scaler={"cap": 3})
+    with pytest.raises(FileNotFoundError, match="TrainConfig.data"):
+        TrainConfig(data="/nonexistent.json")
+
+
+def test_parse_layout() -> None:
+    from dflop.models import model_config
+
+    layout = parse_layout("enc_dp=2,llm_pp=2,m=3", model_config("tiny"), 12)
+    assert (layout.encoder.dp, layout.llm.pp, layout.num_microbatches) == (2, 2, 3)
+    assert layout.world_size == 4
+    with pytest.raises(ValueError, match="enc_dpp"):
+        parse_layout("enc_dpp=2", model_config("tiny"), 12)
