@@ -15,6 +15,7 @@ engine yet; the planner is told ``max_tp=1`` for local processes.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import sys
@@ -255,7 +256,9 @@ def write_timelines(report: Any, config: TrainConfig, log: Callable[[str], None]
             path = timeline_path(config.trace, mode, config)
             write_chrome_trace(events, path)
             log(f"wrote {path}")
-        if config.png:
+        if config.png and importlib.util.find_spec("matplotlib") is None:
+            log("skipped the PNG timeline: matplotlib is not installed (pip install 'dflop[plot]')")
+        elif config.png:
             path = timeline_path(config.png, mode, config)
             title = f"measured: last {config.trace_steps} step(s), {mode} schedule"
             write_gantt_png(events, path, title=title)
