@@ -85,3 +85,14 @@ def test_profile_model_errors_are_clear(tmp_path) -> None:
     result = run_cli("profile-model", "--device", "cuda", "-o", str(tmp_path / "p.json"))
     if "no CUDA device" in result.stderr:
         assert result.returncode == 2
+
+
+def test_inspect_plan(tmp_path) -> None:
+    plan = tmp_path / "plan.json"
+    result = run_cli(
+        "plan", "--gpus", "8", "--gpus-per-node", "8", "--global-batch", "64", "-o", str(plan)
+    )
+    assert result.returncode == 0, result.stderr
+    result = run_cli("inspect", str(plan))
+    assert result.returncode == 0, result.stderr
+    assert "samples/s" in result.stdout

@@ -115,7 +115,15 @@ def _inspectors() -> dict:
     return {
         "dflop.shape_distribution": _inspect_shapes,
         "dflop.performance_model": _inspect_performance_model,
+        "dflop.plan": _inspect_plan,
     }
+
+
+def _inspect_plan(path: Path, args: argparse.Namespace) -> int:
+    from dflop.planner import Plan
+
+    print(Plan.load(path).table())
+    return 0
 
 
 def _inspect_performance_model(path: Path, args: argparse.Namespace) -> int:
