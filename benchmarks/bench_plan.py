@@ -202,9 +202,14 @@ def render(
         f"**{'met' if never_slower else 'NOT met'}**",
         f"- dflop planning time at 64 GPUs: {plan_times}",
         f"- Planning time for 1,024 GPUs (vit-6b + llm-72b, global batch {args.big_batch}, "
-        f"{args.big_batches} batches): **{big_s:.2f} s** ({big_stats['num_candidates']:,} candidates, "
-        f"{big_stats['num_simulated']} simulated, {big_stats['num_pruned']:,} pruned by bound, "
-        f"{big_stats['num_memory_rejected']:,} over memory); best: {big_layout.replace('|', ';')}",
+        f"{args.big_batches} batches, {os.cpu_count()} threads): **{big_s:.2f} s** "
+        f"({big_stats['num_candidates']:,} candidates, "
+        f"{big_stats['num_memory_rejected']:,} over memory, "
+        f"{big_stats['num_pruned']:,} pruned by bound, of which "
+        f"{big_stats['num_pruned_after_schedule']:,} only after balancing "
+        f"({big_stats['num_balanced']:,} balance calls for {big_stats['num_scheduled']:,} "
+        f"layouts), {big_stats['num_simulated']} simulated in full); "
+        f"best: {big_layout.replace('|', ';')}",
     ]
     return "\n".join(lines)
 

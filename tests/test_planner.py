@@ -137,6 +137,25 @@ def test_pruning_matches_exhaustive(gpus: int, encoder: str) -> None:
     assert raw_pruned["stats"]["num_simulated"] < raw_full["stats"]["num_simulated"]
 
 
+def test_threads_do_not_change_the_result() -> None:
+    inputs = _inputs(encoder="vit-6b", batch=64)
+    cluster = ClusterSpec(num_gpus=32)
+    one, raw_one = search_layouts(
+        cluster, inputs, PlannerConfig(num_batches=2, top_k=3, num_threads=1)
+    )
+    many, raw_many = search_layouts(
+        cluster, inputs, PlannerConfig(num_batches=2, top_k=3, num_threads=4)
+    )
+    assert [lp.to_dict() for lp in one] == [lp.to_dict() for lp in many]
+    assert raw_one["stats"] == raw_many["stats"]
+    stats = raw_one["stats"]
+    # Most candidates that pass the first bound are pruned by the schedule-based one.
+    assert stats["num_pruned_after_schedule"] <= stats["num_pruned"]
+    assert stats["num_simulated"] <= stats["num_scheduled"]
+    with pytest.raises(ValueError, match="num_threads"):
+        PlannerConfig(num_threads=0)
+
+
 def test_microbatch_ordering_never_hurts() -> None:
     inputs = _inputs(encoder="vit-6b", batch=64)
     layouts, _ = search_layouts(ClusterSpec(num_gpus=16), inputs, FAST)

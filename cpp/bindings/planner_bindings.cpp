@@ -100,6 +100,7 @@ PlannerOptions to_options(const py::dict& d) {
   get_opt(d, "microbatch_choices", &o.microbatch_choices);
   get_opt(d, "balance_work_budget", &o.balance_work_budget);
   get_opt(d, "seed", &o.seed);
+  get_opt(d, "num_threads", &o.num_threads);
   return o;
 }
 
@@ -195,6 +196,9 @@ py::dict plan_layouts_py(const py::dict& cluster, const py::dict& encoder, const
   stats["num_bounded"] = r.stats.num_bounded;
   stats["num_simulated"] = r.stats.num_simulated;
   stats["num_pruned"] = r.stats.num_pruned;
+  stats["num_scheduled"] = r.stats.num_scheduled;
+  stats["num_balanced"] = r.stats.num_balanced;
+  stats["num_pruned_after_schedule"] = r.stats.num_pruned_after_schedule;
   py::dict shortfall;
   shortfall["found"] = r.shortfall.found;
   shortfall["needed_bytes"] = r.shortfall.needed_bytes;

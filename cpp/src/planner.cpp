@@ -1,19 +1,33 @@
 // Planner: enumeration of layouts, cheap lower bounds, scoring by balance + simulation.
 // The model is documented in planner.hpp; this file explains the search.
 //
-// Search (DataAware and DataBlindColocated): every candidate gets a lower bound on its mean
-// simulated step time that needs no schedule (per stage: its share of the batch's total
-// load over the DP replicas, or the largest sample, plus m microbatch constants and its
-// gradient all-reduce). Candidates are simulated in increasing (bound, tie key) order and
-// the search stops once the next bound exceeds the k-th best simulated time, so the result
-// equals exhaustive evaluation. To keep memory bounded at 1,024 GPUs (millions of
-// candidates), a first pass keeps only the few lowest bounds, simulates them to get an
-// incumbent, and a second pass collects just the candidates whose bound can still beat it.
+// Search (DataAware and DataBlindColocated): every candidate gets a first lower bound on
+// its mean simulated step time that needs no schedule (per stage: its share of the batch's
+// total load over the DP replicas, or the largest sample, plus m microbatch constants and
+// its gradient all-reduce). Candidates are taken in increasing (bound, tie key) order and
+// the search stops once the next bound exceeds the k-th best simulated time. The first
+// bound misses the pipeline's fill and drain (about (S - 1) / m of the step) and
+// microbatches whose bottleneck alternates between the encoder and the LLM, so thousands of
+// candidates at 1,024 GPUs pass it; each of those is then balanced one batch at a time and
+// given a second bound from its schedule (Evaluator::replica_bound: critical paths of the
+// simulation, then single replicas simulated alone), and is simulated in full only when that
+// bound does not exceed the k-th best. Every bound is a true lower bound of the score, so
+// the result equals exhaustive evaluation. Schedules depend on a layout only through a few
+// fields (Evaluator::schedule_key) and are balanced once per key and batch (e.g. every
+// encoder pipeline depth of the same GPU split shares them). Candidates are evaluated in
+// fixed-size waves on several threads and merged in order, so the result and the
+// statistics do not depend on the number of threads. To keep memory bounded at 1,024 GPUs
+// (millions of candidates), a first pass keeps only the few lowest bounds, simulates them
+// to get an incumbent, and a second pass collects just the candidates whose bound can still
+// beat it.
 #include "dflop/planner.hpp"
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
+#include <deque>
+#include <exception>
 #include <limits>
 #include <map>
 #include <numeric>
@@ -22,6 +36,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -37,6 +52,8 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kForwardShare = 1.0 / 3.0;    // training = forward + 2 x forward (backward)
 constexpr double kTpAllReducesPerLayer = 4.0;  // 2 forward + 2 backward (Megatron-LM)
 constexpr double kBf16Bytes = 2.0;
+// Relative margin of the second bound's pruning test (see Search::evaluate_wave).
+constexpr double kBoundSlack = 1e-9;
 
 std::string fmt(double v) {
   std::ostringstream s;
@@ -99,9 +116,27 @@ struct ModuleModel {
   const ModuleParams* p = nullptr;
   const ClusterParams* c = nullptr;
 
-  double eff(int64_t t) const { return 1.0 / (1.0 + c->tp_gemm_loss * std::log2(double(t))); }
+  // eff(t) and comm_per_token_layer(t) for t < tables' size (the hot loops call them often).
+  std::vector<double> eff_table, comm_table;
+  void fill_tables(int64_t max_t) {
+    eff_table.clear();
+    comm_table.clear();
+    for (int64_t t = 0; t <= max_t; ++t) {
+      eff_table.push_back(t >= 1 ? compute_eff(t) : 0.0);
+      comm_table.push_back(compute_comm(t));
+    }
+  }
+  double compute_eff(int64_t t) const {
+    return 1.0 / (1.0 + c->tp_gemm_loss * std::log2(double(t)));
+  }
+  double eff(int64_t t) const {
+    return t >= 1 && size_t(t) < eff_table.size() ? eff_table[size_t(t)] : compute_eff(t);
+  }
   // Seconds of TP communication per token and layer at degree t.
   double comm_per_token_layer(int64_t t) const {
+    return t >= 0 && size_t(t) < comm_table.size() ? comm_table[size_t(t)] : compute_comm(t);
+  }
+  double compute_comm(int64_t t) const {
     if (t <= 1) return 0.0;
     return kTpAllReducesPerLayer * 2.0 * double(t - 1) / double(t) * double(p->hidden_size) *
            kBf16Bytes / c->intra_node_bandwidth_bytes_per_s;
@@ -209,6 +244,8 @@ struct Context {
     enc.c = &cluster;
     llm.p = &l;
     llm.c = &cluster;
+    enc.fill_tables(std::min<int64_t>(cluster.gpus_per_node, 1024));
+    llm.fill_tables(std::min<int64_t>(cluster.gpus_per_node, 1024));
     n = samples.batch_size;
     sums.resize(size_t(samples.num_batches));
     for (int64_t b = 0; b < samples.num_batches; ++b) {
@@ -382,33 +419,39 @@ class Evaluator {
     int64_t stage = 0;
   };
   Memory memory(const Layout& l, double llm_bin_tokens, double enc_tokens) const {
+    const Memory enc = l.colocated
+                           ? Memory{}
+                           : encoder_memory(l.encoder, l.llm.pp, l.num_microbatches, enc_tokens);
+    return combine(enc,
+                   llm_memory(l.llm, l.colocated, l.num_microbatches, llm_bin_tokens, enc_tokens));
+  }
+  // The peak over the encoder's stages (disaggregated: llm_pp LLM stages follow them).
+  Memory encoder_memory(const ModuleLayout& e, int64_t llm_pp, int64_t m, double enc_tokens) const {
     Memory out;
-    const int64_t S = total_stages(l), m = l.num_microbatches;
-    const bool zero1 = ctx_.o.zero1;
-    auto consider = [&](double bytes, bool is_enc, int64_t stage) {
-      if (bytes > out.peak) out = {bytes, is_enc, stage};
-    };
-    const ModuleLayout &e = l.encoder, &g = l.llm;
-    int64_t offset = 0;
-    if (!l.colocated) {
-      for (int64_t s = 0; s < e.pp; ++s) {
-        const int64_t n = e.layers_per_stage[size_t(s)];
-        const double in_flight = double(std::min(S - s, m));
-        consider(ctx_.enc.state_bytes(ctx_.enc.stage_params(e, s), e.tp, e.dp, zero1) +
-                     in_flight *
-                         ctx_.enc.activation_bytes(e.tp, e.recompute, n, s == e.pp - 1, enc_tokens),
-                 true, s);
-      }
-      offset = e.pp;
+    const int64_t S = e.pp + llm_pp;
+    for (int64_t s = 0; s < e.pp; ++s) {
+      const int64_t n = e.layers_per_stage[size_t(s)];
+      const double in_flight = double(std::min(S - s, m));
+      const double bytes =
+          ctx_.enc.state_bytes(ctx_.enc.stage_params(e, s), e.tp, e.dp, ctx_.o.zero1) +
+          in_flight * ctx_.enc.activation_bytes(e.tp, e.recompute, n, s == e.pp - 1, enc_tokens);
+      if (bytes > out.peak) out = {bytes, true, s};
     }
+    return out;
+  }
+  // The peak over the LLM's stages (colocated: the encoder's on the first).
+  Memory llm_memory(const ModuleLayout& g, bool colocated, int64_t m, double llm_bin_tokens,
+                    double enc_tokens) const {
+    Memory out;
+    const bool zero1 = ctx_.o.zero1;
     for (int64_t s = 0; s < g.pp; ++s) {
       const int64_t n = g.layers_per_stage[size_t(s)];
-      const double in_flight = double(std::min(S - (offset + s), m));
+      const double in_flight = double(std::min(g.pp - s, m));
       double bytes = ctx_.llm.state_bytes(ctx_.llm.stage_params(g, s), g.tp, g.dp, zero1) +
                      in_flight * ctx_.llm.activation_bytes(g.tp, g.recompute, n, s == g.pp - 1,
                                                            llm_bin_tokens);
       bool is_enc = false;
-      if (l.colocated && s == 0) {
+      if (colocated && s == 0) {
         const double enc_bytes =
             ctx_.enc.state_bytes(ctx_.enc.all_params(), g.tp, g.dp, zero1) +
             in_flight * ctx_.enc.activation_bytes(g.tp, g.recompute, ctx_.enc.p->num_layers, true,
@@ -416,27 +459,47 @@ class Evaluator {
         bytes += enc_bytes;
         is_enc = enc_bytes > bytes - enc_bytes;
       }
-      consider(bytes, is_enc, s);
+      if (bytes > out.peak) out = {bytes, is_enc, s};
     }
+    return out;
+  }
+  // Peak over all stages: the encoder's first, ties to the earlier stage; plus the reserve.
+  Memory combine(const Memory& enc, const Memory& llm) const {
+    Memory out = llm.peak > enc.peak ? llm : enc;
     out.peak += ctx_.c.memory_reserve_bytes;
     return out;
   }
 
-  // Memory with the smallest bins any schedule could give (for pruning before balance).
-  Memory memory_lower_bound(const Layout& l) const {
-    double llm_tokens = 0, enc_tokens = 0;
-    const double bins = double(l.num_microbatches * l.llm.dp);
+  // Smallest tokens of the largest bin (LLM) / largest encoder load per GPU (disaggregated:
+  // per microbatch over encoder_dp GPUs; colocated: per bin) any schedule could give.
+  double llm_tokens_lower_bound(int64_t m, int64_t dp) const {
+    double tokens = 0;
+    const double bins = double(m * dp);
     for (const BatchSums& s : ctx_.sums) {
-      llm_tokens = std::max(llm_tokens, std::max(s.llm_tokens / bins, s.max_llm_tokens));
-      if (l.colocated) {
-        enc_tokens = std::max(enc_tokens, std::max(s.enc_tokens / bins, s.max_enc_tokens));
+      tokens = std::max(tokens, std::max(s.llm_tokens / bins, s.max_llm_tokens));
+    }
+    return tokens;
+  }
+  double enc_tokens_lower_bound(int64_t m, int64_t llm_dp, bool colocated,
+                                int64_t encoder_dp) const {
+    double tokens = 0;
+    const double bins = double(m * llm_dp);
+    for (const BatchSums& s : ctx_.sums) {
+      if (colocated) {
+        tokens = std::max(tokens, std::max(s.enc_tokens / bins, s.max_enc_tokens));
       } else {
-        enc_tokens = std::max(
-            enc_tokens, std::max(s.enc_tokens / double(l.num_microbatches), s.max_enc_tokens) /
-                            double(l.encoder.dp));
+        tokens = std::max(
+            tokens, std::max(s.enc_tokens / double(m), s.max_enc_tokens) / double(encoder_dp));
       }
     }
-    return memory(l, llm_tokens, enc_tokens);
+    return tokens;
+  }
+
+  // Memory with the smallest bins any schedule could give (for pruning before balance).
+  Memory memory_lower_bound(const Layout& l) const {
+    const int64_t m = l.num_microbatches;
+    return memory(l, llm_tokens_lower_bound(m, l.llm.dp),
+                  enc_tokens_lower_bound(m, l.llm.dp, l.colocated, l.encoder.dp));
   }
 
   // Simulator input of batch b given the bin sums and a microbatch order.
@@ -623,19 +686,31 @@ class Evaluator {
     return out;
   }
 
-  // Full score; `feasible` false when the exact memory check fails (score unset then).
-  LayoutScore score(const Layout& l, bool* feasible, Memory* mem_out) const {
-    LayoutScore out;
-    out.layout = l;
-    const int64_t B = ctx_.x.num_batches;
-    std::vector<std::vector<int64_t>> assignments(static_cast<size_t>(B));
-    std::vector<BinSums> sums(static_cast<size_t>(B));
+  // assign()'s costs, options and seed depend on the layout only through these fields, so
+  // two layouts with the same key get the same schedules: the search balances once per key.
+  using ScheduleKey = std::array<int64_t, 9>;
+  static ScheduleKey schedule_key(const Layout& l) {
+    const ModuleLayout &e = l.encoder, &g = l.llm;
+    if (l.colocated) {
+      return {1,    l.num_microbatches,    g.dp, g.tp, g.recompute ? 1 : 0,
+              g.pp, g.layers_per_stage[0], 0,    0};
+    }
+    return {0,    l.num_microbatches,  g.dp,       g.tp, g.recompute ? 1 : 0, g.pp,
+            e.tp, e.recompute ? 1 : 0, e.pp * e.dp};
+  }
+
+  // A layout's schedules as bin sums (one per sampled batch), with the exact memory check.
+  struct Prepared {
+    std::vector<BinSums> sums;  // per batch
+    Memory mem;
+    bool feasible = false;
+  };
+  Prepared prepare(const Layout& l, std::vector<BinSums> sums) const {
+    Prepared out;
+    out.sums = std::move(sums);
     double llm_tokens = 0, enc_tokens = 0;
     const int64_t m = l.num_microbatches, R = l.llm.dp;
-    for (int64_t b = 0; b < B; ++b) {
-      assignments[size_t(b)] = assign(l, b);
-      sums[size_t(b)] = bin_sums(l, b, assignments[size_t(b)]);
-      const BinSums& s = sums[size_t(b)];
+    for (const BinSums& s : out.sums) {
       for (size_t bin = 0; bin < s.llm_tokens.size(); ++bin) {
         llm_tokens = std::max(llm_tokens, s.llm_tokens[bin]);
         if (l.colocated) enc_tokens = std::max(enc_tokens, s.enc_tokens[bin]);
@@ -648,16 +723,135 @@ class Evaluator {
         }
       }
     }
-    const Memory mem = memory(l, llm_tokens, enc_tokens);
-    if (mem_out) *mem_out = mem;
-    out.peak_memory_bytes = mem.peak;
-    *feasible = mem.peak <= ctx_.c.gpu_memory_bytes;
-    if (!*feasible) return out;
+    out.mem = memory(l, llm_tokens, enc_tokens);
+    out.feasible = out.mem.peak <= ctx_.c.gpu_memory_bytes;
+    return out;
+  }
+
+  // One replica of a simulator input built with the identity order, reordered.
+  static PipelineSimInput replica_input(const PipelineSimInput& in, int64_t r,
+                                        const std::vector<int64_t>& order) {
+    const int64_t S = in.num_stages, m = in.num_microbatches;
+    PipelineSimInput out;
+    out.num_replicas = 1;
+    out.num_stages = S;
+    out.num_microbatches = m;
+    out.schedule = in.schedule;
+    out.record_events = false;
+    out.link_latency_s = in.link_latency_s;
+    out.link_bandwidth_bytes_per_s = in.link_bandwidth_bytes_per_s;
+    out.allreduce_s = in.allreduce_s;
+    out.forward_s.resize(size_t(S * m));
+    out.backward_s.resize(size_t(S * m));
+    for (int64_t st = 0; st < S; ++st) {
+      for (int64_t k = 0; k < m; ++k) {
+        const size_t from = size_t((r * S + st) * m + order[size_t(k)]);
+        out.forward_s[size_t(st * m + k)] = in.forward_s[from];
+        out.backward_s[size_t(st * m + k)] = in.backward_s[from];
+      }
+    }
+    if (!in.activation_bytes.empty()) {
+      out.activation_bytes.resize(size_t((S - 1) * m));
+      for (int64_t st = 0; st + 1 < S; ++st) {
+        for (int64_t k = 0; k < m; ++k) {
+          out.activation_bytes[size_t(st * m + k)] =
+              in.activation_bytes[size_t((r * (S - 1) + st) * m + order[size_t(k)])];
+        }
+      }
+    }
+    return out;
+  }
+
+  // Lower bound on one batch's step time in score() (the smallest over the orders it
+  // tries) from its schedule, at a fraction of the cost. Each order's step time is at least,
+  // for every replica and stage s, the time along one path of the simulation: microbatch
+  // 0's forwards and sends up to s (s's first action), all of s's actions, then microbatch
+  // m-1's backwards and sends down to a stage s' <= s (s's last action is the backward of
+  // m-1) and s''s all-reduce. When that is not above `enough`: replicas are independent
+  // until the all-reduce, so the step time of an order is also at least the step time of
+  // one replica simulated alone; the replica with the most work, then (if still not above)
+  // the one with the busiest stage. These bounds see pipeline fill and drain, and the
+  // simulated ones also microbatches whose bottleneck alternates between the encoder and
+  // the LLM, which the first bound does not.
+  double replica_bound(const Layout& l, const BinSums& sums, double enough) const {
+    const int64_t m = l.num_microbatches;
+    std::vector<int64_t> identity(static_cast<size_t>(m));
+    std::iota(identity.begin(), identity.end(), 0);
+    const PipelineSimInput base = sim_input(l, sums, identity, false);
+    const int64_t R = base.num_replicas, S = base.num_stages;
+    std::vector<double> busy(static_cast<size_t>(R * S), 0.0);
+    int64_t most_work = 0, busiest = 0;
+    double best_work = -1, best_stage = -1;
+    for (int64_t r = 0; r < R; ++r) {
+      double work = 0, stage_max = 0;
+      for (int64_t st = 0; st < S; ++st) {
+        double& stage = busy[size_t(r * S + st)];
+        for (int64_t k = 0; k < m; ++k) {
+          const size_t i = size_t((r * S + st) * m + k);
+          stage += base.forward_s[i] + base.backward_s[i];
+        }
+        work += stage;
+        stage_max = std::max(stage_max, stage);
+      }
+      if (work > best_work) best_work = work, most_work = r;
+      if (stage_max > best_stage) best_stage = stage_max, busiest = r;
+    }
+    auto transfer = [&](int64_t r, int64_t link, int64_t k) {
+      const double bytes = base.activation_bytes.empty()
+                               ? 0.0
+                               : base.activation_bytes[size_t((r * (S - 1) + link) * m + k)];
+      return bytes / base.link_bandwidth_bytes_per_s[size_t(link)] +
+             base.link_latency_s[size_t(link)];
+    };
+    auto allreduce = [&](int64_t st) {
+      return base.allreduce_s.empty() ? 0.0 : base.allreduce_s[size_t(st)];
+    };
+    const auto all = orders(l, base);
+    std::vector<double> paths(all.size(), 0.0);
+    double bound = kInf;
+    for (size_t o = 0; o < all.size(); ++o) {
+      const int64_t first = all[o].second.front(), last = all[o].second.back();
+      for (int64_t r = 0; r < R; ++r) {
+        double fill = 0;
+        for (int64_t st = 0; st < S; ++st) {
+          const size_t rs = size_t(r * S + st);
+          const double end = fill + busy[rs];
+          double tail = allreduce(st), drain = 0;
+          for (int64_t down = st - 1; down >= 0; --down) {
+            drain += transfer(r, down, last) + base.backward_s[size_t((r * S + down) * m + last)];
+            tail = std::max(tail, drain + allreduce(down));
+          }
+          paths[o] = std::max(paths[o], end + tail);
+          if (st + 1 < S)
+            fill += base.forward_s[size_t(rs) * size_t(m) + size_t(first)] + transfer(r, st, first);
+        }
+      }
+      bound = std::min(bound, paths[o]);
+    }
+    if (bound > enough) return bound;
+    for (const int64_t r : {most_work, busiest}) {
+      bound = kInf;
+      for (size_t o = 0; o < all.size(); ++o) {
+        const double t = simulate_pipeline(replica_input(base, r, all[o].second)).step_time_s;
+        paths[o] = std::max(paths[o], t);
+        bound = std::min(bound, paths[o]);
+      }
+      if (bound > enough || busiest == most_work) break;
+    }
+    return bound;
+  }
+
+  // Full score of prepared (memory-feasible) schedules.
+  LayoutScore finish(const Layout& l, const Prepared& p) const {
+    LayoutScore out;
+    out.layout = l;
+    out.peak_memory_bytes = p.mem.peak;
+    const int64_t B = ctx_.x.num_batches, m = l.num_microbatches;
     std::vector<int64_t> identity(static_cast<size_t>(m));
     std::iota(identity.begin(), identity.end(), 0);
     double total = 0, total_plain = 0, idle = 0;
     for (int64_t b = 0; b < B; ++b) {
-      const PipelineSimInput base = sim_input(l, sums[size_t(b)], identity, false);
+      const PipelineSimInput base = sim_input(l, p.sums[size_t(b)], identity, false);
       double best = kInf;
       StepBreakdown best_breakdown;
       double plain = 0;
@@ -680,6 +874,22 @@ class Evaluator {
     out.mean_step_time_as_scheduled_s = total_plain / double(B);
     out.mean_idle_fraction = idle / double(B);
     return out;
+  }
+
+  // Full score; `feasible` false when the exact memory check fails (score unset then).
+  LayoutScore score(const Layout& l, bool* feasible, Memory* mem_out) const {
+    std::vector<BinSums> sums;
+    for (int64_t b = 0; b < ctx_.x.num_batches; ++b) sums.push_back(bin_sums(l, b, assign(l, b)));
+    const Prepared p = prepare(l, std::move(sums));
+    if (mem_out) *mem_out = p.mem;
+    *feasible = p.feasible;
+    if (!p.feasible) {
+      LayoutScore out;
+      out.layout = l;
+      out.peak_memory_bytes = p.mem.peak;
+      return out;
+    }
+    return finish(l, p);
   }
 
   // Mean-shape estimate of the reference's optimizer: every bin holds global_batch / bins
@@ -724,58 +934,74 @@ class Evaluator {
 
 // Stage s of a module cannot finish before: its replica's share of the batch's load (the
 // busiest replica carries at least the mean, and at least the largest sample) plus m
-// microbatch constants, then its all-reduce.
+// microbatch constants, then its all-reduce. One batch.
+double module_batch_bound(const Context& ctx, const ModuleModel& mm, const ModuleLayout& l,
+                          int64_t m, bool is_encoder, double extra_allreduce_params,
+                          const BatchSums& s) {
+  const double body = is_encoder ? s.enc_body : s.llm_body;
+  const double last = is_encoder ? s.enc_last : s.llm_last;
+  const double tokens = is_encoder ? s.enc_tokens : s.llm_tokens;
+  const auto& big = is_encoder ? s.max_enc : s.max_llm;
+  double worst = 0;
+  for (int64_t st = 0; st < l.pp; ++st) {
+    const int64_t nl = l.layers_per_stage[size_t(st)];
+    const bool is_last = st == l.pp - 1;
+    const double share =
+        mm.stage_time(l.tp, l.recompute, nl, is_last, body, last, tokens) / double(l.dp);
+    // Encoder replicas share every microbatch: the largest sample is split too.
+    const double item = mm.stage_time(l.tp, l.recompute, nl, is_last, big[0], big[1], big[2]) /
+                        (is_encoder ? double(l.dp) : 1.0);
+    const double busy = std::max(share, item) + double(m) * mm.stage_constant(l.tp, nl);
+    worst = std::max(
+        worst, busy + allreduce_time(ctx.c, mm, l, st, st == 0 ? extra_allreduce_params : 0.0));
+  }
+  return worst;
+}
+
 double module_bound(const Context& ctx, const ModuleModel& mm, const ModuleLayout& l, int64_t m,
                     bool is_encoder, double extra_allreduce_params) {
   double total = 0;
   for (const BatchSums& s : ctx.sums) {
-    const double body = is_encoder ? s.enc_body : s.llm_body;
-    const double last = is_encoder ? s.enc_last : s.llm_last;
-    const double tokens = is_encoder ? s.enc_tokens : s.llm_tokens;
-    const auto& big = is_encoder ? s.max_enc : s.max_llm;
-    double worst = 0;
-    for (int64_t st = 0; st < l.pp; ++st) {
-      const int64_t nl = l.layers_per_stage[size_t(st)];
-      const bool is_last = st == l.pp - 1;
-      const double share =
-          mm.stage_time(l.tp, l.recompute, nl, is_last, body, last, tokens) / double(l.dp);
-      // Encoder replicas share every microbatch: the largest sample is split too.
-      const double item = mm.stage_time(l.tp, l.recompute, nl, is_last, big[0], big[1], big[2]) /
-                          (is_encoder ? double(l.dp) : 1.0);
-      const double busy = std::max(share, item) + double(m) * mm.stage_constant(l.tp, nl);
-      worst = std::max(
-          worst, busy + allreduce_time(ctx.c, mm, l, st, st == 0 ? extra_allreduce_params : 0.0));
-    }
-    total += worst;
+    total += module_batch_bound(ctx, mm, l, m, is_encoder, extra_allreduce_params, s);
   }
   return total / double(ctx.sums.size());
 }
 
-// Colocated: the encoder's load sits on the LLM's first stage of every replica.
-double colocated_bound(const Context& ctx, const Layout& l) {
+// Colocated: the encoder's load sits on the LLM's first stage of every replica. One batch.
+double colocated_batch_bound(const Context& ctx, const Layout& l, const BatchSums& s) {
   const ModuleLayout& g = l.llm;
   const int64_t m = l.num_microbatches;
-  double total = 0;
-  for (const BatchSums& s : ctx.sums) {
-    double worst = 0;
-    for (int64_t st = 0; st < g.pp; ++st) {
-      const int64_t nl = g.layers_per_stage[size_t(st)];
-      const bool is_last = st == g.pp - 1;
-      double share =
-          ctx.llm.stage_time(g.tp, g.recompute, nl, is_last, s.llm_body, s.llm_last, s.llm_tokens);
-      double c = ctx.llm.stage_constant(g.tp, nl);
-      if (st == 0) {
-        share += ctx.enc.stage_time(g.tp, g.recompute, ctx.enc.p->num_layers, true, s.enc_body,
-                                    s.enc_last, s.enc_tokens);
-        c += ctx.enc.stage_constant(g.tp, ctx.enc.p->num_layers);
-      }
-      const double busy = share / double(g.dp) + double(m) * c;
-      const double extra = st == 0 ? ctx.enc.all_params() : 0.0;
-      worst = std::max(worst, busy + allreduce_time(ctx.c, ctx.llm, g, st, extra));
+  double worst = 0;
+  for (int64_t st = 0; st < g.pp; ++st) {
+    const int64_t nl = g.layers_per_stage[size_t(st)];
+    const bool is_last = st == g.pp - 1;
+    double share =
+        ctx.llm.stage_time(g.tp, g.recompute, nl, is_last, s.llm_body, s.llm_last, s.llm_tokens);
+    double c = ctx.llm.stage_constant(g.tp, nl);
+    if (st == 0) {
+      share += ctx.enc.stage_time(g.tp, g.recompute, ctx.enc.p->num_layers, true, s.enc_body,
+                                  s.enc_last, s.enc_tokens);
+      c += ctx.enc.stage_constant(g.tp, ctx.enc.p->num_layers);
     }
-    total += worst;
+    const double busy = share / double(g.dp) + double(m) * c;
+    const double extra = st == 0 ? ctx.enc.all_params() : 0.0;
+    worst = std::max(worst, busy + allreduce_time(ctx.c, ctx.llm, g, st, extra));
   }
+  return worst;
+}
+
+double colocated_bound(const Context& ctx, const Layout& l) {
+  double total = 0;
+  for (const BatchSums& s : ctx.sums) total += colocated_batch_bound(ctx, l, s);
   return total / double(ctx.sums.size());
+}
+
+// The first bound of one batch's step time (the candidate's bound is at most their mean).
+double batch_bound(const Context& ctx, const Layout& l, int64_t b) {
+  const BatchSums& s = ctx.sums[size_t(b)];
+  if (l.colocated) return colocated_batch_bound(ctx, l, s);
+  return std::max(module_batch_bound(ctx, ctx.llm, l.llm, l.num_microbatches, false, 0.0, s),
+                  module_batch_bound(ctx, ctx.enc, l.encoder, l.num_microbatches, true, 0.0, s));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -820,7 +1046,11 @@ ModuleLayout make_module(const ModuleModel& mm, const Degrees& d, int64_t first_
 
 class Search {
  public:
-  Search(const Context& ctx) : ctx_(ctx), eval_(ctx) {}
+  Search(const Context& ctx) : ctx_(ctx), eval_(ctx) {
+    num_threads_ = ctx.o.num_threads > 0
+                       ? ctx.o.num_threads
+                       : std::max<int64_t>(1, std::thread::hardware_concurrency());
+  }
 
   PlanResult run() {
     const PlannerOptions& o = ctx_.o;
@@ -832,29 +1062,21 @@ class Search {
       // layouts that fail the exact memory check.
       for (const Candidate& c : cands_) {
         if (int64_t(best_.size()) >= o.top_k) break;
-        evaluate(c);
+        evaluate_wave({&c}, false);
       }
     } else if (!o.prune) {
-      for (const Candidate& c : cands_) evaluate(c);
+      evaluate_sorted(cands_, nullptr, false);
     } else {
       // Phase 1 kept the lowest bounds only; simulate them for an incumbent.
       std::set<TieKey> done;
-      for (const Candidate& c : cands_) {
-        if (c.bound > kth_best()) break;
-        evaluate(c);
-        done.insert(tie_key(c.layout));
-      }
+      evaluate_sorted(cands_, &done, true);
       // Phase 2: everything whose bound can still beat the k-th best (not counted again).
       threshold_ = kth_best();
       collect_all_ = true;
       cands_.clear();
       enumerate();
       std::sort(cands_.begin(), cands_.end(), candidate_less);
-      for (const Candidate& c : cands_) {
-        if (c.bound > kth_best()) break;
-        if (done.count(tie_key(c.layout))) continue;
-        evaluate(c);
-      }
+      evaluate_sorted(cands_, &done, true);
       stats_.num_pruned = stats_.num_bounded - stats_.num_simulated - exact_rejected_;
     }
     PlanResult result;
@@ -865,6 +1087,12 @@ class Search {
   }
 
  private:
+  // Candidates evaluated together (in parallel); fixed, so that the statistics do not
+  // depend on the number of threads.
+  static constexpr size_t kWaveSize = 32;
+  // Schedules kept for layouts that share them (first in, first out).
+  static constexpr size_t kScheduleCacheBytes = size_t(64) << 20;
+
   double kth_best() const {
     if (int64_t(best_.size()) < ctx_.o.top_k) return kInf;
     return best_.back().mean_step_time_s;
@@ -876,16 +1104,160 @@ class Search {
     }
   }
 
-  void evaluate(const Candidate& c) {
-    bool feasible = false;
-    Evaluator::Memory mem;
-    LayoutScore score = eval_.score(c.layout, &feasible, &mem);
-    if (!feasible) {
-      ++stats_.num_memory_rejected;
-      ++exact_rejected_;
-      note_shortfall(mem);
+  // Evaluates sorted candidates in waves of kWaveSize. With `prune`: stops at the first
+  // bound above the k-th best, and skips (counting them as pruned) candidates whose
+  // replica bound exceeds the k-th best at the start of their wave; `done` collects what
+  // was evaluated and is skipped. Evaluating a wave at once may simulate a candidate that
+  // one-at-a-time evaluation would have pruned after an earlier one of the same wave
+  // lowered the k-th best; its time exceeds its bound, hence the new k-th best, so the
+  // result is the same.
+  void evaluate_sorted(const std::vector<Candidate>& cands, std::set<TieKey>* done, bool prune) {
+    size_t i = 0;
+    while (i < cands.size()) {
+      const double kth = kth_best();
+      std::vector<const Candidate*> wave;
+      while (i < cands.size() && wave.size() < kWaveSize) {
+        const Candidate& c = cands[i];
+        if (prune && c.bound > kth) {
+          i = cands.size();
+          break;
+        }
+        ++i;
+        if (done && !done->insert(tie_key(c.layout)).second) continue;
+        wave.push_back(&c);
+      }
+      if (!wave.empty()) evaluate_wave(wave, prune);
+    }
+  }
+
+  // Scores a wave of candidates in parallel: one task per group of candidates that share
+  // schedules (so that each schedule is balanced once), results merged in the wave's order.
+  // With `prune` (and an incumbent), a candidate is balanced and bounded one batch at a
+  // time: after each batch, its bound is the mean over batches of the replica bound
+  // (Evaluator::replica_bound) for the batches scheduled so far and the first bound for the
+  // others; once it exceeds the k-th best at the start of the wave, the candidate is pruned
+  // without balancing the remaining batches or simulating every replica.
+  void evaluate_wave(const std::vector<const Candidate*>& wave, bool prune) {
+    const int64_t B = ctx_.x.num_batches;
+    const double kth = kth_best();
+    const bool bound =
+        prune && ctx_.o.strategy != PlanStrategy::MeanShapeReference && std::isfinite(kth);
+    // Strictly above the k-th best, with a margin far above rounding (the bounds and the
+    // score sum in different orders), so that a candidate that ties is never pruned.
+    const double cut = kth * (1.0 + kBoundSlack);
+    std::vector<Evaluator::ScheduleKey> keys;
+    std::vector<std::vector<size_t>> groups;
+    for (size_t j = 0; j < wave.size(); ++j) {
+      const Evaluator::ScheduleKey key = Evaluator::schedule_key(wave[j]->layout);
+      const size_t g = size_t(std::find(keys.begin(), keys.end(), key) - keys.begin());
+      if (g == keys.size()) {
+        keys.push_back(key);
+        groups.emplace_back();
+      }
+      groups[g].push_back(j);
+    }
+    struct Outcome {
+      Evaluator::Memory mem;
+      bool feasible = false, pruned = false;
+      LayoutScore score;
+    };
+    std::vector<Outcome> out(wave.size());
+    std::vector<std::map<int64_t, std::vector<int64_t>>> fresh(groups.size());
+    parallel_for(int64_t(groups.size()), [&](int64_t g) {
+      auto& local = fresh[size_t(g)];
+      // The cache is only read while tasks run; new schedules go to `local`.
+      auto schedule = [&](const Layout& l, int64_t b) -> const std::vector<int64_t>& {
+        const auto it = schedule_cache_.find({keys[size_t(g)], b});
+        if (it != schedule_cache_.end()) return it->second;
+        auto lit = local.find(b);
+        if (lit == local.end()) lit = local.emplace(b, eval_.assign(l, b)).first;
+        return lit->second;
+      };
+      for (size_t j : groups[size_t(g)]) {
+        const Layout& l = wave[j]->layout;
+        Outcome& o = out[j];
+        std::vector<double> first(static_cast<size_t>(B), 0.0);
+        if (bound) {
+          for (int64_t b = 0; b < B; ++b) first[size_t(b)] = batch_bound(ctx_, l, b);
+        }
+        std::vector<BinSums> sums;
+        double done = 0;  // replica bounds of the batches scheduled so far
+        for (int64_t b = 0; b < B && !o.pruned; ++b) {
+          sums.push_back(eval_.bin_sums(l, b, schedule(l, b)));
+          if (!bound) continue;
+          double rest = 0;
+          for (int64_t r = b + 1; r < B; ++r) rest += first[size_t(r)];
+          done += eval_.replica_bound(l, sums.back(), cut * double(B) - done - rest);
+          o.pruned = (done + rest) / double(B) > cut;
+        }
+        if (o.pruned) continue;
+        const Evaluator::Prepared p = eval_.prepare(l, std::move(sums));
+        o.mem = p.mem;
+        o.feasible = p.feasible;
+        if (p.feasible) o.score = eval_.finish(l, p);
+      }
+    });
+    for (size_t g = 0; g < groups.size(); ++g) {
+      stats_.num_balanced += int64_t(fresh[g].size());
+      for (auto& [b, assignment] : fresh[g]) cache_schedule({keys[g], b}, std::move(assignment));
+    }
+    for (size_t j = 0; j < wave.size(); ++j) {
+      Outcome& o = out[j];
+      ++stats_.num_scheduled;
+      if (o.pruned) {
+        ++stats_.num_pruned_after_schedule;
+      } else if (!o.feasible) {
+        ++stats_.num_memory_rejected;
+        ++exact_rejected_;
+        note_shortfall(o.mem);
+      } else {
+        insert(*wave[j], std::move(o.score));
+      }
+    }
+  }
+
+  using CacheKey = std::pair<Evaluator::ScheduleKey, int64_t>;  // (layout key, batch)
+  void cache_schedule(const CacheKey& key, std::vector<int64_t> assignment) {
+    const size_t bytes = assignment.size() * sizeof(int64_t);
+    while (!cache_order_.empty() && cache_bytes_ + bytes > kScheduleCacheBytes) {
+      const auto it = schedule_cache_.find(cache_order_.front());
+      cache_bytes_ -= it->second.size() * sizeof(int64_t);
+      schedule_cache_.erase(it);
+      cache_order_.pop_front();
+    }
+    cache_bytes_ += bytes;
+    cache_order_.push_back(key);
+    schedule_cache_.emplace(key, std::move(assignment));
+  }
+
+  // Runs fn(0), ..., fn(n - 1) on up to num_threads threads; rethrows the first error.
+  template <class F>
+  void parallel_for(int64_t n, F&& fn) const {
+    const int64_t threads = std::min<int64_t>(num_threads_, n);
+    if (threads <= 1) {
+      for (int64_t j = 0; j < n; ++j) fn(j);
       return;
     }
+    std::atomic<int64_t> next{0};
+    std::vector<std::exception_ptr> errors(static_cast<size_t>(threads));
+    auto work = [&](int64_t t) {
+      try {
+        for (int64_t j = next++; j < n; j = next++) fn(j);
+      } catch (...) {
+        errors[size_t(t)] = std::current_exception();
+        next = n;
+      }
+    };
+    std::vector<std::thread> pool;
+    for (int64_t t = 1; t < threads; ++t) pool.emplace_back(work, t);
+    work(0);
+    for (auto& th : pool) th.join();
+    for (const auto& e : errors) {
+      if (e) std::rethrow_exception(e);
+    }
+  }
+
+  void insert(const Candidate& c, LayoutScore score) {
     ++stats_.num_simulated;
     score.lower_bound_s = ctx_.o.strategy == PlanStrategy::MeanShapeReference ? 0.0 : c.bound;
     if (ctx_.o.strategy == PlanStrategy::MeanShapeReference) score.estimate_s = c.bound;
@@ -899,15 +1271,28 @@ class Search {
   // Offers a candidate to the current pass.
   void offer(double bound, const Layout& l) {
     if (!collect_all_) ++stats_.num_bounded;
-    if (!ctx_.o.prune || ctx_.o.strategy == PlanStrategy::MeanShapeReference || collect_all_) {
-      if (collect_all_ && bound > threshold_) return;
+    if (keep(bound)) add(bound, l);
+  }
+
+  // Whether the current pass may keep a candidate with this bound (false: it would not).
+  bool keep(double bound) const {
+    if (collect_all_) return bound <= threshold_;
+    if (!phase_one_heap()) return true;
+    return cands_.size() < heap_size() || bound <= cands_.front().bound;
+  }
+  bool phase_one_heap() const {
+    return ctx_.o.prune && ctx_.o.strategy != PlanStrategy::MeanShapeReference && !collect_all_;
+  }
+  size_t heap_size() const { return size_t(std::max<int64_t>(4 * ctx_.o.top_k, 32)); }
+
+  void add(double bound, const Layout& l) {
+    if (!phase_one_heap()) {
       cands_.push_back({bound, l});
       return;
     }
     // Phase 1: keep the lowest bounds in a bounded max-heap.
-    const size_t keep = size_t(std::max<int64_t>(4 * ctx_.o.top_k, 32));
     Candidate c{bound, l};
-    if (cands_.size() < keep) {
+    if (cands_.size() < heap_size()) {
       cands_.push_back(std::move(c));
       std::push_heap(cands_.begin(), cands_.end(), candidate_less);
     } else if (candidate_less(c, cands_.front())) {
@@ -918,8 +1303,8 @@ class Search {
   }
 
   // Checks memory with the smallest possible bins; returns false (and counts) if over.
-  bool fits(const Layout& l) {
-    const Evaluator::Memory mem = eval_.memory_lower_bound(l);
+  bool fits(const Layout& l) { return fits(eval_.memory_lower_bound(l)); }
+  bool fits(const Evaluator::Memory& mem) {
     if (mem.peak <= ctx_.c.gpu_memory_bytes) return true;
     if (!collect_all_) ++stats_.num_memory_rejected;
     note_shortfall(mem);
@@ -991,26 +1376,44 @@ class Search {
         llms.push_back(make_module(ctx_.llm, d, v, balanced, ctx_));
         llms.back().recompute = recompute;
       }
-      // Per-module bounds depend on m only through the constants: cache per (layout, m).
+      // Everything here is per module (and m): the bounds, and the memory lower bound's
+      // two parts; a Layout is built only for candidates that are kept.
+      std::map<std::pair<size_t, int64_t>, double> enc_bounds;  // (encoder, m)
+      Layout l;
       for (const ModuleLayout& g : llms) {
         const std::vector<int64_t> ms = microbatch_choices(g.dp);
         for (int64_t m : ms) {
           const double llm_bound = reference ? 0.0 : module_bound(ctx_, ctx_.llm, g, m, false, 0.0);
-          for (const ModuleLayout& e : encs) {
-            Layout l;
-            l.encoder = e;
-            l.llm = g;
-            l.num_microbatches = m;
+          const double llm_tokens = eval_.llm_tokens_lower_bound(m, g.dp);
+          const Evaluator::Memory llm_mem = eval_.llm_memory(g, false, m, llm_tokens, 0.0);
+          for (size_t ei = 0; ei < encs.size(); ++ei) {
+            const ModuleLayout& e = encs[ei];
             if (!collect_all_) ++stats_.num_candidates;
             double bound = 0;
             if (reference) {
+              l.encoder = e;
+              l.llm = g;
+              l.num_microbatches = m;
               bound = eval_.mean_shape_estimate(l);
             } else {
-              bound = std::max(llm_bound, enc_bound(e, m));
+              auto it = enc_bounds.find({ei, m});
+              if (it == enc_bounds.end()) {
+                const double eb = module_bound(ctx_, ctx_.enc, e, m, true, 0.0);
+                it = enc_bounds.emplace(std::make_pair(ei, m), eb).first;
+              }
+              bound = std::max(llm_bound, it->second);
               if (collect_all_ && bound > threshold_) continue;
             }
-            if (!fits(l)) continue;
-            offer(bound, l);
+            const double enc_tokens = eval_.enc_tokens_lower_bound(m, g.dp, false, e.dp);
+            if (!fits(eval_.combine(eval_.encoder_memory(e, g.pp, m, enc_tokens), llm_mem))) {
+              continue;
+            }
+            if (!collect_all_) ++stats_.num_bounded;
+            if (!keep(bound)) continue;
+            l.encoder = e;
+            l.llm = g;
+            l.num_microbatches = m;
+            add(bound, l);
           }
         }
       }
@@ -1026,15 +1429,6 @@ class Search {
     return out;
   }
 
-  double enc_bound(const ModuleLayout& e, int64_t m) {
-    const auto key = std::make_tuple(e.tp, e.pp, e.dp, m, e.recompute);
-    auto it = enc_bound_cache_.find(key);
-    if (it != enc_bound_cache_.end()) return it->second;
-    const double v = module_bound(ctx_, ctx_.enc, e, m, true, 0.0);
-    enc_bound_cache_.emplace(key, v);
-    return v;
-  }
-
   const Context& ctx_;
   Evaluator eval_;
   std::vector<Candidate> cands_;
@@ -1044,7 +1438,10 @@ class Search {
   double threshold_ = kInf;
   bool collect_all_ = false;
   int64_t exact_rejected_ = 0;
-  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, bool>, double> enc_bound_cache_;
+  std::map<CacheKey, std::vector<int64_t>> schedule_cache_;
+  std::deque<CacheKey> cache_order_;
+  size_t cache_bytes_ = 0;
+  int64_t num_threads_ = 1;
 };
 
 void check_layout(const ClusterParams& c, const ModuleParams& enc, const ModuleParams& llm,
@@ -1152,6 +1549,7 @@ void validate_planner_input(const ClusterParams& c, const ModuleParams& enc,
                                               std::to_string(x.batch_size));
   require(o.top_k >= 1, "top_k must be >= 1, got " + std::to_string(o.top_k));
   require(o.max_tp >= 0, "max_tp must be >= 0, got " + std::to_string(o.max_tp));
+  require(o.num_threads >= 0, "num_threads must be >= 0, got " + std::to_string(o.num_threads));
   require(int(o.strategy) >= 0 && int(o.strategy) <= 2, "strategy is not a PlanStrategy");
   for (size_t i = 0; i < o.microbatch_choices.size(); ++i) {
     require(o.microbatch_choices[i] >= 1, "microbatch_choices[" + std::to_string(i) +

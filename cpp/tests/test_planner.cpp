@@ -53,6 +53,16 @@ Problem make_problem(int64_t num_gpus) {
   return p;
 }
 
+bool same_module(const dflop::ModuleLayout& a, const dflop::ModuleLayout& b) {
+  return a.tp == b.tp && a.pp == b.pp && a.dp == b.dp && a.first_rank == b.first_rank &&
+         a.layers_per_stage == b.layers_per_stage && a.recompute == b.recompute;
+}
+
+bool same_layout(const dflop::Layout& a, const dflop::Layout& b) {
+  return a.colocated == b.colocated && a.num_microbatches == b.num_microbatches &&
+         same_module(a.encoder, b.encoder) && same_module(a.llm, b.llm);
+}
+
 dflop::PlanResult run(const Problem& p) {
   return dflop::plan_layouts(p.cluster, p.encoder, p.llm, p.samples, p.options);
 }
@@ -89,6 +99,33 @@ TEST_CASE(pruning_equals_exhaustive) {
       CHECK(pruned.best[i].mean_step_time_s >= pruned.best[i].lower_bound_s * (1 - 1e-12));
     }
     CHECK(pruned.stats.num_simulated <= full.stats.num_simulated);
+    // Layouts sharing schedules are balanced once; pruning balances no more than that.
+    CHECK(pruned.stats.num_balanced <= full.stats.num_balanced);
+    CHECK(full.stats.num_balanced <= full.stats.num_scheduled * p.samples.num_batches);
+  }
+}
+
+// The layout, every time, and the statistics do not depend on the number of threads; a
+// larger batch so that waves hold several schedule groups.
+TEST_CASE(threads_do_not_change_the_result) {
+  for (bool prune : {true, false}) {
+    Problem p = make_problem(16);
+    p.options.prune = prune;
+    p.options.num_threads = 1;
+    const auto one = run(p);
+    p.options.num_threads = 3;
+    const auto three = run(p);
+    CHECK_EQ(one.best.size(), three.best.size());
+    for (size_t i = 0; i < one.best.size() && i < three.best.size(); ++i) {
+      CHECK_EQ(one.best[i].mean_step_time_s, three.best[i].mean_step_time_s);
+      CHECK_EQ(one.best[i].mean_idle_fraction, three.best[i].mean_idle_fraction);
+      CHECK(same_layout(one.best[i].layout, three.best[i].layout));
+    }
+    CHECK_EQ(one.stats.num_simulated, three.stats.num_simulated);
+    CHECK_EQ(one.stats.num_pruned, three.stats.num_pruned);
+    CHECK_EQ(one.stats.num_balanced, three.stats.num_balanced);
+    CHECK_EQ(one.stats.num_pruned_after_schedule, three.stats.num_pruned_after_schedule);
+    CHECK(one.stats.num_scheduled >= one.stats.num_simulated);
   }
 }
 

@@ -108,6 +108,9 @@ struct PlannerOptions {
   std::vector<int64_t> microbatch_choices;
   int64_t balance_work_budget = -1;  // per balance call; -1 = dflop::default_work_budget
   uint64_t seed = 0;
+  // Threads that evaluate candidates; 0 = one per hardware thread. The result and the
+  // statistics do not depend on it.
+  int64_t num_threads = 0;
 };
 
 struct ModuleLayout {
@@ -155,11 +158,14 @@ struct LayoutScore {
 };
 
 struct PlannerStats {
-  int64_t num_candidates = 0;       // layouts enumerated (incl. microbatch counts)
-  int64_t num_memory_rejected = 0;  // over memory (model states or activations)
-  int64_t num_bounded = 0;          // lower bound computed
-  int64_t num_simulated = 0;        // fully scored
-  int64_t num_pruned = 0;           // skipped because their bound exceeded the k-th best
+  int64_t num_candidates = 0;             // layouts enumerated (incl. microbatch counts)
+  int64_t num_memory_rejected = 0;        // over memory (model states or activations)
+  int64_t num_bounded = 0;                // lower bound computed
+  int64_t num_simulated = 0;              // fully scored
+  int64_t num_pruned = 0;                 // skipped because a bound exceeded the k-th best
+  int64_t num_scheduled = 0;              // schedules built or reused (the second bound or a score)
+  int64_t num_balanced = 0;               // layouts balanced (the others reused their schedules)
+  int64_t num_pruned_after_schedule = 0;  // of num_pruned: by the replica bound
 };
 
 // Smallest memory need found when no layout fits, for the error message.
@@ -181,7 +187,9 @@ void validate_planner_input(const ClusterParams& cluster, const ModuleParams& en
                             const ModuleParams& llm, const PlannerSamples& samples,
                             const PlannerOptions& options);
 
-// Searches the layouts of options.strategy. Returns an empty `best` (and the memory
+// Searches the layouts of options.strategy; with options.prune, lower bounds skip layouts
+// that cannot enter the top_k and the result equals prune = false (planner.cpp explains the
+// search). Returns an empty `best` (and the memory
 // shortfall) when no layout fits in memory.
 PlanResult plan_layouts(const ClusterParams& cluster, const ModuleParams& encoder,
                         const ModuleParams& llm, const PlannerSamples& samples,

@@ -226,6 +226,8 @@ class PlannerConfig:
         balance_time_budget_ms: scheduler effort per balance (None: default by size).
         baseline: also search the data-blind Megatron-LM-style baseline.
         reference: also run the reference's mean-shape optimizer.
+        num_threads: threads that evaluate candidates (None: one per hardware thread); the
+            result and the search statistics do not depend on it.
     """
 
     num_batches: int = 4
@@ -240,6 +242,7 @@ class PlannerConfig:
     balance_time_budget_ms: float | None = None
     baseline: bool = True
     reference: bool = False
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("PlannerConfig", "num_batches", self.num_batches, 1)
@@ -247,6 +250,8 @@ class PlannerConfig:
         _check_int("PlannerConfig", "top_k", self.top_k, 1)
         if self.max_tp is not None:
             _check_int("PlannerConfig", "max_tp", self.max_tp, 1)
+        if self.num_threads is not None:
+            _check_int("PlannerConfig", "num_threads", self.num_threads, 1)
         if self.microbatch_choices is not None:
             for k, m in enumerate(self.microbatch_choices):
                 _check_int("PlannerConfig", f"microbatch_choices[{k}]", m, 1)

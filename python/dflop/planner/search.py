@@ -186,6 +186,7 @@ def _options(config: PlannerConfig, strategy: str, global_batch: int, top_k: int
         "microbatch_choices": list(config.microbatch_choices or []),
         "balance_work_budget": -1 if budget is None else budget,
         "seed": config.seed,
+        "num_threads": config.num_threads or 0,
     }
 
 
