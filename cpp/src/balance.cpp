@@ -69,6 +69,20 @@ class MinTree {
     for (node >>= 1; node >= 1; node >>= 1) pull(node);
   }
   int64_t argmin() const { return idx_[1]; }
+  // Index with the smallest key in [lo, hi) (lowest index on ties), in O(log n).
+  int64_t argmin_range(int64_t lo, int64_t hi) const {
+    double best_key = kInf;
+    int64_t best = lo;
+    auto consider = [&](int64_t node) {
+      if (key_[node] < best_key || (key_[node] == best_key && idx_[node] < best))
+        best_key = key_[node], best = idx_[node];
+    };
+    for (int64_t l = lo + size_, r = hi + size_; l < r; l >>= 1, r >>= 1) {
+      if (l & 1) consider(l++);
+      if (r & 1) consider(--r);
+    }
+    return best;
+  }
   int64_t size() const { return n_; }
 
  private:
@@ -306,11 +320,12 @@ class Solver {
         candidates.clear();
         for (auto& t : bin_trees) candidates.push_back(t.argmin());
         for (auto& t : group_trees) {
+          // The lightest microbatch's lightest bin (by per-bin dims; bin_trees[0] is keyed
+          // by all of them).
           const int64_t g = t.argmin();
-          int64_t best = g * pr_.p;
-          for (int64_t bin = g * pr_.p + 1; bin < (g + 1) * pr_.p; ++bin)
-            if (bin_key(bin, -1) < bin_key(best, -1)) best = bin;
-          candidates.push_back(best);
+          candidates.push_back(bin_trees.empty()
+                                   ? g * pr_.p
+                                   : bin_trees[0].argmin_range(g * pr_.p, (g + 1) * pr_.p));
         }
         if (next_empty < b) candidates.push_back(next_empty);
         std::pair<double, double> best_score{kInf, kInf};
