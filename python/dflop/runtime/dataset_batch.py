@@ -1,0 +1,866 @@
+"""Real model inputs from the records of a LLaVA-style dataset.
+
+:class:`DatasetBatch` is the dataset counterpart of
+:class:`~dflop.runtime.synthetic_batch.SyntheticBatch`: the same :class:`BatchSource`
+interface (``pixel_values(ids)``, ``text_inputs(ids)``, ``target_tokens()``, ``.shapes``),
+but the pixels are decoded from the records' image files / video frames and the tokens
+come from their conversations. It is built on every rank from the same raw records of one
+global batch (the dicts or :class:`~dflop.data.dataset.RawSample` s the dataset readers
+yield), and each call loads ONLY the requested samples: encoder ranks decode the pixels of
+their share and never tokenise, LLM ranks tokenise theirs and never decode a pixel.
+
+Shapes without loading
+----------------------
+Every rank needs the shapes of the whole batch (for the ``StepPlan``) but loads only its
+share, so the shapes come from what the data profiler reads, never from pixels or tokens:
+each record is described by :func:`dflop.data.profiler.describe_sample` (image sizes from
+file headers or size fields, frames counted in the frames folder, text tokens from a
+:class:`~dflop.data.text_tokens.TextTokenCounter`, by default the character estimate), the
+family's rules give its shape, and the :class:`ShapeScaler` maps it onto the model.
+``shapes == scaler.scale(<profiled shape of the record>)``, so a planner sampling the
+profiled distribution through the same scaler sees exactly these shapes.
+
+Visual units (encoder ranks)
+----------------------------
+The family's tiling rule lists a sample's units; the scaler's count ``u`` of them is
+taken uniformly (``round(linspace(0, n - 1, u))``, so the first unit is always kept), and
+every unit is rendered at the model's ``image_size_px`` (bicubic), normalised to
+``[-1, 1]`` (``x / 127.5 - 1``, SigLIP's mean/std of 0.5):
+
+* anyres (LLaVA-OneVision) single image: the base image resized to a square, then the
+  crops of the family's ``rows x cols`` grid (the image resized into the grid canvas
+  keeping its aspect ratio and centred on black padding, as LLaVA's
+  ``resize_and_pad_image``), row-major;
+* dynamic (InternVL) single image: the thumbnail first (when the grid has > 1 tile), then
+  the tiles of the image resized to the grid canvas;
+* multi-image: the units of each image in turn (anyres: one per image; dynamic: each
+  image tiled with ``max(1, max_tiles // num_images)`` tiles);
+* video: the frames of its frames folder (image files, sorted by name), or the ``frames``
+  list of paths; a video *file* cannot be decoded (dflop has no video decoder): extract
+  its frames to a folder.
+
+Images are decoded with Pillow, ``convert("RGB")`` (no EXIF rotation, as LLaVA's
+loaders), then channels are taken cyclically when the model has ``channels != 3``. The
+grid comes from the sizes the shape used (size fields win over the file, as in the
+profiler), applied to the decoded image.
+
+Text (LLM ranks)
+----------------
+A sample's ``T = text_tokens`` text positions (the scaled budget) are laid out as::
+
+    [BOS] [turn 0] [turn 1] ...      visual placeholders inside the turns
+
+The budget minus BOS is split across turns in proportion to ``1 + counter(turn text)``
+(largest remainder; the first assistant turn gets at least one position). A turn with
+quota ``q >= 2`` is a role token (``USER_TOKEN_ID`` / ``ASSISTANT_TOKEN_ID``) plus
+``q - 1`` content positions, a turn with ``q = 1`` one content position. Content is the
+turn's tokens (a tokenizer's ids mapped into the model's vocab as ``RESERVED + id % (vocab
+- RESERVED)``, or, without a tokenizer, the UTF-8 bytes as ``RESERVED + byte``): cut when
+longer, padded with ``END_TOKEN_ID`` when shorter. Labels are the content ids (padding
+included: the end of an answer is a target) on ``gpt``/``assistant`` turns and -100
+elsewhere, so a sample's target count is known from the records alone (no tokenisation).
+
+Visual placeholders: the ``<image>``/``<video>`` occurrences of the conversation; item k
+(image k; the video) goes where the k-th placeholder is when their counts agree, otherwise
+all items go at the first placeholder; with no placeholder they are prepended to the first
+turn's content. Each item takes ``units_of_item * tokens_per_unit`` positions with
+``IMAGE_TOKEN_ID`` (placeholders are never cut by the text budget).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dflop.data.dataset import RawSample, dataset_sources, iter_source
+from dflop.data.distribution import ShapeDistribution
+from dflop.data.families import (
+    FamilySpec,
+    anyres_grid,
+    dynamic_tiles,
+    get_family,
+    shapes_from_descriptors,
+)
+from dflop.data.image_header import FRAME_FILE_EXTENSIONS
+from dflop.data.profiler import SampleDescriptor, SampleError, _ImageSizeCache, describe_sample
+from dflop.data.shapes import Modality, SampleShapes
+from dflop.data.text_tokens import (
+    VISUAL_PLACEHOLDERS,
+    TextTokenCounter,
+    make_text_counter,
+    strip_visual_placeholders,
+)
+from dflop.models.config import ModelConfig
+from dflop.models.decoder import IGNORE_INDEX
+from dflop.runtime.synthetic_batch import IMAGE_TOKEN_ID, ShapeScaler, TextInputs
+
+__all__ = [
+    "ANSWER_ROLES",
+    "ASSISTANT_TOKEN_ID",
+    "BOS_TOKEN_ID",
+    "END_TOKEN_ID",
+    "RESERVED_TOKEN_IDS",
+    "USER_TOKEN_ID",
+    "DatasetBatch",
+    "DatasetSampleError",
+    "RecordSet",
+    "clear_caches",
+    "read_records",
+]
+
+BOS_TOKEN_ID = 1
+"""First position of every sample."""
+END_TOKEN_ID = 2
+"""Pads a turn whose tokens are fewer than its quota (a target on assistant turns)."""
+USER_TOKEN_ID = 3
+"""Role token of a non-assistant turn (human, system, ...)."""
+ASSISTANT_TOKEN_ID = 4
+"""Role token of an assistant turn."""
+RESERVED_TOKEN_IDS = 5
+"""Ids below this are special (``IMAGE_TOKEN_ID`` = 0 and the ones above); text ids follow."""
+ANSWER_ROLES = frozenset({"gpt", "assistant"})
+"""``from`` values of the turns that carry labels."""
+
+PIXEL_CACHE_BYTES = 64 << 20
+"""Per-process cache of rendered units (by file, tiling and model size), least recently
+used first out."""
+
+_PLACEHOLDER_SPLIT = re.compile("(" + "|".join(re.escape(p) for p in VISUAL_PLACEHOLDERS) + ")")
+_SLOT = -1  # marks a placeholder in a turn's content stream
+
+
+class DatasetSampleError(ValueError):
+    """A record of the batch cannot be turned into tensors; the message names the dataset
+    file and the sample index (or the batch position of a plain dict)."""
+
+
+# --------------------------------------------------------------------------- plans
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One visual unit to render: ``kind`` ``"full"`` (the image resized to a square),
+    ``"anyres"`` / ``"dynamic"`` (crop ``index`` of a ``rows x cols`` grid canvas)."""
+
+    path: str
+    kind: str
+    rows: int = 1
+    cols: int = 1
+    index: int = 0
+    item: int = 0
+    """The visual item (image k of the sample; 0 for a video) the unit belongs to."""
+
+
+@dataclass
+class _Plan:
+    where: str
+    descriptor: SampleDescriptor
+    turns: list[tuple[bool, str]]
+    """(is_answer, text) per turn."""
+    units: list[_Unit] = field(default_factory=list)
+    """The selected units, in encoding order."""
+    quotas: list[int] = field(default_factory=list)
+    slot_items: list[list[int]] = field(default_factory=list)
+    """Per placeholder occurrence (conversation order): the items placed there."""
+    prepend_items: list[int] = field(default_factory=list)
+    """Items placed at the start of the first turn (no placeholder in the text)."""
+    target_tokens: int = 0
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+def _text_encoder(tokenizer: Any, vocab_size: int) -> tuple[str, Callable[[str], list[int]]]:
+    """``(method, encode)``: text -> model token ids (>= RESERVED_TOKEN_IDS)."""
+    span = vocab_size - RESERVED_TOKEN_IDS
+    if tokenizer is None:
+
+        def encode_bytes(text: str) -> list[int]:
+            return [RESERVED_TOKEN_IDS + b % span for b in text.encode("utf-8")]
+
+        return "bytes", encode_bytes
+    name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+    if isinstance(tokenizer, (str, os.PathLike)):
+        path = os.fspath(tokenizer)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(
+                f"tokenizer folder {path!r} does not exist (give a local folder with a "
+                "Hugging Face tokenizer; nothing is downloaded)"
+            )
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                f"loading the tokenizer at {path!r} needs the 'transformers' package; "
+                "install it or pass tokenizer=None for byte-level tokens"
+            ) from exc
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        name = path
+    encode = getattr(tokenizer, "encode", None)
+    if callable(encode):
+        try:
+            encode("", add_special_tokens=False)
+            kwargs: dict[str, Any] = {"add_special_tokens": False}
+        except TypeError:
+            kwargs = {}
+        raw = lambda text: encode(text, **kwargs)  # noqa: E731
+    elif callable(tokenizer):
+        raw = tokenizer
+    else:
+        raise TypeError(
+            "tokenizer must be None, a local tokenizer folder, an object with encode(), or "
+            f"a callable text -> list of ids; got {type(tokenizer).__name__}"
+        )
+
+    def encode_ids(text: str) -> list[int]:
+        return [RESERVED_TOKEN_IDS + int(i) % span for i in raw(text)]
+
+    return f"tokenizer:{name}", encode_ids
+
+
+# --------------------------------------------------------------------------- pixels
+
+
+def _pil() -> Any:
+    try:
+        from PIL import Image
+    except ImportError as exc:
+        raise ImportError(
+            "decoding dataset images needs Pillow: pip install pillow "
+            "(or train on shapes only with --data synthetic / SyntheticBatch)"
+        ) from exc
+    return Image
+
+
+class _UnitCache:
+    """Rendered units ``[C, S, S]`` by (file identity, tiling, model size); bounded in bytes."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[tuple, Tensor] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple) -> Tensor | None:
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is not None:
+                self._items.move_to_end(key)
+            return hit
+
+    def put(self, key: tuple, value: Tensor) -> None:
+        size = value.numel() * value.element_size()
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._bytes -= old.numel() * old.element_size()
+            self._items[key] = value
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, dropped = self._items.popitem(last=False)
+                self._bytes -= dropped.numel() * dropped.element_size()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
+
+
+_UNIT_CACHE = _UnitCache(PIXEL_CACHE_BYTES)
+_HEADER_CACHE = _ImageSizeCache()
+
+
+def clear_caches() -> None:
+    """Empty this process's caches of rendered units and image header sizes."""
+    global _HEADER_CACHE
+    _UNIT_CACHE.clear()
+    _HEADER_CACHE = _ImageSizeCache()
+
+
+def _to_tensor(image: Any, channels: int) -> Tensor:
+    array = np.asarray(image.convert("RGB"), dtype=np.float32)  # [S, S, 3]
+    if channels != 3:
+        array = array[..., [c % 3 for c in range(channels)]]
+    return torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1))) / 127.5 - 1.0
+
+
+def _anyres_canvas(image: Any, rows: int, cols: int, side: int, pil: Any) -> Any:
+    """LLaVA's resize_and_pad_image into a ``cols*side x rows*side`` canvas."""
+    target_w, target_h = cols * side, rows * side
+    w, h = image.size
+    scale_w, scale_h = target_w / w, target_h / h
+    if scale_w < scale_h:
+        new_w, new_h = target_w, min(int(np.ceil(h * scale_w)), target_h)
+    else:
+        new_h, new_w = target_h, min(int(np.ceil(w * scale_h)), target_w)
+    resized = image.resize((max(new_w, 1), max(new_h, 1)), pil.Resampling.BICUBIC)
+    canvas = pil.new("RGB", (target_w, target_h), (0, 0, 0))
+    canvas.paste(resized, ((target_w - resized.size[0]) // 2, (target_h - resized.size[1]) // 2))
+    return canvas
+
+
+# --------------------------------------------------------------------------- the batch
+
+
+class DatasetBatch:
+    """Tensors of one global batch of dataset records (see the module docstring).
+
+    Args:
+        samples: the batch's records, in global-batch order: :class:`RawSample` s (their
+            folders and file/index are used) or plain dicts (folders from the arguments).
+        config: the model (image size, channels, tokens per unit, vocab, max length).
+        scaler: maps the records' family shapes onto the model (``ShapeScaler.for_model``).
+        image_folder, video_folder: folders of plain-dict records' paths (default: the
+            current directory; the video folder defaults to the image folder).
+        tokenizer: ``None`` (UTF-8 bytes), a local Hugging Face tokenizer folder, an object
+            with ``encode``, or a callable ``text -> list of ids``; only LLM ranks use it.
+        seed: kept for interface parity with ``SyntheticBatch``: rendering is deterministic
+            and does not depend on it.
+        family: the shape rules (``"llava-ov"``, ``"internvl"`` or a ``FamilySpec``).
+        text_counter: counts text tokens for the shapes' budget (default: the profiler's
+            character estimate, which tokenises nothing).
+
+    Raises:
+        DatasetSampleError: a record cannot be described (bad fields, a missing image file
+            or frames folder, a video file without extracted frames), naming the file and
+            the sample index.
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[RawSample | dict[str, Any]],
+        config: ModelConfig,
+        scaler: ShapeScaler,
+        *,
+        image_folder: str | os.PathLike[str] | None = None,
+        video_folder: str | os.PathLike[str] | None = None,
+        tokenizer: Any = None,
+        seed: int = 0,
+        family: str | FamilySpec = "llava-ov",
+        text_counter: TextTokenCounter | None = None,
+    ) -> None:
+        vision = config.vision
+        if scaler.tokens_per_unit != vision.tokens_per_unit:
+            raise ValueError(
+                f"the scaler has tokens_per_unit={scaler.tokens_per_unit}, the model "
+                f"{vision.tokens_per_unit}: use ShapeScaler.for_model(config)"
+            )
+        if config.decoder.vocab_size <= RESERVED_TOKEN_IDS:
+            raise ValueError(
+                f"DatasetBatch needs vocab_size > {RESERVED_TOKEN_IDS} (special tokens), got "
+                f"{config.decoder.vocab_size}"
+            )
+        self.config = config
+        self.scaler = scaler
+        self.seed = seed
+        self.spec = get_family(family)
+        self.counter = text_counter if text_counter is not None else make_text_counter(None)
+        self._tokenizer_arg = tokenizer
+        self._encode: Callable[[str], list[int]] | None = None
+        self.stats = {"units_rendered": 0, "images_decoded": 0, "samples_tokenised": 0}
+        """What this instance loaded: rendered units (cache misses), decoded image files
+        and tokenised samples."""
+        images = os.fspath(image_folder) if image_folder is not None else "."
+        videos = os.fspath(video_folder) if video_folder is not None else images
+        raws = [_as_raw(s, i, images, videos) for i, s in enumerate(samples)]
+        self.records = raws
+        descriptors = [self._describe(raw, i) for i, raw in enumerate(raws)]
+        self.shapes: SampleShapes = scaler.scale(_shapes(self.spec, descriptors))
+        self._plans = [self._plan(i, raw, d) for i, (raw, d) in enumerate(zip(raws, descriptors))]
+        too_long = np.flatnonzero(self.shapes.seq_len > config.decoder.max_seq_len)
+        if too_long.size:
+            i = int(too_long[0])
+            raise ValueError(
+                f"{self._plans[i].where}: {int(self.shapes.seq_len[i])} positions, more than "
+                f"DecoderConfig.max_seq_len={config.decoder.max_seq_len}: lower the "
+                "scaler's max_units_per_sample / max_text_tokens"
+            )
+        self._text_cache: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+
+    # ------------------------------------------------------------------ public
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def where(self, sample_id: int) -> str:
+        """``file: sample I`` of a sample (its batch position for a plain dict)."""
+        return self._plans[sample_id].where
+
+    def target_tokens(self) -> np.ndarray:
+        """(N,) int64: target tokens of every sample (known without tokenising)."""
+        return np.array([p.target_tokens for p in self._plans], dtype=np.int64)
+
+    def pixel_values(self, sample_ids: np.ndarray | list[int]) -> Tensor:
+        """``[U, C, H, W]`` float32 in ``[-1, 1]``: the units of ``sample_ids``, in order."""
+        v = self.config.vision
+        parts = [self._render(int(i)) for i in sample_ids]
+        parts = [p for p in parts if p.shape[0]]
+        if not parts:
+            return torch.zeros(0, v.channels, v.image_size_px, v.image_size_px)
+        return torch.cat(parts)
+
+    def text_inputs(self, sample_ids: np.ndarray | list[int]) -> TextInputs:
+        """The packed LLM inputs of ``sample_ids``, in that order."""
+        ids = [int(i) for i in sample_ids]
+        parts = [self._sample_text(i) for i in ids]
+        lens = [int(self.shapes.seq_len[i]) for i in ids]
+        cu = torch.tensor([0, *np.cumsum(lens, dtype=np.int64).tolist()], dtype=torch.long)
+        units = torch.tensor([int(self.shapes.encoder_units[i]) for i in ids], dtype=torch.long)
+        if not parts:
+            empty = torch.zeros(0, dtype=torch.long)
+            return TextInputs(empty, empty.bool(), empty, cu, units)
+        tokens, mask, labels = (torch.cat(t) for t in zip(*parts))
+        return TextInputs(tokens, mask, labels, cu, units)
+
+    def model_inputs(self, sample_ids: np.ndarray | list[int]) -> dict[str, Tensor]:
+        """Keyword arguments of ``MultimodalModel.forward`` for ``sample_ids`` packed."""
+        text = self.text_inputs(sample_ids)
+        return {
+            "pixel_values": self.pixel_values(sample_ids),
+            "unit_counts_per_sample": text.unit_counts,
+            "token_ids": text.token_ids,
+            "image_token_mask": text.image_token_mask,
+            "cu_seqlens": text.cu_seqlens,
+            "labels": text.labels,
+        }
+
+    # ------------------------------------------------------------------ describing
+
+    def _describe(self, raw: RawSample, i: int) -> SampleDescriptor:
+        where = _where(raw, i)
+        try:
+            d = describe_sample(raw, self.counter, _HEADER_CACHE)
+            _check_loadable(raw, d)
+        except SampleError as err:
+            raise DatasetSampleError(f"{where}: {err.reason}: {err.message}") from None
+        return d
+
+    def _plan(self, i: int, raw: RawSample, d: SampleDescriptor) -> _Plan:
+        turns = [
+            (str(t["from"]).lower() in ANSWER_ROLES, t["value"]) for t in raw.data["conversations"]
+        ]
+        plan = _Plan(_where(raw, i), d, turns)
+        u = int(self.shapes.encoder_units[i])
+        if d.modality != Modality.TEXT:
+            full = self._all_units(raw, d)
+            if u > len(full):  # pragma: no cover - the scaler never adds units
+                raise DatasetSampleError(f"{plan.where}: {u} units wanted, {len(full)} available")
+            picks = np.round(np.linspace(0, len(full) - 1, u)).astype(np.int64) if u else []
+            plan.units = [full[int(k)] for k in picks]
+        num_items = len(d.image_sizes_px) if d.modality != Modality.VIDEO else 1
+        self._place_items(plan, num_items if d.modality != Modality.TEXT else 0)
+        budget = int(self.shapes.text_tokens[i])
+        plan.quotas = _quotas(
+            budget - 1,
+            [1 + self.counter.count_text(strip_visual_placeholders(t)) for _, t in turns],
+            next((k for k, (ans, _) in enumerate(turns) if ans), None),
+        )
+        plan.target_tokens = sum(
+            (q - 1 if q >= 2 else q) for q, (ans, _) in zip(plan.quotas, turns) if ans
+        )
+        return plan
+
+    def _all_units(self, raw: RawSample, d: SampleDescriptor) -> list[_Unit]:
+        """Every unit of the family's rule for the sample (before the scaler's cap)."""
+        spec = self.spec
+        if d.modality == Modality.VIDEO:
+            return [_Unit("", "frame", index=k) for k in range(d.num_frames)]
+        paths = _image_paths(raw)
+        sizes = d.image_sizes_px
+        if spec.tiling == "anyres":
+            if d.modality == Modality.MULTI_IMAGE:
+                return [_Unit(p, "full", item=k) for k, p in enumerate(paths)]
+            (w, h), path = sizes[0], paths[0]
+            rows, cols = (
+                int(a[0]) for a in anyres_grid(w, h, tile_px=spec.tile_px, max_grid=spec.max_grid)
+            )
+            grid = [_Unit(path, "anyres", rows, cols, k) for k in range(rows * cols)]
+            return [_Unit(path, "full"), *grid]
+        limit = spec.max_tiles
+        if d.modality == Modality.MULTI_IMAGE and spec.multi_image_max_tiles_split:
+            limit = max(1, spec.max_tiles // len(paths))
+        units: list[_Unit] = []
+        for k, (path, (w, h)) in enumerate(zip(paths, sizes)):
+            rows_a, cols_a, tiles_a = dynamic_tiles(
+                w,
+                h,
+                tile_px=spec.tile_px,
+                min_tiles=spec.min_tiles,
+                max_tiles=limit,
+                use_thumbnail=spec.use_thumbnail,
+            )
+            rows, cols, tiles = int(rows_a[0]), int(cols_a[0]), int(tiles_a[0])
+            grid = [_Unit(path, "dynamic", rows, cols, j, item=k) for j in range(rows * cols)]
+            if tiles > rows * cols:  # the thumbnail, first so that a cap keeps it
+                grid.insert(0, _Unit(path, "full", item=k))
+            units.extend(grid)
+        return units
+
+    def _place_items(self, plan: _Plan, num_items: int) -> None:
+        slots = sum(
+            1
+            for _, text in plan.turns
+            for piece in _PLACEHOLDER_SPLIT.split(text)
+            if piece in VISUAL_PLACEHOLDERS
+        )
+        plan.slot_items = [[] for _ in range(slots)]
+        items = list(range(num_items))
+        if not items:
+            return
+        if slots == num_items:
+            plan.slot_items = [[k] for k in items]
+        elif slots:
+            plan.slot_items[0] = items
+        else:
+            plan.prepend_items = items
+
+    # ------------------------------------------------------------------ pixels
+
+    def _render(self, sample_id: int) -> Tensor:
+        plan = self._plans[sample_id]
+        v = self.config.vision
+        if not plan.units:
+            return torch.zeros(0, v.channels, v.image_size_px, v.image_size_px)
+        raw = self.records[sample_id]
+        frames = (
+            _video_frame_paths(raw, plan.where)
+            if plan.descriptor.modality == Modality.VIDEO
+            else None
+        )
+        out: list[Tensor | None] = [None] * len(plan.units)
+        missing: dict[str, list[tuple[int, tuple, _Unit]]] = {}  # by file: decode once
+        for pos, unit in enumerate(plan.units):
+            if frames is not None:  # unit k of the descriptor's frames -> its file
+                k = unit.index * len(frames) // max(plan.descriptor.num_frames, 1)
+                unit = _Unit(frames[min(len(frames) - 1, k)], "full")
+            key = (*_file_key(unit.path), unit.kind, unit.rows, unit.cols, unit.index)
+            key = (*key, v.image_size_px, v.channels)
+            hit = _UNIT_CACHE.get(key)
+            if hit is not None:
+                out[pos] = hit
+            else:
+                missing.setdefault(unit.path, []).append((pos, key, unit))
+        for path, wanted in missing.items():
+            image = self._decode(path, plan.where)
+            canvases: dict[tuple[str, int, int], Any] = {}
+            for pos, key, unit in wanted:
+                tensor = _to_tensor(self._unit_image(image, unit, canvases), v.channels)
+                self.stats["units_rendered"] += 1
+                _UNIT_CACHE.put(key, tensor)
+                out[pos] = tensor
+        return torch.stack(out)  # type: ignore[arg-type]
+
+    def _unit_image(self, image: Any, unit: _Unit, canvases: dict) -> Any:
+        """The ``side x side`` PIL image of ``unit`` cut from the decoded ``image``."""
+        pil = _pil()
+        side = self.config.vision.image_size_px
+        if unit.kind in ("full", "frame"):
+            return image.resize((side, side), pil.Resampling.BICUBIC)
+        grid = (unit.kind, unit.rows, unit.cols)
+        canvas = canvases.get(grid)
+        if canvas is None:
+            if unit.kind == "anyres":
+                canvas = _anyres_canvas(image, unit.rows, unit.cols, side, pil)
+            else:
+                size = (unit.cols * side, unit.rows * side)
+                canvas = image.resize(size, pil.Resampling.BICUBIC)
+            canvases[grid] = canvas
+        r, c = divmod(unit.index, unit.cols)
+        return canvas.crop((c * side, r * side, (c + 1) * side, (r + 1) * side))
+
+    def _decode(self, path: str, where: str) -> Any:
+        pil = _pil()
+        try:
+            with pil.open(path) as image:
+                image.load()
+                rgb = image.convert("RGB")
+        except (OSError, ValueError, SyntaxError) as exc:  # PIL raises these for bad files
+            raise DatasetSampleError(f"{where}: cannot decode image {path!r}: {exc}") from None
+        self.stats["images_decoded"] += 1
+        return rgb
+
+    # ------------------------------------------------------------------ text
+
+    def _sample_text(self, sample_id: int) -> tuple[Tensor, Tensor, Tensor]:
+        hit = self._text_cache.get(sample_id)
+        if hit is not None:
+            return hit
+        if self._encode is None:
+            _, self._encode = _text_encoder(self._tokenizer_arg, self.config.decoder.vocab_size)
+        plan = self._plans[sample_id]
+        tpu = self.config.vision.tokens_per_unit
+        per_item = np.bincount([u.item for u in plan.units], minlength=1) * tpu
+        tokens: list[int] = [BOS_TOKEN_ID]
+        labels: list[int] = [IGNORE_INDEX]
+        mask: list[bool] = [False]
+
+        def visual(items: list[int]) -> None:
+            n = int(sum(int(per_item[k]) for k in items if k < len(per_item)))
+            tokens.extend([IMAGE_TOKEN_ID] * n)
+            labels.extend([IGNORE_INDEX] * n)
+            mask.extend([True] * n)
+
+        slot = 0
+        for k, ((is_answer, text), quota) in enumerate(zip(plan.turns, plan.quotas)):
+            stream: list[int] = []  # token ids, _SLOT at placeholders
+            for piece in _PLACEHOLDER_SPLIT.split(text):
+                if piece in VISUAL_PLACEHOLDERS:
+                    stream.append(_SLOT)
+                elif piece:
+                    stream.extend(self._encode(piece))
+            content = quota - 1 if quota >= 2 else quota
+            if quota >= 2:
+                tokens.append(ASSISTANT_TOKEN_ID if is_answer else USER_TOKEN_ID)
+                labels.append(IGNORE_INDEX)
+                mask.append(False)
+            if k == 0 and plan.prepend_items:
+                visual(plan.prepend_items)
+            taken = 0
+            for t in stream:
+                if t == _SLOT:
+                    visual(plan.slot_items[slot])
+                    slot += 1
+                elif taken < content:
+                    tokens.append(t)
+                    labels.append(t if is_answer else IGNORE_INDEX)
+                    mask.append(False)
+                    taken += 1
+            pad = content - taken
+            tokens.extend([END_TOKEN_ID] * pad)
+            labels.extend([END_TOKEN_ID if is_answer else IGNORE_INDEX] * pad)
+            mask.extend([False] * pad)
+        result = (
+            torch.tensor(tokens, dtype=torch.long),
+            torch.tensor(mask, dtype=torch.bool),
+            torch.tensor(labels, dtype=torch.long),
+        )
+        expected = int(self.shapes.seq_len[sample_id])
+        if result[0].numel() != expected:  # pragma: no cover - a bug, not a data problem
+            raise RuntimeError(
+                f"{plan.where}: laid out {result[0].numel()} positions, the shape says {expected}"
+            )
+        self.stats["samples_tokenised"] += 1
+        self._text_cache[sample_id] = result
+        return result
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _as_raw(sample: RawSample | dict[str, Any], i: int, images: str, videos: str) -> RawSample:
+    if isinstance(sample, RawSample):
+        return sample
+    return RawSample("", i, sample, images, videos)
+
+
+def _where(raw: RawSample, i: int) -> str:
+    if raw.source:
+        return raw.where
+    ident = raw.data.get("id") if isinstance(raw.data, dict) else None
+    return f"batch sample {i}" + (f" (id {ident!r})" if ident is not None else "")
+
+
+def _image_paths(raw: RawSample) -> list[str]:
+    image = raw.data.get("image")
+    paths = [image] if isinstance(image, str) else list(image)
+    return [os.path.join(raw.image_folder, p) for p in paths]
+
+
+def _frames_folder_problem(raw: RawSample) -> str | None:
+    """Why a video sample's frames cannot be read (None when they can be listed)."""
+    frames = raw.data.get("frames")
+    if isinstance(frames, list) and frames and all(isinstance(f, str) for f in frames):
+        return None
+    path = os.path.join(raw.video_folder, raw.data["video"])
+    if os.path.isdir(path):
+        return None
+    return (
+        f"video {path!r} is not a frames folder; DatasetBatch reads video frames from a "
+        "folder of images (dflop does not decode video files): extract its frames to a "
+        "folder, or list the frame paths in 'frames'"
+    )
+
+
+def _video_frame_paths(raw: RawSample, where: str) -> list[str]:
+    """The frame files of a video sample: the ``frames`` list of paths, else the image files
+    of the frames folder, sorted by name."""
+    problem = _frames_folder_problem(raw)
+    if problem is not None:
+        raise DatasetSampleError(f"{where}: {problem}")
+    frames = raw.data.get("frames")
+    if isinstance(frames, list):
+        return [os.path.join(raw.video_folder, f) for f in frames]
+    path = os.path.join(raw.video_folder, raw.data["video"])
+    with os.scandir(path) as entries:
+        names = sorted(
+            e.name
+            for e in entries
+            if e.name.lower().endswith(FRAME_FILE_EXTENSIONS) and e.is_file()
+        )
+    if not names:
+        raise DatasetSampleError(f"{where}: frames folder {path!r} holds no image files")
+    return [os.path.join(path, n) for n in names]
+
+
+def _check_loadable(raw: RawSample, d: SampleDescriptor) -> None:
+    """Raise :class:`SampleError` unless the sample's pixels can be found (an image file
+    that only size fields describe, a video file without extracted frames)."""
+    if d.modality == Modality.VIDEO:
+        problem = _frames_folder_problem(raw)
+        if problem is not None:
+            raise SampleError("video_without_frames", problem)
+    elif d.modality != Modality.TEXT:
+        for path in _image_paths(raw):
+            if not os.path.isfile(path):
+                raise SampleError("missing_image", f"image file {path!r} does not exist")
+
+
+def _file_key(path: str) -> tuple[str, int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (path, -1, -1)
+    return (os.path.abspath(path), st.st_mtime_ns, st.st_size)
+
+
+def _shapes(spec: FamilySpec, descriptors: list[SampleDescriptor]) -> SampleShapes:
+    owners = [i for i, d in enumerate(descriptors) for _ in d.image_sizes_px]
+    sizes = [s for d in descriptors for s in d.image_sizes_px]
+    return shapes_from_descriptors(
+        spec,
+        np.array([d.modality for d in descriptors], dtype=np.int8),
+        np.array([d.text_tokens for d in descriptors], dtype=np.int64),
+        image_sample_index=np.array(owners, dtype=np.int64),
+        image_width_px=np.array([s[0] for s in sizes], dtype=np.float64),
+        image_height_px=np.array([s[1] for s in sizes], dtype=np.float64),
+        video_num_frames=np.array([d.num_frames for d in descriptors], dtype=np.int64),
+    )
+
+
+def _quotas(budget: int, weights: list[int], answer: int | None) -> list[int]:
+    """Split ``budget`` positions over turns in proportion to ``weights`` (largest
+    remainder, earlier turns first on ties); turn ``answer`` gets at least one."""
+    total = sum(weights)
+    quotas = [budget * w // total for w in weights]
+    rest = budget - sum(quotas)
+    order = sorted(range(len(weights)), key=lambda k: (-(budget * weights[k] % total), k))
+    for k in order[:rest]:
+        quotas[k] += 1
+    if answer is not None and quotas[answer] == 0 and budget > 0:
+        donor = max(range(len(quotas)), key=lambda k: (quotas[k], -k))
+        quotas[donor] -= 1
+        quotas[answer] += 1
+    return quotas
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass
+class RecordSet:
+    """The records of a dataset that a :class:`DatasetBatch` can load, and their shapes.
+
+    ``distribution`` is their profile (same order as ``records``); :meth:`draw` picks
+    records with the same generator as ``ShapeDistribution.sample``, so
+    ``draw(n, seed)`` are the records whose shapes ``distribution.sample(n, seed)`` gives.
+    """
+
+    records: list[RawSample]
+    distribution: ShapeDistribution
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def indices(self, num_samples: int, seed: int = 0) -> np.ndarray:
+        if len(self.records) == 0:
+            raise ValueError(f"no loadable records in {self.distribution.source}")
+        rng = np.random.default_rng(int(seed))
+        return rng.integers(0, len(self.records), size=int(num_samples))
+
+    def draw(self, num_samples: int, seed: int = 0) -> list[RawSample]:
+        """``num_samples`` records uniformly with replacement (``ShapeDistribution.sample``'s
+        draw)."""
+        return [self.records[int(k)] for k in self.indices(num_samples, seed)]
+
+
+def read_records(
+    path: str | os.PathLike[str],
+    family: str | FamilySpec = "llava-ov",
+    *,
+    image_folder: str | os.PathLike[str] | None = None,
+    video_folder: str | os.PathLike[str] | None = None,
+    text_counter: TextTokenCounter | None = None,
+    seed: int = 0,
+    max_samples: int | None = None,
+) -> RecordSet:
+    """Read a ``.json``/``.jsonl`` dataset or ``.yaml`` recipe into the records a
+    :class:`DatasetBatch` can load, plus their profile. Records the profiler would skip
+    are counted by reason (``distribution.skipped``), as is a video *file* without
+    extracted frames (reason ``video_without_frames``); nothing is decoded or tokenised."""
+    spec = get_family(family)
+    counter = text_counter if text_counter is not None else make_text_counter(None)
+    records: list[RawSample] = []
+    descriptors: list[SampleDescriptor] = []
+    skipped: dict[str, int] = {}
+    examples: list[dict[str, Any]] = []
+    num_read = 0
+    for source in dataset_sources(path, image_folder=image_folder, video_folder=video_folder):
+        for raw in _take(iter_source(source, seed=seed), max_samples, num_read):
+            num_read += 1
+            try:
+                d = describe_sample(raw, counter, _HEADER_CACHE)
+                _check_loadable(raw, d)
+            except SampleError as err:
+                reason = err.reason
+                if skipped.get(reason, 0) < 5:
+                    examples.append(
+                        {
+                            "reason": reason,
+                            "file": raw.source,
+                            "index": raw.index,
+                            "line": raw.line,
+                            "message": err.message,
+                        }
+                    )
+                skipped[reason] = skipped.get(reason, 0) + 1
+                continue
+            records.append(raw)
+            descriptors.append(d)
+        if max_samples is not None and num_read >= max_samples:
+            break
+    shapes = _shapes(spec, descriptors) if descriptors else _empty_shapes()
+    distribution = ShapeDistribution(
+        samples=shapes,
+        family=spec.name,
+        source=os.fspath(path),
+        num_read=num_read,
+        skipped=skipped,
+        skipped_examples=examples,
+        text_tokens_method=counter.method,
+        extra={"seed": int(seed), "max_samples": max_samples, "records": "loadable"},
+    )
+    return RecordSet(records, distribution)
+
+
+def _take(samples: Iterable[RawSample], max_samples: int | None, done: int) -> Iterable[RawSample]:
+    for raw in samples:
+        if max_samples is not None and done >= max_samples:
+            return
+        done += 1
+        yield raw
+
+
+def _empty_shapes() -> SampleShapes:
+    z = np.zeros(0, dtype=np.int64)
+    return SampleShapes(z, z.copy(), z.copy(), z.copy(), np.zeros(0, dtype=np.int8))
