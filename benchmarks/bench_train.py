@@ -3,7 +3,9 @@
 Two local processes (gloo): rank 0 holds the encoder (one stage), rank 1 the LLM (one
 stage). Every step runs twice in the same run, on the same weights and global batch: once
 with dflop's schedule (balanced by ``dflop.schedule()`` on the measured, adaptively
-corrected cost model, lightest-encoder microbatch first, lightest-LLM microbatch last) and
+corrected cost model, then refined for the encoder -> LLM pipeline by pairing
+encoder-heavy with LLM-heavy samples in each microbatch and ordered by the faster, as
+simulated, of Johnson's flow-shop rule and lightest-encoder-first / lightest-LLM-last) and
 once split data-blind (equal-count microbatches in dataset order); which goes first
 alternates. Reported: mean step time, idle rank-seconds, throughput, and the simulator's
 predicted step time (cost model + pipeline simulator, before the step) against the
@@ -13,6 +15,9 @@ Workload: the embedded synthetic LLaVA-OneVision-like shapes with a heavier text
 (``--mix``), mapped onto the small model by ShapeScaler (``--max-units``,
 ``--unit-divisor``, ``--text-divisor``, ``--max-text``) so that image samples load the
 encoder and long text samples the LLM: the skew that a count-based split cannot see.
+Two samples per microbatch (48 samples, 24 microbatches) keep the 1F1B fill/drain bubble
+small (about one microbatch of each stage) and leave dflop room to pair samples, while a
+data-blind split often puts two images, or two long texts, together.
 
     python benchmarks/bench_train.py                 # prints the table and JSON
     python benchmarks/bench_train.py --write-readme  # also updates benchmarks/README.md
@@ -37,14 +42,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", default="small+tiny", help="model (vision+decoder presets)")
     p.add_argument("--steps", type=int, default=21)
     p.add_argument("--warmup", type=int, default=3, help="steps excluded from the means")
-    p.add_argument("--global-batch", type=int, default=24)
-    p.add_argument("--num-microbatches", type=int, default=8)
+    p.add_argument("--global-batch", type=int, default=48)
+    p.add_argument("--num-microbatches", type=int, default=24)
     p.add_argument(
         "--mix",
         default='{"single_image": 0.4, "multi_image": 0.0, "video": 0.1, "text": 0.5}',
         help="synthetic mix (JSON)",
     )
-    p.add_argument("--max-units", type=int, default=8, help="ShapeScaler.max_units_per_sample")
+    p.add_argument("--max-units", type=int, default=16, help="ShapeScaler.max_units_per_sample")
     p.add_argument("--unit-divisor", type=int, default=2, help="ShapeScaler.unit_divisor")
     p.add_argument("--text-divisor", type=int, default=1, help="ShapeScaler.text_divisor")
     p.add_argument("--max-text", type=int, default=512, help="ShapeScaler.max_text_tokens")

@@ -56,6 +56,10 @@ class TrainConfig:
         adaptive: correct the cost model from measured microbatch times.
         order_microbatches: put the microbatch with the lightest encoder first and the one
             with the lightest LLM last (shrinks the pipeline's fill/drain bubbles).
+        pair_microbatches: refine dflop's schedule for the encoder -> LLM pipeline: move
+            and swap samples between microbatches so that each pairs encoder-heavy with
+            LLM-heavy samples (``sum_j |E_j - L_j|`` down, no microbatch heavier than 1.05 x
+            dflop's largest; one LLM replica only). See ``dflop.train.pipeline_balance``.
         lookahead: schedules computed ahead of training (>= 1).
         schedule_deadline: give every schedule a deadline of one step time (True) or solve
             to the end (False).
@@ -95,6 +99,7 @@ class TrainConfig:
     perf: str | None = None
     adaptive: bool = True
     order_microbatches: bool = True
+    pair_microbatches: bool = True
     lookahead: int = 2
     schedule_deadline: bool = True
     checkpoint_dir: str | None = None

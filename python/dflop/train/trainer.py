@@ -200,6 +200,8 @@ class Trainer:
         for mode in self.config.modes:
             if mode == "dflop":
                 s = self.scheduler.get(step)
+                if self.config.pair_microbatches:
+                    s = self._pair(s, shapes)
                 if self.config.order_microbatches:
                     s = self._order(s, shapes)
                 out[mode] = s
@@ -225,9 +227,36 @@ class Trainer:
                 llm[j, r] = self.cost_model.predict_microbatch(shapes.take(s.microbatches(r)[j]))[1]
         return encoder, llm
 
+    def _pair(self, s: Schedule, shapes: Any) -> Schedule:
+        """Pair encoder-heavy with LLM-heavy samples across microbatches
+        (:func:`~dflop.train.pipeline_balance.pair_microbatches`): the pipeline's steady
+        state runs at ``max(E_j, L_j)`` per microbatch, which dflop's per-dimension
+        makespan does not see. One LLM replica only (with several, a microbatch's LLM
+        load is per replica)."""
+        from dflop.train.pipeline_balance import pair_microbatches
+
+        if s.dp_size != 1 or s.num_microbatches < 2:
+            return s
+        costs = self._schedule_costs(shapes)
+        constants = np.array(self.cost_model.microbatch_constant_s, dtype=np.float64)
+        constants[0] /= self.layout.encoder.pp * self.layout.encoder.dp
+        constants[1] /= self.layout.llm.pp
+        assignment = pair_microbatches(
+            costs, np.asarray(s.assignment), s.num_microbatches, constants=constants
+        )
+        paired = schedule_from_assignment(
+            costs, assignment, s.num_microbatches, 1, microbatch_dims=(0,)
+        )
+        return _with_solver_info(paired, s)
+
     def _order(self, s: Schedule, shapes: Any) -> Schedule:
-        """Reorder microbatches: the lightest encoder microbatch first (the LLM waits for
-        it), the lightest LLM microbatch last (the encoder waits for its backward)."""
+        """Reorder microbatches to shrink the pipeline's fill and drain bubbles. Two
+        candidate orders, the one the simulator predicts faster wins: the lightest encoder
+        microbatch first (the LLM waits for it) and the lightest LLM microbatch last (the
+        encoder waits for its backward); and Johnson's two-machine flow-shop order
+        (:func:`~dflop.train.pipeline_balance.johnson_order`)."""
+        from dflop.train.pipeline_balance import johnson_order
+
         m = s.num_microbatches
         if m < 2:
             return s
@@ -235,7 +264,10 @@ class Trainer:
         first = int(np.argmin(encoder))
         rest = [j for j in range(m) if j != first]
         last = min(rest, key=lambda j: float(llm[j].max()))
-        order = [first, *[j for j in rest if j != last], last]
+        candidates = [[first, *[j for j in rest if j != last], last]]
+        if s.dp_size == 1:
+            candidates.append(johnson_order(encoder, llm[:, 0]))
+        order = min(candidates, key=lambda o: self._simulate_loads(encoder[o], llm[o]))
         new_index = np.empty(m, dtype=np.int64)
         new_index[order] = np.arange(m)
         old_mb, replica = np.divmod(np.asarray(s.assignment), s.dp_size)
@@ -247,11 +279,14 @@ class Trainer:
 
     def _predict_step_s(self, s: Schedule, shapes: Any) -> float:
         """The simulator's step time for schedule ``s`` under the current cost model."""
+        return self._simulate_loads(*self._predicted_loads(s, shapes))
+
+    def _simulate_loads(self, encoder: np.ndarray, llm_load: np.ndarray) -> float:
+        """The simulator's step time for whole-module loads (encoder (m,), LLM (m, dp))."""
         from dflop.simulator import simulate_pipeline
 
         enc, llm = self.layout.encoder, self.layout.llm
-        encoder, llm_load = self._predicted_loads(s, shapes)
-        m, dp = s.num_microbatches, s.dp_size
+        m, dp = llm_load.shape
         num_stages = enc.pp + llm.pp
         total = np.zeros((dp, num_stages, m))
         total[:, : enc.pp, :] = (encoder / (enc.pp * enc.dp))[None, None, :]
