@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -75,6 +76,20 @@ def test_train_end_to_end_writes_trace_and_png(tmp_path, perf_json) -> None:
     assert {e["tid"] for e in events if e.get("ph") == "X"} == {0, 1}  # tid = global stage
     assert len(report["steps"]) == 3
     assert all(0 <= s["idle_share"] < 1 for s in report["steps"])
+
+
+def test_train_on_a_real_format_dataset(tmp_path, perf_json) -> None:
+    """A LLaVA-style recipe: images, frames and text are loaded from the files."""
+    recipe = Path(__file__).parent / "data" / "llava_mini" / "recipe.yaml"
+    result, report = _train(
+        tmp_path,
+        perf_json,
+        "--nproc", "2", "--num-microbatches", "2", "--steps", "2",
+        "--data", str(recipe), "--layout", "enc_dp=1,llm_pp=1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert len(report["steps"]) == 2
+    assert all(np.isfinite(s["loss"]) for s in report["steps"])
 
 
 def test_checkpoint_resume_matches_uninterrupted_run(tmp_path, perf_json) -> None:

@@ -37,8 +37,9 @@ class TrainConfig:
     Data:
         data: ``"synthetic"`` (the embedded LLaVA-OneVision-like mix), a ShapeDistribution
             file (``.json``/``.parquet`` from ``dflop profile-data``), or a LLaVA-style
-            dataset (``.json``/``.jsonl``/``.yaml``, profiled into shapes at start).
-            Tensors are synthesised from the shapes (``SyntheticBatch``).
+            dataset (``.json``/``.jsonl``/``.yaml``; its images, frames and text are loaded,
+            each rank only its own samples: ``DatasetBatch``). For the embedded mix and
+            shape files the tensors are synthesised from the shapes (``SyntheticBatch``).
         family: shape rules of a dataset (``llava-ov`` or ``internvl``).
         mix: synthetic mix override (``MixSpec`` fractions), e.g. ``{"text": 0.4, ...}``.
         scaler: ``ShapeScaler`` arguments mapping real shapes onto the small model.

@@ -3,9 +3,11 @@
 Step ``k``'s global batch is drawn from the data source with the seed ``(seed, k)``, so
 every rank draws the same batch with no communication, and a resumed run sees the same
 batches as an uninterrupted one. The shapes are then mapped onto the (small) model by a
-:class:`~dflop.runtime.synthetic_batch.ShapeScaler`, and the tensors are synthesised from
-them (:class:`~dflop.runtime.synthetic_batch.SyntheticBatch`): a LLaVA-style dataset is
-read for its shapes (image sizes, text lengths), not decoded.
+:class:`~dflop.runtime.synthetic_batch.ShapeScaler`. The tensors come from the dataset's
+own files for a LLaVA-style dataset (:class:`~dflop.runtime.dataset_batch.DatasetBatch`:
+each rank decodes only its samples' pixels or tokenises only its samples' text), and are
+synthesised from the shapes for the embedded mix or a saved shape distribution
+(:class:`~dflop.runtime.synthetic_batch.SyntheticBatch`).
 """
 
 from __future__ import annotations
@@ -25,21 +27,23 @@ _DATASET_SUFFIXES = (".jsonl", ".yaml", ".yml")
 
 
 def load_distribution(data: str, family: str = "llava-ov", progress: bool = False) -> Any:
-    """The shape source of ``data``: None for ``"synthetic"``, else a ShapeDistribution
-    (a saved one, or a LLaVA-style dataset profiled now)."""
+    """The sample source of ``data``: None for ``"synthetic"``, a ShapeDistribution for a
+    saved one, or a :class:`~dflop.runtime.dataset_batch.RecordSet` (records + their
+    profile) for a LLaVA-style dataset."""
     if data == "synthetic":
         return None
-    from dflop.data import ShapeDistribution, profile_dataset
+    from dflop.data import ShapeDistribution
+    from dflop.runtime.dataset_batch import read_records
 
     if data.endswith(_DATASET_SUFFIXES):
-        return profile_dataset(data, family=family, progress=progress)
+        return read_records(data, family=family)
     if data.endswith(".parquet"):
         return ShapeDistribution.load(data)
     # A .json is either a saved ShapeDistribution or a LLaVA-style dataset (a list).
     try:
         return ShapeDistribution.load(data)
     except (ValueError, KeyError, TypeError):
-        return profile_dataset(data, family=family, progress=progress)
+        return read_records(data, family=family)
 
 
 class StepShapes:
@@ -56,8 +60,13 @@ class StepShapes:
         mix: dict[str, float] | None = None,
         scaler: dict[str, Any] | None = None,
     ) -> None:
+        from dflop.runtime.dataset_batch import RecordSet
+
         self.global_batch = int(global_batch)
         self.seed = int(seed)
+        self.records = distribution if isinstance(distribution, RecordSet) else None
+        if self.records is not None:
+            distribution = self.records.distribution
         self.distribution = distribution
         self.family = family
         self.mix = mix
@@ -75,6 +84,18 @@ class StepShapes:
     def shapes(self, step: int) -> SampleShapes:
         """``step``'s global batch, conformed to the model."""
         return self.scaler.scale(self.raw(step))
+
+    def batch(self, step: int, model: ModelConfig, data_seed: int) -> Any:
+        """``step``'s batch source (its ``.shapes`` equal ``shapes(step)``): the dataset's
+        records, or tensors synthesised from the shapes."""
+        if self.records is None:
+            from dflop.runtime.synthetic_batch import SyntheticBatch
+
+            return SyntheticBatch(self.shapes(step), model, seed=data_seed)
+        from dflop.runtime.dataset_batch import DatasetBatch
+
+        records = self.records.draw(self.global_batch, seed=_step_seed(self.seed, step))
+        return DatasetBatch(records, model, self.scaler, family=self.family)
 
 
 class ScaledShapes:

@@ -385,7 +385,6 @@ class Trainer:
         import torch.distributed as dist
 
         from dflop.runtime.step_data import StepPlan
-        from dflop.runtime.synthetic_batch import SyntheticBatch
 
         config = self.config
         fault = _fault_step(self.rank)
@@ -402,10 +401,10 @@ class Trainer:
                         f"injected failure on rank {self.rank} at step {step} ({FAULT_ENV})"
                     )
                 wall_start = time.perf_counter()
-                shapes = self.step_shapes.shapes(step)
-                batch = SyntheticBatch(
-                    shapes, self.model_config, seed=_step_seed(config.seed + 1, step)
+                batch = self.step_shapes.batch(
+                    step, self.model_config, _step_seed(config.seed + 1, step)
                 )
+                shapes = batch.shapes
                 schedules = self._broadcast_schedules(step, shapes)
                 predicted = {}
                 if self.is_leader and self.cost_model is not None:
