@@ -7,11 +7,14 @@ methods choose a layout on the same sampled batches:
 
 - data-blind: Megatron-LM style, the encoder inside the first pipeline stage, uniform
   layers, equal-count microbatches in dataset order; the best such layout found by the
-  same simulation-based search (strategy "data_blind").
+  same simulation-based search (strategy "data_blind"). Where the LLM's tp does not divide
+  the ViT's 25 heads, they are padded to a multiple of tp as NVLM does in Megatron-LM
+  (25 -> 32 at tp=8), the dummy heads costing compute, parameters and activations.
 - reference: the reference's optimizer: disjoint encoder/LLM GPUs chosen by its closed
   form (m + S - 1) x slowest stage on MEAN sample shapes; every step balanced per bin
   (here with dflop's scheduler, stronger than its CP-SAT under a time limit), no
-  microbatch ordering (strategy "mean_shape").
+  microbatch ordering (strategy "mean_shape"). Its layout is the one its estimate ranks
+  first (not the best simulated of several), scored by the same simulation as the others.
 - dflop: simulation over sampled batches, full cost breakdown, microbatch ordering.
 
 Each chosen layout is then scored on held-out batches (other seeds) with its own schedule,
@@ -56,6 +59,7 @@ CLUSTER = ClusterSpec(
     inter_node_bandwidth_bytes_per_s=25e9,
 )
 IDLE_TARGET = 0.15
+TOP_K = 10  # layouts kept per method, for the held-out memory fallback
 
 
 def machine_info() -> str:
@@ -91,15 +95,13 @@ def run_setting(encoder: str, llm: str, args: argparse.Namespace) -> dict:
         seed=10_000,
     )
     row: dict = {"setting": f"{encoder} + {llm}"}
+    # The reference does not reorder microbatches: it is scored without it.
+    no_order = PlannerConfig(num_batches=args.batches, seed=0, top_k=1, order_microbatches=False)
     for name, strategy, cfg in (
         ("blind", "data_blind", config),
-        ("reference", "mean_shape", config),
+        ("reference", "mean_shape", no_order),
         ("dflop", "data_aware", config),
-        (
-            "dflop_no_order",
-            "data_aware",
-            PlannerConfig(num_batches=args.batches, seed=0, top_k=1, order_microbatches=False),
-        ),
+        ("dflop_no_order", "data_aware", no_order),
     ):
         start = time.perf_counter()
         layouts, raw = search_layouts(CLUSTER, inputs, cfg, strategy=strategy)
@@ -107,8 +109,30 @@ def run_setting(encoder: str, llm: str, args: argparse.Namespace) -> dict:
         if not layouts:
             row[name] = None
             continue
-        scored = evaluate_layout(CLUSTER, held_out, layouts[0], cfg)
-        row[name] = {"layout": scored, "plan_s": elapsed, "stats": raw["stats"]}
+        # A held-out batch may need more memory than the search's batches did (a larger
+        # largest bin); then every method falls back, in its own ranking, to the next layout
+        # that fits (as it would have chosen with those batches in its sample).
+        ranked, _ = search_layouts(CLUSTER, inputs, cfg, strategy=strategy, top_k=TOP_K)
+        fits = []
+        for chosen in ranked:
+            try:
+                fits.append(evaluate_layout(CLUSTER, held_out, chosen, cfg))
+            except dflop.InfeasibleError:
+                fits.append(None)
+                continue
+            break
+        if fits[-1] is None:
+            row[name] = None
+            continue
+        rank, scored = len(fits) - 1, fits[-1]
+        row[name] = {
+            "layout": scored,
+            "plan_s": elapsed,
+            "stats": raw["stats"],
+            "rank": rank,
+            "estimate_s": chosen.prediction.estimate_s,
+            "search_step_s": chosen.prediction.step_time_s,
+        }
     return row
 
 
@@ -169,11 +193,24 @@ def render(
                 continue
             p = entry["layout"].prediction
             speed = p.step_time_s / dflop_step
+            note = (
+                f" (its #{entry['rank'] + 1}: #1 over memory on held-out)" if entry["rank"] else ""
+            )
             lines.append(
-                f"| {row['setting']} | {label} | {entry['layout'].describe().replace('|', ';')} | "
+                f"| {row['setting']} | {label} | {entry['layout'].describe().replace('|', ';')}{note} | "
                 f"{p.throughput_samples_per_s:.2f} | {p.step_time_s:.2f} | "
                 f"{fmt_pct(p.idle_fraction)} | {speed:.2f}x |"
             )
+    lines += [
+        "",
+        "Data-blind baseline: Megatron-LM's LLaVA model runs a colocated encoder at the LLM's "
+        "tp (its own encoder TP needs an encoder pipeline stage on other GPUs), so for the "
+        "25-head ViT at tp > 1 it pads the heads with dummy zero heads as NVLM does (25 -> 28 "
+        "at tp=4, 32 at tp=8); the dummy heads cost their compute (x1.10 for the ViT's layers "
+        "at 32 heads), parameters and activations. Without padding only tp=1 is possible and "
+        "no colocated 32B/72B layout fits in 80 GB. Each method's layout is its #1 unless that "
+        "one is over memory on a held-out batch (larger largest bin), then its next that fits.",
+    ]
     lines += ["", "Microbatch ordering (dflop's chosen layout, held-out batches):", ""]
     lines += [
         "| setting | step as scheduled s | step with ordering s | gain |",
@@ -193,6 +230,44 @@ def render(
         * (1 + 1e-9)
         for r in rows
     )
+    lines += [
+        "",
+        "Reference (mean-shape optimizer): its estimate of its chosen layout vs the simulation "
+        "(same scheduler, same memory model, same layout space as dflop's disaggregated "
+        "search):",
+        "",
+        "| setting | samples per bin | estimate s | simulated s (search batches) | "
+        "simulated s (held-out) | busiest stage's compute s (held-out) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        ref = row["reference"]
+        if ref is None:
+            continue
+        lp = ref["layout"]
+        per_bin = lp.global_batch / (lp.num_microbatches * lp.llm.dp)
+        lines.append(
+            f"| {row['setting']} | {per_bin:.1f} | {ref['estimate_s']:.2f} | "
+            f"{ref['search_step_s']:.2f} | {lp.prediction.step_time_s:.2f} | "
+            f"{max(lp.prediction.stage_compute_s):.2f} |"
+        )
+    lines += [
+        "",
+        "The weakness is the method's own, not the reproduction's: on mean shapes every bin "
+        "holds the mean sample, so the estimate sees perfectly balanced stages and picks the "
+        "most microbatches (the smallest fill/drain bubble), about one sample per bin. Its "
+        "estimate of the busiest stage's work is right (compare the last two columns), but "
+        "with one heavy-tailed sample per bin (the largest LLM sample of a batch is ~4x the "
+        "mean) the encoder and the LLM take turns being the slow stage from one microbatch to "
+        "the next, so each microbatch costs the max of the two and the step comes out "
+        "1.4-2.7x the estimate; only a simulation over sampled batches sees that. Its "
+        "layout is the one its estimate ranks first (the argmin over the same layout space, "
+        "memory check and microbatch counts as dflop's disaggregated search; ties broken the "
+        "same way, which is at least as good as any order-dependent acceptance), balanced "
+        "every step by dflop's own scheduler (stronger than the reference's time-limited "
+        "CP-SAT) and scored by the same simulation, without microbatch ordering (which it "
+        "does not do).",
+    ]
     plan_times = ", ".join(f"{r['setting']} {r['dflop']['plan_s']:.2f} s" for r in rows)
     big_s, big_layout, big_stats = big
     lines += [

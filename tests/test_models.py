@@ -200,7 +200,8 @@ def test_loss_sums_so_global_normalisation_is_exact(model):
         sb, nb = d.loss(d.embed(ids[10:]), _cu(lens_b), ids[10:])
         sall, nall = d.loss(d.embed(ids), _cu(lens_a + lens_b), ids)
     assert na.item() + nb.item() == nall.item() == sum(lens_a + lens_b) - 3
-    assert_close(sa + sb, sall)
+    # Sums of hundreds of float32 token losses: compare relative to their size.
+    assert_close(sa + sb, sall, atol=1e-6 * float(sall.abs()) + 1e-5)
 
 
 def test_multimodal_loss_ignores_image_positions(model):

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,8 +15,10 @@ from dflop.data.costs import AnalyticCostModel
 from dflop.planner import (
     ClusterSpec,
     InfeasibleClusterError,
+    LayoutPlan,
     Plan,
     PlannerConfig,
+    evaluate_layout,
     plan,
     prepare_inputs,
     search_layouts,
@@ -56,7 +59,14 @@ def _check_layout(lp, cluster: ClusterSpec, encoder_heads: int, llm_heads: int, 
         (lp.encoder, encoder_heads, layers[0]),
         (lp.llm, llm_heads, layers[1]),
     ):
-        assert gpn % module.tp == 0 and heads % module.tp == 0
+        assert gpn % module.tp == 0
+        # A colocated encoder runs at the LLM's tp with its heads padded where needed.
+        if module.colocated:
+            assert module.padded_heads == (
+                0 if heads % module.tp == 0 else -(-heads // module.tp) * module.tp
+            )
+        else:
+            assert heads % module.tp == 0
         assert sum(module.layers_per_stage) == num_layers
         assert all(n >= 1 for n in module.layers_per_stage)
         assert module.layer_ranges[-1][1] == num_layers
@@ -98,6 +108,52 @@ def test_disaggregated_layout_on_large_encoder() -> None:
     assert not best.colocated and best.encoder.num_gpus >= 1 and best.llm.num_gpus >= 1
     assert best.encoder.tp == 1  # 25 heads: no TP degree within a node divides them but 1
     assert best.llm.first_rank == best.encoder.num_gpus
+
+
+def test_data_blind_baseline_pads_encoder_heads() -> None:
+    # InternViT-6B has 25 heads: a colocated layout at tp > 1 needs padded heads (as NVLM
+    # does in Megatron-LM); without them only tp = 1 exists and a 32B LLM does not fit.
+    inputs = _inputs("vit-6b", "llm-32b", batch=64, batches=1)
+    cluster = ClusterSpec(num_gpus=32)
+    layouts, _ = search_layouts(cluster, inputs, FAST, strategy="data_blind", top_k=3)
+    assert layouts and all(lp.colocated and lp.schedule == "data_blind" for lp in layouts)
+    best = layouts[0]
+    assert best.llm.tp > 1 and best.encoder.tp == best.llm.tp
+    assert best.encoder.padded_heads == -(-25 // best.llm.tp) * best.llm.tp
+    assert "padded" in best.describe()
+    assert LayoutPlan.from_dict(best.to_dict()).encoder.padded_heads == best.encoder.padded_heads
+    assert best.prediction.peak_memory_bytes <= cluster.gpu_memory_bytes
+    spec = inputs.encoder
+    for name in (
+        "attention_compute_fraction",
+        "attention_param_fraction",
+        "attention_activation_fraction",
+    ):
+        assert 0.0 < getattr(spec, name) < 1.0
+    # The dummy heads cost: the same layout is faster and smaller if padding were free.
+    free = replace(
+        inputs,
+        encoder=replace(
+            spec,
+            attention_compute_fraction=0.0,
+            attention_param_fraction=0.0,
+            attention_activation_fraction=0.0,
+        ),
+    )
+    free_score = evaluate_layout(cluster, free, best, FAST)
+    assert free_score.prediction.step_time_s < best.prediction.step_time_s
+    assert free_score.prediction.peak_memory_bytes < best.prediction.peak_memory_bytes
+
+
+def test_reference_keeps_its_estimate_ranking() -> None:
+    inputs = _inputs(batches=1)
+    layouts, _ = search_layouts(
+        ClusterSpec(num_gpus=16), inputs, FAST, strategy="mean_shape", top_k=4
+    )
+    estimates = [lp.prediction.estimate_s for lp in layouts]
+    assert len(layouts) == 4 and estimates == sorted(estimates)
+    one, _ = search_layouts(ClusterSpec(num_gpus=16), inputs, FAST, strategy="mean_shape", top_k=1)
+    assert one[0].describe() == layouts[0].describe()
 
 
 def test_infeasible_cluster_message() -> None:

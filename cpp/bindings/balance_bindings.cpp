@@ -15,14 +15,6 @@ namespace py = pybind11;
 namespace dflop::bindings {
 namespace {
 
-// Hands a vector to numpy without copying: the array owns it through a capsule.
-template <typename T>
-py::array_t<T> to_numpy(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
-  auto* owned = new std::vector<T>(std::move(v));
-  py::capsule free_when_done(owned, [](void* p) { delete static_cast<std::vector<T>*>(p); });
-  return py::array_t<T>(shape, owned->data(), free_when_done);
-}
-
 py::dict balance_py(const py::array_t<double, py::array::c_style | py::array::forcecast>& costs,
                     int64_t num_microbatches, int64_t dp_size, std::vector<int64_t> microbatch_dims,
                     std::optional<std::vector<double>> capacity, uint64_t seed,

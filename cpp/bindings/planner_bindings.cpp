@@ -54,6 +54,9 @@ ModuleParams to_module(const py::dict& d, const char* w) {
   p.activation_bytes_per_token_layer = get<double>(d, "activation_bytes_per_token_layer", w);
   get_opt(d, "last_stage_activation_bytes_per_token", &p.last_stage_activation_bytes_per_token);
   get_opt(d, "microbatch_constant_s", &p.microbatch_constant_s);
+  get_opt(d, "attention_compute_fraction", &p.attention_compute_fraction);
+  get_opt(d, "attention_param_fraction", &p.attention_param_fraction);
+  get_opt(d, "attention_activation_fraction", &p.attention_activation_fraction);
   return p;
 }
 
@@ -276,6 +279,8 @@ void register_planner(py::module_& m) {
         py::arg("per_layer"), py::arg("first_stage_extra"), py::arg("last_stage_extra"),
         py::arg("balanced"));
   m.def("default_microbatch_choices", &default_microbatch_choices, py::arg("max_microbatches"));
+  m.def("padded_heads", &padded_heads, py::arg("heads"), py::arg("tp"),
+        "Attention heads after padding to a multiple of tp.");
 }
 
 }  // namespace dflop::bindings

@@ -16,14 +16,6 @@ namespace {
 using IntArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 using DoubleArray = py::array_t<double, py::array::c_style | py::array::forcecast>;
 
-// Hands a vector to numpy without copying: the array owns it through a capsule.
-template <typename T>
-py::array_t<T> to_numpy(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
-  auto* owned = new std::vector<T>(std::move(v));
-  py::capsule free_when_done(owned, [](void* p) { delete static_cast<std::vector<T>*>(p); });
-  return py::array_t<T>(shape, owned->data(), free_when_done);
-}
-
 void check_1d(const py::array& a, const char* name, py::ssize_t n) {
   if (a.ndim() != 1) throw py::value_error(std::string(name) + " must be 1-D");
   if (n >= 0 && a.shape(0) != n)

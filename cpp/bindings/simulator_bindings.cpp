@@ -17,14 +17,6 @@ namespace {
 
 using DoubleArray = py::array_t<double, py::array::c_style | py::array::forcecast>;
 
-// Hands a vector to numpy without copying: the array owns it through a capsule.
-template <typename T>
-py::array_t<T> to_numpy(std::vector<T>&& v, std::vector<py::ssize_t> shape) {
-  auto* owned = new std::vector<T>(std::move(v));
-  py::capsule free_when_done(owned, [](void* p) { delete static_cast<std::vector<T>*>(p); });
-  return py::array_t<T>(shape, owned->data(), free_when_done);
-}
-
 std::vector<double> to_vector(const DoubleArray& a) {
   return std::vector<double>(a.data(), a.data() + a.size());
 }

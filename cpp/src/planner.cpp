@@ -93,6 +93,14 @@ void check_module(const char* module, const ModuleParams& p) {
       {"last_stage_activation_bytes_per_token", p.last_stage_activation_bytes_per_token},
       {"microbatch_constant_s", p.microbatch_constant_s}};
   for (const auto& [name, value] : fields) check_finite_nonneg((m + "." + name).c_str(), value);
+  const std::pair<const char*, double> fractions[] = {
+      {"attention_compute_fraction", p.attention_compute_fraction},
+      {"attention_param_fraction", p.attention_param_fraction},
+      {"attention_activation_fraction", p.attention_activation_fraction}};
+  for (const auto& [name, value] : fractions) {
+    require(std::isfinite(value) && value >= 0.0 && value <= 1.0,
+            m + "." + name + " must be in [0, 1], got " + fmt(value));
+  }
 }
 
 void check_column(const char* name, const std::vector<double>& v, size_t expected, bool fraction) {
@@ -115,6 +123,8 @@ void check_column(const char* name, const std::vector<double>& v, size_t expecte
 struct ModuleModel {
   const ModuleParams* p = nullptr;
   const ClusterParams* c = nullptr;
+  // Compute multiplier of the per-layer work (padded attention heads; 1 otherwise).
+  double body_scale = 1.0;
 
   // eff(t) and comm_per_token_layer(t) for t < tables' size (the hot loops call them often).
   std::vector<double> eff_table, comm_table;
@@ -146,8 +156,9 @@ struct ModuleModel {
   // With full activation recomputation the forward runs twice: 4/3 of the compute.
   double stage_time(int64_t t, bool recompute, int64_t n, bool is_last, double body, double last,
                     double tokens) const {
-    const double compute = (body * double(n) / double(p->num_layers) + (is_last ? last : 0.0)) /
-                           (double(t) * eff(t)) * (recompute ? 4.0 / 3.0 : 1.0);
+    const double compute =
+        (body * body_scale * double(n) / double(p->num_layers) + (is_last ? last : 0.0)) /
+        (double(t) * eff(t)) * (recompute ? 4.0 / 3.0 : 1.0);
     return compute + tokens * double(n) * comm_per_token_layer(t);
   }
   double stage_constant(int64_t t, int64_t n) const {
@@ -244,8 +255,25 @@ struct Context {
     enc.c = &cluster;
     llm.p = &l;
     llm.c = &cluster;
-    enc.fill_tables(std::min<int64_t>(cluster.gpus_per_node, 1024));
-    llm.fill_tables(std::min<int64_t>(cluster.gpus_per_node, 1024));
+    const int64_t max_t = std::min<int64_t>(cluster.gpus_per_node, 1024);
+    enc.fill_tables(max_t);
+    llm.fill_tables(max_t);
+    // The encoder of a colocated layout at each TP degree t dividing gpus_per_node, with its
+    // heads padded to a multiple of t (planner.hpp, "Padded attention heads").
+    enc_padded_params_.assign(size_t(max_t + 1), e);
+    enc_colocated_.assign(size_t(max_t + 1), ModuleModel{});  // p == nullptr: not padded
+    for (int64_t t = 1; t <= max_t; ++t) {
+      if (cluster.gpus_per_node % t || e.num_heads % t == 0) continue;
+      const double grow = double(padded_heads(e.num_heads, t)) / double(e.num_heads) - 1.0;
+      ModuleParams& q = enc_padded_params_[size_t(t)];
+      q.num_heads = padded_heads(e.num_heads, t);
+      q.params_per_layer *= 1.0 + e.attention_param_fraction * grow;
+      q.activation_bytes_per_token_layer *= 1.0 + e.attention_activation_fraction * grow;
+      ModuleModel& mm = enc_colocated_[size_t(t)];
+      mm = enc;
+      mm.p = &q;
+      mm.body_scale = 1.0 + e.attention_compute_fraction * grow;
+    }
     n = samples.batch_size;
     sums.resize(size_t(samples.num_batches));
     for (int64_t b = 0; b < samples.num_batches; ++b) {
@@ -276,6 +304,19 @@ struct Context {
       }
     }
   }
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+
+  // The encoder inside a colocated layout's first stage at the LLM's tp (heads padded).
+  const ModuleModel& colocated_enc(int64_t t) const {
+    return t >= 1 && size_t(t) < enc_colocated_.size() && enc_colocated_[size_t(t)].p
+               ? enc_colocated_[size_t(t)]
+               : enc;
+  }
+
+ private:
+  std::vector<ModuleParams> enc_padded_params_;  // not resized after construction
+  std::vector<ModuleModel> enc_colocated_;
 };
 
 // ---------------------------------------------------------------------------------------
@@ -311,12 +352,10 @@ struct Degrees {
   int64_t tp, pp, dp;
 };
 std::vector<Degrees> module_degrees(const ClusterParams& c, const ModuleParams& p, int64_t gpus,
-                                    int64_t first_rank, int64_t max_tp, bool tp_divides_other,
-                                    int64_t other_heads) {
+                                    int64_t first_rank, int64_t max_tp) {
   std::vector<Degrees> out;
   for (int64_t tp = 1; tp <= std::min(max_tp, gpus); ++tp) {
     if (c.gpus_per_node % tp || p.num_heads % tp || gpus % tp || first_rank % tp) continue;
-    if (tp_divides_other && other_heads % tp) continue;
     const int64_t rest = gpus / tp;
     for (int64_t pp = 1; pp <= std::min(rest, p.num_layers); ++pp) {
       if (rest % pp) continue;
@@ -375,10 +414,11 @@ class Evaluator {
         // Column 0: the first stage (the encoder plus its LLM layers); column 1: an
         // average LLM stage. Both are per bin (every replica runs its own encoder).
         const double first = double(g.layers_per_stage[0]) / double(ctx_.llm.p->num_layers);
+        const ModuleModel& ce = ctx_.colocated_enc(g.tp);
         const double enc_here =
-            ctx_.enc.stage_time(g.tp, g.recompute, ctx_.enc.p->num_layers, true,
-                                x.encoder_s[k] * (1 - x.encoder_last_fraction[k]),
-                                x.encoder_s[k] * x.encoder_last_fraction[k], x.encoder_tokens[k]);
+            ce.stage_time(g.tp, g.recompute, ce.p->num_layers, true,
+                          x.encoder_s[k] * (1 - x.encoder_last_fraction[k]),
+                          x.encoder_s[k] * x.encoder_last_fraction[k], x.encoder_tokens[k]);
         costs[size_t(2 * i)] = enc_here + lm * first;
       } else {
         costs[size_t(2 * i)] = enc / double(e.pp * e.dp);
@@ -452,10 +492,10 @@ class Evaluator {
                                                            llm_bin_tokens);
       bool is_enc = false;
       if (colocated && s == 0) {
+        const ModuleModel& ce = ctx_.colocated_enc(g.tp);
         const double enc_bytes =
-            ctx_.enc.state_bytes(ctx_.enc.all_params(), g.tp, g.dp, zero1) +
-            in_flight * ctx_.enc.activation_bytes(g.tp, g.recompute, ctx_.enc.p->num_layers, true,
-                                                  enc_tokens);
+            ce.state_bytes(ce.all_params(), g.tp, g.dp, zero1) +
+            in_flight * ce.activation_bytes(g.tp, g.recompute, ce.p->num_layers, true, enc_tokens);
         bytes += enc_bytes;
         is_enc = enc_bytes > bytes - enc_bytes;
       }
@@ -563,9 +603,10 @@ class Evaluator {
                                          s.llm_last[bin], s.llm_tokens[bin]) +
                      ctx_.llm.stage_constant(g.tp, nl);
           if (l.colocated && st == 0) {
-            t += ctx_.enc.stage_time(g.tp, g.recompute, ctx_.enc.p->num_layers, true,
-                                     s.enc_body[bin], s.enc_last[bin], s.enc_tokens[bin]) +
-                 ctx_.enc.stage_constant(g.tp, ctx_.enc.p->num_layers);
+            const ModuleModel& ce = ctx_.colocated_enc(g.tp);
+            t += ce.stage_time(g.tp, g.recompute, ce.p->num_layers, true, s.enc_body[bin],
+                               s.enc_last[bin], s.enc_tokens[bin]) +
+                 ce.stage_constant(g.tp, ce.p->num_layers);
           }
           put(r, E + st, k, t);
           if (st < g.pp - 1) {
@@ -588,7 +629,7 @@ class Evaluator {
       if (st + 1 < g.pp) {
         in.link_bandwidth_bytes_per_s[size_t(E + st)] = stage_link_bandwidth(ctx_.c, g, st);
       }
-      const double extra = (l.colocated && st == 0) ? ctx_.enc.all_params() : 0.0;
+      const double extra = (l.colocated && st == 0) ? ctx_.colocated_enc(g.tp).all_params() : 0.0;
       in.allreduce_s[size_t(E + st)] = allreduce_time(ctx_.c, ctx_.llm, g, st, extra);
     }
     return in;
@@ -978,13 +1019,14 @@ double colocated_batch_bound(const Context& ctx, const Layout& l, const BatchSum
     double share =
         ctx.llm.stage_time(g.tp, g.recompute, nl, is_last, s.llm_body, s.llm_last, s.llm_tokens);
     double c = ctx.llm.stage_constant(g.tp, nl);
+    const ModuleModel& ce = ctx.colocated_enc(g.tp);
     if (st == 0) {
-      share += ctx.enc.stage_time(g.tp, g.recompute, ctx.enc.p->num_layers, true, s.enc_body,
-                                  s.enc_last, s.enc_tokens);
-      c += ctx.enc.stage_constant(g.tp, ctx.enc.p->num_layers);
+      share += ce.stage_time(g.tp, g.recompute, ce.p->num_layers, true, s.enc_body, s.enc_last,
+                             s.enc_tokens);
+      c += ce.stage_constant(g.tp, ce.p->num_layers);
     }
     const double busy = share / double(g.dp) + double(m) * c;
-    const double extra = st == 0 ? ctx.enc.all_params() : 0.0;
+    const double extra = st == 0 ? ce.all_params() : 0.0;
     worst = std::max(worst, busy + allreduce_time(ctx.c, ctx.llm, g, st, extra));
   }
   return worst;
@@ -1035,9 +1077,10 @@ ModuleLayout make_module(const ModuleModel& mm, const Degrees& d, int64_t first_
   double first = 0;
   if (colocated_recompute) {
     // The encoder's time at this tp, in the LLM's unit (time at t = 1 before TP scaling).
+    const ModuleModel& ce = ctx.colocated_enc(d.tp);
     double enc = 0;
-    for (const BatchSums& s : ctx.sums) enc += s.enc_body + s.enc_last;
-    first = enc * (*colocated_recompute ? 4.0 / 3.0 : 1.0) * ctx.llm.eff(d.tp) / ctx.enc.eff(d.tp);
+    for (const BatchSums& s : ctx.sums) enc += s.enc_body * ce.body_scale + s.enc_last;
+    first = enc * (*colocated_recompute ? 4.0 / 3.0 : 1.0) * ctx.llm.eff(d.tp) / ce.eff(d.tp);
   }
   l.layers_per_stage =
       split_layers(mm.p->num_layers, d.pp, body / double(mm.p->num_layers), first, last, balanced);
@@ -1262,6 +1305,10 @@ class Search {
     score.lower_bound_s = ctx_.o.strategy == PlanStrategy::MeanShapeReference ? 0.0 : c.bound;
     if (ctx_.o.strategy == PlanStrategy::MeanShapeReference) score.estimate_s = c.bound;
     best_.push_back(std::move(score));
+    // The reference keeps its own ranking (by its estimate: candidates arrive in that
+    // order), so that best[0] is its choice whatever top_k; re-sorting by simulated time
+    // would let it pick among its top_k by simulation, which it does not do.
+    if (ctx_.o.strategy == PlanStrategy::MeanShapeReference) return;
     std::sort(best_.begin(), best_.end(), [](const LayoutScore& a, const LayoutScore& b) {
       return better(a.mean_step_time_s, a.layout, b.mean_step_time_s, b.layout);
     });
@@ -1335,8 +1382,8 @@ class Search {
 
   void enumerate_colocated() {
     const int64_t N = ctx_.c.num_gpus;
-    for (const auto& [d, recompute] : with_recompute(
-             module_degrees(ctx_.c, *ctx_.llm.p, N, 0, max_tp(), true, ctx_.enc.p->num_heads))) {
+    for (const auto& [d, recompute] :
+         with_recompute(module_degrees(ctx_.c, *ctx_.llm.p, N, 0, max_tp()))) {
       Layout l;
       l.colocated = true;
       // The data-blind baseline splits layers uniformly (Megatron-LM); dflop balances
@@ -1366,13 +1413,13 @@ class Search {
     for (int64_t v = 1; v < N; ++v) {
       std::vector<ModuleLayout> encs, llms;
       for (const auto& [d, recompute] :
-           with_recompute(module_degrees(ctx_.c, *ctx_.enc.p, v, 0, max_tp(), false, 1))) {
+           with_recompute(module_degrees(ctx_.c, *ctx_.enc.p, v, 0, max_tp()))) {
         encs.push_back(make_module(ctx_.enc, d, 0, balanced, ctx_));
         encs.back().recompute = recompute;
       }
       if (encs.empty()) continue;
       for (const auto& [d, recompute] :
-           with_recompute(module_degrees(ctx_.c, *ctx_.llm.p, N - v, v, max_tp(), false, 1))) {
+           with_recompute(module_degrees(ctx_.c, *ctx_.llm.p, N - v, v, max_tp()))) {
         llms.push_back(make_module(ctx_.llm, d, v, balanced, ctx_));
         llms.back().recompute = recompute;
       }
@@ -1469,7 +1516,7 @@ void check_layout(const ClusterParams& c, const ModuleParams& enc, const ModuleP
   if (l.colocated) {
     require(l.llm.first_rank == 0 && l.llm.tp * l.llm.pp * l.llm.dp == c.num_gpus,
             "a colocated layout must use all num_gpus from rank 0");
-    require(enc.num_heads % l.llm.tp == 0, "colocated: llm.tp must divide the encoder's heads");
+    // The encoder's heads are padded to a multiple of llm.tp where it does not divide them.
   } else {
     check_module_layout("encoder", enc, l.encoder);
     const int64_t v = l.encoder.tp * l.encoder.pp * l.encoder.dp;
@@ -1480,6 +1527,11 @@ void check_layout(const ClusterParams& c, const ModuleParams& enc, const ModuleP
 }
 
 }  // namespace
+
+int64_t padded_heads(int64_t heads, int64_t tp) {
+  require(heads >= 1 && tp >= 1, "padded_heads: heads and tp must be >= 1");
+  return (heads + tp - 1) / tp * tp;
+}
 
 std::vector<int64_t> default_microbatch_choices(int64_t max_microbatches) {
   std::vector<int64_t> out;

@@ -1,6 +1,7 @@
 // Planner: layer split, microbatch choices, validation, memory infeasibility, and pruning
 // returning the same layouts as exhaustive evaluation.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -176,6 +177,54 @@ TEST_CASE(baselines_run) {
   p.options.top_k = 1;
   const auto dflop_best = run(p);
   CHECK(dflop_best.best[0].mean_step_time_s <= blind.best[0].mean_step_time_s);
+}
+
+TEST_CASE(colocated_encoder_heads_are_padded) {
+  CHECK_EQ(dflop::padded_heads(25, 8), int64_t{32});
+  CHECK_EQ(dflop::padded_heads(25, 1), int64_t{25});
+  CHECK_EQ(dflop::padded_heads(16, 4), int64_t{16});
+  // An encoder with 5 heads: only tp = 1 divides them, but the colocated baseline may run
+  // it at tp = 2 or 4 with padded heads (6, 8), paying for them.
+  Problem p = make_problem(8);
+  p.encoder.num_heads = 5;
+  p.encoder.attention_compute_fraction = 0.4;
+  p.encoder.attention_param_fraction = 0.3;
+  p.encoder.attention_activation_fraction = 0.25;
+  p.options.strategy = dflop::PlanStrategy::DataBlindColocated;
+  p.options.top_k = 100;
+  const auto blind = run(p);
+  bool padded_tp = false;
+  for (const auto& s : blind.best) padded_tp = padded_tp || s.layout.llm.tp > 1;
+  CHECK(padded_tp);
+  // The same layout costs more with 5 heads padded to 8 than with 8 real heads, by the
+  // documented scaling: compute x (1 + 0.4 x 0.6), params x (1 + 0.3 x 0.6), ...
+  dflop::Layout l;
+  l.colocated = true;
+  l.llm = {4, 2, 1, 0, {8, 8}, false};
+  l.encoder.tp = 4;
+  l.encoder.layers_per_stage = {8};
+  l.num_microbatches = 4;
+  const auto padded = dflop::evaluate_layout(p.cluster, p.encoder, p.llm, p.samples, p.options, l);
+  Problem q = p;
+  q.encoder.num_heads = 8;
+  const auto plain = dflop::evaluate_layout(q.cluster, q.encoder, q.llm, q.samples, q.options, l);
+  CHECK(padded.mean_step_time_s > plain.mean_step_time_s);
+  CHECK(padded.peak_memory_bytes > plain.peak_memory_bytes);
+  // No attention share: padding is free.
+  q = p;
+  q.encoder.attention_compute_fraction = 0.0;
+  q.encoder.attention_param_fraction = 0.0;
+  q.encoder.attention_activation_fraction = 0.0;
+  const auto free_pad =
+      dflop::evaluate_layout(q.cluster, q.encoder, q.llm, q.samples, q.options, l);
+  CHECK_EQ(free_pad.mean_step_time_s, plain.mean_step_time_s);
+  CHECK_EQ(free_pad.peak_memory_bytes, plain.peak_memory_bytes);
+  // The encoder's model states grow by 0.3 x 0.6 of its layer parameters (over tp = 4).
+  const double extra_states = 16.0 * 0.3 * 0.6 * p.encoder.params_per_layer * 8 / 4;
+  CHECK(std::abs(padded.peak_memory_bytes - plain.peak_memory_bytes) >= 0.5 * extra_states);
+  q = p;
+  q.encoder.attention_param_fraction = 1.5;
+  CHECK_THROWS_AS(run(q), dflop::InvalidArgument);
 }
 
 TEST_CASE(validation_names_the_problem) {

@@ -32,6 +32,17 @@
 //   et al. 2022), plus the LLM's fp32 logits (vocab x 4 / t per token) on its last stage,
 //   using the largest bin of the sampled batches. The search tries each module with and
 //   without full activation recomputation (see ModuleLayout::recompute).
+// Padded attention heads (colocated layouts only): the encoder inside the LLM's first stage
+// runs at the LLM's tp, which need not divide the encoder's heads (InternViT-6B: 25). A
+// Megatron-LM user then does what NVLM does (Megatron-LM examples/multimodal/nvlm/
+// internvit.py: 7 dummy zero heads, 25 -> 32 for TP=8): pad the heads to ceil(H / t) x t;
+// Megatron's LLaVA model gives a colocated encoder no TP of its own (its
+// --encoder-tensor-model-parallel-size only applies to an encoder on its own pipeline
+// stage). The padded heads cost what real ones do: with scale = padded / actual heads, the
+// encoder's per-layer compute x (1 + attention_compute_fraction x (scale - 1)), its layer
+// parameters x (1 + attention_param_fraction x (scale - 1)), its activations per token and
+// layer x (1 + attention_activation_fraction x (scale - 1)); the projector and the TP
+// all-reduces (hidden-sized) are unchanged. The LLM's tp still divides the LLM's heads.
 #pragma once
 
 #include <cstdint>
@@ -48,8 +59,9 @@ enum class PlanStrategy : int8_t {
   // scored by simulation.
   DataAware = 0,
   // Megatron-LM-style data-blind baseline: one (tp, pp, dp) over all GPUs, the encoder in
-  // the first pipeline stage, uniform layers, equal-count microbatches in dataset order;
-  // the best such layout by the same simulation.
+  // the first pipeline stage (its heads padded to a multiple of tp where needed), uniform
+  // layers, equal-count microbatches in dataset order; the best such layout by the same
+  // simulation.
   DataBlindColocated = 1,
   // The reference's optimizer: disjoint GPUs, layout chosen by its closed-form estimate
   // (m + S - 1) x slowest stage on MEAN sample shapes (no all-reduce, no transfers), then
@@ -78,6 +90,12 @@ struct ModuleParams {
   double activation_bytes_per_token_layer = 0.0;       // at t = 1
   double last_stage_activation_bytes_per_token = 0.0;  // at t = 1 (fp32 logits)
   double microbatch_constant_s = 0.0;                  // per microbatch, whole module, one GPU
+  // Shares that grow with padded attention heads (see "Padded attention heads"): of the
+  // per-layer compute (QKV / output projections and the attention core), of
+  // params_per_layer, of activation_bytes_per_token_layer. 1 (everything grows) unless known.
+  double attention_compute_fraction = 1.0;
+  double attention_param_fraction = 1.0;
+  double attention_activation_fraction = 1.0;
 };
 
 // Per-sample inputs of num_batches sampled global batches of batch_size samples each,
@@ -124,7 +142,8 @@ struct ModuleLayout {
 
 struct Layout {
   bool colocated = false;  // true: the encoder runs inside the LLM's first stage
-  ModuleLayout encoder;    // colocated: tp = llm.tp, pp = dp = 1 (not a GPU set of its own)
+  ModuleLayout encoder;    // colocated: tp = llm.tp, pp = dp = 1 (not a GPU set of its own);
+                           // heads padded to a multiple of tp when tp does not divide them
   ModuleLayout llm;
   int64_t num_microbatches = 1;
 };
@@ -177,7 +196,7 @@ struct MemoryShortfall {
 };
 
 struct PlanResult {
-  std::vector<LayoutScore> best;  // up to top_k, best first
+  std::vector<LayoutScore> best;  // up to top_k, best first (MeanShapeReference: by estimate)
   PlannerStats stats;
   MemoryShortfall shortfall;  // filled when best is empty
 };
@@ -211,6 +230,9 @@ struct StepModel {
 StepModel build_step(const ClusterParams& cluster, const ModuleParams& encoder,
                      const ModuleParams& llm, const PlannerSamples& samples,
                      const PlannerOptions& options, const Layout& layout, int64_t batch);
+
+// Attention heads after padding to a multiple of tp (heads itself when tp divides them).
+int64_t padded_heads(int64_t heads, int64_t tp);
 
 // Layer counts per stage: uniform (the remainder to the first stages), or min-max over
 // stages of (layers x per_layer + first_stage_extra on the first stage + last_stage_extra

@@ -85,6 +85,25 @@ def _estimate(chars_per_token: float) -> Callable[[str], int]:
     return count
 
 
+def load_local_tokenizer(path: str | os.PathLike[str], fallback: str) -> Any:
+    """A Hugging Face tokenizer from a local folder (never downloads). ``fallback`` says
+    what to pass instead when ``transformers`` is missing."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"tokenizer folder {path!r} does not exist (give a local folder with a "
+            "Hugging Face tokenizer; nothing is downloaded)"
+        )
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            f"loading the tokenizer at {path!r} needs the 'transformers' package; "
+            f"install it or pass {fallback}"
+        ) from exc
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
 def make_text_counter(
     tokenizer: Any = None,
     *,
@@ -122,21 +141,8 @@ def make_text_counter(
             f"estimate:chars/{chars_per_token:g}", _estimate(chars_per_token), **overheads
         )
     if isinstance(tokenizer, (str, os.PathLike)):
-        path = os.fspath(tokenizer)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(
-                f"tokenizer folder {path!r} does not exist (give a local folder with a "
-                "Hugging Face tokenizer; nothing is downloaded)"
-            )
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise ImportError(
-                f"loading the tokenizer at {path!r} needs the 'transformers' package; "
-                "install it or pass tokenizer=None to use the character estimate"
-            ) from exc
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        name = path
+        name = os.fspath(tokenizer)
+        tokenizer = load_local_tokenizer(tokenizer, "tokenizer=None to use the character estimate")
     else:
         name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
     encode = getattr(tokenizer, "encode", None)

@@ -23,6 +23,13 @@ activations of ``min(S - s, m)`` microbatches in flight at stage s of the 1F1B p
 S = pp_enc + pp_llm stages: ``tokens * layers * 34 * hidden / t`` bytes (FlashAttention,
 sequence parallelism; Korthikanti et al. 2022) plus the LLM's fp32 logits on its last
 stage, for the largest bin of the sampled batches; plus ``memory_reserve_bytes``.
+
+Padded heads (colocated layouts): the encoder inside the LLM's first stage runs at the
+LLM's tp; where tp does not divide its heads (InternViT-6B: 25), they are padded to a
+multiple of tp with dummy heads, as NVLM does in Megatron-LM (25 -> 32 at TP=8). The
+padded heads cost like real ones: with ``scale = padded / actual`` heads, the encoder's
+per-layer compute, layer parameters and activations grow by ``1 + fraction * (scale - 1)``
+with the ``attention_*_fraction`` of :class:`ModuleSpec`.
 """
 
 from __future__ import annotations
@@ -124,6 +131,11 @@ class ModuleSpec:
         last_stage_activation_bytes_per_token: extra bytes per token on the last stage at
             t = 1 (the LLM's fp32 logits).
         microbatch_constant_s: per-microbatch constant time of the whole module.
+        attention_compute_fraction, attention_param_fraction,
+        attention_activation_fraction: shares of the per-layer compute, of
+            ``params_per_layer`` and of ``activation_bytes_per_token_layer`` that grow with
+            the number of attention heads (used when a colocated encoder's heads are padded
+            to a multiple of tp); 1.0 (all of it) unless known.
     """
 
     num_layers: int
@@ -135,6 +147,9 @@ class ModuleSpec:
     activation_bytes_per_token_layer: float = 0.0
     last_stage_activation_bytes_per_token: float = 0.0
     microbatch_constant_s: float = 0.0
+    attention_compute_fraction: float = 1.0
+    attention_param_fraction: float = 1.0
+    attention_activation_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "hidden_size"):
@@ -148,6 +163,14 @@ class ModuleSpec:
             "microbatch_constant_s",
         ):
             _check_number("ModuleSpec", name, getattr(self, name), positive=False)
+        for name in (
+            "attention_compute_fraction",
+            "attention_param_fraction",
+            "attention_activation_fraction",
+        ):
+            _check_number("ModuleSpec", name, getattr(self, name), positive=False)
+            if getattr(self, name) > 1.0:
+                raise ValueError(f"ModuleSpec.{name}={getattr(self, name)!r} must be <= 1")
 
     @property
     def num_params(self) -> float:
@@ -174,16 +197,27 @@ def module_specs(
     h = encoder.hidden_size
     p_in = encoder.projector_input_size or h
     p_hid = encoder.projector_hidden_size or llm.hidden_size
+    # Head-dependent parts of a ViT layer (for padded heads): per token, the QKV and output
+    # projections (8 h^2 FLOPs) and the attention core (4 h t over a tile of t tokens) of
+    # 8 h^2 + 4 h I + 4 h t; the QKV / output weights and QKV biases (4 h^2 + 3 h) of the
+    # layer's parameters; Q, K, V and the attention output (8 of 34 bytes x h per token).
+    t = float(encoder.tokens_per_unit)
+    attention_flops = 8.0 * h * h + 4.0 * h * t
+    layer_params = float(4 * h * h + 2 * h * encoder.intermediate_size + 9 * h)
     enc = ModuleSpec(
         num_layers=encoder.num_layers,
         num_heads=encoder.num_heads,
         hidden_size=h,
         # qkv + out (4 h^2), MLP (2 h I), biases and two norms.
-        params_per_layer=float(4 * h * h + 2 * h * encoder.intermediate_size + 9 * h),
+        params_per_layer=layer_params,
         first_stage_params=float(3 * encoder.patch_px**2 * h + encoder.tokens_per_unit * h),
         last_stage_params=float(p_in * p_hid + p_hid * llm.hidden_size),
         activation_bytes_per_token_layer=ACTIVATION_BYTES_PER_HIDDEN * h,
         microbatch_constant_s=float(constants[0]),
+        attention_compute_fraction=attention_flops
+        / (attention_flops + 4.0 * h * encoder.intermediate_size),
+        attention_param_fraction=float(4 * h * h + 3 * h) / layer_params,
+        attention_activation_fraction=8.0 / ACTIVATION_BYTES_PER_HIDDEN,
     )
     g = llm.hidden_size
     d = llm.resolved_head_dim

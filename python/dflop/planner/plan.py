@@ -46,6 +46,9 @@ class ModulePlan:
     """True for the encoder of a colocated layout: it has no GPUs of its own."""
     recompute: bool = False
     """Full activation recomputation (forward runs twice; only layer inputs are kept)."""
+    padded_heads: int = 0
+    """A colocated encoder whose heads tp does not divide: its heads after padding to a
+    multiple of tp with dummy heads (Megatron-LM / NVLM style); 0 when not padded."""
 
     @property
     def num_gpus(self) -> int:
@@ -83,6 +86,7 @@ class ModulePlan:
             "num_gpus": self.num_gpus,
             "colocated": self.colocated,
             "recompute": self.recompute,
+            "padded_heads": self.padded_heads,
             "layers_per_stage": list(self.layers_per_stage),
             "layer_ranges": [list(r) for r in self.layer_ranges],
             "stage_ranks": self.stage_ranks,
@@ -98,6 +102,7 @@ class ModulePlan:
             layers_per_stage=tuple(int(n) for n in data["layers_per_stage"]),
             colocated=bool(data.get("colocated", False)),
             recompute=bool(data.get("recompute", False)),
+            padded_heads=int(data.get("padded_heads", 0)),
         )
 
     def core_dict(self) -> dict[str, Any]:
@@ -181,7 +186,12 @@ class LayoutPlan:
     def describe(self) -> str:
         if self.colocated:
             blind = ", data-blind" if self.schedule == "data_blind" else ""
-            return f"colocated ({self.llm.describe()}{blind}) | m={self.num_microbatches}"
+            pad = (
+                f", enc heads padded to {self.encoder.padded_heads}"
+                if self.encoder.padded_heads
+                else ""
+            )
+            return f"colocated ({self.llm.describe()}{pad}{blind}) | m={self.num_microbatches}"
         e, g = self.encoder, self.llm
         return (
             f"enc {e.num_gpus} GPUs ({e.describe()}) | llm {g.num_gpus} GPUs ({g.describe()}) "

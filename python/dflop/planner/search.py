@@ -190,10 +190,15 @@ def _options(config: PlannerConfig, strategy: str, global_batch: int, top_k: int
     }
 
 
-def _layout_plan(raw: dict[str, Any], global_batch: int, strategy: str) -> LayoutPlan:
+def _layout_plan(
+    raw: dict[str, Any], global_batch: int, strategy: str, encoder_heads: int
+) -> LayoutPlan:
     layout = raw["layout"]
     colocated = bool(layout["colocated"])
     enc = layout["encoder"]
+    padded = 0
+    if colocated and encoder_heads % int(enc["tp"]):
+        padded = int(_core.padded_heads(encoder_heads, int(enc["tp"])))
     encoder = ModulePlan(
         tp=int(enc["tp"]),
         pp=int(enc["pp"]),
@@ -202,6 +207,7 @@ def _layout_plan(raw: dict[str, Any], global_batch: int, strategy: str) -> Layou
         layers_per_stage=tuple(int(n) for n in enc["layers_per_stage"]),
         colocated=colocated,
         recompute=bool(enc.get("recompute", False)),
+        padded_heads=padded,
     )
     g = layout["llm"]
     llm = ModulePlan(
@@ -266,7 +272,10 @@ def search_layouts(
         inputs.samples,
         _options(config, strategy, inputs.global_batch, top_k or config.top_k),
     )
-    layouts = [_layout_plan(r, inputs.global_batch, strategy) for r in raw["best"]]
+    layouts = [
+        _layout_plan(r, inputs.global_batch, strategy, inputs.encoder.num_heads)
+        for r in raw["best"]
+    ]
     return layouts, {"stats": dict(raw["stats"]), "shortfall": dict(raw["shortfall"])}
 
 
@@ -413,7 +422,7 @@ def evaluate_layout(
         _options(config, strategy, inputs.global_batch, 1),
         layout.core_dict(),
     )
-    return _layout_plan(raw, inputs.global_batch, strategy)
+    return _layout_plan(raw, inputs.global_batch, strategy, inputs.encoder.num_heads)
 
 
 def simulate_layout(

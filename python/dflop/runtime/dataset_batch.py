@@ -96,12 +96,17 @@ from dflop.data.shapes import Modality, SampleShapes
 from dflop.data.text_tokens import (
     VISUAL_PLACEHOLDERS,
     TextTokenCounter,
+    load_local_tokenizer,
     make_text_counter,
     strip_visual_placeholders,
 )
 from dflop.models.config import ModelConfig
 from dflop.models.decoder import IGNORE_INDEX
-from dflop.runtime.synthetic_batch import IMAGE_TOKEN_ID, ShapeScaler, TextInputs
+from dflop.runtime.synthetic_batch import (
+    IMAGE_TOKEN_ID,
+    PackedBatchSource,
+    ShapeScaler,
+)
 
 __all__ = [
     "ANSWER_ROLES",
@@ -190,21 +195,8 @@ def _text_encoder(tokenizer: Any, vocab_size: int) -> tuple[str, Callable[[str],
         return "bytes", encode_bytes
     name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
     if isinstance(tokenizer, (str, os.PathLike)):
-        path = os.fspath(tokenizer)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(
-                f"tokenizer folder {path!r} does not exist (give a local folder with a "
-                "Hugging Face tokenizer; nothing is downloaded)"
-            )
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise ImportError(
-                f"loading the tokenizer at {path!r} needs the 'transformers' package; "
-                "install it or pass tokenizer=None for byte-level tokens"
-            ) from exc
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        name = path
+        name = os.fspath(tokenizer)
+        tokenizer = load_local_tokenizer(tokenizer, "tokenizer=None for byte-level tokens")
     encode = getattr(tokenizer, "encode", None)
     if callable(encode):
         try:
@@ -313,7 +305,7 @@ def _anyres_canvas(image: Any, rows: int, cols: int, side: int, pil: Any) -> Any
 # --------------------------------------------------------------------------- the batch
 
 
-class DatasetBatch:
+class DatasetBatch(PackedBatchSource):
     """Tensors of one global batch of dataset records (see the module docstring).
 
     Args:
@@ -409,31 +401,6 @@ class DatasetBatch:
         if not parts:
             return torch.zeros(0, v.channels, v.image_size_px, v.image_size_px)
         return torch.cat(parts)
-
-    def text_inputs(self, sample_ids: np.ndarray | list[int]) -> TextInputs:
-        """The packed LLM inputs of ``sample_ids``, in that order."""
-        ids = [int(i) for i in sample_ids]
-        parts = [self._sample_text(i) for i in ids]
-        lens = [int(self.shapes.seq_len[i]) for i in ids]
-        cu = torch.tensor([0, *np.cumsum(lens, dtype=np.int64).tolist()], dtype=torch.long)
-        units = torch.tensor([int(self.shapes.encoder_units[i]) for i in ids], dtype=torch.long)
-        if not parts:
-            empty = torch.zeros(0, dtype=torch.long)
-            return TextInputs(empty, empty.bool(), empty, cu, units)
-        tokens, mask, labels = (torch.cat(t) for t in zip(*parts))
-        return TextInputs(tokens, mask, labels, cu, units)
-
-    def model_inputs(self, sample_ids: np.ndarray | list[int]) -> dict[str, Tensor]:
-        """Keyword arguments of ``MultimodalModel.forward`` for ``sample_ids`` packed."""
-        text = self.text_inputs(sample_ids)
-        return {
-            "pixel_values": self.pixel_values(sample_ids),
-            "unit_counts_per_sample": text.unit_counts,
-            "token_ids": text.token_ids,
-            "image_token_mask": text.image_token_mask,
-            "cu_seqlens": text.cu_seqlens,
-            "labels": text.labels,
-        }
 
     # ------------------------------------------------------------------ describing
 

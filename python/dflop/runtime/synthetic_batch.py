@@ -36,6 +36,7 @@ from dflop.models.decoder import IGNORE_INDEX
 
 __all__ = [
     "IMAGE_TOKEN_ID",
+    "PackedBatchSource",
     "SampleLayout",
     "ShapeScaler",
     "SyntheticBatch",
@@ -143,7 +144,48 @@ class TextInputs:
     """LongTensor[n]: visual units per sample."""
 
 
-class SyntheticBatch:
+class PackedBatchSource:
+    """What batch sources share: packing per-sample text into the LLM's inputs.
+
+    Subclasses provide ``shapes`` and ``_sample_text(i) -> (token_ids, image_token_mask,
+    labels)`` of one sample, plus ``pixel_values(sample_ids)``.
+    """
+
+    shapes: SampleShapes
+
+    def _sample_text(self, sample_id: int) -> tuple[Tensor, Tensor, Tensor]:
+        raise NotImplementedError
+
+    def pixel_values(self, sample_ids: np.ndarray | list[int]) -> Tensor:
+        raise NotImplementedError
+
+    def text_inputs(self, sample_ids: np.ndarray | list[int]) -> TextInputs:
+        """The packed LLM inputs of ``sample_ids``, in that order."""
+        ids = [int(i) for i in sample_ids]
+        parts = [self._sample_text(i) for i in ids]
+        lens = [int(tokens.shape[0]) for tokens, _, _ in parts]
+        cu = torch.tensor([0, *np.cumsum(lens, dtype=np.int64).tolist()], dtype=torch.long)
+        units = torch.tensor([int(self.shapes.encoder_units[i]) for i in ids], dtype=torch.long)
+        if not parts:
+            empty = torch.zeros(0, dtype=torch.long)
+            return TextInputs(empty, empty.bool(), empty, cu, units)
+        tokens, mask, labels = (torch.cat(t) for t in zip(*parts))
+        return TextInputs(tokens, mask, labels, cu, units)
+
+    def model_inputs(self, sample_ids: np.ndarray | list[int]) -> dict[str, Tensor]:
+        """Keyword arguments of ``MultimodalModel.forward`` for ``sample_ids`` packed."""
+        text = self.text_inputs(sample_ids)
+        return {
+            "pixel_values": self.pixel_values(sample_ids),
+            "unit_counts_per_sample": text.unit_counts,
+            "token_ids": text.token_ids,
+            "image_token_mask": text.image_token_mask,
+            "cu_seqlens": text.cu_seqlens,
+            "labels": text.labels,
+        }
+
+
+class SyntheticBatch(PackedBatchSource):
     """Deterministic tensors for the samples of ``shapes`` (already conformed to ``config``,
     e.g. by :class:`ShapeScaler`): ``pixel_values(ids)``, ``text_inputs(ids)``.
 
@@ -192,31 +234,6 @@ class SyntheticBatch:
         if not units:
             return torch.zeros(0, v.channels, v.image_size_px, v.image_size_px)
         return torch.cat(units)
-
-    def text_inputs(self, sample_ids: np.ndarray | list[int]) -> TextInputs:
-        """The packed LLM inputs of ``sample_ids``, in that order."""
-        ids = [int(i) for i in sample_ids]
-        parts = [self._sample_text(i) for i in ids]
-        lens = [self._layouts[i].seq_len for i in ids]
-        cu = torch.tensor([0, *np.cumsum(lens, dtype=np.int64).tolist()], dtype=torch.long)
-        units = torch.tensor([int(self.shapes.encoder_units[i]) for i in ids], dtype=torch.long)
-        if not parts:
-            empty = torch.zeros(0, dtype=torch.long)
-            return TextInputs(empty, empty.bool(), empty, cu, units)
-        tokens, mask, labels = (torch.cat(t) for t in zip(*parts))
-        return TextInputs(tokens, mask, labels, cu, units)
-
-    def model_inputs(self, sample_ids: np.ndarray | list[int]) -> dict[str, Tensor]:
-        """Keyword arguments of ``MultimodalModel.forward`` for ``sample_ids`` packed."""
-        text = self.text_inputs(sample_ids)
-        return {
-            "pixel_values": self.pixel_values(sample_ids),
-            "unit_counts_per_sample": text.unit_counts,
-            "token_ids": text.token_ids,
-            "image_token_mask": text.image_token_mask,
-            "cu_seqlens": text.cu_seqlens,
-            "labels": text.labels,
-        }
 
     def _render_units(self, sample_id: int) -> Tensor:
         """Smooth per-channel sinusoidal patterns (random frequencies and phases), so the
