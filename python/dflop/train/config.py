@@ -55,8 +55,11 @@ class TrainConfig:
         perf: performance model JSON (``dflop profile-model``) or None: profile the model
             quickly at start.
         adaptive: correct the cost model from measured microbatch times.
-        order_microbatches: put the microbatch with the lightest encoder first and the one
-            with the lightest LLM last (shrinks the pipeline's fill/drain bubbles).
+        order_microbatches: order the microbatches to shrink the pipeline's bubbles: the
+            best of a few rules (lightest encoder first / lightest LLM last; Johnson's
+            order) by the simulator, then pairwise swaps kept while the simulated step
+            shrinks.
+        order_search_passes: passes of that swap search (0: rules only).
         pair_microbatches: refine dflop's schedule for the encoder -> LLM pipeline: move
             and swap samples between microbatches so that each pairs encoder-heavy with
             LLM-heavy samples (``sum_j |E_j - L_j|`` down, no microbatch heavier than 1.05 x
@@ -100,6 +103,7 @@ class TrainConfig:
     perf: str | None = None
     adaptive: bool = True
     order_microbatches: bool = True
+    order_search_passes: int = 3
     pair_microbatches: bool = True
     lookahead: int = 2
     schedule_deadline: bool = True
@@ -128,6 +132,7 @@ class TrainConfig:
                 raise bad(name, f"an integer >= {minimum}")
 
         integer("steps", 1)
+        integer("order_search_passes", 0)
         integer("global_batch", 1, optional=True)
         integer("seed", 0)
         integer("lookahead", 1)
