@@ -299,8 +299,8 @@ def print_summary(report: Any, out: Any = None, warmup: int = 1) -> dict[str, Mo
         d, b = rows["dflop"], rows["blind"]
         print(
             f"\ndflop vs data-blind on the same steps: step time "
-            f"{100 * (1 - d.step_time_s / b.step_time_s):+.1f}% shorter, idle time "
-            f"{100 * (1 - d.idle_s / b.idle_s):+.1f}% lower, throughput "
+            f"{100 * (1 - d.step_time_s / b.step_time_s):.1f}% shorter, idle time "
+            f"{100 * (1 - d.idle_s / b.idle_s):.1f}% lower, throughput "
             f"{d.samples_per_s / b.samples_per_s:.2f}x",
             file=out,
         )
