@@ -18,6 +18,8 @@ from the assignment by one shared function in the benchmark, the same for every 
 
 from __future__ import annotations
 
+import os
+import platform
 import time
 
 import numpy as np
@@ -137,3 +139,17 @@ def cpsat_reference(
                 assignment[i] = j
                 break
     return assignment, info
+
+
+def machine_info() -> str:
+    """CPU model, core count and OS of this machine, for result tables."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} logical cores, {platform.system()} {platform.release()}"

@@ -58,21 +58,11 @@ CLUSTER = ClusterSpec(
     intra_node_bandwidth_bytes_per_s=300e9,
     inter_node_bandwidth_bytes_per_s=25e9,
 )
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import baselines  # noqa: E402
+
 IDLE_TARGET = 0.15
 TOP_K = 10  # layouts kept per method, for the held-out memory fallback
-
-
-def machine_info() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} logical cores, {platform.system()} {platform.release()}"
 
 
 def run_setting(encoder: str, llm: str, args: argparse.Namespace) -> dict:
@@ -166,7 +156,7 @@ def render(
         "",
         f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; total run "
         f"time {total_s:.0f} s",
-        f"- Machine: {machine_info()} (planning times only; everything else is simulated)",
+        f"- Machine: {baselines.machine_info()} (planning times only; everything else is simulated)",
         f"- Python {platform.python_version()}, numpy {np.__version__}, dflop {dflop.__version__}",
         f"- Simulated cluster: {CLUSTER.num_gpus} A100-80GB, {CLUSTER.gpus_per_node} per node, "
         "312 TFLOP/s bf16 at 40% MFU (`AnalyticCostModel`), NVLink 300 GB/s, IB 25 GB/s per "

@@ -267,19 +267,6 @@ def fmt_ms(x: float | None) -> str:
     return f"{x:.3g}" if x < 100 else f"{x:,.0f}"
 
 
-def machine_info() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} logical cores, {platform.system()} {platform.release()}"
-
-
 def render(results: list[dict], args: argparse.Namespace, command: str, total_s: float) -> str:
     ref = f"CP-SAT {reference_limit(args):g} s" if args.cpsat_limits else "CP-SAT"
     try:
@@ -293,7 +280,7 @@ def render(results: list[dict], args: argparse.Namespace, command: str, total_s:
         "",
         f"- Date: {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}; "
         f"total run time {total_s / 60:.1f} min",
-        f"- Machine: {machine_info()}; 1-min load average {args.load_start:.1f} at the start, "
+        f"- Machine: {baselines.machine_info()}; 1-min load average {args.load_start:.1f} at the start, "
         f"{os.getloadavg()[0]:.1f} at the end (shared, noisy: compare rows of the same run)",
         f"- Python {platform.python_version()}, numpy {np.__version__}, dflop {dflop.__version__}, "
         f"ortools {ortools_version}; CP-SAT with num_workers={args.cpsat_workers}",

@@ -402,6 +402,21 @@ def _config_dict(config: Any) -> dict[str, Any]:
     return asdict(config)
 
 
+def _layout_args(
+    cluster: ClusterSpec, inputs: PlannerInputs, layout: LayoutPlan, config: PlannerConfig
+) -> tuple[str, tuple[Any, ...]]:
+    """The scheduling strategy of ``layout`` and the core's arguments to evaluate it."""
+    strategy = "data_blind" if layout.schedule == "data_blind" else "data_aware"
+    return strategy, (
+        cluster.to_dict(),
+        inputs.encoder.to_dict(),
+        inputs.llm.to_dict(),
+        inputs.samples,
+        _options(config, strategy, inputs.global_batch, 1),
+        layout.core_dict(),
+    )
+
+
 def evaluate_layout(
     cluster: ClusterSpec,
     inputs: PlannerInputs,
@@ -413,15 +428,8 @@ def evaluate_layout(
     Raises:
         dflop.InfeasibleError: (a ValueError) the layout does not fit in memory.
     """
-    strategy = "data_blind" if layout.schedule == "data_blind" else "data_aware"
-    raw = _core.evaluate_layout(
-        cluster.to_dict(),
-        inputs.encoder.to_dict(),
-        inputs.llm.to_dict(),
-        inputs.samples,
-        _options(config, strategy, inputs.global_batch, 1),
-        layout.core_dict(),
-    )
+    strategy, args = _layout_args(cluster, inputs, layout, config)
+    raw = _core.evaluate_layout(*args)
     return _layout_plan(raw, inputs.global_batch, strategy, inputs.encoder.num_heads)
 
 
@@ -441,16 +449,8 @@ def simulate_layout(
     """
     from dflop.simulator import simulate_pipeline
 
-    strategy = "data_blind" if layout.schedule == "data_blind" else "data_aware"
-    step = _core.build_step(
-        cluster.to_dict(),
-        inputs.encoder.to_dict(),
-        inputs.llm.to_dict(),
-        inputs.samples,
-        _options(config, strategy, inputs.global_batch, 1),
-        layout.core_dict(),
-        int(batch),
-    )
+    _, args = _layout_args(cluster, inputs, layout, config)
+    step = _core.build_step(*args, int(batch))
     num_links = step["forward_s"].shape[1] - 1
     return simulate_pipeline(
         step["forward_s"],
