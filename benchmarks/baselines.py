@@ -26,6 +26,7 @@ import numpy as np
 
 __all__ = [
     "CPSAT_RESOLUTION",
+    "write_section",
     "cpsat_available",
     "cpsat_reference",
     "data_blind_split",
@@ -153,3 +154,21 @@ def machine_info() -> str:
     except OSError:
         pass
     return f"{model}, {os.cpu_count()} logical cores, {platform.system()} {platform.release()}"
+
+
+def write_section(path: str, name: str, body: str, heading: str) -> None:
+    """Replace the text between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` in the
+    markdown file ``path`` by ``body``; append ``heading`` and a new section if absent."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    text = "# Benchmarks\n"
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    section = f"{start}\n{body.rstrip(chr(10))}\n{end}"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + section + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + f"\n\n{heading}\n\n" + section + "\n"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)

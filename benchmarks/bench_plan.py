@@ -30,7 +30,6 @@ import argparse
 import datetime
 import os
 import platform
-import re
 import sys
 import time
 
@@ -279,23 +278,6 @@ def render(
     return "\n".join(lines)
 
 
-def write_markdown(path: str, body: str) -> None:
-    start, end = "<!-- bench_plan:start -->", "<!-- bench_plan:end -->"
-    text = "# Benchmarks\n"
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    section = f"{start}\n{body}\n{end}"
-    if start in text and end in text:
-        text = re.sub(
-            re.escape(start) + ".*?" + re.escape(end), lambda _: section, text, flags=re.S
-        )
-    else:
-        text = text.rstrip("\n") + "\n\n## `bench_plan.py`\n\n" + section + "\n"
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--global-batch", type=int, default=256)
@@ -315,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     body = render(rows, big, args, time.perf_counter() - start)
     print(body)
     if args.markdown:
-        write_markdown(args.markdown, body)
+        baselines.write_section(args.markdown, "bench_plan", body, "## `bench_plan.py`")
     return 0
 
 

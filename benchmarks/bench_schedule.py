@@ -33,9 +33,6 @@ import baselines  # noqa: E402
 import dflop  # noqa: E402
 from dflop.data import synthetic_costs  # noqa: E402
 
-MARK_START = "<!-- bench_schedule:start -->"
-MARK_END = "<!-- bench_schedule:end -->"
-
 SIZES = {"256x32": (256, 32), "1024x64": (1024, 64), "65536x1024": (65536, 1024)}
 """Name -> (samples, bins)."""
 
@@ -335,22 +332,6 @@ def render(results: list[dict], args: argparse.Namespace, command: str, total_s:
     return "\n".join(lines) + "\n"
 
 
-def write_markdown(path: str, section: str) -> None:
-    text = ""
-    if os.path.exists(path):
-        with open(path) as f:
-            text = f.read()
-    block = f"{MARK_START}\n{section}{MARK_END}"
-    if MARK_START in text and MARK_END in text:
-        head, rest = text.split(MARK_START, 1)
-        tail = rest.split(MARK_END, 1)[1]
-        text = head + block + tail
-    else:
-        text = text.rstrip("\n") + ("\n\n" if text else "") + block + "\n"
-    with open(path, "w") as f:
-        f.write(text)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -411,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     section = render(results, args, command, time.perf_counter() - start)
     print(section)
     if args.markdown:
-        write_markdown(args.markdown, section)
+        baselines.write_section(args.markdown, "bench_schedule", section, "## `bench_schedule.py`")
         print(f"wrote the table into {args.markdown}", file=sys.stderr)
     return 0
 

@@ -2,7 +2,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <cmath>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -28,11 +27,7 @@ py::dict balance_py(const py::array_t<double, py::array::c_style | py::array::fo
   if (capacity) options.capacity = std::move(*capacity);
   options.seed = seed;
   if (time_budget_ms) options.work_budget = work_budget_for_ms(*time_budget_ms);
-  if (time_limit_s) {
-    if (!(*time_limit_s >= 0) || !std::isfinite(*time_limit_s))
-      throw py::value_error("time_limit_s must be a finite number >= 0");
-    options.time_limit_s = *time_limit_s;
-  }
+  options.time_limit_s = time_limit_or_none(time_limit_s);
   const double* data = costs.data();
   BalanceResult result;
   {

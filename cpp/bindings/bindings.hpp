@@ -3,6 +3,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <cmath>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -16,9 +18,18 @@ pybind11::array_t<T> to_numpy(std::vector<T>&& v, std::vector<pybind11::ssize_t>
   return pybind11::array_t<T>(shape, owned->data(), free_when_done);
 }
 
+// A search's optional wall-clock limit: None -> -1 (none), else finite and >= 0.
+inline double time_limit_or_none(std::optional<double> time_limit_s) {
+  if (!time_limit_s) return -1.0;
+  if (!(*time_limit_s >= 0) || !std::isfinite(*time_limit_s))
+    throw pybind11::value_error("time_limit_s must be a finite number >= 0");
+  return *time_limit_s;
+}
+
 void register_balance(pybind11::module_& m);
 void register_simulator(pybind11::module_& m);
 void register_planner(pybind11::module_& m);
 void register_routing(pybind11::module_& m);
+void register_pipeline_schedule(pybind11::module_& m);
 
 }  // namespace dflop::bindings

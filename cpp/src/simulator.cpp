@@ -1,14 +1,10 @@
-// Pipeline step simulator. Each stage runs its fixed action order, so an action's start
-// time depends only on its stage's previous action and on its input's arrival: the
-// simulation advances each stage as far as its inputs allow and wakes the neighbour that
-// a finished action sends to (a worklist instead of a global clock; the times are the
-// same as a time-ordered event loop's, and the cost is linear in the number of actions).
+// Pipeline step simulator: validation, the 1F1B / GPipe action orders, and the step of
+// several replicas (each simulated by detail::ReplicaSimulator) with their all-reduces.
 #include "dflop/simulator.hpp"
 
 #include <algorithm>
 #include <cctype>
 #include <cmath>
-#include <deque>
 #include <limits>
 #include <sstream>
 #include <stdexcept>
@@ -17,11 +13,10 @@
 #include <utility>
 
 #include "dflop/errors.hpp"
+#include "replica_simulator.hpp"
 
 namespace dflop {
 namespace {
-
-constexpr double kUnknown = std::numeric_limits<double>::quiet_NaN();
 
 std::string fmt(double v) {
   std::ostringstream s;
@@ -169,106 +164,30 @@ PipelineSimResult simulate_pipeline(const PipelineSimInput& in) {
   validate_pipeline_input(in);
   const int64_t num_replicas = in.num_replicas, num_stages = in.num_stages, m = in.num_microbatches,
                 num_links = num_stages - 1;
-  std::vector<std::vector<PipelineAction>> orders;
-  orders.reserve(static_cast<size_t>(num_stages));
-  for (int64_t s = 0; s < num_stages; ++s) {
-    orders.push_back(pipeline_actions(in.schedule, num_stages, m, s));
-  }
-
   PipelineSimResult out;
   const size_t grid = static_cast<size_t>(num_replicas * num_stages);
   out.compute_end_s.assign(grid, 0.0);
   out.busy_s.assign(grid, 0.0);
   out.idle_s.assign(grid, 0.0);
-  const size_t num_sends = static_cast<size_t>(2 * num_replicas * num_links * m);
   if (in.record_events) {
-    out.events.reserve(static_cast<size_t>(2 * num_replicas * num_stages * m) + num_sends +
+    out.events.reserve(static_cast<size_t>(4 * num_replicas * num_stages * m) +
                        (in.allreduce_s.empty() ? 0 : grid));
   }
-
-  // Per replica state, reused: arrival time of each stage's inputs (NaN = not yet sent).
-  std::vector<double> fwd_arrival(static_cast<size_t>(num_stages * m));
-  std::vector<double> bwd_arrival(static_cast<size_t>(num_stages * m));
-  std::vector<double> stage_free_s(static_cast<size_t>(num_stages));
-  std::vector<size_t> next_action(static_cast<size_t>(num_stages));
-  std::vector<double> link_fwd_free_s(static_cast<size_t>(num_links));
-  std::vector<double> link_bwd_free_s(static_cast<size_t>(num_links));
-  std::vector<char> queued(static_cast<size_t>(num_stages));
-  std::deque<int64_t> worklist;
-
+  detail::ReplicaSimulator replica(in.schedule, num_stages, m);
   for (int64_t r = 0; r < num_replicas; ++r) {
-    std::fill(fwd_arrival.begin(), fwd_arrival.end(), kUnknown);
-    std::fill(bwd_arrival.begin(), bwd_arrival.end(), kUnknown);
-    std::fill(stage_free_s.begin(), stage_free_s.end(), 0.0);
-    std::fill(next_action.begin(), next_action.end(), size_t{0});
-    std::fill(link_fwd_free_s.begin(), link_fwd_free_s.end(), 0.0);
-    std::fill(link_bwd_free_s.begin(), link_bwd_free_s.end(), 0.0);
-    std::fill(queued.begin(), queued.end(), char{1});
-    worklist.clear();
-    for (int64_t s = 0; s < num_stages; ++s) worklist.push_back(s);
-
-    // Sends microbatch k's tensor from stage `from` over `link`; returns the arrival.
-    auto send = [&](int64_t from, int64_t to, int64_t k, double ready_s) {
-      const int64_t link = std::min(from, to);
-      const double bytes =
-          in.activation_bytes.empty()
-              ? 0.0
-              : in.activation_bytes[static_cast<size_t>((r * num_links + link) * m + k)];
-      const double bandwidth = in.link_bandwidth_bytes_per_s[static_cast<size_t>(link)];
-      double& link_free_s = (to > from ? link_fwd_free_s : link_bwd_free_s)[link];
-      const double start_s = std::max(ready_s, link_free_s);
-      link_free_s = start_s + bytes / bandwidth;
-      const double arrival_s = link_free_s + in.link_latency_s[static_cast<size_t>(link)];
-      if (in.record_events) {
-        out.events.push_back({r, from, EventKind::Send, k, to, start_s, arrival_s});
-      }
-      if (!queued[to]) {
-        queued[to] = 1;
-        worklist.push_back(to);
-      }
-      return arrival_s;
-    };
-
-    while (!worklist.empty()) {
-      const int64_t s = worklist.front();
-      worklist.pop_front();
-      queued[s] = 0;
-      const auto& order = orders[static_cast<size_t>(s)];
-      while (next_action[s] < order.size()) {
-        const PipelineAction action = order[next_action[s]];
-        const int64_t k = action.microbatch;
-        const size_t sk = static_cast<size_t>(s * m + k);
-        // The first stage's forwards and the last stage's backwards (whose forward came
-        // earlier in this stage's order) have no input to wait for.
-        double input_s = 0.0;
-        if (action.is_forward && s > 0) input_s = fwd_arrival[sk];
-        if (!action.is_forward && s < num_stages - 1) input_s = bwd_arrival[sk];
-        if (std::isnan(input_s)) break;  // woken again when the input is sent
-        const size_t rsk = static_cast<size_t>((r * num_stages + s) * m + k);
-        const double duration_s = action.is_forward ? in.forward_s[rsk] : in.backward_s[rsk];
-        const double start_s = std::max(stage_free_s[s], input_s);
-        const double end_s = start_s + duration_s;
-        stage_free_s[s] = end_s;
-        out.busy_s[static_cast<size_t>(r * num_stages + s)] += duration_s;
-        if (in.record_events) {
-          out.events.push_back({r, s, action.is_forward ? EventKind::Forward : EventKind::Backward,
-                                k, -1, start_s, end_s});
-        }
-        ++next_action[s];
-        if (action.is_forward && s < num_stages - 1) {
-          fwd_arrival[static_cast<size_t>((s + 1) * m + k)] = send(s, s + 1, k, end_s);
-        } else if (!action.is_forward && s > 0) {
-          bwd_arrival[static_cast<size_t>((s - 1) * m + k)] = send(s, s - 1, k, end_s);
-        }
-      }
-    }
+    const size_t offset = static_cast<size_t>(r * num_stages * m);
+    const double* bytes = in.activation_bytes.empty()
+                              ? nullptr
+                              : in.activation_bytes.data() + static_cast<size_t>(r * num_links * m);
+    replica.run(
+        in.forward_s.data() + offset, in.backward_s.data() + offset, in.link_latency_s.data(),
+        in.link_bandwidth_bytes_per_s.data(), bytes,
+        [&](int64_t stage, EventKind kind, int64_t k, int64_t peer, double start_s, double end_s) {
+          if (in.record_events) out.events.push_back({r, stage, kind, k, peer, start_s, end_s});
+        });
     for (int64_t s = 0; s < num_stages; ++s) {
-      // Unreachable for the schedules above (each is deadlock-free); guards future ones.
-      if (next_action[s] != orders[static_cast<size_t>(s)].size()) {
-        throw std::logic_error("pipeline simulation deadlocked at replica " + std::to_string(r) +
-                               ", stage " + std::to_string(s));
-      }
-      out.compute_end_s[static_cast<size_t>(r * num_stages + s)] = stage_free_s[s];
+      out.compute_end_s[static_cast<size_t>(r * num_stages + s)] = replica.stage_end_s()[s];
+      out.busy_s[static_cast<size_t>(r * num_stages + s)] = replica.busy_s()[s];
     }
   }
 

@@ -1,5 +1,6 @@
 """dflop: data-driven planning and per-step scheduling for multimodal LLM training."""
 
+from dflop.pipeline_scheduler import PipelineModel, pipeline_schedule
 from dflop.scheduler import (
     InfeasibleError,
     Schedule,
@@ -12,9 +13,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "InfeasibleError",
+    "PipelineModel",
     "Schedule",
     "__version__",
     "data_blind_schedule",
+    "pipeline_schedule",
     "schedule",
     "schedule_from_assignment",
 ]

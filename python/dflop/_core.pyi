@@ -20,6 +20,36 @@ def balance(
 def default_work_budget(num_items: int, num_bins: int, num_dims: int) -> int: ...
 def work_budget_for_ms(time_budget_ms: float) -> int: ...
 
+# Pipeline-aware refinement (dflop.pipeline_schedule).
+def pipeline_schedule(
+    costs: np.ndarray,
+    start_assignment: Sequence[int],
+    num_microbatches: int,
+    dp_size: int,
+    microbatch_dims: Sequence[int],
+    stages: Sequence[int],
+    forward_fraction: Sequence[float],
+    microbatch_constant_s: Sequence[float],
+    link_latency_s: float,
+    capacity: Sequence[float] | None,
+    max_growth: float,
+    seed: int,
+    time_budget_ms: float | None,
+    time_limit_s: float | None,
+) -> dict[str, Any]: ...
+def simulated_step_time(
+    costs: np.ndarray,
+    assignment: Sequence[int],
+    num_microbatches: int,
+    dp_size: int,
+    microbatch_dims: Sequence[int],
+    stages: Sequence[int],
+    forward_fraction: Sequence[float],
+    microbatch_constant_s: Sequence[float],
+    link_latency_s: float,
+) -> float: ...
+def pipeline_work_budget_for_ms(time_budget_ms: float) -> int: ...
+
 # Pipeline simulator (dflop.simulator).
 def simulate_pipeline(
     forward_s: np.ndarray,

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from dflop.pipeline_scheduler import PipelineModel, pipeline_schedule
 from dflop.scheduler import Schedule, schedule
 
 __all__ = ["AsyncScheduler"]
@@ -31,6 +32,7 @@ class _Job:
     step: int
     costs: np.ndarray
     deadline: float | None  # time.monotonic() by which the schedule must exist
+    pipeline: PipelineModel | None
     result: Schedule | None = None
     error: BaseException | None = None
     started: bool = False
@@ -43,6 +45,9 @@ class AsyncScheduler:
     Args:
         num_microbatches, dp_size, microbatch_dims, capacity, seed, time_budget_ms: as for
             :func:`dflop.schedule`, used for every step (the seed is offset by the step).
+        pipeline: if given, every schedule is refined for this module pipeline by
+            :func:`dflop.pipeline_schedule` (with ``max_growth``) in the background thread;
+            :meth:`submit` can override it per step (e.g. with re-calibrated constants).
         lookahead: at most this many submitted steps wait unconsumed; :meth:`submit`
             blocks (the data producer, not training, waits) beyond it.
 
@@ -59,6 +64,8 @@ class AsyncScheduler:
         seed: int = 0,
         time_budget_ms: float | None = None,
         lookahead: int = 2,
+        pipeline: PipelineModel | None = None,
+        max_growth: float = 1.05,
     ) -> None:
         if lookahead < 1:
             raise ValueError(f"lookahead must be >= 1, got {lookahead}")
@@ -70,6 +77,8 @@ class AsyncScheduler:
             time_budget_ms=time_budget_ms,
         )
         self._seed = seed
+        self._pipeline = pipeline
+        self._max_growth = max_growth
         self._lookahead = lookahead
         self._jobs: dict[int, _Job] = {}
         self._order: list[int] = []
@@ -80,8 +89,15 @@ class AsyncScheduler:
         self._thread.start()
 
     # ---- producer side -------------------------------------------------------------
-    def submit(self, step: int, costs: Any, deadline_s: float | None = None) -> None:
-        """Queue ``step``'s costs; ``deadline_s`` seconds from now its schedule must exist."""
+    def submit(
+        self,
+        step: int,
+        costs: Any,
+        deadline_s: float | None = None,
+        pipeline: PipelineModel | None = None,
+    ) -> None:
+        """Queue ``step``'s costs; ``deadline_s`` seconds from now its schedule must exist.
+        ``pipeline``: this step's pipeline model (default: the constructor's)."""
         array = np.asarray(costs, dtype=np.float64)
         deadline = None if deadline_s is None else time.monotonic() + float(deadline_s)
         with self._cond:
@@ -91,7 +107,13 @@ class AsyncScheduler:
                 raise ValueError(f"step {step} was already submitted")
             while len(self._jobs) >= self._lookahead and not self._closed:
                 self._cond.wait()
-            job = _Job(step=step, costs=array, deadline=deadline, done=threading.Event())
+            job = _Job(
+                step=step,
+                costs=array,
+                deadline=deadline,
+                pipeline=pipeline or self._pipeline,
+                done=threading.Event(),
+            )
             self._jobs[step] = job
             self._order.append(step)
             self._cond.notify_all()
@@ -140,9 +162,18 @@ class AsyncScheduler:
             kwargs = dict(self._kwargs)
             if time_budget_ms is not None:
                 kwargs["time_budget_ms"] = time_budget_ms
-            job.result = schedule(
-                job.costs, seed=self._seed + job.step, time_limit_s=time_limit_s, **kwargs
-            )
+            seed = self._seed + job.step
+            if job.pipeline is None:
+                job.result = schedule(job.costs, seed=seed, time_limit_s=time_limit_s, **kwargs)
+            else:
+                job.result = pipeline_schedule(
+                    job.costs,
+                    pipeline=job.pipeline,
+                    max_growth=self._max_growth,
+                    seed=seed,
+                    time_limit_s=time_limit_s,
+                    **kwargs,
+                )
         except BaseException as error:  # reported to the consumer in get()
             job.error = error
         finally:

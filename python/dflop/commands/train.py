@@ -42,6 +42,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--perf", default=None, help="performance model JSON (default: quick profile)")
     p.add_argument("--no-adaptive", action="store_true", help="no online cost-model correction")
+    p.add_argument(
+        "--no-pipeline-schedule",
+        action="store_true",
+        help="balanced schedule only, not refined for the encoder -> LLM pipeline",
+    )
+    p.add_argument(
+        "--max-growth",
+        type=float,
+        default=1.05,
+        help="pipeline refinement: microbatch load bound, x the balanced makespan",
+    )
     p.add_argument("--mix", default=None, help="synthetic mix JSON, e.g. '{\"text\": 0.4, ...}'")
     p.add_argument("--scaler", default=None, help="ShapeScaler arguments as JSON")
     p.add_argument("--checkpoint-dir", default=None, help="save here; resume from here")
@@ -89,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
         schedule=args.schedule,
         perf=args.perf,
         adaptive=not args.no_adaptive,
+        pipeline_schedule=not args.no_pipeline_schedule,
+        max_growth=args.max_growth,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         trace=args.trace,

@@ -5,7 +5,8 @@ Each rank runs exactly ``pipeline_actions(schedule, S, m, global_stage)`` (the o
 simulator models), where S = encoder stages + LLM stages. Per action:
 
 - forward of microbatch j: receive the stage input (pixels from the batch source on the
-  first encoder stage; hidden states from the previous stage of the same replica; on the
+  first encoder stage, read for the whole step before its clock starts, as a data
+  loader's prefetch would; hidden states from the previous stage of the same replica; on the
   first LLM stage, token embeddings merged with the visual features that the bridge
   brings from the encoder replicas), run the stage, send the output on (or, on the last
   LLM stage, compute ``sum_loss / global target tokens``);
@@ -24,6 +25,11 @@ plans disagree, instead of corrupting or hanging.
 
 Sends are non-blocking (``isend``) and awaited at the end of the step: 1F1B needs that
 (a stage posts forward j+1 while its successor is still sending the gradient of j).
+Receives are posted one action ahead: before computing action i, a rank posts the
+receive that action i + 1 will wait for, so the message lands while it computes instead
+of after (gloo moves data only into a posted buffer; a late receive costs a round trip
+of the peers' transport threads, milliseconds on busy CPU cores). Debug mode receives at
+the point of use, so that its header checks stay in order.
 After the last backward, gradients are summed over the module's DP group; since every
 microbatch loss is already divided by the global target count, the result equals the
 single-process gradient of (sum of all losses / global target tokens).
@@ -104,8 +110,7 @@ class ActionTiming:
     """When its inputs had arrived and compute began."""
     end_s: float
     wait_s: float
-    """Seconds before ``start_s`` spent waiting for its inputs (receives; on first stages
-    also fetching the batch source's tensors)."""
+    """Seconds before ``start_s`` spent waiting for its inputs (receives)."""
 
     @property
     def duration_s(self) -> float:
@@ -203,6 +208,50 @@ class _Sent:
         self.work.wait()
 
 
+class _Prefetched:
+    """A rank's inputs of one step, read from the batch source before the step's clock
+    starts, as a data loader's prefetch would: rendering or decoding them is then not on
+    the pipeline's critical path. Same interface as the batch source."""
+
+    def __init__(
+        self, batch: BatchSource, shares: list[np.ndarray], *, pixels: bool, device: torch.device
+    ) -> None:
+        self.batch = batch
+        self.device = device
+        self._pixels: dict[tuple[int, ...], Tensor] = {}
+        self._text: dict[tuple[int, ...], TextInputs] = {}
+        for ids in shares:
+            if pixels:
+                self._pixels[_key(ids)] = batch.pixel_values(ids).to(device)
+            else:
+                self._text[_key(ids)] = batch.text_inputs(ids)
+
+    def pixel_values(self, sample_ids: np.ndarray) -> Tensor:
+        found = self._pixels.pop(_key(sample_ids), None)  # used once: free it early
+        return found if found is not None else self.batch.pixel_values(sample_ids).to(self.device)
+
+    def text_inputs(self, sample_ids: np.ndarray) -> TextInputs:
+        found = self._text.get(_key(sample_ids))
+        return found if found is not None else self.batch.text_inputs(sample_ids)
+
+
+def _key(sample_ids: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(i) for i in sample_ids)
+
+
+@dataclass
+class _Receiving:
+    """A stage-to-stage receive in flight; ``wait()`` returns the filled buffer."""
+
+    work: Any
+    buffer: Tensor
+    requires_grad: bool
+
+    def wait(self) -> Tensor:
+        self.work.wait()
+        return self.buffer.requires_grad_(self.requires_grad)
+
+
 @dataclass
 class _InFlight:
     """What a forward keeps for its backward."""
@@ -262,6 +311,7 @@ class PipelineEngine:
                 topology, hidden, self.dtype, device=self.device, debug=debug
             )
         self._pending: list[Any] = []  # sends in flight (waited for at the end of the step)
+        self._posted: dict[tuple[bool, int], Any] = {}  # receives posted ahead of their action
 
     # ------------------------------------------------------------------ step
 
@@ -277,6 +327,9 @@ class PipelineEngine:
             )
         self.stage.zero_grad(set_to_none=True)
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        batch = _Prefetched(
+            batch, self._input_ids(plan), pixels=self.is_encoder, device=self.device
+        )
         clock = self.clock = _Clock(self.device)
         stamps: list[tuple[str, int, Any, Any, Any]] = []
         in_flight: dict[int, _InFlight] = {}
@@ -286,8 +339,11 @@ class PipelineEngine:
             plan.num_microbatches,
             self.info.global_stage,
         )
-        for is_forward, j in actions:
+        for i, (is_forward, j) in enumerate(actions):
             mb = plan.microbatches[j]
+            if i + 1 < len(actions) and not self.debug:
+                next_forward, next_j = actions[i + 1]
+                self._post(next_forward, plan.microbatches[next_j])
             arrive = clock.mark()
             if not is_forward:
                 start = self._backward(mb, in_flight.pop(j))
@@ -344,16 +400,14 @@ class PipelineEngine:
                 self._bridge_send_features(mb, self._empty_rows())
             return state, None
         if self.info.is_first_stage:
-            x = batch.pixel_values(share.sample_ids).to(self.device)
+            x = batch.pixel_values(share.sample_ids)
             if x.shape[0] != share.units:
                 raise ValueError(
                     f"microbatch {mb.index}: the batch source gave {x.shape[0]} units for "
                     f"{share.units} in the StepPlan"
                 )
         else:
-            vision = self.stage.vision_config
-            shape = (share.units, vision.tokens_per_unit, vision.hidden)
-            x = state.stage_input = self._recv(shape, self.info.prev_rank, mb.index, kind=0)
+            x = state.stage_input = self._received(True, mb)
         start = self.clock.mark()
         state.output = self.stage(x)
         if self.info.is_last_stage:  # projected features [rows, llm hidden]: over the bridge
@@ -372,7 +426,7 @@ class PipelineEngine:
         if self.info.is_first_stage:
             # Called even for zero rows, to keep the bridge's debug headers in step.
             if self.bridge is not None:  # TP rank 0
-                features = self.bridge.recv_features(mb.index, mb.routing, as_tensor=True)
+                features = self._received(True, mb)
             if self.tp_size > 1 and share.visual_rows > 0:
                 shape = (share.visual_rows, self.stage.config.hidden)
                 features = self._tp_broadcast(features, shape)
@@ -391,8 +445,7 @@ class PipelineEngine:
                 state.visual_features = features
                 x = merge_visual_features(x, text.image_token_mask, features)
         else:
-            shape = (share.tokens, self.stage.config.hidden)
-            x = state.stage_input = self._recv(shape, self.info.prev_rank, mb.index, kind=0)
+            x = state.stage_input = self._received(True, mb)
             start = self.clock.mark()
         if not self.info.is_last_stage:
             state.output = self.stage.hidden_states(x, cu_seqlens)
@@ -429,7 +482,7 @@ class PipelineEngine:
             # Called even for an empty share, to keep the bridge's debug headers in step.
             grad = None
             if self.bridge is not None:  # TP rank 0
-                grad = self.bridge.recv_grads(mb.index, mb.routing, as_tensor=True)
+                grad = self._received(False, mb)
             if self.tp_size > 1 and state.output is not None:
                 grad = self._tp_broadcast(grad, tuple(state.output.shape))
         if state.output is not None:  # else an empty share: its forward did nothing either
@@ -438,8 +491,7 @@ class PipelineEngine:
             elif self.info.is_last_stage:
                 grad = None  # the loss is a scalar: backward starts from 1
             else:
-                shape = tuple(state.output.shape)
-                grad = self._recv(shape, self.info.next_rank, mb.index, kind=1)
+                grad = self._received(False, mb)
             start = self.clock.mark()
             torch.autograd.backward(state.output, grad)
             if state.stage_input is not None:
@@ -466,6 +518,64 @@ class PipelineEngine:
     def _empty_rows(self) -> Tensor:
         return torch.empty(0, self.bridge.hidden_size, dtype=self.dtype, device=self.device)
 
+    def _input_ids(self, plan: StepPlan) -> list[np.ndarray]:
+        """The sample ids of every microbatch share this rank reads from the batch source:
+        pixels on the first encoder stage, tokens and labels on first and last LLM stages."""
+        info = self.info
+        if self.is_encoder and not info.is_first_stage:
+            return []
+        if not self.is_encoder and not (info.is_first_stage or info.is_last_stage):
+            return []
+        shares = [
+            mb.encoder[info.dp_rank] if self.is_encoder else mb.llm[info.dp_rank]
+            for mb in plan.microbatches
+        ]
+        return [share.sample_ids for share in shares if not share.is_empty]
+
+    # ------------------------------------------------------------------ receives
+
+    def _post(self, is_forward: bool, mb: MicrobatchPlan) -> None:
+        """Post the receive that action ``(is_forward, mb)`` will wait for, if any."""
+        key = (is_forward, mb.index)
+        if key not in self._posted:
+            handle = self._receive(is_forward, mb)
+            if handle is not None:
+                self._posted[key] = handle
+
+    def _received(self, is_forward: bool, mb: MicrobatchPlan) -> Tensor:
+        """The input of action ``(is_forward, mb)``: its posted receive, or one posted now."""
+        handle = self._posted.pop((is_forward, mb.index), None)
+        if handle is None:
+            handle = self._receive(is_forward, mb)
+        return handle.wait()
+
+    def _receive(self, is_forward: bool, mb: MicrobatchPlan) -> Any:
+        """A handle (``.wait()`` -> tensor) on the message action ``(is_forward, mb)``
+        consumes, or None if it consumes none. Shapes come from the StepPlan."""
+        info = self.info
+        if self.is_encoder:
+            share = mb.encoder[info.dp_rank]
+            if not is_forward and info.is_last_stage:
+                if self.bridge is None:  # TP rank > 0: the gradient comes by broadcast
+                    return None
+                return self.bridge.recv_grads(mb.index, mb.routing, as_tensor=True, wait=False)
+            if share.is_empty or (is_forward and info.is_first_stage):
+                return None
+            vision = self.stage.vision_config
+            shape: tuple[int, ...] = (share.units, vision.tokens_per_unit, vision.hidden)
+        else:
+            share = mb.llm[info.dp_rank]
+            if is_forward and info.is_first_stage:
+                if self.bridge is None:
+                    return None
+                return self.bridge.recv_features(mb.index, mb.routing, as_tensor=True, wait=False)
+            if share.is_empty or (not is_forward and info.is_last_stage):
+                return None
+            shape = (share.tokens, self.stage.config.hidden)
+        if is_forward:
+            return self._recv(shape, info.prev_rank, mb.index, kind=0)
+        return self._recv(shape, info.next_rank, mb.index, kind=1)
+
     # ------------------------------------------------------------------ p2p within a module
 
     @staticmethod
@@ -485,12 +595,12 @@ class PipelineEngine:
             _Sent(dist.isend(tensor, dst, tag=self._tag(microbatch, kind, False)), tensor)
         )
 
-    def _recv(self, shape: Sequence[int], src: int, microbatch: int, kind: int) -> Tensor:
+    def _recv(self, shape: Sequence[int], src: int, microbatch: int, kind: int) -> _Receiving:
         if self.debug:
             self._check_header(tuple(shape), src, microbatch, kind)
         buffer = torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
-        dist.irecv(buffer, src, tag=self._tag(microbatch, kind, False)).wait()
-        return buffer.requires_grad_(kind == 0)
+        work = dist.irecv(buffer, src, tag=self._tag(microbatch, kind, False))
+        return _Receiving(work, buffer, requires_grad=kind == 0)
 
     def _header(self, shape: tuple[int, ...], microbatch: int, kind: int) -> Tensor:
         dims = list(shape) + [-1] * (_HEADER_DIMS - len(shape))

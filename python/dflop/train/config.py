@@ -55,15 +55,12 @@ class TrainConfig:
         perf: performance model JSON (``dflop profile-model``) or None: profile the model
             quickly at start.
         adaptive: correct the cost model from measured microbatch times.
-        order_microbatches: order the microbatches to shrink the pipeline's bubbles: the
-            best of a few rules (lightest encoder first / lightest LLM last; Johnson's
-            order) by the simulator, then pairwise swaps kept while the simulated step
-            shrinks.
-        order_search_passes: passes of that swap search (0: rules only).
-        pair_microbatches: refine dflop's schedule for the encoder -> LLM pipeline: move
-            and swap samples between microbatches so that each pairs encoder-heavy with
-            LLM-heavy samples (``sum_j |E_j - L_j|`` down, no microbatch heavier than 1.05 x
-            dflop's largest; one LLM replica only). See ``dflop.train.pipeline_balance``.
+        pipeline_schedule: refine every balanced schedule for the encoder -> LLM pipeline
+            (:func:`dflop.pipeline_schedule`, in the scheduler's background thread): which
+            samples share a microbatch and the microbatch order, chosen on the simulated
+            1F1B step (False: the balanced schedule in index order).
+        max_growth: no microbatch's encoder or LLM load may grow past this x the balanced
+            schedule's largest (>= 1): the memory bound the balance gave.
         lookahead: schedules computed ahead of training (>= 1).
         schedule_deadline: give every schedule a deadline of one step time (True) or solve
             to the end (False).
@@ -102,9 +99,8 @@ class TrainConfig:
     schedule: str = "dflop"
     perf: str | None = None
     adaptive: bool = True
-    order_microbatches: bool = True
-    order_search_passes: int = 3
-    pair_microbatches: bool = True
+    pipeline_schedule: bool = True
+    max_growth: float = 1.05
     lookahead: int = 2
     schedule_deadline: bool = True
     checkpoint_dir: str | None = None
@@ -132,7 +128,6 @@ class TrainConfig:
                 raise bad(name, f"an integer >= {minimum}")
 
         integer("steps", 1)
-        integer("order_search_passes", 0)
         integer("global_batch", 1, optional=True)
         integer("seed", 0)
         integer("lookahead", 1)
@@ -148,6 +143,12 @@ class TrainConfig:
                 raise bad(name, "a number")
             if not math.isfinite(value) or (value <= 0 if positive else value < 0):
                 raise bad(name, "finite and > 0" if positive else "finite and >= 0")
+        if (
+            isinstance(self.max_growth, bool)
+            or not isinstance(self.max_growth, (int, float))
+            or not self.max_growth >= 1
+        ):
+            raise bad("max_growth", "a number >= 1 (inf allowed)")
         if self.schedule not in SCHEDULE_MODES:
             raise bad("schedule", f"one of {SCHEDULE_MODES}")
         if self.device not in ("auto", "cpu", "cuda"):

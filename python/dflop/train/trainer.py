@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from dflop.models import model_config
+from dflop.pipeline_scheduler import PipelineModel
 from dflop.runtime.topology import RuntimeLayout
 from dflop.scheduler import Schedule, data_blind_schedule, schedule_from_assignment
 from dflop.train.config import TrainConfig
@@ -187,24 +188,34 @@ class Trainer:
         costs[:, 1] /= self.layout.llm.pp
         return costs
 
+    def _pipeline_model(self) -> PipelineModel:
+        """The encoder -> LLM pipeline as the cost model and the calibration see it now:
+        per-stage constants (split like the costs), forward shares, link latency."""
+        enc, llm = self.layout.encoder, self.layout.llm
+        constants = self.cost_model.microbatch_constant_s / [enc.pp * enc.dp, llm.pp]
+        return PipelineModel(
+            stages=(enc.pp, llm.pp),
+            forward_fraction=(self._forward_fraction["encoder"], self._forward_fraction["llm"]),
+            microbatch_constant_s=tuple(float(v) for v in constants),
+            link_latency_s=self._link_latency_s,
+        )
+
     def _submit(self, step: int) -> None:
         deadline = None
         if self.config.schedule_deadline and self._last_step_wall_s is not None:
             deadline = max(0.01, (self.config.lookahead - 1) * self._last_step_wall_s)
         shapes = self.step_shapes.shapes(step)
-        self.scheduler.submit(step, self._schedule_costs(shapes), deadline_s=deadline)
+        pipeline = self._pipeline_model() if self.config.pipeline_schedule else None
+        self.scheduler.submit(
+            step, self._schedule_costs(shapes), deadline_s=deadline, pipeline=pipeline
+        )
 
     def _leader_schedules(self, step: int, shapes: Any) -> dict[str, Schedule]:
         m, dp = self.layout.num_microbatches, self.layout.llm.dp
         out: dict[str, Schedule] = {}
         for mode in self.config.modes:
             if mode == "dflop":
-                s = self.scheduler.get(step)
-                if self.config.pair_microbatches:
-                    s = self._pair(s, shapes)
-                if self.config.order_microbatches:
-                    s = self._order(s, shapes)
-                out[mode] = s
+                out[mode] = self.scheduler.get(step)
                 nxt = step + self.config.lookahead
                 if nxt < self.config.steps:
                     self._submit(nxt)
@@ -215,107 +226,9 @@ class Trainer:
                 out[mode] = data_blind_schedule(costs, m, dp, microbatch_dims=(0,))
         return out
 
-    def _predicted_loads(self, s: Schedule, shapes: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Predicted (encoder (m,), LLM (m, dp)) seconds of whole-module work, constants in."""
-        m, dp = s.num_microbatches, s.dp_size
-        encoder = np.zeros(m)
-        llm = np.zeros((m, dp))
-        for j in range(m):
-            ids = np.concatenate([s.microbatches(r)[j] for r in range(dp)])
-            encoder[j] = self.cost_model.predict_microbatch(shapes.take(ids))[0]
-            for r in range(dp):
-                llm[j, r] = self.cost_model.predict_microbatch(shapes.take(s.microbatches(r)[j]))[1]
-        return encoder, llm
-
-    def _pair(self, s: Schedule, shapes: Any) -> Schedule:
-        """Pair encoder-heavy with LLM-heavy samples across microbatches
-        (:func:`~dflop.train.pipeline_balance.pair_microbatches`): the pipeline's steady
-        state runs at ``max(E_j, L_j)`` per microbatch, which dflop's per-dimension
-        makespan does not see. One LLM replica only (with several, a microbatch's LLM
-        load is per replica)."""
-        from dflop.train.pipeline_balance import pair_microbatches
-
-        if s.dp_size != 1 or s.num_microbatches < 2:
-            return s
-        costs = self._schedule_costs(shapes)
-        constants = np.array(self.cost_model.microbatch_constant_s, dtype=np.float64)
-        constants[0] /= self.layout.encoder.pp * self.layout.encoder.dp
-        constants[1] /= self.layout.llm.pp
-        assignment = pair_microbatches(
-            costs, np.asarray(s.assignment), s.num_microbatches, constants=constants
-        )
-        paired = schedule_from_assignment(
-            costs, assignment, s.num_microbatches, 1, microbatch_dims=(0,)
-        )
-        return _with_solver_info(paired, s)
-
-    def _order(self, s: Schedule, shapes: Any) -> Schedule:
-        """Reorder microbatches to shrink the pipeline's fill and drain bubbles. Two
-        candidate orders, the one the simulator predicts faster wins: the lightest encoder
-        microbatch first (the LLM waits for it) and the lightest LLM microbatch last (the
-        encoder waits for its backward); and Johnson's two-machine flow-shop order
-        (:func:`~dflop.train.pipeline_balance.johnson_order`)."""
-        from dflop.train.pipeline_balance import johnson_order
-
-        m = s.num_microbatches
-        if m < 2:
-            return s
-        encoder, llm = self._predicted_loads(s, shapes)
-        first = int(np.argmin(encoder))
-        rest = [j for j in range(m) if j != first]
-        last = min(rest, key=lambda j: float(llm[j].max()))
-        candidates = [[first, *[j for j in rest if j != last], last]]
-        if s.dp_size == 1:
-            candidates.append(johnson_order(encoder, llm[:, 0]))
-        order = min(candidates, key=lambda o: self._simulate_loads(encoder[o], llm[o]))
-        order = self._improve_order(order, encoder, llm)
-        new_index = np.empty(m, dtype=np.int64)
-        new_index[order] = np.arange(m)
-        old_mb, replica = np.divmod(np.asarray(s.assignment), s.dp_size)
-        assignment = new_index[old_mb] * s.dp_size + replica
-        reordered = schedule_from_assignment(
-            self._schedule_costs(shapes), assignment, m, s.dp_size, microbatch_dims=(0,)
-        )
-        return _with_solver_info(reordered, s)
-
-    def _improve_order(self, order: list[int], encoder: np.ndarray, llm: np.ndarray) -> list[int]:
-        """Hill-climb the microbatch order on the simulator: in 1F1B a stage runs the
-        forward of j+1 next to the backward of j, so neighbours' sizes matter. Swaps of
-        two microbatches, kept while the predicted step shrinks (bounded passes)."""
-        best = self._simulate_loads(encoder[order], llm[order])
-        for _ in range(self.config.order_search_passes):
-            improved = False
-            for a in range(len(order) - 1):
-                for b in range(a + 1, len(order)):
-                    trial = list(order)
-                    trial[a], trial[b] = trial[b], trial[a]
-                    t = self._simulate_loads(encoder[trial], llm[trial])
-                    if t < best * (1 - 1e-9):
-                        order, best, improved = trial, t, True
-            if not improved:
-                break
-        return order
-
     def _predict_step_s(self, s: Schedule, shapes: Any) -> float:
         """The simulator's step time for schedule ``s`` under the current cost model."""
-        return self._simulate_loads(*self._predicted_loads(s, shapes))
-
-    def _simulate_loads(self, encoder: np.ndarray, llm_load: np.ndarray) -> float:
-        """The simulator's step time for whole-module loads (encoder (m,), LLM (m, dp))."""
-        from dflop.simulator import simulate_pipeline
-
-        enc, llm = self.layout.encoder, self.layout.llm
-        m, dp = llm_load.shape
-        num_stages = enc.pp + llm.pp
-        total = np.zeros((dp, num_stages, m))
-        total[:, : enc.pp, :] = (encoder / (enc.pp * enc.dp))[None, None, :]
-        total[:, enc.pp :, :] = (llm_load.T / llm.pp)[:, None, :]
-        fwd_share = np.zeros(num_stages)
-        fwd_share[: enc.pp] = self._forward_fraction["encoder"]
-        fwd_share[enc.pp :] = self._forward_fraction["llm"]
-        forward = total * fwd_share[None, :, None]
-        latency = np.full(num_stages - 1, self._link_latency_s)
-        return simulate_pipeline(forward, total - forward, link_latency_s=latency).step_time_s
+        return self._pipeline_model().step_time_s(self._schedule_costs(shapes), s)
 
     def _calibrate_latency(self, records: list[RankRecord], s: Schedule) -> None:
         """Fit the per-transfer latency that makes the simulator, fed the MEASURED action
@@ -460,7 +373,11 @@ class Trainer:
                         )
                         metrics.append(row)
                         recent[mode].append((records, row.step_time_s))
-                        self._observe(records, schedules[mode], shapes)
+                        if mode == config.modes[0]:
+                            # In compare mode only dflop's run feeds the cost model: the
+                            # blind run overlaps its modules less, and on shared CPU cores
+                            # (memory bandwidth) its microbatches run faster than dflop's.
+                            self._observe(records, schedules[mode], shapes)
                         self._calibrate_latency(records, schedules[mode])
                         self._log(row, bar)
                     if bar is not None:
@@ -548,17 +465,6 @@ class Trainer:
             bar.write(line)
         else:
             print(line, flush=True)
-
-
-def _with_solver_info(reordered: Schedule, original: Schedule) -> Schedule:
-    import dataclasses
-
-    return dataclasses.replace(
-        reordered,
-        seed=original.seed,
-        solve_time_s=original.solve_time_s,
-        stats=original.stats,
-    )
 
 
 def _lay_out(steps: collections.deque) -> list[dict[str, Any]]:

@@ -1,0 +1,232 @@
+"""Pipeline-aware scheduling: ``dflop.pipeline_schedule()`` and ``dflop.PipelineModel``.
+
+:func:`dflop.schedule` makes every dimension's largest microbatch load small. When the
+dimensions are modules of one pipeline (a vision encoder's stages feeding an LLM's), that
+is not what sets the step time: in steady state the pipeline moves at the pace of the
+slower module in each microbatch, so a step is about ``fill + sum_j max_c load(j, c) +
+drain``. A microbatch of two images and one of two long texts have the same makespan as
+two microbatches of one image and one text each, but the first pair idles the LLM and
+then the encoder. :func:`pipeline_schedule` starts from the balanced schedule and searches
+(in the native core) which samples share a microbatch and in which order the microbatches
+run, minimising the step time simulated under 1F1B, while no microbatch grows past
+``max_growth`` times the balanced makespan (the memory bound the balance gave).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from dflop import _core
+from dflop.scheduler import (
+    Schedule,
+    _as_costs,
+    _as_dims,
+    _as_int,
+    schedule,
+    schedule_from_assignment,
+)
+
+__all__ = ["PipelineModel", "pipeline_schedule"]
+
+
+@dataclass(frozen=True)
+class PipelineModel:
+    """How the cost columns map onto a pipeline (one entry per column, in pipeline order).
+
+    Column ``c`` of the costs is module ``c``: it has ``stages[c]`` consecutive pipeline
+    stages, each taking ``costs[i, c]`` seconds for sample ``i`` (the module's work split
+    evenly) plus ``microbatch_constant_s[c]`` per microbatch that has work for it (cost sum
+    > 0: an encoder skips a text-only microbatch); ``forward_fraction[c]`` of it
+    is the forward pass. Each transfer between stages adds ``link_latency_s``.
+    """
+
+    stages: tuple[int, ...] = (1, 1)
+    forward_fraction: tuple[float, ...] = (1 / 3, 1 / 3)
+    microbatch_constant_s: tuple[float, ...] = (0.0, 0.0)
+    link_latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("stages", "forward_fraction", "microbatch_constant_s"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+                raise TypeError(f"PipelineModel.{name} must be a sequence, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+        sizes = {len(self.stages), len(self.forward_fraction), len(self.microbatch_constant_s)}
+        if len(sizes) != 1:
+            raise ValueError(
+                "PipelineModel.stages, .forward_fraction and .microbatch_constant_s need one "
+                f"entry per module, got lengths {len(self.stages)}, "
+                f"{len(self.forward_fraction)}, {len(self.microbatch_constant_s)}"
+            )
+        for k, v in enumerate(self.stages):
+            _as_int(f"PipelineModel.stages[{k}]", v)
+            if v < 1:
+                raise ValueError(f"PipelineModel.stages[{k}] must be >= 1, got {v}")
+        for k, v in enumerate(self.forward_fraction):
+            if not 0.0 <= float(v) <= 1.0:
+                raise ValueError(f"PipelineModel.forward_fraction[{k}] must be in [0, 1], got {v}")
+        for k, v in enumerate(self.microbatch_constant_s):
+            if not (math.isfinite(float(v)) and float(v) >= 0.0):
+                raise ValueError(
+                    f"PipelineModel.microbatch_constant_s[{k}] must be finite and >= 0, got {v}"
+                )
+        if not (math.isfinite(float(self.link_latency_s)) and self.link_latency_s >= 0):
+            raise ValueError(
+                f"PipelineModel.link_latency_s must be finite and >= 0, got {self.link_latency_s}"
+            )
+
+    @property
+    def num_modules(self) -> int:
+        return len(self.stages)
+
+    def _core_args(self, num_dims: int) -> tuple[list[int], list[float], list[float], float]:
+        if num_dims != self.num_modules:
+            raise ValueError(
+                f"costs has D={num_dims} columns but the PipelineModel describes "
+                f"{self.num_modules} modules (one column per module, in pipeline order)"
+            )
+        return (
+            [int(v) for v in self.stages],
+            [float(v) for v in self.forward_fraction],
+            [float(v) for v in self.microbatch_constant_s],
+            float(self.link_latency_s),
+        )
+
+    def step_time_s(self, costs: Any, schedule: Schedule) -> float:
+        """The simulated 1F1B step of ``schedule`` (microbatches run in index order) under
+        this model: the same simulation :func:`pipeline_schedule` minimises."""
+        cost_array = _as_costs(costs)
+        if cost_array.shape[0] != schedule.num_samples:
+            raise ValueError(
+                f"costs has {cost_array.shape[0]} rows but the schedule has "
+                f"{schedule.num_samples} samples"
+            )
+        return float(
+            _core.simulated_step_time(
+                cost_array,
+                np.asarray(schedule.assignment, dtype=np.int64).tolist(),
+                schedule.num_microbatches,
+                schedule.dp_size,
+                list(schedule.microbatch_dims),
+                *self._core_args(cost_array.shape[1]),
+            )
+        )
+
+
+def pipeline_schedule(
+    costs: Any,
+    num_microbatches: int,
+    dp_size: int = 1,
+    *,
+    pipeline: PipelineModel | None = None,
+    microbatch_dims: Sequence[int] = (),
+    capacity: Sequence[float] | None = None,
+    max_growth: float = 1.05,
+    seed: int = 0,
+    time_budget_ms: float | None = None,
+    time_limit_s: float | None = None,
+    start: Schedule | None = None,
+) -> Schedule:
+    """A schedule for a module pipeline: balanced, then refined on the simulated step.
+
+    Args:
+        costs: (N, D) per-sample seconds of one stage of each module (column ``c`` =
+            module ``c`` of the pipeline, e.g. encoder then LLM).
+        num_microbatches, dp_size, microbatch_dims, capacity, seed: as for
+            :func:`dflop.schedule`.
+        pipeline: the stages, forward share, per-microbatch constants and link latency
+            (default: one stage per column, forward a third, no constants or latency).
+        max_growth: no microbatch's load of a dimension may exceed ``max_growth`` x the
+            balanced schedule's makespan of that dimension (>= 1; ``inf``: capacities only).
+        time_budget_ms: effort of the refinement (deterministic, like ``schedule``'s).
+        time_limit_s: wall-clock deadline for balance and refinement together.
+        start: the schedule to refine (default: ``dflop.schedule`` with the same arguments).
+
+    Returns:
+        A :class:`Schedule` whose microbatch indices are the execution order. Its ``stats``
+        hold ``step_time_s`` (simulated), ``start_step_time_s`` (the start, in index
+        order), ``ordered_step_time_s`` (after the constructive order), ``evaluations``,
+        ``work_used``, ``work_budget``, ``improving_moves``, ``stopped_by_time_limit``, and
+        the balance's ``balance_solve_time_s``.
+
+    Raises:
+        TypeError, ValueError, InfeasibleError: as :func:`dflop.schedule`, and for a
+            pipeline or start that does not fit the costs.
+    """
+    cost_array = _as_costs(costs)
+    num_microbatches = _as_int("num_microbatches", num_microbatches)
+    dp_size = _as_int("dp_size", dp_size)
+    dims = _as_dims(microbatch_dims)
+    if pipeline is None:
+        d = cost_array.shape[1]
+        pipeline = PipelineModel((1,) * d, (1 / 3,) * d, (0.0,) * d)
+    core_args = pipeline._core_args(cost_array.shape[1])
+    if isinstance(max_growth, bool) or not isinstance(max_growth, (int, float, np.number)):
+        raise TypeError(f"max_growth must be a number, got {max_growth!r}")
+    seed = _as_int("seed", seed, upper=2**64 - 1)
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    began = time.perf_counter()
+    if start is None:
+        start = schedule(
+            cost_array,
+            num_microbatches,
+            dp_size,
+            microbatch_dims=dims,
+            capacity=capacity,
+            seed=seed,
+            time_limit_s=time_limit_s,
+        )
+    elif not isinstance(start, Schedule):
+        raise TypeError(f"start must be a dflop.Schedule, got {type(start).__name__}")
+    elif (start.num_microbatches, start.dp_size, start.num_samples) != (
+        num_microbatches,
+        dp_size,
+        cost_array.shape[0],
+    ):
+        raise ValueError(
+            f"start has {start.num_samples} samples in {start.num_microbatches} x "
+            f"{start.dp_size} bins; expected {cost_array.shape[0]} in {num_microbatches} x {dp_size}"
+        )
+    remaining = None
+    if time_limit_s is not None:
+        remaining = max(0.0, float(time_limit_s) - (time.perf_counter() - began))
+    cap_list = None if capacity is None else [float(v) for v in capacity]
+    raw = _core.pipeline_schedule(
+        cost_array,
+        np.asarray(start.assignment, dtype=np.int64).tolist(),
+        num_microbatches,
+        dp_size,
+        list(dims),
+        *core_args,
+        cap_list,
+        float(max_growth),
+        seed,
+        None if time_budget_ms is None else float(time_budget_ms),
+        remaining,
+    )
+    refined = schedule_from_assignment(
+        cost_array, raw["assignment"], num_microbatches, dp_size, microbatch_dims=dims
+    )
+    stats = dict(raw["stats"], step_time_s=float(raw["step_time_s"]))
+    stats["balance_solve_time_s"] = start.solve_time_s
+    return Schedule(
+        assignment=refined.assignment,
+        loads=refined.loads,
+        microbatch_loads=refined.microbatch_loads,
+        makespan=refined.makespan,
+        lower_bound=refined.lower_bound,
+        num_microbatches=num_microbatches,
+        dp_size=dp_size,
+        microbatch_dims=dims,
+        seed=seed,
+        solve_time_s=time.perf_counter() - began,
+        stats=MappingProxyType(stats),
+    )
