@@ -29,6 +29,7 @@ The machine's own timing noise is large (the same microbatch repeated alone vari
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -144,9 +145,8 @@ def write_readme(result: dict, argv: list[str] | None) -> None:
     )
     cfg, runs, median = result["config"], result["runs"], result["median"]
     lines = [
-        "## bench_train: measured training, dflop vs data-blind (2 processes)",
-        "",
-        f"Command: `{command.strip()}` (on {os.cpu_count()} CPU cores, gloo; "
+        f"Command: `{command.strip()}` ({datetime.date.today().isoformat()}; "
+        f"{baselines.machine_info()}; gloo; "
         f"{cfg['preset']}, global batch {cfg['global_batch']}, {cfg['num_microbatches']} "
         f"microbatches, {cfg['steps']} steps of which the first {cfg['warmup']} are excluded; "
         f"every step runs both ways on the same weights and batch; {len(runs)} run(s), each "
