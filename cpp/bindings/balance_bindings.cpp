@@ -43,11 +43,7 @@ py::dict balance_py(const py::array_t<double, py::array::c_style | py::array::fo
   out["lower_bound"] = result.lower_bound;
   py::dict stats;
   stats["initial_makespan"] = result.stats.initial_makespan;
-  stats["work_used"] = result.stats.work_used;
-  stats["work_budget"] = result.stats.work_budget;
-  stats["improving_moves"] = result.stats.improving_moves;
-  stats["perturbations"] = result.stats.perturbations;
-  stats["stopped_by_time_limit"] = result.stats.stopped_by_time_limit;
+  add_search_stats(stats, result.stats);
   out["stats"] = stats;
   return out;
 }

@@ -26,6 +26,16 @@ inline double time_limit_or_none(std::optional<double> time_limit_s) {
   return *time_limit_s;
 }
 
+// The search statistics balance() and pipeline_schedule() share.
+template <typename Stats>
+void add_search_stats(pybind11::dict& out, const Stats& stats) {
+  out["work_used"] = stats.work_used;
+  out["work_budget"] = stats.work_budget;
+  out["improving_moves"] = stats.improving_moves;
+  out["perturbations"] = stats.perturbations;
+  out["stopped_by_time_limit"] = stats.stopped_by_time_limit;
+}
+
 void register_balance(pybind11::module_& m);
 void register_simulator(pybind11::module_& m);
 void register_planner(pybind11::module_& m);

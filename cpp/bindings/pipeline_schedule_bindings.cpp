@@ -68,11 +68,7 @@ py::dict pipeline_schedule_py(const CostArray& costs, std::vector<int64_t> start
   stats["start_step_time_s"] = result.stats.start_step_time_s;
   stats["ordered_step_time_s"] = result.stats.ordered_step_time_s;
   stats["evaluations"] = result.stats.evaluations;
-  stats["work_used"] = result.stats.work_used;
-  stats["work_budget"] = result.stats.work_budget;
-  stats["improving_moves"] = result.stats.improving_moves;
-  stats["perturbations"] = result.stats.perturbations;
-  stats["stopped_by_time_limit"] = result.stats.stopped_by_time_limit;
+  add_search_stats(stats, result.stats);
   out["stats"] = stats;
   return out;
 }

@@ -8,10 +8,10 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
-#include <sstream>
 #include <string>
 
 #include "dflop/errors.hpp"
+#include "format.hpp"
 #include "rng.hpp"
 
 namespace dflop {
@@ -41,12 +41,7 @@ constexpr int64_t kMovesPerPartnerRefresh = 8;
 // Perturbations in a row without a better makespan before the search gives up.
 constexpr int64_t kMaxFruitlessPerturbations = 4000;
 
-std::string fmt(double v) {
-  std::ostringstream s;
-  s.precision(17);
-  s << v;
-  return s.str();
-}
+std::string fmt(double v) { return detail::format_number(v); }
 
 // Array-backed tournament tree returning the index with the smallest key (lowest index
 // on ties), with O(log n) updates.

@@ -18,11 +18,11 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
-#include <sstream>
 #include <string>
 
 #include "dflop/balance.hpp"
 #include "dflop/errors.hpp"
+#include "format.hpp"
 #include "replica_simulator.hpp"
 #include "rng.hpp"
 
@@ -35,12 +35,7 @@ constexpr double kWorkUnitsPerMs = 60000.0;
 constexpr double kCapacityTolerance = 1e-9;
 constexpr int64_t kMaxStages = 4096;
 
-std::string fmt(double v) {
-  std::ostringstream s;
-  s.precision(17);
-  s << v;
-  return s.str();
-}
+std::string fmt(double v) { return detail::format_number(v); }
 
 template <class T>
 void check_length(const char* name, const std::vector<T>& values, int64_t d) {

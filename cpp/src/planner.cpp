@@ -34,7 +34,6 @@
 #include <optional>
 #include <queue>
 #include <set>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -44,6 +43,7 @@
 #include "dflop/balance.hpp"
 #include "dflop/errors.hpp"
 #include "dflop/simulator.hpp"
+#include "format.hpp"
 
 namespace dflop {
 namespace {
@@ -55,12 +55,7 @@ constexpr double kBf16Bytes = 2.0;
 // Relative margin of the second bound's pruning test (see Search::evaluate_wave).
 constexpr double kBoundSlack = 1e-9;
 
-std::string fmt(double v) {
-  std::ostringstream s;
-  s.precision(6);
-  s << v;
-  return s.str();
-}
+std::string fmt(double v) { return detail::format_number(v, 6); }
 
 // ---------------------------------------------------------------------------------------
 // Validation

@@ -6,24 +6,19 @@
 #include <cctype>
 #include <cmath>
 #include <limits>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <tuple>
 #include <utility>
 
 #include "dflop/errors.hpp"
+#include "format.hpp"
 #include "replica_simulator.hpp"
 
 namespace dflop {
 namespace {
 
-std::string fmt(double v) {
-  std::ostringstream s;
-  s.precision(17);
-  s << v;
-  return s.str();
-}
+std::string fmt(double v) { return detail::format_number(v); }
 
 void check_count(const char* name, int64_t value) {
   if (value < 1) {
