@@ -92,13 +92,16 @@ def test_train_on_a_real_format_dataset(tmp_path, perf_json) -> None:
     assert all(np.isfinite(s["loss"]) for s in report["steps"])
 
 
-def test_checkpoint_resume_matches_uninterrupted_run(tmp_path, perf_json) -> None:
-    common = ["--layout", LAYOUT, "--steps", "4", "--quiet"]
+# The second layout shards both modules over 2 tensor-parallel ranks (DTensor parameters
+# and AdamW state in the checkpoint).
+@pytest.mark.parametrize("layout", [LAYOUT, "enc_tp=2,llm_tp=2,m=2"])
+def test_checkpoint_resume_matches_uninterrupted_run(tmp_path, perf_json, layout) -> None:
+    common = ["--layout", layout, "--steps", "4", "--quiet"]
     result, full = _train(tmp_path, perf_json, *common)
     assert result.returncode == 0, result.stderr
     ckpt = tmp_path / "ckpt"
     result, _ = _train(
-        tmp_path, perf_json, "--layout", LAYOUT, "--steps", "2", "--quiet",
+        tmp_path, perf_json, "--layout", layout, "--steps", "2", "--quiet",
         "--checkpoint-dir", str(ckpt),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

@@ -3,8 +3,9 @@ the planner run for the local processes; a performance model file or a quick pro
 
 The planner thinks in GPUs; for local CPU processes it is given a "cluster" of ``nproc``
 devices on one node (memory: this host's RAM split between them, links: shared memory)
-and ``max_tp=1``, since the runtime runs tensor-parallel size 1 only (see the README:
-tp > 1 needs GPUs and is not implemented by the pipeline engine yet).
+and ``max_tp=1``: tensor parallelism runs on gloo (for correctness), but sharding small
+CPU matmuls over processes on shared cores only adds communication. Manual layouts
+(``enc_tp=2,...``) and plan files may use tp > 1.
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@
   performance model, and writes the outputs. Every collective has ``timeout_s``, so a
   rank whose peer died fails (and torchrun tears the job down) instead of waiting forever.
 
-What runs where: on CPU/gloo every layout with tensor-parallel size 1 (any encoder and LLM
-pipeline and data parallelism). tp > 1 needs GPUs and is not implemented in the pipeline
-engine yet; the planner is told ``max_tp=1`` for local processes.
+What runs where: on CPU/gloo every layout: encoder and LLM pipeline stages, data-parallel
+replicas and tensor parallelism (for correctness: sharding small CPU matmuls only adds
+communication, so the planner is told ``max_tp=1`` for local processes). On GPUs the same
+code runs with NCCL, one GPU per rank.
 """
 
 from __future__ import annotations
