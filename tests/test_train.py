@@ -114,6 +114,26 @@ def test_checkpoint_resume_matches_uninterrupted_run(tmp_path, perf_json, layout
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
 
 
+def test_gradient_norm_and_clipping_do_not_depend_on_the_layout(tmp_path, perf_json) -> None:
+    # Same weights and batches: the global gradient norm (each parameter counted once over
+    # encoder replicas, LLM stages and TP shards) must be the layout's invariant, and so
+    # must the loss after a clipped update (a limit far below the norm forces clipping).
+    runs = {}
+    for layout in (LAYOUT, "enc_dp=2,llm_pp=2,m=2", "enc_tp=2,llm_tp=2,m=2"):
+        result, report = _train(
+            tmp_path, perf_json, "--layout", layout, "--steps", "2", "--quiet",
+            "--grad-clip", "0.05",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        runs[layout] = report["steps"]
+    reference = runs[LAYOUT]
+    assert reference[0]["grad_norm"] > 0.05  # so the first update was clipped
+    for steps in runs.values():
+        for got, want in zip(steps, reference):
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+
+
 def test_failing_rank_exits_nonzero_with_a_clear_message(tmp_path, perf_json) -> None:
     result, _ = _train(
         tmp_path, perf_json, "--layout", LAYOUT, "--steps", "3", "--timeout", "30",

@@ -33,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--global-batch", type=int, default=None, help="samples per step")
     p.add_argument("--num-microbatches", type=int, default=None)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--grad-clip", type=float, default=1.0, help="global gradient norm limit (0: none)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--schedule",
@@ -96,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         global_batch=args.global_batch,
         steps=args.steps,
         lr=args.lr,
+        grad_clip_norm=args.grad_clip or None,
         seed=args.seed,
         schedule=args.schedule,
         perf=args.perf,

@@ -48,6 +48,9 @@ class TrainConfig:
     Optimisation:
         steps: total steps (a resumed run continues up to it).
         lr, weight_decay: AdamW settings.
+        grad_clip_norm: scale the gradients so that their global norm (all stages, TP
+            shards and modules; each parameter once) is at most this (None: no clipping;
+            the norm is still reported).
         seed: model init and data seed (step k's batch is drawn with ``seed``, ``k``).
 
     Scheduling:
@@ -95,6 +98,7 @@ class TrainConfig:
     steps: int = 20
     lr: float = 1e-3
     weight_decay: float = 0.0
+    grad_clip_norm: float | None = 1.0
     seed: int = 0
     schedule: str = "dflop"
     perf: str | None = None
@@ -143,6 +147,12 @@ class TrainConfig:
                 raise bad(name, "a number")
             if not math.isfinite(value) or (value <= 0 if positive else value < 0):
                 raise bad(name, "finite and > 0" if positive else "finite and >= 0")
+        if self.grad_clip_norm is not None and (
+            isinstance(self.grad_clip_norm, bool)
+            or not isinstance(self.grad_clip_norm, (int, float))
+            or not (math.isfinite(self.grad_clip_norm) and self.grad_clip_norm > 0)
+        ):
+            raise bad("grad_clip_norm", "None or a finite number > 0")
         if (
             isinstance(self.max_growth, bool)
             or not isinstance(self.max_growth, (int, float))

@@ -55,6 +55,8 @@ class StepMetrics:
     """The simulator's prediction from the cost model before the step (nan: none)."""
     schedule_ratio: float = math.nan
     """The schedule's makespan / lower bound."""
+    grad_norm: float = math.nan
+    """Global gradient norm before clipping (every parameter of every stage once)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -72,6 +74,7 @@ def step_metrics(
     *,
     predicted_step_time_s: float = math.nan,
     schedule_ratio: float = math.nan,
+    grad_norm: float = math.nan,
 ) -> StepMetrics:
     step_time_s = max(r.step_time_s for r in records)
     num_stages = max(r.global_stage for r in records) + 1
@@ -92,6 +95,7 @@ def step_metrics(
         tokens_per_s=num_tokens / step_time_s if step_time_s > 0 else 0.0,
         predicted_step_time_s=predicted_step_time_s,
         schedule_ratio=schedule_ratio,
+        grad_norm=grad_norm,
     )
 
 
@@ -202,7 +206,8 @@ def format_step(m: StepMetrics, num_steps: int) -> str:
     if not math.isnan(m.predicted_step_time_s):
         predicted = f" (sim {m.predicted_step_time_s:.3f} s)"
     return (
-        f"step {m.step + 1:>4}/{num_steps} [{m.mode:>5}] loss {m.loss:.4f} | "
+        f"step {m.step + 1:>4}/{num_steps} [{m.mode:>5}] loss {m.loss:.4f} "
+        f"(grad norm {m.grad_norm:.3g}) | "
         f"{m.step_time_s:.3f} s{predicted} | {m.samples_per_s:.1f} samples/s | "
         f"{m.tokens_per_s:,.0f} tok/s | busy {busy} | idle {100 * m.idle_share:.0f}%"
     )

@@ -354,6 +354,7 @@ class Trainer:
                         tokens_per_unit=self.tokens_per_unit,
                     )
                     results[mode] = self.engine.run_step(plan, batch)
+                grad_norm = self._clip_gradients()
                 self.optimizer.step()
                 gathered: list[Any] | None = [None] * self.world_size if self.is_leader else None
                 dist.gather_object(self._record(results), gathered, dst=0)
@@ -370,6 +371,7 @@ class Trainer:
                             int(shapes.seq_len.sum()),
                             predicted_step_time_s=predicted.get(mode, math.nan),
                             schedule_ratio=schedules[mode].ratio,
+                            grad_norm=grad_norm,
                         )
                         metrics.append(row)
                         recent[mode].append((records, row.step_time_s))
@@ -407,6 +409,32 @@ class Trainer:
             ),
             stats={"schedule_fallbacks": num_fallbacks_before},
         )
+
+    def _clip_gradients(self) -> float:
+        """The global gradient norm of this step (every rank gets it), after which the
+        gradients are scaled down to ``grad_clip_norm`` if it is exceeded. Each parameter
+        counts once: sharded (TP) gradients by their local shards, replicated ones on TP
+        rank 0 only, and only DP replica 0 of each module (replicas hold equal gradients
+        after the DP all-reduce)."""
+        import torch
+        import torch.distributed as dist
+
+        from dflop.runtime.tensor_parallel import grad_sq_sum
+
+        share = grad_sq_sum(self.stage, include_replicated=self.info.tp_rank == 0)
+        share = share.to(self.device if dist.get_backend() == "nccl" else "cpu")
+        if self.info.dp_rank != 0:
+            share.zero_()
+        dist.all_reduce(share)
+        norm = float(share.sqrt())
+        limit = self.config.grad_clip_norm
+        if limit is not None and norm > limit:
+            scale = limit / (norm + 1e-6)
+            with torch.no_grad():
+                for p in self.stage.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+        return norm
 
     def save_checkpoint(self, step: int) -> None:
         """Save every rank's stage and optimizer after ``step`` (call on every rank)."""
