@@ -179,15 +179,17 @@ def test_llm_dp2_matches_single_process():
     _check_against_reference(results)
 
 
+# debug=True: shape headers on every message of a correct run change nothing; debug=False:
+# receives are posted one action ahead (gloo), in every stage position.
 @pytest.mark.slow
-def test_both_modules_pipelined_and_replicated_in_debug_mode():
-    """6 ranks: encoder pp=2 (ranks 0, 1); LLM dp=2 x pp=2 (ranks 2-5); debug headers on
-    every stage-to-stage and bridge message of a correct run change nothing."""
+@pytest.mark.parametrize("debug", [True, False])
+def test_both_modules_pipelined_and_replicated(debug):
+    """6 ranks: encoder pp=2 (ranks 0, 1); LLM dp=2 x pp=2 (ranks 2-5)."""
     spec = dict(encoder_pp=2, llm_dp=2, llm_pp=2, num_microbatches=2)
     results = spawn_local(
         _rank_step,
         6,
-        args=(spec, ASSIGN_B, True, False),
+        args=(spec, ASSIGN_B, debug, False),
         timeout_s=SPAWN_TIMEOUT_S,
         num_threads=1,
     )
@@ -195,12 +197,13 @@ def test_both_modules_pipelined_and_replicated_in_debug_mode():
 
 
 @pytest.mark.slow
-def test_tensor_parallel_both_modules_matches_single_process():
-    # Encoder tp=2, LLM tp=2 x pp=2 (6 ranks), debug headers on: the bridge runs on TP rank
-    # 0 and broadcasts within the TP group; activations are replicated across TP ranks.
+@pytest.mark.parametrize("debug", [True, False])
+def test_tensor_parallel_both_modules_matches_single_process(debug):
+    # Encoder tp=2, LLM tp=2 x pp=2 (6 ranks): the bridge runs on TP rank 0 and broadcasts
+    # within the TP group; activations are replicated across TP ranks.
     spec = dict(encoder_tp=2, llm_tp=2, llm_pp=2, num_microbatches=4)
     results = spawn_local(
-        _rank_step, 6, args=(spec, ASSIGN_A, True, False), timeout_s=240, num_threads=1
+        _rank_step, 6, args=(spec, ASSIGN_A, debug, False), timeout_s=240, num_threads=1
     )
     _check_against_reference(results)
 

@@ -148,6 +148,16 @@ def test_bad_pipeline_model(kwargs, match):
         dflop.PipelineModel(**kwargs)
 
 
+def test_pipeline_model_normalises_numbers():
+    model = dflop.PipelineModel(np.array([1, 2]), (np.float32(0.5), 1), [0, 0.001], 0)
+    assert model.stages == (1, 2) and all(type(v) is int for v in model.stages)
+    assert model.forward_fraction == (0.5, 1.0) and model.link_latency_s == 0.0
+    with pytest.raises(TypeError, match=r"forward_fraction\[0\] must be a number"):
+        dflop.PipelineModel(forward_fraction=("0.5", 0.3))
+    with pytest.raises(TypeError, match=r"stages\[1\] must be an integer"):
+        dflop.PipelineModel(stages=(1, 2.5))
+
+
 def test_bad_arguments_are_named():
     costs = skewed(20, 0)
     with pytest.raises(ValueError, match="D=2 columns but the PipelineModel describes 3"):
@@ -166,5 +176,13 @@ def test_bad_arguments_are_named():
         dflop.pipeline_schedule(costs, 4, start=[0] * 20)
     with pytest.raises(ValueError, match="time_budget_ms"):
         dflop.pipeline_schedule(costs, 4, time_budget_ms=-1)
+    with pytest.raises(ValueError, match="time_limit_s"):
+        dflop.pipeline_schedule(costs, 4, start=dflop.schedule(costs, 4), time_limit_s=math.nan)
+    with pytest.raises(ValueError, match=r"microbatch_dims=\(\)"):
+        dflop.pipeline_schedule(costs, 4, microbatch_dims=(0,), start=dflop.schedule(costs, 4))
+    with pytest.raises(ValueError, match="max_growth"):
+        AsyncScheduler(4, max_growth=0.5)
+    with pytest.raises(TypeError, match="pipeline must be a dflop.PipelineModel"):
+        AsyncScheduler(4, pipeline=(1, 1))
     with pytest.raises(ValueError, match="costs has 19 rows"):
         dflop.PipelineModel().step_time_s(costs[:19], dflop.schedule(costs, 4))

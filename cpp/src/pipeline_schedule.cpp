@@ -31,9 +31,13 @@ namespace {
 
 // Simulated actions per millisecond on one current x86 core (2 stages, 24 microbatches).
 constexpr double kWorkUnitsPerMs = 60000.0;
+// Work between two reads of the clock under a time limit (about a quarter millisecond).
+constexpr int64_t kWorkPerClockCheck = 15000;
 // A capacity check allows this relative excess (loads are sums in different orders).
 constexpr double kCapacityTolerance = 1e-9;
 constexpr int64_t kMaxStages = 4096;
+// Stage x microbatch pairs one simulation holds (its buffers grow with them).
+constexpr int64_t kMaxStageMicrobatches = int64_t{1} << 23;
 
 std::string fmt(double v) { return detail::format_number(v); }
 
@@ -158,13 +162,18 @@ class Search {
     const int64_t swaps = b_ > 1 ? n_ * (n_ - 1) / 2 : 0;
     // Consecutive failed candidates after which the state counts as a local optimum.
     const int64_t stall = order_swaps + moves + swaps;
-    int64_t failures = 0;
-    auto work = [&] { return evaluations_ * per_eval; };
-    while (stall > 0 && work() + per_eval <= work_budget) {
-      if (time_limit_s >= 0 && (evaluations_ & 63) == 0 &&
-          std::chrono::duration<double>(Clock::now() - started).count() > time_limit_s) {
-        out.stats.stopped_by_time_limit = true;
-        break;
+    int64_t failures = 0, attempts = 0, next_clock_check = 0;
+    // A simulated candidate costs its actions; one rejected unsimulated (it would empty a
+    // bin or break a bound) costs one unit, so the budget bounds every loop.
+    auto work = [&] { return evaluations_ * per_eval + attempts; };
+    while (stall > 0 && work() + 1 + per_eval <= work_budget) {
+      ++attempts;
+      if (time_limit_s >= 0 && work() >= next_clock_check) {
+        next_clock_check = work() + kWorkPerClockCheck;
+        if (std::chrono::duration<double>(Clock::now() - started).count() > time_limit_s) {
+          out.stats.stopped_by_time_limit = true;
+          break;
+        }
       }
       if (failures >= stall) {
         // A local optimum: keep it if it is the best, then kick the best one and search
@@ -424,6 +433,19 @@ void validate_pipeline_schedule_input(const double* costs, int64_t n, int64_t d,
   if (total_stages > kMaxStages) {
     throw InvalidArgument("stages sum to " + std::to_string(total_stages) + ", more than " +
                           std::to_string(kMaxStages));
+  }
+  if (total_stages * o.num_microbatches > kMaxStageMicrobatches) {
+    throw InvalidArgument("stages (" + std::to_string(total_stages) +
+                          " in all) x num_microbatches (" + std::to_string(o.num_microbatches) +
+                          ") is more than the " + std::to_string(kMaxStageMicrobatches) +
+                          " stage-microbatch pairs one simulation may hold");
+  }
+  if (o.work_budget < -1) {
+    throw InvalidArgument("work_budget must be >= 0 (or -1: default), got " +
+                          std::to_string(o.work_budget));
+  }
+  if (std::isnan(o.time_limit_s)) {
+    throw InvalidArgument("time_limit_s must be a number (negative: none), got nan");
   }
   check_length("forward_fraction", o.forward_fraction, d);
   for (size_t c = 0; c < o.forward_fraction.size(); ++c) {

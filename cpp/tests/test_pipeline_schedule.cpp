@@ -274,6 +274,40 @@ TEST_CASE(bad_input_is_named) {
   bad.capacity = {1.2, 10.0};  // every sample fits, the start's bin 0 does not
   CHECK_THROWS_WITH(run(bad, {0, 1, 0}), InvalidArgument, "capacity[0]");
   CHECK_THROWS_WITH(dflop::pipeline_work_budget_for_ms(-1.0), InvalidArgument, "time_budget_ms");
+  bad = o;
+  bad.work_budget = -2;
+  CHECK_THROWS_WITH(run(bad, start), InvalidArgument, "work_budget");
+  bad = o;
+  bad.time_limit_s = std::nan("");
+  CHECK_THROWS_WITH(run(bad, start), InvalidArgument, "time_limit_s");
+  // Stage x microbatch pairs beyond what one simulation may hold.
+  const int64_t n = 4096;
+  const Doubles many(n * 2, 1.0);
+  Ints spread(n);
+  for (int64_t i = 0; i < n; ++i) spread[i] = i;
+  bad = two_modules(n);
+  bad.stages = {2048, 2048};
+  CHECK_THROWS_WITH(dflop::pipeline_schedule(many.data(), n, 2, spread, bad), InvalidArgument,
+                    "stage-microbatch pairs");
+}
+
+TEST_CASE(rejected_candidates_count_against_the_budget) {
+  // One microbatch on two replicas, no growth allowed: every move and swap is rejected
+  // without a simulation. The budget must still bound the search.
+  const int64_t n = 300;
+  Doubles costs(n, 1.0);
+  costs[0] = n - 1.0;
+  Ints start(n, 1);
+  start[0] = 0;
+  PipelineScheduleOptions o;
+  o.num_microbatches = 1;
+  o.dp_size = 2;
+  o.stages = {1};
+  o.forward_fraction = {1.0 / 3.0};
+  o.max_growth = 1.0;
+  const auto r = dflop::pipeline_schedule(costs.data(), n, 1, start, o);
+  CHECK_LE(r.stats.work_used, r.stats.work_budget);
+  CHECK_GT(r.stats.perturbations, 0);
 }
 
 }  // namespace

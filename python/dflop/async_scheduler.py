@@ -46,8 +46,9 @@ class AsyncScheduler:
         num_microbatches, dp_size, microbatch_dims, capacity, seed, time_budget_ms: as for
             :func:`dflop.schedule`, used for every step (the seed is offset by the step).
         pipeline: if given, every schedule is refined for this module pipeline by
-            :func:`dflop.pipeline_schedule` (with ``max_growth``) in the background thread;
-            :meth:`submit` can override it per step (e.g. with re-calibrated constants).
+            :func:`dflop.pipeline_schedule` (with ``max_growth`` and
+            ``pipeline_time_budget_ms``) in the background thread; :meth:`submit` can
+            override it per step (e.g. with re-calibrated constants).
         lookahead: at most this many submitted steps wait unconsumed; :meth:`submit`
             blocks (the data producer, not training, waits) beyond it.
 
@@ -66,9 +67,16 @@ class AsyncScheduler:
         lookahead: int = 2,
         pipeline: PipelineModel | None = None,
         max_growth: float = 1.05,
+        pipeline_time_budget_ms: float | None = None,
     ) -> None:
         if lookahead < 1:
             raise ValueError(f"lookahead must be >= 1, got {lookahead}")
+        if pipeline is not None and not isinstance(pipeline, PipelineModel):
+            raise TypeError(f"pipeline must be a dflop.PipelineModel, got {pipeline!r}")
+        if isinstance(max_growth, bool) or not isinstance(max_growth, (int, float)):
+            raise TypeError(f"max_growth must be a number, got {max_growth!r}")
+        if not max_growth >= 1:
+            raise ValueError(f"max_growth must be >= 1 (inf allowed), got {max_growth}")
         self._kwargs: dict[str, Any] = dict(
             num_microbatches=num_microbatches,
             dp_size=dp_size,
@@ -79,6 +87,7 @@ class AsyncScheduler:
         self._seed = seed
         self._pipeline = pipeline
         self._max_growth = max_growth
+        self._pipeline_budget_ms = pipeline_time_budget_ms
         self._lookahead = lookahead
         self._jobs: dict[int, _Job] = {}
         self._order: list[int] = []
@@ -98,6 +107,8 @@ class AsyncScheduler:
     ) -> None:
         """Queue ``step``'s costs; ``deadline_s`` seconds from now its schedule must exist.
         ``pipeline``: this step's pipeline model (default: the constructor's)."""
+        if pipeline is not None and not isinstance(pipeline, PipelineModel):
+            raise TypeError(f"pipeline must be a dflop.PipelineModel, got {pipeline!r}")
         array = np.asarray(costs, dtype=np.float64)
         deadline = None if deadline_s is None else time.monotonic() + float(deadline_s)
         with self._cond:
@@ -134,7 +145,7 @@ class AsyncScheduler:
                     job.started = True
             if fallback:
                 self.num_fallbacks += 1
-                self._solve(job, time_budget_ms=0.0, time_limit_s=None)
+                self._solve(job, fallback=True, time_limit_s=None)
             job.done.wait()  # started jobs stop at their own deadline
         with self._cond:
             del self._jobs[step]
@@ -157,21 +168,25 @@ class AsyncScheduler:
         self.close()
 
     # ---- worker ----------------------------------------------------------------------
-    def _solve(self, job: _Job, *, time_budget_ms: float | None, time_limit_s: float | None):
+    def _solve(self, job: _Job, *, fallback: bool, time_limit_s: float | None):
+        """Solve ``job``; a fallback (in ``get``, on the critical path) spends no search
+        effort: constructive start, and for a pipeline the constructive orders only."""
         try:
             kwargs = dict(self._kwargs)
-            if time_budget_ms is not None:
-                kwargs["time_budget_ms"] = time_budget_ms
+            if fallback:
+                kwargs["time_budget_ms"] = 0.0
             seed = self._seed + job.step
             if job.pipeline is None:
                 job.result = schedule(job.costs, seed=seed, time_limit_s=time_limit_s, **kwargs)
             else:
+                kwargs["balance_time_budget_ms"] = kwargs.pop("time_budget_ms")
                 job.result = pipeline_schedule(
                     job.costs,
                     pipeline=job.pipeline,
                     max_growth=self._max_growth,
                     seed=seed,
                     time_limit_s=time_limit_s,
+                    time_budget_ms=0.0 if fallback else self._pipeline_budget_ms,
                     **kwargs,
                 )
         except BaseException as error:  # reported to the consumer in get()
@@ -191,4 +206,4 @@ class AsyncScheduler:
             limit = None
             if job.deadline is not None:
                 limit = max(0.0, job.deadline - time.monotonic())
-            self._solve(job, time_budget_ms=None, time_limit_s=limit)
+            self._solve(job, fallback=False, time_limit_s=limit)

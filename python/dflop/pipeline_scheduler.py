@@ -65,22 +65,33 @@ class PipelineModel:
                 f"entry per module, got lengths {len(self.stages)}, "
                 f"{len(self.forward_fraction)}, {len(self.microbatch_constant_s)}"
             )
-        for k, v in enumerate(self.stages):
-            _as_int(f"PipelineModel.stages[{k}]", v)
+        stages = tuple(_as_int(f"PipelineModel.stages[{k}]", v) for k, v in enumerate(self.stages))
+        for k, v in enumerate(stages):
             if v < 1:
                 raise ValueError(f"PipelineModel.stages[{k}] must be >= 1, got {v}")
-        for k, v in enumerate(self.forward_fraction):
-            if not 0.0 <= float(v) <= 1.0:
+        fractions = tuple(
+            _as_float(f"PipelineModel.forward_fraction[{k}]", v)
+            for k, v in enumerate(self.forward_fraction)
+        )
+        for k, v in enumerate(fractions):
+            if not 0.0 <= v <= 1.0:
                 raise ValueError(f"PipelineModel.forward_fraction[{k}] must be in [0, 1], got {v}")
-        for k, v in enumerate(self.microbatch_constant_s):
-            if not (math.isfinite(float(v)) and float(v) >= 0.0):
+        constants = tuple(
+            _as_float(f"PipelineModel.microbatch_constant_s[{k}]", v)
+            for k, v in enumerate(self.microbatch_constant_s)
+        )
+        for k, v in enumerate(constants):
+            if not (math.isfinite(v) and v >= 0.0):
                 raise ValueError(
                     f"PipelineModel.microbatch_constant_s[{k}] must be finite and >= 0, got {v}"
                 )
-        if not (math.isfinite(float(self.link_latency_s)) and self.link_latency_s >= 0):
-            raise ValueError(
-                f"PipelineModel.link_latency_s must be finite and >= 0, got {self.link_latency_s}"
-            )
+        latency = _as_float("PipelineModel.link_latency_s", self.link_latency_s)
+        if not (math.isfinite(latency) and latency >= 0):
+            raise ValueError(f"PipelineModel.link_latency_s must be finite and >= 0, got {latency}")
+        object.__setattr__(self, "stages", stages)
+        object.__setattr__(self, "forward_fraction", fractions)
+        object.__setattr__(self, "microbatch_constant_s", constants)
+        object.__setattr__(self, "link_latency_s", latency)
 
     @property
     def num_modules(self) -> int:
@@ -93,10 +104,10 @@ class PipelineModel:
                 f"{self.num_modules} modules (one column per module, in pipeline order)"
             )
         return (
-            [int(v) for v in self.stages],
-            [float(v) for v in self.forward_fraction],
-            [float(v) for v in self.microbatch_constant_s],
-            float(self.link_latency_s),
+            list(self.stages),
+            list(self.forward_fraction),
+            list(self.microbatch_constant_s),
+            self.link_latency_s,
         )
 
     def step_time_s(self, costs: Any, schedule: Schedule) -> float:
@@ -120,6 +131,12 @@ class PipelineModel:
         )
 
 
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
 def pipeline_schedule(
     costs: Any,
     num_microbatches: int,
@@ -133,6 +150,7 @@ def pipeline_schedule(
     time_budget_ms: float | None = None,
     time_limit_s: float | None = None,
     start: Schedule | None = None,
+    balance_time_budget_ms: float | None = None,
 ) -> Schedule:
     """A schedule for a module pipeline: balanced, then refined on the simulated step.
 
@@ -147,14 +165,17 @@ def pipeline_schedule(
             balanced schedule's makespan of that dimension (>= 1; ``inf``: capacities only).
         time_budget_ms: effort of the refinement (deterministic, like ``schedule``'s).
         time_limit_s: wall-clock deadline for balance and refinement together.
-        start: the schedule to refine (default: ``dflop.schedule`` with the same arguments).
+        start: the schedule to refine (default: ``dflop.schedule`` with the same arguments
+            and ``balance_time_budget_ms`` as its ``time_budget_ms``).
+        balance_time_budget_ms: the balance's effort when ``start`` is not given.
 
     Returns:
         A :class:`Schedule` whose microbatch indices are the execution order. Its ``stats``
         hold ``step_time_s`` (simulated), ``start_step_time_s`` (the start, in index
         order), ``ordered_step_time_s`` (after the constructive order), ``evaluations``,
-        ``work_used``, ``work_budget``, ``improving_moves``, ``stopped_by_time_limit``, and
-        the balance's ``balance_solve_time_s``.
+        ``work_used``, ``work_budget``, ``improving_moves``, ``perturbations``,
+        ``stopped_by_time_limit``, and ``balance_solve_time_s`` (0 when ``start`` was
+        given).
 
     Raises:
         TypeError, ValueError, InfeasibleError: as :func:`dflop.schedule`, and for a
@@ -170,6 +191,10 @@ def pipeline_schedule(
     core_args = pipeline._core_args(cost_array.shape[1])
     if isinstance(max_growth, bool) or not isinstance(max_growth, (int, float, np.number)):
         raise TypeError(f"max_growth must be a number, got {max_growth!r}")
+    if time_limit_s is not None:
+        limit = _as_float("time_limit_s", time_limit_s)
+        if not (math.isfinite(limit) and limit >= 0):
+            raise ValueError(f"time_limit_s must be a finite number >= 0, got {time_limit_s!r}")
     seed = _as_int("seed", seed, upper=2**64 - 1)
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
@@ -182,8 +207,10 @@ def pipeline_schedule(
             microbatch_dims=dims,
             capacity=capacity,
             seed=seed,
+            time_budget_ms=balance_time_budget_ms,
             time_limit_s=time_limit_s,
         )
+        balance_solve_time_s = start.solve_time_s
     elif not isinstance(start, Schedule):
         raise TypeError(f"start must be a dflop.Schedule, got {type(start).__name__}")
     elif (start.num_microbatches, start.dp_size, start.num_samples) != (
@@ -195,6 +222,12 @@ def pipeline_schedule(
             f"start has {start.num_samples} samples in {start.num_microbatches} x "
             f"{start.dp_size} bins; expected {cost_array.shape[0]} in {num_microbatches} x {dp_size}"
         )
+    elif start.microbatch_dims != dims:
+        raise ValueError(
+            f"start was balanced with microbatch_dims={start.microbatch_dims}, not {dims}"
+        )
+    else:
+        balance_solve_time_s = 0.0
     remaining = None
     if time_limit_s is not None:
         remaining = max(0.0, float(time_limit_s) - (time.perf_counter() - began))
@@ -216,7 +249,7 @@ def pipeline_schedule(
         cost_array, raw["assignment"], num_microbatches, dp_size, microbatch_dims=dims
     )
     stats = dict(raw["stats"], step_time_s=float(raw["step_time_s"]))
-    stats["balance_solve_time_s"] = start.solve_time_s
+    stats["balance_solve_time_s"] = balance_solve_time_s
     return Schedule(
         assignment=refined.assignment,
         loads=refined.loads,

@@ -43,8 +43,9 @@ struct PipelineScheduleOptions {
   double max_growth = 1.05;
   uint64_t seed = 0;
   // Search effort in simulated actions (one candidate costs about 2 x stages x
-  // microbatches x simulated replicas). Deterministic, like balance()'s work budget.
-  // Negative = default by size.
+  // microbatches x simulated replicas; one rejected without simulating costs 1).
+  // Deterministic, like balance()'s work budget. The start and the constructive orders
+  // are always simulated (so work_used may exceed a tiny budget). -1 = default by size.
   int64_t work_budget = -1;
   // Optional wall-clock limit in seconds (negative = none); see BalanceOptions.
   double time_limit_s = -1.0;

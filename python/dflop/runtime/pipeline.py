@@ -25,11 +25,13 @@ plans disagree, instead of corrupting or hanging.
 
 Sends are non-blocking (``isend``) and awaited at the end of the step: 1F1B needs that
 (a stage posts forward j+1 while its successor is still sending the gradient of j).
-Receives are posted one action ahead: before computing action i, a rank posts the
-receive that action i + 1 will wait for, so the message lands while it computes instead
-of after (gloo moves data only into a posted buffer; a late receive costs a round trip
-of the peers' transport threads, milliseconds on busy CPU cores). Debug mode receives at
-the point of use, so that its header checks stay in order.
+On gloo, receives are posted one action ahead: before computing action i, a rank posts
+the receive that action i + 1 will wait for (in action order), so the message lands while
+it computes instead of after (a late gloo receive costs a round trip of the peers'
+transport threads, milliseconds on busy CPU cores). Not on NCCL, which runs a pair's
+sends and receives in issue order on one stream: a receive posted early would sit in
+front of the send its peer is waiting for. Debug mode receives at the point of use, so
+that its header checks stay in order.
 After the last backward, gradients are summed over the module's DP group; since every
 microbatch loss is already divided by the global target count, the result equals the
 single-process gradient of (sum of all losses / global target tokens).
@@ -312,6 +314,7 @@ class PipelineEngine:
             )
         self._pending: list[Any] = []  # sends in flight (waited for at the end of the step)
         self._posted: dict[tuple[bool, int], Any] = {}  # receives posted ahead of their action
+        self._post_ahead = not debug and dist.get_backend() == "gloo"
 
     # ------------------------------------------------------------------ step
 
@@ -339,11 +342,12 @@ class PipelineEngine:
             plan.num_microbatches,
             self.info.global_stage,
         )
+        self._posted.clear()  # nothing left over from a step that failed
         for i, (is_forward, j) in enumerate(actions):
             mb = plan.microbatches[j]
-            if i + 1 < len(actions) and not self.debug:
-                next_forward, next_j = actions[i + 1]
-                self._post(next_forward, plan.microbatches[next_j])
+            if self._post_ahead:
+                for ahead in actions[i : i + 2]:  # this action's receive first, then the next
+                    self._post(ahead[0], plan.microbatches[ahead[1]])
             arrive = clock.mark()
             if not is_forward:
                 start = self._backward(mb, in_flight.pop(j))

@@ -375,12 +375,13 @@ class Trainer:
                         )
                         metrics.append(row)
                         recent[mode].append((records, row.step_time_s))
-                        if mode == config.modes[0]:
-                            # In compare mode only dflop's run feeds the cost model: the
-                            # blind run overlaps its modules less, and on shared CPU cores
-                            # (memory bandwidth) its microbatches run faster than dflop's.
+                        if mode == "dflop":
+                            # Only dflop's run feeds the cost model and the latency fit:
+                            # in compare mode the blind run overlaps its modules less, and
+                            # on shared CPU cores (memory bandwidth) its microbatches run
+                            # faster than dflop's.
                             self._observe(records, schedules[mode], shapes)
-                        self._calibrate_latency(records, schedules[mode])
+                            self._calibrate_latency(records, schedules[mode])
                         self._log(row, bar)
                     if bar is not None:
                         bar.update(1)
