@@ -184,5 +184,7 @@ def test_bad_arguments_are_named():
         AsyncScheduler(4, max_growth=0.5)
     with pytest.raises(TypeError, match="pipeline must be a dflop.PipelineModel"):
         AsyncScheduler(4, pipeline=(1, 1))
+    with pytest.raises(TypeError, match="pipeline must be a dflop.PipelineModel"):
+        dflop.pipeline_schedule(costs, 4, pipeline=(1, 1))
     with pytest.raises(ValueError, match="costs has 19 rows"):
         dflop.PipelineModel().step_time_s(costs[:19], dflop.schedule(costs, 4))

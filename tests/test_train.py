@@ -134,6 +134,29 @@ def test_gradient_norm_and_clipping_do_not_depend_on_the_layout(tmp_path, perf_j
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
 
 
+def test_max_growth_bounds_the_refined_schedule(tmp_path, perf_json) -> None:
+    # Steps 0 and 1 are scheduled before any measurement, from the same costs in every run:
+    # the refinement may grow microbatches past the balanced makespan only as far as
+    # --max-growth lets it (the ratio is makespan / the same lower bound).
+    ratios = {}
+    for name, extra in (
+        ("balanced", ["--no-pipeline-schedule"]),
+        ("growth 1.0", ["--max-growth", "1.0"]),
+        ("growth 1.5", ["--max-growth", "1.5"]),
+    ):
+        result, report = _train(
+            tmp_path, perf_json, "--layout", "enc_dp=1,llm_pp=1,m=4", "--steps", "2", "--quiet",
+            *extra,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        ratios[name] = [s["schedule_ratio"] for s in report["steps"]]
+    for balanced, tight, loose in zip(
+        ratios["balanced"], ratios["growth 1.0"], ratios["growth 1.5"]
+    ):
+        assert tight <= balanced * (1 + 1e-9)
+        assert loose <= 1.5 * balanced * (1 + 1e-9)
+
+
 def test_failing_rank_exits_nonzero_with_a_clear_message(tmp_path, perf_json) -> None:
     result, _ = _train(
         tmp_path, perf_json, "--layout", LAYOUT, "--steps", "3", "--timeout", "30",
@@ -180,6 +203,10 @@ def test_config_errors_name_the_field() -> None:
         TrainConfig(scaler={"cap": 3})
     with pytest.raises(FileNotFoundError, match="TrainConfig.data"):
         TrainConfig(data="/nonexistent.json")
+    with pytest.raises(ValueError, match="TrainConfig.max_growth=0.9 must be a number >= 1"):
+        TrainConfig(max_growth=0.9)
+    with pytest.raises(ValueError, match="TrainConfig.grad_clip_norm=0 must be None or"):
+        TrainConfig(grad_clip_norm=0)
 
 
 def test_parse_layout() -> None:

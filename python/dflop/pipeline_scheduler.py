@@ -188,6 +188,8 @@ def pipeline_schedule(
     if pipeline is None:
         d = cost_array.shape[1]
         pipeline = PipelineModel((1,) * d, (1 / 3,) * d, (0.0,) * d)
+    elif not isinstance(pipeline, PipelineModel):
+        raise TypeError(f"pipeline must be a dflop.PipelineModel, got {pipeline!r}")
     core_args = pipeline._core_args(cost_array.shape[1])
     if isinstance(max_growth, bool) or not isinstance(max_growth, (int, float, np.number)):
         raise TypeError(f"max_growth must be a number, got {max_growth!r}")

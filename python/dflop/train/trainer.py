@@ -149,6 +149,7 @@ class Trainer:
             microbatch_dims=(0,),
             seed=self.config.seed,
             lookahead=self.config.lookahead,
+            max_growth=self.config.max_growth,
         )
         for step in range(
             self.start_step, min(self.config.steps, self.start_step + self.config.lookahead)
