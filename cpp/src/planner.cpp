@@ -942,22 +942,21 @@ class Evaluator {
     }
     const double samples = double(ctx_.n * ctx_.x.num_batches);
     const double per_mb = double(ctx_.n) / double(l.num_microbatches);  // samples per microbatch
-    const ModuleLayout &e = l.encoder, &g = l.llm;
-    double slowest = 0;
-    const double ef = per_mb / double(e.dp) / samples;
-    for (int64_t st = 0; st < e.pp; ++st) {
-      const int64_t nl = e.layers_per_stage[size_t(st)];
-      slowest = std::max(slowest, ctx_.enc.stage_time(e.tp, e.recompute, nl, st == e.pp - 1,
-                                                      enc_body * ef, enc_last * ef, enc_tok * ef) +
-                                      ctx_.enc.stage_constant(e.tp, nl));
-    }
-    const double lf = per_mb / double(g.dp) / samples;
-    for (int64_t st = 0; st < g.pp; ++st) {
-      const int64_t nl = g.layers_per_stage[size_t(st)];
-      slowest = std::max(slowest, ctx_.llm.stage_time(g.tp, g.recompute, nl, st == g.pp - 1,
-                                                      llm_body * lf, llm_last * lf, llm_tok * lf) +
-                                      ctx_.llm.stage_constant(g.tp, nl));
-    }
+    // The slowest stage of a module whose replicas each get a mean microbatch.
+    const auto slowest_stage = [&](const auto& model, const ModuleLayout& m, double body,
+                                   double last, double tokens) {
+      const double f = per_mb / double(m.dp) / samples;
+      double slowest = 0;
+      for (int64_t st = 0; st < m.pp; ++st) {
+        const int64_t nl = m.layers_per_stage[size_t(st)];
+        slowest = std::max(slowest, model.stage_time(m.tp, m.recompute, nl, st == m.pp - 1,
+                                                     body * f, last * f, tokens * f) +
+                                        model.stage_constant(m.tp, nl));
+      }
+      return slowest;
+    };
+    const double slowest = std::max(slowest_stage(ctx_.enc, l.encoder, enc_body, enc_last, enc_tok),
+                                    slowest_stage(ctx_.llm, l.llm, llm_body, llm_last, llm_tok));
     return double(l.num_microbatches + total_stages(l) - 1) * slowest;
   }
 

@@ -401,38 +401,51 @@ def _bind(step: Callable[..., None], inputs: tuple[Any, ...]) -> Callable[[], No
     return lambda: step(*inputs)
 
 
-def _run_grid(
-    shapes: Sequence[Any],
-    make_inputs: Callable[[Any], tuple[Any, ...]],
-    step: Callable[..., None],
-    module: Any,
-    device: torch.device,
-    *,
-    warmup: int,
-    repeats: int,
-    rng: np.random.Generator,
-    measure_memory: bool,
-    cpu_clock: str,
-) -> tuple[list[list[float]], list[float]]:
-    """Times ``step(*make_inputs(shape))`` for every shape; returns (times, peak bytes)."""
-    timer = _Timer(device, cpu_clock)
-    inputs = [make_inputs(shape) for shape in shapes]
-    for i in range(len(shapes)):
-        for _ in range(warmup):
-            _zero_grad(module)
-            step(*inputs[i])
-    times: list[list[float]] = [[] for _ in shapes]
-    for _ in range(repeats):
-        for i in rng.permutation(len(shapes)):
-            _zero_grad(module)
-            times[i].append(timer(_bind(step, inputs[i])))
-    _zero_grad(module)
-    del inputs
-    peaks = [math.nan] * len(shapes)
-    if measure_memory:
-        for i, shape in enumerate(shapes):
-            peaks[i] = _measure_peak_bytes(step, lambda s=shape: make_inputs(s), module, device)
-    return times, peaks
+@dataclass(frozen=True)
+class _Grid:
+    """How every shape is measured: device, warm-up and timed rounds, the generators of
+    the measurement order and of the inputs, memory, and the CPU clock."""
+
+    device: torch.device
+    warmup: int
+    repeats: int
+    rng: np.random.Generator
+    generator: torch.Generator
+    measure_memory: bool
+    cpu_clock: str
+
+    def run(
+        self,
+        shapes: Sequence[Any],
+        make_inputs: Callable[[Any], tuple[Any, ...]],
+        step: Callable[..., None],
+        module: Any,
+    ) -> tuple[list[list[float]], list[float]]:
+        """Times ``step(*make_inputs(shape))`` for every shape; returns (times, peak bytes)."""
+        timer = _Timer(self.device, self.cpu_clock)
+        inputs = [make_inputs(shape) for shape in shapes]
+        for i in range(len(shapes)):
+            for _ in range(self.warmup):
+                _zero_grad(module)
+                step(*inputs[i])
+        times: list[list[float]] = [[] for _ in shapes]
+        for _ in range(self.repeats):
+            for i in self.rng.permutation(len(shapes)):
+                _zero_grad(module)
+                times[i].append(timer(_bind(step, inputs[i])))
+        _zero_grad(module)
+        del inputs
+        peaks = [math.nan] * len(shapes)
+        if self.measure_memory:
+            for i, shape in enumerate(shapes):
+                peaks[i] = _measure_peak_bytes(
+                    step, lambda s=shape: make_inputs(s), module, self.device
+                )
+        return times, peaks
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _image_shape_of(vision: Any) -> tuple[int, int, int] | None:
@@ -572,8 +585,15 @@ def profile_model(
         if int(num_threads) < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         torch.set_num_threads(int(num_threads))
-    rng = np.random.default_rng(seed)
-    generator = torch.Generator(device="cpu").manual_seed(int(seed))
+    grid = _Grid(
+        device=device,
+        warmup=int(warmup),
+        repeats=int(repeats),
+        rng=np.random.default_rng(seed),
+        generator=torch.Generator(device="cpu").manual_seed(int(seed)),
+        measure_memory=bool(measure_memory),
+        cpu_clock=cpu_clock,
+    )
     metadata: dict[str, Any] = {
         **default_metadata(),
         **_hardware_metadata(device),
@@ -606,33 +626,9 @@ def profile_model(
         with torch.random.fork_rng(devices=cuda_devices):
             torch.manual_seed(int(seed))
             if vision is not None:
-                _profile_vision(
-                    vision,
-                    device,
-                    units,
-                    image_shape,
-                    warmup,
-                    repeats,
-                    rng,
-                    generator,
-                    measure_memory,
-                    cpu_clock,
-                    result,
-                )
+                _profile_vision(vision, units, image_shape, grid, result)
             if decoder is not None:
-                _profile_decoder(
-                    decoder,
-                    device,
-                    mixes,
-                    vocab_size,
-                    warmup,
-                    repeats,
-                    rng,
-                    generator,
-                    measure_memory,
-                    cpu_clock,
-                    result,
-                )
+                _profile_decoder(decoder, mixes, vocab_size, grid, result)
     finally:
         if num_threads is not None:
             torch.set_num_threads(previous_threads)
@@ -641,18 +637,14 @@ def profile_model(
 
 def _profile_vision(
     vision: Any,
-    device: torch.device,
     units: list[int],
     image_shape: tuple[int, int, int] | None,
-    warmup: int,
-    repeats: int,
-    rng: np.random.Generator,
-    generator: torch.Generator,
-    measure_memory: bool,
-    cpu_clock: str,
+    grid: _Grid,
     result: ProfileResult,
 ) -> None:
     import torch
+
+    device, generator = grid.device, grid.generator
 
     vision.to(device)
     vision.train()
@@ -689,18 +681,7 @@ def _profile_vision(
         out = vision(pixels)
         out.backward(grad_out)
 
-    times, peaks = _run_grid(
-        units,
-        make_inputs,
-        step,
-        vision,
-        device,
-        warmup=warmup,
-        repeats=repeats,
-        rng=rng,
-        measure_memory=measure_memory,
-        cpu_clock=cpu_clock,
-    )
+    times, peaks = grid.run(units, make_inputs, step, vision)
     result.tokens_per_unit = tokens_per_unit
     result.encoder = [
         EncoderMeasurement(num_units=u, time_s=float(np.median(t)), times_s=tuple(t), peak_bytes=p)
@@ -708,29 +689,25 @@ def _profile_vision(
     ]
     result.metadata["vision"] = {
         **_describe_module(vision),
-        "dtype": str(dtype).replace("torch.", ""),
+        "dtype": _dtype_name(dtype),
         "image_shape": list(shape),
         "tokens_per_unit": tokens_per_unit,
         "output_hidden": hidden,
     }
-    result.metadata.setdefault("dtype", str(dtype).replace("torch.", ""))
+    result.metadata.setdefault("dtype", _dtype_name(dtype))
 
 
 def _profile_decoder(
     decoder: Any,
-    device: torch.device,
     mixes: list[tuple[int, ...]],
     vocab_size: int | None,
-    warmup: int,
-    repeats: int,
-    rng: np.random.Generator,
-    generator: torch.Generator,
-    measure_memory: bool,
-    cpu_clock: str,
+    grid: _Grid,
     result: ProfileResult,
 ) -> None:
     import torch
     import torch.nn.functional as F
+
+    device, generator = grid.device, grid.generator
 
     decoder.to(device)
     decoder.train()
@@ -769,18 +746,7 @@ def _profile_decoder(
             loss = F.cross_entropy(logits.float(), labels)
         loss.backward()
 
-    times, peaks = _run_grid(
-        mixes,
-        make_inputs,
-        step,
-        decoder,
-        device,
-        warmup=warmup,
-        repeats=repeats,
-        rng=rng,
-        measure_memory=measure_memory,
-        cpu_clock=cpu_clock,
-    )
+    times, peaks = grid.run(mixes, make_inputs, step, decoder)
     result.decoder = [
         DecoderMeasurement(
             seq_lens=tuple(m), time_s=float(np.median(t)), times_s=tuple(t), peak_bytes=p
@@ -789,12 +755,12 @@ def _profile_decoder(
     ]
     result.metadata["decoder"] = {
         **_describe_module(decoder),
-        "dtype": str(dtype).replace("torch.", ""),
+        "dtype": _dtype_name(dtype),
         "hidden": hidden,
         "vocab_size": int(vocab_size),
         "loss": "decoder.loss" if has_loss else "cross_entropy(decoder(...))",
     }
-    result.metadata.setdefault("dtype", str(dtype).replace("torch.", ""))
+    result.metadata.setdefault("dtype", _dtype_name(dtype))
 
 
 # --------------------------------------------------------------------------------------
