@@ -1,4 +1,4 @@
-"""Routing plan (properties), encoder split, the bridge communicator on real gloo
+"""Routing plan (properties), the encoder's unit split, the bridge communicator on real gloo
 processes (features to the right LLM replica in recv order, gradients back; uneven and
 empty transfers; debug-header mismatch; timeouts), and spawn_local's failure handling."""
 
@@ -20,10 +20,9 @@ from dflop.runtime import (  # noqa: E402
     RuntimeLayout,
     SpawnError,
     Topology,
-    encoder_split,
-    plan_for_microbatch,
     plan_routing,
     spawn_local,
+    split_units,
 )
 
 SPAWN_TIMEOUT_S = 60.0
@@ -46,7 +45,7 @@ def _routing_inputs(draw):
 
 @settings(max_examples=150, deadline=None)
 @given(_routing_inputs())
-def test_plan_routes_every_sample_exactly_once(case) -> None:
+def test_plan_routes_every_item_exactly_once(case) -> None:
     num_src, num_dst, src, dst, rows, ids = case
     plan = plan_routing(
         src.astype(np.int64),
@@ -54,7 +53,7 @@ def test_plan_routes_every_sample_exactly_once(case) -> None:
         rows.astype(np.int64),
         num_src=num_src,
         num_dst=num_dst,
-        sample_ids=ids.astype(np.int64),
+        item_ids=ids.astype(np.int64),
     )
     assert plan.send_counts.shape == (num_src, num_dst)
     position = {int(s): p for p, s in enumerate(ids)}
@@ -62,7 +61,7 @@ def test_plan_routes_every_sample_exactly_once(case) -> None:
     for s in range(num_src):
         expected_send = []
         for d in range(num_dst):
-            pair = plan.pair_samples(s, d).tolist()
+            pair = plan.pair_items(s, d).tolist()
             routed += pair
             expected_send += pair
             assert [position[i] for i in pair] == sorted(position[i] for i in pair)
@@ -75,7 +74,7 @@ def test_plan_routes_every_sample_exactly_once(case) -> None:
         assert plan.recv_order[d].tolist() == ids[dst == d].tolist()
         assert plan.recv_rows(d) == rows[dst == d].sum()
         # Rows arrive pair by pair (src ascending); the arrival index puts them in recv order.
-        arrived = [i for s in range(num_src) for i in plan.pair_samples(s, d).tolist()]
+        arrived = [i for s in range(num_src) for i in plan.pair_items(s, d).tolist()]
         arrived_rows = np.array([i for i in arrived for _ in range(rows[position[i]])], np.int64)
         wanted = [i for i in plan.recv_order[d].tolist() for _ in range(rows[position[i]])]
         assert arrived_rows[plan.recv_arrival_index(d)].tolist() == wanted
@@ -91,33 +90,44 @@ def test_plan_errors_name_argument_and_index() -> None:
     with pytest.raises(ValueError, match="rows has length 1"):
         plan_routing([0, 0], [0, 0], [1])
     with pytest.raises(ValueError, match="distinct"):
-        plan_routing([0, 0], [0, 0], [1, 1], sample_ids=[5, 5])
+        plan_routing([0, 0], [0, 0], [1, 1], item_ids=[5, 5])
     with pytest.raises(TypeError, match="integer"):
         plan_routing([0.5], [0], [1])
 
 
-def test_encoder_split_balances_each_microbatch() -> None:
+def test_split_units_balances_each_microbatch_by_unit() -> None:
     rng = np.random.default_rng(3)
-    costs = rng.pareto(1.5, size=(40, 2))
-    costs[::5, 0] = 0.0  # text-only samples: no encoder cost
-    schedule = dflop.schedule(costs, num_microbatches=4, dp_size=2)
-    replica = encoder_split(schedule, costs[:, 0], 3)
-    assert replica.shape == (40,) and set(replica.tolist()) <= {0, 1, 2}
+    units = rng.integers(0, 12, size=40)
+    costs = units * 0.25  # every unit costs the same
+    schedule = dflop.schedule(np.stack([costs, rng.pareto(1.5, 40)], 1), 4, dp_size=2)
     for mb in range(4):
         ids = schedule.microbatch(mb)
-        loads = np.bincount(replica[ids], weights=costs[ids, 0], minlength=3)
-        bound = max(costs[ids, 0].sum() / 3, costs[ids, 0].max())
-        assert loads.max() <= bound * 4 / 3 + 1e-9
-        assert np.array_equal(encoder_split(ids, costs[:, 0], 3), replica[ids])
-        plan = plan_for_microbatch(schedule, mb, replica, np.arange(40), 3)
-        assert plan.num_src == 3 and plan.num_dst == 2
-        for d in range(2):
-            assert np.array_equal(plan.recv_order[d], schedule.bin(mb * 2 + d))
-    assert np.array_equal(encoder_split(schedule, costs[:, 0], 3), replica)  # deterministic
-    with pytest.raises(ValueError, match=r"sample_ids\[1\]=40"):
-        encoder_split([0, 40], costs[:, 0], 2)
-    with pytest.raises(ValueError, match=r"encoder_costs\[0\]"):
-        encoder_split([0], [-1.0], 2)
+        split = split_units(units[ids], costs[ids], 3, sample_ids=ids)
+        # Optimal with equal unit costs: ceil(units / replicas) units on the busiest.
+        assert split.replica_units.max() == -(-units[ids].sum() // 3)
+        assert split.makespan == pytest.approx(0.25 * split.replica_units.max())
+        # Every unit of every sample exactly once, pieces in (sample, unit) order.
+        for i in ids:
+            mine = np.flatnonzero(split.sample_ids == i)
+            starts = split.first_unit[mine]
+            assert starts.tolist() == sorted(starts.tolist())
+            assert split.num_units[mine].sum() == units[i]
+        assert np.array_equal(np.unique(split.sample_ids), np.sort(ids[units[ids] > 0]))
+        for r in range(3):
+            assert split.num_units[split.pieces_of(r)].sum() == split.replica_units[r]
+        again = split_units(units[ids], costs[ids], 3, sample_ids=ids)  # deterministic
+        assert np.array_equal(again.replica, split.replica)
+        whole = split_units(units[ids], costs[ids], 3, sample_ids=ids, granularity="sample")
+        assert np.array_equal(whole.num_units, units[np.sort(ids[units[ids] > 0])])
+        assert whole.makespan >= split.makespan
+    with pytest.raises(ValueError, match=r"costs\[1\]=-1"):
+        split_units([1, 1], [1.0, -1.0], 2)
+    with pytest.raises(ValueError, match=r"units\[0\]=0"):
+        split_units([0], [1.0], 2)
+    with pytest.raises(ValueError, match="one entry per sample"):
+        split_units([1, 2], [1.0], 2)
+    with pytest.raises(ValueError, match="granularity"):
+        split_units([1], [1.0], 2, granularity="tile")
 
 
 # ---- the communicator on real processes --------------------------------------------------
@@ -139,7 +149,7 @@ MICROBATCHES = [
 
 def _plan(mb: int):
     ids, src, dst, rows = MICROBATCHES[mb]
-    return plan_routing(src, dst, rows, num_src=2, num_dst=2, sample_ids=ids)
+    return plan_routing(src, dst, rows, num_src=2, num_dst=2, item_ids=ids)
 
 
 def _feature(sample_id: int, rows: int) -> torch.Tensor:
@@ -230,13 +240,13 @@ def _communicator_worker(rank: int, world_size: int, layout: RuntimeLayout) -> d
     comm = BridgeCommunicator(topo, HIDDEN, torch.float32, debug=True, timeout_s=20)
     mb = 7
     ids, src, dst, rows = MICROBATCHES[0]
-    plan = plan_routing(src, dst, rows, num_src=2, num_dst=2, sample_ids=ids)
+    plan = plan_routing(src, dst, rows, num_src=2, num_dst=2, item_ids=ids)
     if topo.info.is_bridge_sender:
         feats = {i: _feature(i, int(plan.rows_of([i])[0])) for i in plan.send_order[replica]}
         # LLM 0 rejects the header but drains the data, so this send completes.
         comm.send_features(mb, plan, feats)
     elif replica == 0:
-        wrong = plan_routing(src, dst, [3, 4, 5, 2, 4, 1], num_src=2, num_dst=2, sample_ids=ids)
+        wrong = plan_routing(src, dst, [3, 4, 5, 2, 4, 1], num_src=2, num_dst=2, item_ids=ids)
         try:
             comm.recv_features(mb, wrong)
             out["mismatch"] = "no error"

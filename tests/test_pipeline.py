@@ -231,20 +231,32 @@ def test_step_plan_shapes_and_split():
     assert text_only.is_text_only
     assert all(share.is_empty for share in text_only.encoder)
     for mb in plan.microbatches:
-        encoded = np.sort(np.concatenate([s.sample_ids for s in mb.encoder]))
-        np.testing.assert_array_equal(encoded, mb.visual_sample_ids)
+        encoded = np.concatenate([s.sample_ids for s in mb.encoder])
+        np.testing.assert_array_equal(np.unique(encoded), mb.visual_sample_ids)
+        units = np.zeros(len(UNITS), np.int64)  # every unit of every sample exactly once
         for share in mb.encoder:
             assert share.feature_rows == share.units * TPU
+            assert share.units == share.num_units.sum()
+            np.add.at(units, share.sample_ids, share.num_units)
+        np.testing.assert_array_equal(units[mb.visual_sample_ids], UNITS[mb.visual_sample_ids])
+        # Balanced by unit: ceil(units / 2) on the busier encoder replica.
+        assert max(s.units for s in mb.encoder) == -(-int(UNITS[mb.visual_sample_ids].sum()) // 2)
         (llm,) = mb.llm
         assert llm.tokens == int((UNITS[llm.sample_ids] * TPU + TEXT[llm.sample_ids]).sum())
         assert llm.visual_rows == sum(s.feature_rows for s in mb.encoder)
-    # Microbatch 3 holds one image sample: one encoder replica gets it, the other nothing.
-    assert sorted(s.units for s in plan.microbatches[3].encoder) == [0, 2]
+    # Microbatch 3 holds one image sample of two tiles: each encoder replica gets a tile.
+    mb3 = plan.microbatches[3]
+    assert [s.units for s in mb3.encoder] == [1, 1]
+    assert [(int(s.sample_ids[0]), int(s.first_unit[0])) for s in mb3.encoder] in (
+        [(7, 0), (7, 1)],
+        [(7, 1), (7, 0)],
+    )
     # Deterministic: a second build is identical.
     _, again, _ = _step_inputs(LAYOUT_A, ASSIGN_A)
     for a, b in zip(plan.microbatches, again.microbatches):
         for sa, sb in zip(a.encoder, b.encoder):
             np.testing.assert_array_equal(sa.sample_ids, sb.sample_ids)
+            np.testing.assert_array_equal(sa.first_unit, sb.first_unit)
 
 
 def test_synthetic_batch_is_deterministic_per_sample():
@@ -252,6 +264,12 @@ def test_synthetic_batch_is_deterministic_per_sample():
     both = batch.pixel_values([0, 1])
     assert both.shape == (3, CONFIG.vision.channels, 32, 32)
     assert torch.equal(both[2:], batch.pixel_values([1]))
+    # A piece renders just its units, identical to the whole sample's.
+    assert torch.equal(batch.pixel_values([4], [1], [2]), batch.pixel_values([4])[1:3])
+    pieces = batch.pixel_values([0, 4], [1, 0], [1, 1])
+    assert torch.equal(pieces[0], both[1]) and torch.equal(pieces[1], batch.pixel_values([4])[0])
+    with pytest.raises(ValueError, match=r"units \[2, 4\) are out of its 3 units"):
+        batch.pixel_values([4], [2], [2])
     text = batch.text_inputs([4, 0])
     assert text.cu_seqlens.tolist() == [0, 3 * TPU + 8, 3 * TPU + 8 + 2 * TPU + 10]
     assert int(text.image_token_mask.sum()) == 5 * TPU

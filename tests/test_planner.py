@@ -99,7 +99,12 @@ def test_layouts_respect_constraints() -> None:
         assert p.peak_memory_bytes <= result.cluster.gpu_memory_bytes
     times = [lp.prediction.step_time_s for lp in result.layouts]
     assert times == sorted(times)
-    assert result.best.prediction.step_time_s <= result.baseline.prediction.step_time_s
+    # By default only layouts dflop's runtime executes (encoder and LLM on disjoint GPUs);
+    # with colocated candidates the search covers the baseline's layouts and beats it.
+    assert not any(lp.colocated for lp in result.layouts)
+    both = _plan(16, config=replace(FAST, colocated_candidates=True))
+    assert both.best.prediction.step_time_s <= result.best.prediction.step_time_s
+    assert both.best.prediction.step_time_s <= both.baseline.prediction.step_time_s
 
 
 def test_disaggregated_layout_on_large_encoder() -> None:

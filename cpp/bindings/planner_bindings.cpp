@@ -17,6 +17,7 @@ namespace dflop::bindings {
 namespace {
 
 using DoubleArray = py::array_t<double, py::array::c_style | py::array::forcecast>;
+using IntArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
 template <typename T>
 T get(const py::dict& d, const char* key, const char* where) {
@@ -57,6 +58,7 @@ ModuleParams to_module(const py::dict& d, const char* w) {
   get_opt(d, "attention_compute_fraction", &p.attention_compute_fraction);
   get_opt(d, "attention_param_fraction", &p.attention_param_fraction);
   get_opt(d, "attention_activation_fraction", &p.attention_activation_fraction);
+  get_opt(d, "forward_fraction", &p.forward_fraction);
   return p;
 }
 
@@ -74,6 +76,8 @@ PlannerSamples to_samples(const py::dict& d) {
   x.encoder_last_fraction = column(d, "encoder_last_fraction");
   x.llm_last_fraction = column(d, "llm_last_fraction");
   x.encoder_tokens = column(d, "encoder_tokens");
+  const auto units = get<IntArray>(d, "encoder_units", "samples");
+  x.encoder_units.assign(units.data(), units.data() + units.size());
   x.llm_tokens = column(d, "llm_tokens");
   x.visual_tokens = column(d, "visual_tokens");
   return x;
@@ -104,6 +108,19 @@ PlannerOptions to_options(const py::dict& d) {
   get_opt(d, "balance_work_budget", &o.balance_work_budget);
   get_opt(d, "seed", &o.seed);
   get_opt(d, "num_threads", &o.num_threads);
+  get_opt(d, "colocated_candidates", &o.colocated_candidates);
+  std::string split = "unit";
+  get_opt(d, "encoder_split", &split);
+  if (split == "unit") {
+    o.encoder_split = EncoderSplit::Unit;
+  } else if (split == "sample") {
+    o.encoder_split = EncoderSplit::Sample;
+  } else if (split == "even") {
+    o.encoder_split = EncoderSplit::Even;
+  } else {
+    throw py::value_error("encoder_split must be \"unit\", \"sample\" or \"even\", got \"" + split +
+                          "\"");
+  }
   return o;
 }
 
@@ -230,6 +247,43 @@ py::dict evaluate_layout_py(const py::dict& cluster, const py::dict& encoder, co
   return from_score(s);
 }
 
+py::dict from_step(const StepModel& step) {
+  const auto& in = step.sim;
+  const py::ssize_t R = in.num_replicas, S = in.num_stages, m = in.num_microbatches;
+  auto arr3 = [](const std::vector<double>& v, py::ssize_t a, py::ssize_t b, py::ssize_t c) {
+    py::array_t<double> out({a, b, c});
+    std::copy(v.begin(), v.end(), out.mutable_data());
+    return out;
+  };
+  auto ints = [](const std::vector<int64_t>& v) {
+    py::array_t<int64_t> out(static_cast<py::ssize_t>(v.size()));
+    std::copy(v.begin(), v.end(), out.mutable_data());
+    return out;
+  };
+  const py::ssize_t E = step.num_encoder_stages, V = step.num_encoder_replicas;
+  py::dict out;
+  out["forward_s"] = arr3(in.forward_s, R, S, m);
+  out["backward_s"] = arr3(in.backward_s, R, S, m);
+  out["activation_bytes"] = arr3(in.activation_bytes, R, S - 1, m);
+  out["link_latency_s"] = in.link_latency_s;
+  out["link_bandwidth_bytes_per_s"] = in.link_bandwidth_bytes_per_s;
+  out["allreduce_s"] = in.allreduce_s;
+  out["assignment"] = ints(step.assignment);
+  out["microbatch_order"] = ints(step.microbatch_order);
+  out["num_encoder_stages"] = step.num_encoder_stages;
+  out["num_encoder_replicas"] = step.num_encoder_replicas;
+  out["encoder_forward_s"] = arr3(step.encoder_forward_s, V, E, V ? m : 0);
+  out["encoder_backward_s"] = arr3(step.encoder_backward_s, V, E, V ? m : 0);
+  py::dict pieces;
+  pieces["microbatch"] = ints(step.piece_microbatch);
+  pieces["sample"] = ints(step.piece_sample);
+  pieces["first_unit"] = ints(step.piece_first_unit);
+  pieces["num_units"] = ints(step.piece_num_units);
+  pieces["replica"] = ints(step.piece_replica);
+  out["pieces"] = pieces;
+  return out;
+}
+
 py::dict build_step_py(const py::dict& cluster, const py::dict& encoder, const py::dict& llm,
                        const py::dict& samples, const py::dict& options, const py::dict& layout,
                        int64_t batch) {
@@ -243,24 +297,26 @@ py::dict build_step_py(const py::dict& cluster, const py::dict& encoder, const p
     py::gil_scoped_release release;
     step = build_step(c, e, l, x, o, lay, batch);
   }
-  const auto& in = step.sim;
-  const py::ssize_t R = in.num_replicas, S = in.num_stages, m = in.num_microbatches;
-  auto arr3 = [](const std::vector<double>& v, py::ssize_t a, py::ssize_t b, py::ssize_t c) {
-    py::array_t<double> out({a, b, c});
-    std::copy(v.begin(), v.end(), out.mutable_data());
-    return out;
-  };
-  py::dict out;
-  out["forward_s"] = arr3(in.forward_s, R, S, m);
-  out["backward_s"] = arr3(in.backward_s, R, S, m);
-  out["activation_bytes"] = arr3(in.activation_bytes, R, S - 1, m);
-  out["link_latency_s"] = in.link_latency_s;
-  out["link_bandwidth_bytes_per_s"] = in.link_bandwidth_bytes_per_s;
-  out["allreduce_s"] = in.allreduce_s;
-  out["assignment"] = step.assignment;
-  out["microbatch_order"] = step.microbatch_order;
-  out["num_encoder_stages"] = step.num_encoder_stages;
-  return out;
+  return from_step(step);
+}
+
+py::dict step_from_assignment_py(const py::dict& cluster, const py::dict& encoder,
+                                 const py::dict& llm, const py::dict& samples,
+                                 const py::dict& options, const py::dict& layout, int64_t batch,
+                                 const IntArray& assignment) {
+  const ClusterParams c = to_cluster(cluster);
+  const ModuleParams e = to_module(encoder, "encoder"), l = to_module(llm, "llm");
+  const PlannerSamples x = to_samples(samples);
+  const PlannerOptions o = to_options(options);
+  const Layout lay = to_layout(layout);
+  if (assignment.ndim() != 1) throw py::value_error("assignment must be 1-D");
+  const std::vector<int64_t> bins(assignment.data(), assignment.data() + assignment.size());
+  StepModel step;
+  {
+    py::gil_scoped_release release;
+    step = step_from_assignment(c, e, l, x, o, lay, batch, bins);
+  }
+  return from_step(step);
 }
 
 }  // namespace
@@ -274,7 +330,12 @@ void register_planner(py::module_& m) {
         "Score one layout by simulation over the sampled batches.");
   m.def("build_step", &build_step_py, py::arg("cluster"), py::arg("encoder"), py::arg("llm"),
         py::arg("samples"), py::arg("options"), py::arg("layout"), py::arg("batch"),
-        "Simulator input and schedule of one sampled batch under a layout.");
+        "Simulator input, schedule, encoder split and per-replica encoder times of one "
+        "sampled batch under a layout.");
+  m.def("step_from_assignment", &step_from_assignment_py, py::arg("cluster"), py::arg("encoder"),
+        py::arg("llm"), py::arg("samples"), py::arg("options"), py::arg("layout"), py::arg("batch"),
+        py::arg("assignment"),
+        "The planner's step model of one sampled batch under a given schedule.");
   m.def("split_layers", &split_layers, py::arg("num_layers"), py::arg("num_stages"),
         py::arg("per_layer"), py::arg("first_stage_extra"), py::arg("last_stage_extra"),
         py::arg("balanced"));

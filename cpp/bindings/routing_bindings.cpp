@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "bindings.hpp"
+#include "dflop/encoder_split.hpp"
 #include "dflop/routing.hpp"
 
 namespace py = pybind11;
@@ -42,10 +43,33 @@ py::dict plan_routing_py(const IntArray& src_replica, const IntArray& dst_replic
   return out;
 }
 
-py::array_t<int64_t> split_for_encoder_py(const DoubleArray& encoder_costs, int64_t num_replicas) {
-  check_1d(encoder_costs, "encoder_costs", -1);
-  const py::ssize_t n = encoder_costs.shape(0);
-  return to_numpy(split_for_encoder(encoder_costs.data(), n, num_replicas), {n});
+SplitGranularity parse_granularity(const std::string& name) {
+  if (name == "unit") return SplitGranularity::Unit;
+  if (name == "sample") return SplitGranularity::Sample;
+  throw py::value_error("granularity must be 'unit' or 'sample', got '" + name + "'");
+}
+
+py::dict split_units_py(const IntArray& units, const DoubleArray& costs, int64_t num_replicas,
+                        const std::string& granularity) {
+  check_1d(units, "units", -1);
+  const py::ssize_t n = units.shape(0);
+  check_1d(costs, "costs", n);
+  const SplitGranularity g = parse_granularity(granularity);
+  UnitSplit split;
+  {
+    py::gil_scoped_release release;
+    split = split_units(units.data(), costs.data(), n, num_replicas, g);
+  }
+  const auto pieces = static_cast<py::ssize_t>(split.sample.size());
+  py::dict out;
+  out["sample"] = to_numpy(std::move(split.sample), {pieces});
+  out["first_unit"] = to_numpy(std::move(split.first_unit), {pieces});
+  out["num_units"] = to_numpy(std::move(split.num_units), {pieces});
+  out["replica"] = to_numpy(std::move(split.replica), {pieces});
+  out["replica_cost"] = to_numpy(std::move(split.replica_cost), {num_replicas});
+  out["replica_units"] = to_numpy(std::move(split.replica_units), {num_replicas});
+  out["makespan"] = split.makespan;
+  return out;
 }
 
 }  // namespace
@@ -55,10 +79,10 @@ void register_routing(py::module_& m) {
         py::arg("rows"), py::arg("num_src"), py::arg("num_dst"),
         "Routing plan of one microbatch's features between encoder and LLM DP replicas "
         "(dict of int64 arrays); see dflop.runtime.routing.plan_routing.");
-  m.def("split_for_encoder", &split_for_encoder_py, py::arg("encoder_costs"),
-        py::arg("num_replicas"),
-        "Encoder DP replica of each sample of a microbatch (LPT + local search); see "
-        "dflop.runtime.routing.encoder_split.");
+  m.def("split_units", &split_units_py, py::arg("units"), py::arg("costs"), py::arg("num_replicas"),
+        py::arg("granularity") = "unit",
+        "One microbatch's visual units split over the encoder's DP replicas (pieces: "
+        "contiguous unit ranges of a sample); see dflop.runtime.routing.split_units.");
 }
 
 }  // namespace dflop::bindings

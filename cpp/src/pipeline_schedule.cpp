@@ -21,6 +21,7 @@
 #include <string>
 
 #include "dflop/balance.hpp"
+#include "dflop/encoder_split.hpp"
 #include "dflop/errors.hpp"
 #include "format.hpp"
 #include "replica_simulator.hpp"
@@ -58,6 +59,10 @@ BalanceOptions balance_options(const PipelineScheduleOptions& o) {
   return b;
 }
 
+int64_t replicas_of(const PipelineScheduleOptions& o, int64_t c) {
+  return o.replicas.empty() ? 1 : o.replicas[c];
+}
+
 struct Objective {
   double step_s;
   double pace_s;  // sum over microbatches of the slowest stage load
@@ -87,6 +92,8 @@ class Search {
         bin_nonzero_(b_ * d, 0),
         mb_nonzero_(m_ * d, 0),
         count_(b_, 0),
+        replicas_(d, 1),
+        units_(o.units),
         sim_(ScheduleKind::OneFOneB, std::accumulate(o.stages.begin(), o.stages.end(), int64_t{0}),
              o.num_microbatches),
         rng_(o.seed ^ 0x5DEECE66DULL) {
@@ -94,6 +101,13 @@ class Search {
     for (int64_t c = 0; c < d; ++c) {
       for (int64_t k = 0; k < o.stages[c]; ++k) stage_dim_.push_back(c);
       if (!is_mb_dim_[c]) replicas_differ_ = replicas_differ_ || dp_ > 1;
+      replicas_[c] = replicas_of(o, c);
+      if (replicas_[c] > 1) split_dims_.push_back(c);
+    }
+    if (!split_dims_.empty()) {
+      members_.assign(m_, {});
+      split_s_.assign(m_ * d, 0.0);
+      dirty_.assign(m_, 1);
     }
     num_stages_ = static_cast<int64_t>(stage_dim_.size());
     latency_.assign(num_stages_ > 1 ? num_stages_ - 1 : 0, o.link_latency_s);
@@ -113,10 +127,13 @@ class Search {
   }
 
   int64_t cost_per_evaluation() const {
-    return (replicas_differ_ ? dp_ : 1) * 2 * num_stages_ * m_;
+    // A candidate re-splits the (at most two) microbatches it changed: ~2 n / m samples.
+    const int64_t splits = split_dims_.empty() ? 0 : 2 * (n_ / m_ + 1);
+    return (replicas_differ_ ? dp_ : 1) * 2 * num_stages_ * m_ + splits;
   }
 
   Objective evaluate() {
+    refresh_splits();
     const int64_t replicas = replicas_differ_ ? dp_ : 1;
     double step_s = 0.0;
     for (int64_t r = 0; r < replicas; ++r) {
@@ -297,25 +314,49 @@ class Search {
     std::fill(bin_nonzero_.begin(), bin_nonzero_.end(), 0);
     std::fill(mb_nonzero_.begin(), mb_nonzero_.end(), 0);
     std::fill(count_.begin(), count_.end(), 0);
+    for (auto& m : members_) m.clear();
+    std::fill(dirty_.begin(), dirty_.end(), 1);
     assignment_ = assignment;
     order_ = order;
     for (int64_t i = 0; i < n_; ++i) add(i, assignment_[i], +1.0);
+  }
+
+  // Re-splits every microbatch whose members changed (replicated dimensions only).
+  void refresh_splits() {
+    for (int64_t j = 0; j < static_cast<int64_t>(dirty_.size()); ++j) {
+      if (!dirty_[j]) continue;
+      dirty_[j] = 0;
+      const std::vector<int64_t>& members = members_[j];
+      split_units_.resize(members.size());
+      split_costs_.resize(members.size());
+      for (size_t p = 0; p < members.size(); ++p) split_units_[p] = units_[members[p]];
+      for (const int64_t c : split_dims_) {
+        for (size_t p = 0; p < members.size(); ++p) split_costs_[p] = costs_[members[p] * d_ + c];
+        split_s_[j * d_ + c] = split_units(split_units_.data(), split_costs_.data(),
+                                           static_cast<int64_t>(members.size()), replicas_[c])
+                                   .makespan;
+      }
+    }
   }
 
   // Seconds of module c's stage for microbatch j on replica r: the constant only where
   // the module has work (an encoder skips a text-only microbatch).
   // Whether the module has work is counted, not read off the load: sums updated by
   // adding and subtracting leave rounding residue where they should be zero.
+  // A replicated dimension takes its slowest replica's share (refresh_splits).
   double stage_load(int64_t j, int64_t c, int64_t r) const {
     const int64_t at = is_mb_dim_[c] ? j * d_ + c : (j * dp_ + r) * d_ + c;
     const bool has_work = is_mb_dim_[c] ? mb_nonzero_[at] > 0 : bin_nonzero_[at] > 0;
     if (!has_work) return 0.0;
+    if (replicas_[c] > 1) return split_s_[at] + constant_[c];
     return std::max(0.0, is_mb_dim_[c] ? mb_load_[at] : bin_load_[at]) + constant_[c];
   }
 
-  // The load a capacity bounds: the bin's, or its microbatch's for microbatch dims.
+  // The load a capacity bounds: the bin's, or its microbatch's for microbatch dims (per
+  // replica for a replicated one).
   double unit_load(int64_t b, int64_t c) const {
-    return is_mb_dim_[c] ? mb_load_[(b / dp_) * d_ + c] : bin_load_[b * d_ + c];
+    return is_mb_dim_[c] ? mb_load_[(b / dp_) * d_ + c] / static_cast<double>(replicas_[c])
+                         : bin_load_[b * d_ + c];
   }
 
   bool fits(int64_t b) const {
@@ -337,6 +378,16 @@ class Search {
       }
     }
     count_[b] += step;
+    if (!split_dims_.empty()) {  // keep the microbatch's members ascending
+      std::vector<int64_t>& m = members_[b / dp_];
+      const auto at = std::lower_bound(m.begin(), m.end(), i);
+      if (step > 0) {
+        m.insert(at, i);
+      } else {
+        m.erase(at);
+      }
+      dirty_[b / dp_] = 1;
+    }
   }
 
   void move(int64_t i, int64_t to) {
@@ -354,6 +405,7 @@ class Search {
 
   void choose_order(Objective& best) {
     if (m_ < 2) return;
+    refresh_splits();
     std::vector<double> first(m_), last(m_);
     for (int64_t j = 0; j < m_; ++j) {
       first[j] = pace(j, 0);
@@ -403,6 +455,14 @@ class Search {
   std::vector<double> bin_load_, mb_load_;
   std::vector<int64_t> bin_nonzero_, mb_nonzero_;  // samples with work, per (bin, dim)
   std::vector<int64_t> count_;
+  // Replicated dimensions (replicas_[c] > 1): each microbatch's members (ascending), its
+  // split's makespan per dimension, and whether the members changed since it was split.
+  std::vector<int64_t> replicas_, split_dims_;
+  const std::vector<int64_t>& units_;
+  std::vector<std::vector<int64_t>> members_;
+  std::vector<double> split_s_, split_costs_;
+  std::vector<int64_t> split_units_;
+  std::vector<char> dirty_;
   std::vector<double> cap_, latency_, forward_, backward_;
   detail::ReplicaSimulator sim_;
   SplitMix64 rng_;
@@ -420,7 +480,18 @@ int64_t default_work_budget(int64_t num_items, int64_t cost_per_evaluation) {
 void validate_pipeline_schedule_input(const double* costs, int64_t n, int64_t d,
                                       const std::vector<int64_t>& start,
                                       const PipelineScheduleOptions& o) {
-  validate_balance_input(costs, n, d, balance_options(o));
+  if (!o.replicas.empty() && static_cast<int64_t>(o.replicas.size()) == d &&
+      std::any_of(o.replicas.begin(), o.replicas.end(), [](int64_t r) { return r > 1; })) {
+    // Balance's view: a replicated dimension's cost per replica.
+    std::vector<double> scaled(costs, costs + n * d);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t c = 0; c < d; ++c)
+        scaled[i * d + c] /= static_cast<double>(std::max<int64_t>(1, o.replicas[c]));
+    }
+    validate_balance_input(scaled.data(), n, d, balance_options(o));
+  } else {
+    validate_balance_input(costs, n, d, balance_options(o));
+  }
   check_length("stages", o.stages, d);
   int64_t total_stages = 0;
   for (size_t c = 0; c < o.stages.size(); ++c) {
@@ -468,6 +539,45 @@ void validate_pipeline_schedule_input(const double* costs, int64_t n, int64_t d,
   if (!(std::isfinite(o.link_latency_s) && o.link_latency_s >= 0.0)) {
     throw InvalidArgument("link_latency_s must be finite and >= 0, got " + fmt(o.link_latency_s));
   }
+  if (!o.replicas.empty()) {
+    check_length("replicas", o.replicas, d);
+    std::vector<char> mb_dim(d, 0);
+    for (int64_t c : o.microbatch_dims) mb_dim[c] = 1;
+    bool any = false;
+    for (int64_t c = 0; c < d; ++c) {
+      const int64_t r = o.replicas[c];
+      if (r < 1) {
+        throw InvalidArgument("replicas[" + std::to_string(c) + "] must be >= 1, got " +
+                              std::to_string(r));
+      }
+      if (r > 1 && !mb_dim[c]) {
+        throw InvalidArgument("replicas[" + std::to_string(c) + "]=" + std::to_string(r) +
+                              " > 1 needs dimension " + std::to_string(c) +
+                              " in microbatch_dims (its replicas share each microbatch)");
+      }
+      any = any || r > 1;
+    }
+    if (any) {
+      if (static_cast<int64_t>(o.units.size()) != n) {
+        throw InvalidArgument("units has " + std::to_string(o.units.size()) +
+                              " entries, expected one per sample (" + std::to_string(n) +
+                              ") for the replicated dimensions");
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        if (o.units[i] < 0) {
+          throw InvalidArgument("units[" + std::to_string(i) + "]=" + std::to_string(o.units[i]) +
+                                " must be >= 0");
+        }
+        for (int64_t c = 0; c < d; ++c) {
+          if (o.replicas[c] > 1 && o.units[i] == 0 && costs[i * d + c] > 0.0) {
+            throw InvalidArgument("costs[" + std::to_string(i) + ", " + std::to_string(c) +
+                                  "]=" + fmt(costs[i * d + c]) + " but units[" + std::to_string(i) +
+                                  "]=0: a replicated dimension's work needs visual units");
+          }
+        }
+      }
+    }
+  }
   if (!(o.max_growth >= 1.0)) {
     throw InvalidArgument("max_growth must be >= 1 (inf allowed), got " + fmt(o.max_growth));
   }
@@ -499,10 +609,11 @@ void validate_pipeline_schedule_input(const double* costs, int64_t n, int64_t d,
   for (int64_t b = 0; b < bins; ++b) {
     for (int64_t c = 0; c < d; ++c) {
       double v = load[b * d + c];
-      if (is_mb_dim[c]) {  // the whole microbatch's load
+      if (is_mb_dim[c]) {  // the whole microbatch's load (per replica)
         v = 0.0;
         const int64_t j = b / o.dp_size;
         for (int64_t r = 0; r < o.dp_size; ++r) v += load[(j * o.dp_size + r) * d + c];
+        v /= static_cast<double>(replicas_of(o, c));
       }
       if (v > o.capacity[c] * (1 + kCapacityTolerance)) {
         throw InvalidArgument("assignment puts " + fmt(v) + " of dimension " + std::to_string(c) +

@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "dflop/balance.hpp"
+#include "dflop/encoder_split.hpp"
 #include "dflop/errors.hpp"
 #include "dflop/simulator.hpp"
 #include "format.hpp"
@@ -49,7 +50,6 @@ namespace dflop {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
-constexpr double kForwardShare = 1.0 / 3.0;    // training = forward + 2 x forward (backward)
 constexpr double kTpAllReducesPerLayer = 4.0;  // 2 forward + 2 backward (Megatron-LM)
 constexpr double kBf16Bytes = 2.0;
 // Relative margin of the second bound's pruning test (see Search::evaluate_wave).
@@ -96,6 +96,9 @@ void check_module(const char* module, const ModuleParams& p) {
     require(std::isfinite(value) && value >= 0.0 && value <= 1.0,
             m + "." + name + " must be in [0, 1], got " + fmt(value));
   }
+  require(
+      std::isfinite(p.forward_fraction) && p.forward_fraction >= 0.0 && p.forward_fraction <= 1.0,
+      m + ".forward_fraction must be in [0, 1], got " + fmt(p.forward_fraction));
 }
 
 void check_column(const char* name, const std::vector<double>& v, size_t expected, bool fraction) {
@@ -233,6 +236,10 @@ struct BatchSums {
   double max_enc_tokens = 0, max_llm_tokens = 0;
   // Largest single sample's (body, last, tokens) per module, by its total time at t = 1.
   std::array<double, 3> max_enc{0, 0, 0}, max_llm{0, 0, 0};
+  // The encoder's largest single visual unit, by time, and the most tokens of one unit.
+  std::array<double, 3> max_enc_unit{0, 0, 0};
+  double max_enc_unit_tokens = 0;
+  bool has_visual = false;
 };
 
 struct Context {
@@ -273,7 +280,7 @@ struct Context {
     sums.resize(size_t(samples.num_batches));
     for (int64_t b = 0; b < samples.num_batches; ++b) {
       BatchSums& s = sums[size_t(b)];
-      double best_e = -1, best_l = -1;
+      double best_e = -1, best_l = -1, best_unit = -1;
       for (int64_t i = b * n; i < (b + 1) * n; ++i) {
         const size_t k = size_t(i);
         const double eb = x.encoder_s[k] * (1 - x.encoder_last_fraction[k]);
@@ -291,6 +298,15 @@ struct Context {
         if (x.encoder_s[k] > best_e) {
           best_e = x.encoder_s[k];
           s.max_enc = {eb, el, x.encoder_tokens[k]};
+        }
+        if (x.encoder_units[k] > 0) {
+          const double u = double(x.encoder_units[k]);
+          s.has_visual = true;
+          s.max_enc_unit_tokens = std::max(s.max_enc_unit_tokens, x.encoder_tokens[k] / u);
+          if (x.encoder_s[k] / u > best_unit) {
+            best_unit = x.encoder_s[k] / u;
+            s.max_enc_unit = {eb / u, el / u, x.encoder_tokens[k] / u};
+          }
         }
         if (x.llm_s[k] > best_l) {
           best_l = x.llm_s[k];
@@ -363,12 +379,26 @@ std::vector<Degrees> module_degrees(const ClusterParams& c, const ModuleParams& 
 // ---------------------------------------------------------------------------------------
 // Scoring one layout
 
-struct BinSums {  // per bin (LLM) or per microbatch (encoder, before / dp_enc)
+// One schedule of one batch as the simulation needs it.
+struct BinSums {
+  // Per bin: the LLM's loads and visual rows, and (colocated layouts) the encoder's.
   std::vector<double> enc_body, enc_last, enc_tokens, llm_body, llm_last, llm_tokens, visual;
+  // Disaggregated layouts, per microbatch k (schedule order) and encoder stage st: the
+  // slowest encoder replica's seconds incl. the microbatch constant (0 if no replica has
+  // work), at enc_stage_s[k * pp + st]; the largest replica's encoder tokens; and per stage
+  // the encoder's compute seconds summed over replicas and microbatches (for idle shares).
+  std::vector<double> enc_stage_s, enc_max_tokens, enc_busy_s;
   void resize(size_t bins) {
     for (auto* v : {&enc_body, &enc_last, &enc_tokens, &llm_body, &llm_last, &llm_tokens, &visual})
       v->assign(bins, 0.0);
   }
+};
+
+// The encoder's replicas on one microbatch: every replica's seconds per stage, its tokens.
+struct EncoderReplicas {
+  std::vector<double> stage_s;  // dp x pp, row-major: incl. the constant where it has work
+  std::vector<double> tokens;   // dp
+  UnitSplit split;              // Unit / Sample: the pieces (sample = position in members)
 };
 
 class Evaluator {
@@ -431,7 +461,8 @@ class Evaluator {
 
   BinSums bin_sums(const Layout& l, int64_t b, const std::vector<int64_t>& bins) const {
     BinSums s;
-    s.resize(size_t(l.num_microbatches * l.llm.dp));
+    const int64_t m = l.num_microbatches, dp = l.llm.dp;
+    s.resize(size_t(m * dp));
     const auto& x = ctx_.x;
     for (int64_t i = 0; i < ctx_.n; ++i) {
       const size_t k = size_t(b * ctx_.n + i), bin = size_t(bins[size_t(i)]);
@@ -443,7 +474,93 @@ class Evaluator {
       s.llm_tokens[bin] += x.llm_tokens[k];
       s.visual[bin] += x.visual_tokens[k];
     }
+    if (l.colocated) return s;
+    const ModuleLayout& e = l.encoder;
+    s.enc_stage_s.assign(size_t(m * e.pp), 0.0);
+    s.enc_max_tokens.assign(size_t(m), 0.0);
+    s.enc_busy_s.assign(size_t(e.pp), 0.0);
+    const std::vector<std::vector<int64_t>> members = microbatch_members(bins, m, dp);
+    for (int64_t k = 0; k < m; ++k) {
+      const EncoderReplicas reps = encoder_replicas(l, b, members[size_t(k)], s, k);
+      for (int64_t r = 0; r < e.dp; ++r) {
+        s.enc_max_tokens[size_t(k)] = std::max(s.enc_max_tokens[size_t(k)], reps.tokens[size_t(r)]);
+        for (int64_t st = 0; st < e.pp; ++st) {
+          const double t = reps.stage_s[size_t(r * e.pp + st)];
+          double& slowest = s.enc_stage_s[size_t(k * e.pp + st)];
+          slowest = std::max(slowest, t);
+          s.enc_busy_s[size_t(st)] += t;
+        }
+      }
+    }
     return s;
+  }
+
+  // The samples (indices in the batch) of each microbatch, ascending: the order in which
+  // the runtime hands a microbatch to split_units.
+  static std::vector<std::vector<int64_t>> microbatch_members(const std::vector<int64_t>& bins,
+                                                              int64_t m, int64_t dp) {
+    std::vector<std::vector<int64_t>> out(static_cast<size_t>(m));
+    for (size_t i = 0; i < bins.size(); ++i) out[size_t(bins[i] / dp)].push_back(int64_t(i));
+    return out;
+  }
+
+  // The encoder replicas' work on microbatch k (members ascending) of batch b under the
+  // layout's encoder split. `sums` holds the microbatch's per-bin encoder sums (Even only).
+  EncoderReplicas encoder_replicas(const Layout& l, int64_t b, const std::vector<int64_t>& members,
+                                   const BinSums& sums, int64_t k) const {
+    const ModuleLayout& e = l.encoder;
+    const auto& x = ctx_.x;
+    EncoderReplicas out;
+    std::vector<double> body(size_t(e.dp), 0.0), last(size_t(e.dp), 0.0);
+    std::vector<char> has_work(size_t(e.dp), 0);
+    out.tokens.assign(size_t(e.dp), 0.0);
+    if (ctx_.o.encoder_split == EncoderSplit::Even) {
+      double total_body = 0, total_last = 0, total_tokens = 0;
+      for (int64_t r = 0; r < l.llm.dp; ++r) {
+        const size_t bin = size_t(k * l.llm.dp + r);
+        total_body += sums.enc_body[bin];
+        total_last += sums.enc_last[bin];
+        total_tokens += sums.enc_tokens[bin];
+      }
+      std::fill(body.begin(), body.end(), total_body / double(e.dp));
+      std::fill(last.begin(), last.end(), total_last / double(e.dp));
+      std::fill(out.tokens.begin(), out.tokens.end(), total_tokens / double(e.dp));
+      std::fill(has_work.begin(), has_work.end(), char(total_tokens > 0 || total_body > 0));
+    } else {
+      std::vector<int64_t> units(members.size());
+      std::vector<double> costs(members.size());
+      for (size_t p = 0; p < members.size(); ++p) {
+        const size_t i = size_t(b * ctx_.n + members[p]);
+        units[p] = x.encoder_units[i];
+        costs[p] = x.encoder_s[i];
+      }
+      out.split =
+          split_units(units.data(), costs.data(), int64_t(members.size()), e.dp,
+                      ctx_.o.encoder_split == EncoderSplit::Sample ? SplitGranularity::Sample
+                                                                   : SplitGranularity::Unit);
+      const UnitSplit& sp = out.split;
+      for (size_t q = 0; q < sp.sample.size(); ++q) {
+        const size_t i = size_t(b * ctx_.n + members[size_t(sp.sample[q])]);
+        const double share = double(sp.num_units[q]) / double(x.encoder_units[i]);
+        const size_t r = size_t(sp.replica[q]);
+        body[r] += share * x.encoder_s[i] * (1 - x.encoder_last_fraction[i]);
+        last[r] += share * x.encoder_s[i] * x.encoder_last_fraction[i];
+        out.tokens[r] += share * x.encoder_tokens[i];
+        has_work[r] = 1;
+      }
+    }
+    out.stage_s.assign(size_t(e.dp * e.pp), 0.0);
+    for (int64_t r = 0; r < e.dp; ++r) {
+      if (!has_work[size_t(r)]) continue;  // an empty share computes nothing
+      for (int64_t st = 0; st < e.pp; ++st) {
+        const int64_t nl = e.layers_per_stage[size_t(st)];
+        out.stage_s[size_t(r * e.pp + st)] =
+            ctx_.enc.stage_time(e.tp, e.recompute, nl, st == e.pp - 1, body[size_t(r)],
+                                last[size_t(r)], out.tokens[size_t(r)]) +
+            ctx_.enc.stage_constant(e.tp, nl);
+      }
+    }
+    return out;
   }
 
   // Peak memory per GPU over all stages, given the largest LLM bin tokens, the largest
@@ -515,6 +632,8 @@ class Evaluator {
     }
     return tokens;
   }
+  // Disaggregated: some microbatch holds >= total / m, so some replica >= total / (m dp);
+  // and some replica holds the largest unit (Unit), sample (Sample) or its dp-th (Even).
   double enc_tokens_lower_bound(int64_t m, int64_t llm_dp, bool colocated,
                                 int64_t encoder_dp) const {
     double tokens = 0;
@@ -522,10 +641,14 @@ class Evaluator {
     for (const BatchSums& s : ctx_.sums) {
       if (colocated) {
         tokens = std::max(tokens, std::max(s.enc_tokens / bins, s.max_enc_tokens));
-      } else {
-        tokens = std::max(
-            tokens, std::max(s.enc_tokens / double(m), s.max_enc_tokens) / double(encoder_dp));
+        continue;
       }
+      const double share = s.enc_tokens / double(m) / double(encoder_dp);
+      double largest = s.max_enc_unit_tokens;
+      if (ctx_.o.encoder_split == EncoderSplit::Sample) largest = s.max_enc_tokens;
+      if (ctx_.o.encoder_split == EncoderSplit::Even)
+        largest = s.max_enc_tokens / double(encoder_dp);
+      tokens = std::max(tokens, std::max(share, largest));
     }
     return tokens;
   }
@@ -557,31 +680,22 @@ class Evaluator {
     in.allreduce_s.assign(size_t(S), 0.0);
     auto put = [&](int64_t r, int64_t st, int64_t k, double seconds) {
       const size_t i = size_t((r * S + st) * m + k);
-      in.forward_s[i] = seconds * kForwardShare;
-      in.backward_s[i] = seconds * (1.0 - kForwardShare);
+      const double f = st < E ? ctx_.enc.p->forward_fraction : ctx_.llm.p->forward_fraction;
+      in.forward_s[i] = seconds * f;
+      in.backward_s[i] = seconds * (1.0 - f);
     };
     const double enc_h = double(ctx_.enc.p->hidden_size), llm_h = double(ctx_.llm.p->hidden_size);
     for (int64_t k = 0; k < m; ++k) {
       const int64_t mb = order[size_t(k)];
       if (!l.colocated) {
-        double body = 0, last = 0, tokens = 0;
-        for (int64_t r = 0; r < R; ++r) {
-          const size_t bin = size_t(mb * R + r);
-          body += s.enc_body[bin];
-          last += s.enc_last[bin];
-          tokens += s.enc_tokens[bin];
-        }
-        const double dp = double(e.dp);
+        // Every LLM replica waits for the encoder's slowest replica (encoder_replicas).
         for (int64_t st = 0; st < E; ++st) {
-          const int64_t nl = e.layers_per_stage[size_t(st)];
-          const double t = ctx_.enc.stage_time(e.tp, e.recompute, nl, st == E - 1, body / dp,
-                                               last / dp, tokens / dp) +
-                           ctx_.enc.stage_constant(e.tp, nl);
+          const double t = s.enc_stage_s[size_t(mb * E + st)];
           for (int64_t r = 0; r < R; ++r) put(r, st, k, t);
           if (st < E - 1) {
             for (int64_t r = 0; r < R; ++r) {
               in.activation_bytes[size_t((r * (S - 1) + st) * m + k)] =
-                  tokens / dp * enc_h * kBf16Bytes / double(e.tp);
+                  s.enc_max_tokens[size_t(mb)] * enc_h * kBf16Bytes / double(e.tp);
             }
           }
         }
@@ -689,8 +803,8 @@ class Evaluator {
     return out;
   }
 
-  StepBreakdown breakdown(const Layout& l, const PipelineSimInput& in, const PipelineSimResult& res,
-                          MicrobatchOrder order) const {
+  StepBreakdown breakdown(const Layout& l, const BinSums& sums, const PipelineSimInput& in,
+                          const PipelineSimResult& res, MicrobatchOrder order) const {
     StepBreakdown out;
     out.step_time_s = res.step_time_s;
     out.order = order;
@@ -699,13 +813,17 @@ class Evaluator {
     out.stage_compute_s.assign(size_t(S), 0.0);
     double busy_gpu_s = 0.0;
     for (int64_t st = 0; st < S; ++st) {
+      if (st < E) {
+        // Encoder stage: what its replicas compute (the simulation's encoder stages hold
+        // the slowest replica's time), tp GPUs each.
+        out.stage_compute_s[size_t(st)] = sums.enc_busy_s[size_t(st)] / double(l.encoder.dp);
+        busy_gpu_s += sums.enc_busy_s[size_t(st)] * double(l.encoder.tp);
+        continue;
+      }
       double sum = 0;
       for (int64_t r = 0; r < R; ++r) sum += res.busy_s[size_t(r * S + st)];
       out.stage_compute_s[size_t(st)] = sum / double(R);
-      // Encoder stage: tp x dp_enc GPUs share replica 0's work (replicas are copies);
-      // LLM stage: tp GPUs per replica.
-      busy_gpu_s += st < E ? res.busy_s[size_t(st)] * double(l.encoder.tp * l.encoder.dp)
-                           : sum * double(l.llm.tp);
+      busy_gpu_s += sum * double(l.llm.tp);  // tp GPUs per LLM replica
     }
     out.stage_allreduce_s = in.allreduce_s;
     const double gpus = double(ctx_.c.num_gpus);
@@ -745,18 +863,13 @@ class Evaluator {
     Prepared out;
     out.sums = std::move(sums);
     double llm_tokens = 0, enc_tokens = 0;
-    const int64_t m = l.num_microbatches, R = l.llm.dp;
     for (const BinSums& s : out.sums) {
       for (size_t bin = 0; bin < s.llm_tokens.size(); ++bin) {
         llm_tokens = std::max(llm_tokens, s.llm_tokens[bin]);
         if (l.colocated) enc_tokens = std::max(enc_tokens, s.enc_tokens[bin]);
       }
-      if (!l.colocated) {
-        for (int64_t k = 0; k < m; ++k) {
-          double t = 0;
-          for (int64_t r = 0; r < R; ++r) t += s.enc_tokens[size_t(k * R + r)];
-          enc_tokens = std::max(enc_tokens, t / double(l.encoder.dp));
-        }
+      if (!l.colocated) {  // the largest encoder replica's activations
+        for (const double t : s.enc_max_tokens) enc_tokens = std::max(enc_tokens, t);
       }
     }
     out.mem = memory(l, llm_tokens, enc_tokens);
@@ -898,7 +1011,7 @@ class Evaluator {
         if (kind == MicrobatchOrder::AsScheduled) plain = res.step_time_s;
         if (res.step_time_s < best) {
           best = res.step_time_s;
-          best_breakdown = breakdown(l, in, res, kind);
+          best_breakdown = breakdown(l, p.sums[size_t(b)], in, res, kind);
         }
       }
       total += best;
@@ -976,17 +1089,25 @@ double module_batch_bound(const Context& ctx, const ModuleModel& mm, const Modul
   const double body = is_encoder ? s.enc_body : s.llm_body;
   const double last = is_encoder ? s.enc_last : s.llm_last;
   const double tokens = is_encoder ? s.enc_tokens : s.llm_tokens;
-  const auto& big = is_encoder ? s.max_enc : s.max_llm;
+  // The smallest item a replica can hold: the LLM's largest sample; the encoder's largest
+  // unit (its replicas share microbatches by unit), sample, or dp-th of a sample (Even).
+  const EncoderSplit split = ctx.o.encoder_split;
+  const auto& big = !is_encoder                   ? s.max_llm
+                    : split == EncoderSplit::Unit ? s.max_enc_unit
+                                                  : s.max_enc;
+  const double item_share = is_encoder && split == EncoderSplit::Even ? double(l.dp) : 1.0;
+  // Every LLM bin holds a sample, so each of the m microbatches pays the constant; an
+  // encoder replica pays it only for microbatches it has units of (at least one if any).
+  const double constants = !is_encoder ? double(m) : (s.has_visual ? 1.0 : 0.0);
   double worst = 0;
   for (int64_t st = 0; st < l.pp; ++st) {
     const int64_t nl = l.layers_per_stage[size_t(st)];
     const bool is_last = st == l.pp - 1;
     const double share =
         mm.stage_time(l.tp, l.recompute, nl, is_last, body, last, tokens) / double(l.dp);
-    // Encoder replicas share every microbatch: the largest sample is split too.
-    const double item = mm.stage_time(l.tp, l.recompute, nl, is_last, big[0], big[1], big[2]) /
-                        (is_encoder ? double(l.dp) : 1.0);
-    const double busy = std::max(share, item) + double(m) * mm.stage_constant(l.tp, nl);
+    const double item =
+        mm.stage_time(l.tp, l.recompute, nl, is_last, big[0], big[1], big[2]) / item_share;
+    const double busy = std::max(share, item) + constants * mm.stage_constant(l.tp, nl);
     worst = std::max(
         worst, busy + allreduce_time(ctx.c, mm, l, st, st == 0 ? extra_allreduce_params : 0.0));
   }
@@ -1366,7 +1487,10 @@ class Search {
   }
 
   void enumerate() {
-    if (ctx_.o.strategy != PlanStrategy::MeanShapeReference) enumerate_colocated();
+    if (ctx_.o.strategy == PlanStrategy::DataBlindColocated ||
+        (ctx_.o.strategy == PlanStrategy::DataAware && ctx_.o.colocated_candidates)) {
+      enumerate_colocated();
+    }
     if (ctx_.o.strategy != PlanStrategy::DataBlindColocated) enumerate_disaggregated();
   }
 
@@ -1597,6 +1721,8 @@ void validate_planner_input(const ClusterParams& c, const ModuleParams& enc,
   require(o.max_tp >= 0, "max_tp must be >= 0, got " + std::to_string(o.max_tp));
   require(o.num_threads >= 0, "num_threads must be >= 0, got " + std::to_string(o.num_threads));
   require(int(o.strategy) >= 0 && int(o.strategy) <= 2, "strategy is not a PlanStrategy");
+  require(int(o.encoder_split) >= 0 && int(o.encoder_split) <= 2,
+          "encoder_split is not an EncoderSplit");
   for (size_t i = 0; i < o.microbatch_choices.size(); ++i) {
     require(o.microbatch_choices[i] >= 1, "microbatch_choices[" + std::to_string(i) +
                                               "] must be >= 1, got " +
@@ -1608,6 +1734,18 @@ void validate_planner_input(const ClusterParams& c, const ModuleParams& enc,
   check_column("encoder_last_fraction", x.encoder_last_fraction, total, true);
   check_column("llm_last_fraction", x.llm_last_fraction, total, true);
   check_column("encoder_tokens", x.encoder_tokens, total, false);
+  require(x.encoder_units.size() == total, "samples.encoder_units has " +
+                                               std::to_string(x.encoder_units.size()) +
+                                               " values, expected " + std::to_string(total));
+  for (size_t i = 0; i < total; ++i) {
+    require(x.encoder_units[i] >= 0, "samples.encoder_units[" + std::to_string(i) +
+                                         "] must be >= 0, got " +
+                                         std::to_string(x.encoder_units[i]));
+    require(x.encoder_units[i] > 0 || x.encoder_s[i] == 0.0,
+            "samples.encoder_s[" + std::to_string(i) + "]=" + fmt(x.encoder_s[i]) +
+                " is encoder time for a sample with encoder_units[" + std::to_string(i) +
+                "]=0 (a text-only sample costs the encoder nothing)");
+  }
   check_column("llm_tokens", x.llm_tokens, total, false);
   check_column("visual_tokens", x.visual_tokens, total, false);
 }
@@ -1642,6 +1780,52 @@ LayoutScore evaluate_layout(const ClusterParams& c, const ModuleParams& enc,
   return score;
 }
 
+namespace {
+
+// The step of batch b under the given bins (microbatch indices = execution order).
+StepModel make_step(const Context& ctx, const Evaluator& eval, const Layout& l, int64_t b,
+                    std::vector<int64_t> bins) {
+  StepModel out;
+  const int64_t m = l.num_microbatches;
+  std::vector<int64_t> identity(static_cast<size_t>(m));
+  std::iota(identity.begin(), identity.end(), 0);
+  const BinSums sums = eval.bin_sums(l, b, bins);
+  out.sim = eval.sim_input(l, sums, identity, true);
+  out.microbatch_order = identity;
+  out.num_encoder_stages = l.colocated ? 0 : l.encoder.pp;
+  if (!l.colocated) {
+    const ModuleLayout& e = l.encoder;
+    const double f = ctx.enc.p->forward_fraction;
+    out.num_encoder_replicas = e.dp;
+    out.encoder_forward_s.assign(size_t(e.dp * e.pp * m), 0.0);
+    out.encoder_backward_s.assign(size_t(e.dp * e.pp * m), 0.0);
+    const auto members = Evaluator::microbatch_members(bins, m, l.llm.dp);
+    for (int64_t k = 0; k < m; ++k) {
+      const EncoderReplicas reps = eval.encoder_replicas(l, b, members[size_t(k)], sums, k);
+      for (int64_t r = 0; r < e.dp; ++r) {
+        for (int64_t st = 0; st < e.pp; ++st) {
+          const double t = reps.stage_s[size_t(r * e.pp + st)];
+          const size_t i = size_t((r * e.pp + st) * m + k);
+          out.encoder_forward_s[i] = t * f;
+          out.encoder_backward_s[i] = t * (1.0 - f);
+        }
+      }
+      const UnitSplit& sp = reps.split;
+      for (size_t q = 0; q < sp.sample.size(); ++q) {
+        out.piece_microbatch.push_back(k);
+        out.piece_sample.push_back(members[size_t(k)][size_t(sp.sample[q])]);
+        out.piece_first_unit.push_back(sp.first_unit[q]);
+        out.piece_num_units.push_back(sp.num_units[q]);
+        out.piece_replica.push_back(sp.replica[q]);
+      }
+    }
+  }
+  out.assignment = std::move(bins);
+  return out;
+}
+
+}  // namespace
+
 StepModel build_step(const ClusterParams& c, const ModuleParams& enc, const ModuleParams& llm,
                      const PlannerSamples& x, const PlannerOptions& o, const Layout& l,
                      int64_t batch) {
@@ -1652,35 +1836,59 @@ StepModel build_step(const ClusterParams& c, const ModuleParams& enc, const Modu
       "batch must be in [0, " + std::to_string(x.num_batches) + "), got " + std::to_string(batch));
   const Context ctx(c, enc, llm, x, o);
   Evaluator eval(ctx);
-  StepModel out;
   std::vector<int64_t> bins = eval.assign(l, batch);
   const BinSums sums = eval.bin_sums(l, batch, bins);
   std::vector<int64_t> identity(static_cast<size_t>(l.num_microbatches));
   std::iota(identity.begin(), identity.end(), 0);
-  const PipelineSimInput base = eval.sim_input(l, sums, identity, true);
+  const PipelineSimInput base = eval.sim_input(l, sums, identity, false);
+  // The order the score took: the first of the fastest (Evaluator::finish).
   double best = kInf;
+  std::vector<int64_t> chosen = identity;
   for (const auto& [kind, order] : eval.orders(l, base)) {
-    PipelineSimInput in =
+    const PipelineSimInput in =
         kind == MicrobatchOrder::AsScheduled ? base : Evaluator::permuted(base, order);
-    PipelineSimInput quiet = in;
-    quiet.record_events = false;
-    const double t = simulate_pipeline(quiet).step_time_s;
+    const double t = simulate_pipeline(in).step_time_s;
     if (t < best) {
       best = t;
-      out.sim = std::move(in);
-      out.microbatch_order = order;
+      chosen = order;
     }
   }
   // Renumber bins so that microbatch k of the step is the k-th in the chosen order.
   std::vector<int64_t> position(static_cast<size_t>(l.num_microbatches));
-  for (size_t k = 0; k < out.microbatch_order.size(); ++k) {
-    position[size_t(out.microbatch_order[k])] = int64_t(k);
-  }
+  for (size_t k = 0; k < chosen.size(); ++k) position[size_t(chosen[k])] = int64_t(k);
   const int64_t dp = l.llm.dp;
   for (auto& b : bins) b = position[size_t(b / dp)] * dp + b % dp;
-  out.assignment = std::move(bins);
-  out.num_encoder_stages = l.colocated ? 0 : l.encoder.pp;
+  StepModel out = make_step(ctx, eval, l, batch, std::move(bins));
+  out.microbatch_order = chosen;
   return out;
+}
+
+StepModel step_from_assignment(const ClusterParams& c, const ModuleParams& enc,
+                               const ModuleParams& llm, const PlannerSamples& x,
+                               const PlannerOptions& o, const Layout& l, int64_t batch,
+                               const std::vector<int64_t>& assignment) {
+  validate_planner_input(c, enc, llm, x, o);
+  check_layout(c, enc, llm, o, l);
+  require(
+      batch >= 0 && batch < x.num_batches,
+      "batch must be in [0, " + std::to_string(x.num_batches) + "), got " + std::to_string(batch));
+  const int64_t bins = l.num_microbatches * l.llm.dp;
+  require(int64_t(assignment.size()) == x.batch_size,
+          "assignment has " + std::to_string(assignment.size()) + " entries, expected " +
+              std::to_string(x.batch_size) + " (one per sample)");
+  std::vector<int64_t> count(static_cast<size_t>(bins), 0);
+  for (size_t i = 0; i < assignment.size(); ++i) {
+    require(assignment[i] >= 0 && assignment[i] < bins,
+            "assignment[" + std::to_string(i) + "]=" + std::to_string(assignment[i]) +
+                " is out of range [0, " + std::to_string(bins) + ")");
+    ++count[size_t(assignment[i])];
+  }
+  for (int64_t b = 0; b < bins; ++b) {
+    require(count[size_t(b)] > 0, "bin " + std::to_string(b) + " of the assignment is empty");
+  }
+  const Context ctx(c, enc, llm, x, o);
+  Evaluator eval(ctx);
+  return make_step(ctx, eval, l, batch, assignment);
 }
 
 }  // namespace dflop

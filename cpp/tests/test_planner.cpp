@@ -46,6 +46,7 @@ Problem make_problem(int64_t num_gpus) {
     p.samples.encoder_last_fraction.push_back(units > 0 ? 0.05 : 0.0);
     p.samples.llm_last_fraction.push_back(0.1);
     p.samples.encoder_tokens.push_back(units * 729);
+    p.samples.encoder_units.push_back(int64_t(units));
     p.samples.llm_tokens.push_back(seq);
     p.samples.visual_tokens.push_back(units * 100.0);
   }
@@ -175,8 +176,13 @@ TEST_CASE(baselines_run) {
   CHECK(ref.best[0].estimate_s > 0.0);
   p.options.strategy = dflop::PlanStrategy::DataAware;
   p.options.top_k = 1;
+  const auto disaggregated = run(p);  // the default: what the runtime executes
+  CHECK(!disaggregated.best[0].layout.colocated);
+  // With colocated candidates too, the data-aware search covers the baseline's layouts.
+  p.options.colocated_candidates = true;
   const auto dflop_best = run(p);
   CHECK(dflop_best.best[0].mean_step_time_s <= blind.best[0].mean_step_time_s);
+  CHECK(dflop_best.best[0].mean_step_time_s <= disaggregated.best[0].mean_step_time_s);
 }
 
 TEST_CASE(colocated_encoder_heads_are_padded) {

@@ -1,5 +1,5 @@
-// Unit tests of the communicator's routing plan and the per-microbatch encoder split:
-// hand-computed plans, invariants on random instances, determinism, errors.
+// Unit tests of the communicator's routing plan: hand-computed plans, invariants on
+// random instances, errors.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -17,7 +17,6 @@ namespace {
 using dflop::InvalidArgument;
 using dflop::plan_routing;
 using dflop::RoutingPlan;
-using dflop::split_for_encoder;
 using Ints = std::vector<int64_t>;
 
 RoutingPlan plan(const Ints& src, const Ints& dst, const Ints& rows, int64_t s, int64_t d) {
@@ -26,12 +25,6 @@ RoutingPlan plan(const Ints& src, const Ints& dst, const Ints& rows, int64_t s, 
 
 Ints slice(const Ints& v, const Ints& offsets, int64_t k) {
   return Ints(v.begin() + offsets[k], v.begin() + offsets[k + 1]);
-}
-
-double max_load(const std::vector<double>& costs, const Ints& replica, int64_t r) {
-  std::vector<double> load(r, 0.0);
-  for (size_t i = 0; i < costs.size(); ++i) load[replica[i]] += costs[i];
-  return *std::max_element(load.begin(), load.end());
 }
 
 TEST_CASE(hand_computed_plan) {
@@ -58,7 +51,6 @@ TEST_CASE(empty_microbatch) {
   CHECK_EQ(p.send_rows, (Ints{0, 0, 0, 0}));
   CHECK_EQ(p.pair_offsets, (Ints{0, 0, 0, 0, 0}));
   CHECK_EQ(p.recv_offsets, (Ints{0, 0, 0}));
-  CHECK(split_for_encoder(nullptr, 0, 3).empty());
 }
 
 TEST_CASE(random_plans_route_every_sample_once) {
@@ -109,61 +101,6 @@ TEST_CASE(plan_errors_name_argument_and_index) {
   CHECK_THROWS_WITH(plan({0, 0}, {0, 0}, {1, -4}, 1, 1), InvalidArgument, "rows[1]=-4");
   CHECK_THROWS_WITH(plan({}, {}, {}, 0, 1), InvalidArgument, "num_src");
   CHECK_THROWS_WITH(plan({}, {}, {}, 1, 0), InvalidArgument, "num_dst");
-}
-
-TEST_CASE(split_hand_computed) {
-  // The classic LPT counterexample 3-3-2-2-2 on 2 replicas: LPT alone gives
-  // 3+2+2 / 3+2 = 7 / 5, the optimum is 3+3 / 2+2+2 = 6 / 6, which the local search finds.
-  const std::vector<double> costs = {3, 3, 2, 2, 2};
-  const Ints r = split_for_encoder(costs.data(), 5, 2);
-  CHECK_EQ(max_load(costs, r, 2), 6.0);
-  // One replica: everything on it.
-  CHECK_EQ(split_for_encoder(costs.data(), 5, 1), (Ints{0, 0, 0, 0, 0}));
-  // More replicas than samples: some stay empty, the largest sample alone sets the max.
-  const Ints many = split_for_encoder(costs.data(), 5, 8);
-  CHECK_EQ(max_load(costs, many, 8), 3.0);
-}
-
-TEST_CASE(split_zero_cost_samples_go_to_fewest_count) {
-  // Two replicas: the costly sample alone on one, the text-only samples spread by count.
-  const std::vector<double> costs = {0, 10, 0, 0, 1};
-  const Ints r = split_for_encoder(costs.data(), 5, 2);
-  CHECK_NE(r[1], r[4]);
-  Ints count(2, 0);
-  for (const int64_t x : r) ++count[x];
-  CHECK_LE(std::abs(count[0] - count[1]), 1);
-  // All zero: round robin by count.
-  const std::vector<double> zeros(6, 0.0);
-  const Ints z = split_for_encoder(zeros.data(), 6, 3);
-  CHECK_EQ(z, (Ints{0, 1, 2, 0, 1, 2}));
-}
-
-TEST_CASE(split_random_is_good_and_deterministic) {
-  std::mt19937_64 gen(11);
-  for (int trial = 0; trial < 200; ++trial) {
-    const int64_t n = gen() % 40, r = 1 + gen() % 5;
-    std::vector<double> costs(n);
-    for (auto& c : costs) c = gen() % 4 == 0 ? 0.0 : static_cast<double>(gen() % 1000) / 7.0;
-    const Ints a = split_for_encoder(costs.data(), n, r);
-    CHECK_EQ(a, split_for_encoder(costs.data(), n, r));
-    CHECK_EQ(static_cast<int64_t>(a.size()), n);
-    for (const int64_t x : a) CHECK(x >= 0 && x < r);
-    if (n == 0) continue;
-    // Never worse than plain LPT's 4/3 bound nor the trivial bounds.
-    const double total = std::accumulate(costs.begin(), costs.end(), 0.0);
-    const double largest = *std::max_element(costs.begin(), costs.end());
-    const double lower = std::max(total / r, largest);
-    CHECK_LE(max_load(costs, a, r), lower * 4.0 / 3.0 + 1e-9);
-  }
-}
-
-TEST_CASE(split_errors) {
-  const std::vector<double> bad = {1.0, -2.0};
-  CHECK_THROWS_WITH(split_for_encoder(bad.data(), 2, 2), InvalidArgument, "encoder_costs[1]=-2");
-  const std::vector<double> nan = {std::numeric_limits<double>::quiet_NaN()};
-  CHECK_THROWS_WITH(split_for_encoder(nan.data(), 1, 2), InvalidArgument, "encoder_costs[0]");
-  const std::vector<double> ok = {1.0};
-  CHECK_THROWS_WITH(split_for_encoder(ok.data(), 1, 0), InvalidArgument, "num_replicas");
 }
 
 }  // namespace

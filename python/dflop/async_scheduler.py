@@ -33,6 +33,7 @@ class _Job:
     costs: np.ndarray
     deadline: float | None  # time.monotonic() by which the schedule must exist
     pipeline: PipelineModel | None
+    units: np.ndarray | None = None
     result: Schedule | None = None
     error: BaseException | None = None
     started: bool = False
@@ -104,9 +105,11 @@ class AsyncScheduler:
         costs: Any,
         deadline_s: float | None = None,
         pipeline: PipelineModel | None = None,
+        units: Any = None,
     ) -> None:
         """Queue ``step``'s costs; ``deadline_s`` seconds from now its schedule must exist.
-        ``pipeline``: this step's pipeline model (default: the constructor's)."""
+        ``pipeline``: this step's pipeline model (default: the constructor's); ``units``:
+        the samples' visual units, needed when the pipeline replicates a module."""
         if pipeline is not None and not isinstance(pipeline, PipelineModel):
             raise TypeError(f"pipeline must be a dflop.PipelineModel, got {pipeline!r}")
         array = np.asarray(costs, dtype=np.float64)
@@ -123,6 +126,7 @@ class AsyncScheduler:
                 costs=array,
                 deadline=deadline,
                 pipeline=pipeline or self._pipeline,
+                units=None if units is None else np.asarray(units),
                 done=threading.Event(),
             )
             self._jobs[step] = job
@@ -187,6 +191,7 @@ class AsyncScheduler:
                     seed=seed,
                     time_limit_s=time_limit_s,
                     time_budget_ms=0.0 if fallback else self._pipeline_budget_ms,
+                    units=job.units,
                     **kwargs,
                 )
         except BaseException as error:  # reported to the consumer in get()

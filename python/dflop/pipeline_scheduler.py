@@ -42,15 +42,22 @@ class PipelineModel:
 
     Column ``c`` of the costs is module ``c``: it has ``stages[c]`` consecutive pipeline
     stages, each taking ``costs[i, c]`` seconds for sample ``i`` (the module's work split
-    evenly) plus ``microbatch_constant_s[c]`` per microbatch that has work for it (cost sum
-    > 0: an encoder skips a text-only microbatch); ``forward_fraction[c]`` of it
-    is the forward pass. Each transfer between stages adds ``link_latency_s``.
+    evenly over its stages) plus ``microbatch_constant_s[c]`` per microbatch that has work
+    for it (cost sum > 0: an encoder skips a text-only microbatch); ``forward_fraction[c]``
+    of it is the forward pass. Each transfer between stages adds ``link_latency_s``.
+
+    ``replicas[c] > 1`` (a microbatch dimension only): module ``c`` runs as that many
+    data-parallel replicas that share each microbatch by visual unit, as dflop's runtime
+    executes an encoder: its stage time is the slowest replica's under
+    :func:`dflop.runtime.routing.split_units` (pass the samples' ``units``), not the
+    microbatch's cost divided evenly. The costs stay one replica's seconds.
     """
 
     stages: tuple[int, ...] = (1, 1)
     forward_fraction: tuple[float, ...] = (1 / 3, 1 / 3)
     microbatch_constant_s: tuple[float, ...] = (0.0, 0.0)
     link_latency_s: float = 0.0
+    replicas: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("stages", "forward_fraction", "microbatch_constant_s"):
@@ -88,6 +95,21 @@ class PipelineModel:
         latency = _as_float("PipelineModel.link_latency_s", self.link_latency_s)
         if not (math.isfinite(latency) and latency >= 0):
             raise ValueError(f"PipelineModel.link_latency_s must be finite and >= 0, got {latency}")
+        if self.replicas is not None:
+            if isinstance(self.replicas, (str, bytes)) or not hasattr(self.replicas, "__len__"):
+                raise TypeError(f"PipelineModel.replicas must be a sequence, got {self.replicas!r}")
+            if len(self.replicas) != len(stages):
+                raise ValueError(
+                    f"PipelineModel.replicas needs one entry per module ({len(stages)}), got "
+                    f"{len(self.replicas)}"
+                )
+            replicas = tuple(
+                _as_int(f"PipelineModel.replicas[{k}]", v) for k, v in enumerate(self.replicas)
+            )
+            for k, v in enumerate(replicas):
+                if v < 1:
+                    raise ValueError(f"PipelineModel.replicas[{k}] must be >= 1, got {v}")
+            object.__setattr__(self, "replicas", replicas)
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "forward_fraction", fractions)
         object.__setattr__(self, "microbatch_constant_s", constants)
@@ -96,6 +118,11 @@ class PipelineModel:
     @property
     def num_modules(self) -> int:
         return len(self.stages)
+
+    @property
+    def is_replicated(self) -> bool:
+        """Whether a module's replicas share microbatches by unit (``units`` needed)."""
+        return self.replicas is not None and any(r > 1 for r in self.replicas)
 
     def _core_args(self, num_dims: int) -> tuple[list[int], list[float], list[float], float]:
         if num_dims != self.num_modules:
@@ -110,9 +137,33 @@ class PipelineModel:
             self.link_latency_s,
         )
 
-    def step_time_s(self, costs: Any, schedule: Schedule) -> float:
+    def _replica_args(self, units: Any, num_samples: int) -> dict[str, list[int]]:
+        """The core's ``replicas`` / ``units`` keywords."""
+        if not self.is_replicated:
+            return {}
+        if units is None:
+            raise ValueError(
+                f"PipelineModel.replicas={self.replicas}: pass the samples' units (the "
+                "replicated module shares each microbatch by visual unit)"
+            )
+        unit_array = np.asarray(units)
+        if unit_array.shape != (num_samples,) or unit_array.dtype.kind not in "iu":
+            raise ValueError(
+                f"units must be a 1-D integer array with one entry per sample ({num_samples}), "
+                f"got {unit_array.dtype} {unit_array.shape}"
+            )
+        return {"replicas": list(self.replicas or ()), "units": unit_array.tolist()}
+
+    def balance_costs(self, costs: np.ndarray) -> np.ndarray:
+        """What :func:`dflop.schedule` balances: a replicated module's cost per replica."""
+        if not self.is_replicated:
+            return costs
+        return costs / np.asarray(self.replicas, dtype=np.float64)
+
+    def step_time_s(self, costs: Any, schedule: Schedule, units: Any = None) -> float:
         """The simulated 1F1B step of ``schedule`` (microbatches run in index order) under
-        this model: the same simulation :func:`pipeline_schedule` minimises."""
+        this model: the same simulation :func:`pipeline_schedule` minimises. ``units``:
+        the samples' visual units, needed when a module is replicated."""
         cost_array = _as_costs(costs)
         if cost_array.shape[0] != schedule.num_samples:
             raise ValueError(
@@ -127,6 +178,7 @@ class PipelineModel:
                 schedule.dp_size,
                 list(schedule.microbatch_dims),
                 *self._core_args(cost_array.shape[1]),
+                **self._replica_args(units, cost_array.shape[0]),
             )
         )
 
@@ -151,6 +203,7 @@ def pipeline_schedule(
     time_limit_s: float | None = None,
     start: Schedule | None = None,
     balance_time_budget_ms: float | None = None,
+    units: Any = None,
 ) -> Schedule:
     """A schedule for a module pipeline: balanced, then refined on the simulated step.
 
@@ -166,8 +219,11 @@ def pipeline_schedule(
         time_budget_ms: effort of the refinement (deterministic, like ``schedule``'s).
         time_limit_s: wall-clock deadline for balance and refinement together.
         start: the schedule to refine (default: ``dflop.schedule`` with the same arguments
-            and ``balance_time_budget_ms`` as its ``time_budget_ms``).
+            and ``balance_time_budget_ms`` as its ``time_budget_ms``; a replicated module's
+            costs divided by its replicas).
         balance_time_budget_ms: the balance's effort when ``start`` is not given.
+        units: (N,) visual units per sample, needed when ``pipeline.replicas`` replicates a
+            module (its replicas share each microbatch by unit).
 
     Returns:
         A :class:`Schedule` whose microbatch indices are the execution order. Its ``stats``
@@ -191,6 +247,15 @@ def pipeline_schedule(
     elif not isinstance(pipeline, PipelineModel):
         raise TypeError(f"pipeline must be a dflop.PipelineModel, got {pipeline!r}")
     core_args = pipeline._core_args(cost_array.shape[1])
+    replica_args = pipeline._replica_args(units, cost_array.shape[0])
+    balance_costs = pipeline.balance_costs(cost_array)
+    if replica_args and not set(c for c, r in enumerate(pipeline.replicas or ()) if r > 1).issubset(
+        dims
+    ):
+        raise ValueError(
+            f"PipelineModel.replicas={pipeline.replicas}: a replicated module must be in "
+            f"microbatch_dims={dims} (its replicas share each microbatch)"
+        )
     if isinstance(max_growth, bool) or not isinstance(max_growth, (int, float, np.number)):
         raise TypeError(f"max_growth must be a number, got {max_growth!r}")
     if time_limit_s is not None:
@@ -203,7 +268,7 @@ def pipeline_schedule(
     began = time.perf_counter()
     if start is None:
         start = schedule(
-            cost_array,
+            balance_costs,
             num_microbatches,
             dp_size,
             microbatch_dims=dims,
@@ -246,9 +311,10 @@ def pipeline_schedule(
         seed,
         None if time_budget_ms is None else float(time_budget_ms),
         remaining,
+        **replica_args,
     )
     refined = schedule_from_assignment(
-        cost_array, raw["assignment"], num_microbatches, dp_size, microbatch_dims=dims
+        balance_costs, raw["assignment"], num_microbatches, dp_size, microbatch_dims=dims
     )
     stats = dict(raw["stats"], step_time_s=float(raw["step_time_s"]))
     stats["balance_solve_time_s"] = balance_solve_time_s

@@ -14,12 +14,17 @@
 //
 // Model: dimension c of the costs is module c of the pipeline, in order; module c has
 // stages[c] consecutive stages and each of them takes cost(i, c) seconds for sample i (the
-// module's work split evenly) plus microbatch_constant_s[c] per microbatch that has work
-// for it (cost sum > 0: an encoder does nothing for a text-only microbatch); a fraction
-// forward_fraction[c] of it is the forward. Links add link_latency_s per transfer. The
-// step is simulated with simulate_pipeline()'s semantics (1F1B), once per data-parallel
-// replica (bin b = microbatch b / dp_size on replica b % dp_size; microbatch_dims are
-// shared by all replicas of a microbatch, as in balance()); the slowest replica counts.
+// module's work split evenly over its stages) plus microbatch_constant_s[c] per microbatch
+// that has work for it (cost sum > 0: an encoder does nothing for a text-only microbatch);
+// a fraction forward_fraction[c] of it is the forward. Links add link_latency_s per
+// transfer. The step is simulated with simulate_pipeline()'s semantics (1F1B), once per
+// data-parallel replica (bin b = microbatch b / dp_size on replica b % dp_size;
+// microbatch_dims are shared by all replicas of a microbatch, as in balance()); the
+// slowest replica counts. A microbatch dimension c with replicas[c] > 1 is a module whose
+// replicas[c] data-parallel replicas share each microbatch BY VISUAL UNIT, as the runtime
+// executes it: its stage time is the slowest replica's under split_units() (sample i has
+// units[i] units of cost(i, c) / units[i] each; encoder_split.hpp), and its capacity and
+// growth bound apply to the microbatch's cost sum / replicas[c].
 #pragma once
 
 #include <cstdint>
@@ -31,6 +36,12 @@ struct PipelineScheduleOptions {
   int64_t num_microbatches = 1;
   int64_t dp_size = 1;
   std::vector<int64_t> microbatch_dims;
+  // Empty (all 1), or per dimension: replicas sharing each microbatch by unit (> 1 only for
+  // microbatch dims). Needs `units`.
+  std::vector<int64_t> replicas;
+  // Empty, or per sample: its visual units (a sample with cost in a replicated dimension
+  // needs units > 0).
+  std::vector<int64_t> units;
   // One entry per dimension (module), in pipeline order.
   std::vector<int64_t> stages;                // >= 1 each
   std::vector<double> forward_fraction;       // in [0, 1] each

@@ -14,8 +14,16 @@
 //   ring cost 2(t-1)/t x bytes / intra-node bandwidth, plus their latency once per
 //   microbatch. TP groups never cross a node: t divides gpus_per_node and every module's
 //   first rank is a multiple of t.
-// - Encoder DP replicas share each microbatch: encoder stage time of microbatch j =
-//   encoder load of j (all LLM DP bins) / dp_enc.
+// - Encoder DP replicas share each microbatch by visual unit, with the runtime's own split
+//   (split_units in encoder_split.hpp, on the samples' encoder costs, microbatch members in
+//   ascending order as the runtime passes them): a replica's stage time is that of the
+//   pieces it holds (each piece a share units / sample units of its sample's body, last
+//   and tokens), plus the module's microbatch constant if it holds any; the microbatch's
+//   encoder stage time is its slowest replica's (every LLM replica waits for the features
+//   of its samples, which come from several encoder replicas), and its activations are
+//   the largest replica's. PlannerOptions::encoder_split selects whole-sample placement
+//   or the old idealised even split instead (ablations; the even split is not what any
+//   runtime can execute).
 // - Point-to-point: activations tokens x hidden x 2 bytes / t (sequence-parallel shards,
 //   one link per TP rank); encoder -> LLM features: visual tokens x LLM hidden x 2 bytes.
 //   Intra-node bandwidth when both stages share a node, inter-node otherwise.
@@ -54,9 +62,9 @@ namespace dflop {
 
 // What the planner is scoring.
 enum class PlanStrategy : int8_t {
-  // dflop: disjoint encoder/LLM GPUs (and, so that it is never worse than the baseline,
-  // colocated layouts too), balanced layer split, per-step balance, microbatch ordering,
-  // scored by simulation.
+  // dflop: disjoint encoder/LLM GPUs (what dflop's runtime executes; colocated layouts only
+  // with PlannerOptions::colocated_candidates), balanced layer split, per-step balance,
+  // microbatch ordering, scored by simulation.
   DataAware = 0,
   // Megatron-LM-style data-blind baseline: one (tp, pp, dp) over all GPUs, the encoder in
   // the first pipeline stage (its heads padded to a multiple of tp where needed), uniform
@@ -67,6 +75,13 @@ enum class PlanStrategy : int8_t {
   // (m + S - 1) x slowest stage on MEAN sample shapes (no all-reduce, no transfers), then
   // balanced per bin every step (no microbatch ordering); reported by simulation.
   MeanShapeReference = 2,
+};
+
+// How the encoder's DP replicas share a microbatch in the model (see the header comment).
+enum class EncoderSplit : int8_t {
+  Unit = 0,    // the runtime's: split_units by visual unit
+  Sample = 1,  // whole samples (split_units with SplitGranularity::Sample): ablation
+  Even = 2,    // the microbatch's load / dp on every replica: an unreachable idealisation
 };
 
 struct ClusterParams {
@@ -96,6 +111,8 @@ struct ModuleParams {
   double attention_compute_fraction = 1.0;
   double attention_param_fraction = 1.0;
   double attention_activation_fraction = 1.0;
+  // Forward share of a stage's forward + backward time (training = 3 x forward: 1/3).
+  double forward_fraction = 1.0 / 3.0;
 };
 
 // Per-sample inputs of num_batches sampled global batches of batch_size samples each,
@@ -108,6 +125,7 @@ struct PlannerSamples {
   std::vector<double> encoder_last_fraction;  // of encoder_s on its last stage
   std::vector<double> llm_last_fraction;      // of llm_s on its last stage
   std::vector<double> encoder_tokens;         // units x tokens per unit
+  std::vector<int64_t> encoder_units;         // visual units (0: text-only)
   std::vector<double> llm_tokens;             // sequence length
   std::vector<double> visual_tokens;          // features the encoder hands the LLM
 };
@@ -129,6 +147,11 @@ struct PlannerOptions {
   // Threads that evaluate candidates; 0 = one per hardware thread. The result and the
   // statistics do not depend on it.
   int64_t num_threads = 0;
+  EncoderSplit encoder_split = EncoderSplit::Unit;
+  // DataAware: also score colocated layouts (the encoder in the first LLM stage) with the
+  // balanced schedule. dflop's runtime does not execute them, so plans for training leave
+  // this off; it shows what colocation would be worth.
+  bool colocated_candidates = false;
 };
 
 struct ModuleLayout {
@@ -159,7 +182,7 @@ enum class MicrobatchOrder : int8_t {
 struct StepBreakdown {
   double step_time_s = 0.0;
   double idle_fraction = 0.0;           // idle GPU-seconds over all GPUs / (step x GPUs)
-  std::vector<double> stage_compute_s;  // per combined stage, mean over replicas
+  std::vector<double> stage_compute_s;  // per combined stage, mean over that module's replicas
   std::vector<double> stage_allreduce_s;
   double transfer_s = 0.0;  // encoder -> LLM feature transfer, sum over microbatches
   MicrobatchOrder order = MicrobatchOrder::AsScheduled;
@@ -220,16 +243,36 @@ LayoutScore evaluate_layout(const ClusterParams& cluster, const ModuleParams& en
                             const ModuleParams& llm, const PlannerSamples& samples,
                             const PlannerOptions& options, const Layout& layout);
 
-// One sampled batch of a layout as simulator input (for timelines), with the schedule.
+// One sampled batch of a layout as the planner scores it, with everything needed to audit
+// or re-simulate it.
 struct StepModel {
   PipelineSimInput sim;                   // replicas = LLM dp, stages = encoder pp + LLM pp
-  std::vector<int64_t> assignment;        // bin of each sample (after ordering)
-  std::vector<int64_t> microbatch_order;  // position -> original microbatch
+  std::vector<int64_t> assignment;        // bin of each sample (microbatch = execution order)
+  std::vector<int64_t> microbatch_order;  // position -> microbatch of the balanced schedule
   int64_t num_encoder_stages = 0;
+  // Disaggregated layouts: the forward / backward seconds of every encoder replica, stage and
+  // microbatch (encoder dp x encoder pp x m, row-major; 0 where the replica has nothing);
+  // sim's encoder stages hold, per microbatch, the slowest replica's.
+  int64_t num_encoder_replicas = 0;
+  std::vector<double> encoder_forward_s, encoder_backward_s;
+  // The encoder split of every microbatch as pieces: microbatch (execution order), sample
+  // (index in the batch), first unit, units, encoder replica; by microbatch, then as
+  // split_units orders them (sample, first unit).
+  std::vector<int64_t> piece_microbatch, piece_sample, piece_first_unit, piece_num_units,
+      piece_replica;
 };
+// The planner's step of sampled batch `batch`: its schedule (balanced, then the fastest of
+// the microbatch orders tried), split and simulator input.
 StepModel build_step(const ClusterParams& cluster, const ModuleParams& encoder,
                      const ModuleParams& llm, const PlannerSamples& samples,
                      const PlannerOptions& options, const Layout& layout, int64_t batch);
+// The same model for a GIVEN assignment (bin b = microbatch b / llm.dp on LLM replica b % dp;
+// microbatch indices are the execution order): what a runtime that executes that schedule
+// should take, by the planner's cost model. Throws InvalidArgument for a bad assignment.
+StepModel step_from_assignment(const ClusterParams& cluster, const ModuleParams& encoder,
+                               const ModuleParams& llm, const PlannerSamples& samples,
+                               const PlannerOptions& options, const Layout& layout, int64_t batch,
+                               const std::vector<int64_t>& assignment);
 
 // Attention heads after padding to a multiple of tp (heads itself when tp divides them).
 int64_t padded_heads(int64_t heads, int64_t tp);

@@ -1,18 +1,20 @@
 // Routing of one microbatch's encoder features between the encoder's and the LLM's
 // data-parallel replicas (the inter-model communicator's plan).
 //
-// Every sample of a microbatch is encoded by one encoder DP replica (`src_replica`) and
-// consumed by one LLM DP replica (`dst_replica`, from the Schedule); its features are
-// `rows` rows of the LLM's hidden size (the sample's visual tokens, 0 for text-only
-// samples). The plan says how many rows each (src, dst) pair moves and in which order the
-// samples travel, so that both ends derive every message shape without a handshake.
+// The items routed are the pieces of the microbatch's encoder split (split_units: a
+// contiguous unit range of one sample, ordered by (sample, first unit)). Each is encoded
+// by one encoder DP replica (`src_replica`) and consumed by the LLM DP replica that the
+// Schedule gave its sample (`dst_replica`); its features are `rows` rows of the LLM's
+// hidden size. The plan says how many rows each (src, dst) pair moves and in which order
+// the pieces travel, so that both ends derive every message shape without a handshake.
 //
-// Orders (all by sample index = position in the microbatch's arrays):
-// - pair (s, d): the samples with src s and dst d, ascending;
+// Orders (all by item index = position in the microbatch's arrays):
+// - pair (s, d): the items with src s and dst d, ascending;
 // - send order of src s: its pairs (s, 0), (s, 1), ..., (s, D-1) concatenated, i.e. its
-//   samples grouped by dst, ascending within a group (one contiguous slice per dst);
-// - recv order of dst d: its samples ascending (the order of Schedule.bin, which is how
-//   the LLM replica lays out its packed sequence).
+//   items grouped by dst, ascending within a group (one contiguous slice per dst);
+// - recv order of dst d: its items ascending: for pieces in (sample, unit) order, every
+//   sample's units in order, samples in the order of Schedule.bin, which is how the LLM
+//   replica lays out its packed sequence.
 #pragma once
 
 #include <cstdint>
@@ -44,15 +46,5 @@ struct RoutingPlan {
 RoutingPlan plan_routing(const int64_t* src_replica, const int64_t* dst_replica,
                          const int64_t* rows, int64_t num_samples, int64_t num_src,
                          int64_t num_dst);
-
-// Splits one microbatch's samples across `num_replicas` encoder DP replicas, minimising
-// the largest replica's summed encoder cost: LPT (costliest first onto the least loaded
-// replica; ties: fewer samples, then lower index) followed by a bounded local search of
-// moves and swaps out of the most loaded replica. Zero-cost (text-only) samples are
-// dealt last, each to the replica with the fewest samples. Deterministic; replicas may
-// end up empty. Returns the replica of each sample. Throws InvalidArgument for
-// num_replicas < 1 or a negative / non-finite cost (naming its index).
-std::vector<int64_t> split_for_encoder(const double* costs, int64_t num_samples,
-                                       int64_t num_replicas);
 
 }  // namespace dflop

@@ -25,12 +25,14 @@ from dflop.planner.plan import (
 from dflop.planner.search import (
     InfeasibleClusterError,
     PlannerInputs,
+    audited,
     evaluate_layout,
     plan,
     prepare_inputs,
     search_layouts,
     simulate_layout,
 )
+from dflop.planner.steps import StepAudit, StepPredictor
 
 __all__ = [
     "PLAN_FORMAT",
@@ -43,7 +45,10 @@ __all__ = [
     "Plan",
     "PlannerConfig",
     "PlannerInputs",
+    "StepAudit",
     "StepPrediction",
+    "StepPredictor",
+    "audited",
     "evaluate_layout",
     "module_specs",
     "plan",

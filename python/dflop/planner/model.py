@@ -11,7 +11,11 @@ Cost model (per GPU; the C++ core in ``cpp/include/dflop/planner.hpp`` is the re
   2`` bytes at ring cost ``2 (t-1)/t * bytes / intra-node bandwidth``, and their latency
   once per microbatch. t divides gpus_per_node and the module's first rank, so TP groups
   never cross a node.
-- Encoder DP replicas share each microbatch (its time is the microbatch's load / dp_enc).
+- Encoder DP replicas share each microbatch by visual unit with the runtime's own split
+  (:func:`dflop.runtime.routing.split_units`, the core's ``split_units``): a microbatch's
+  encoder stage time is its slowest replica's, its activations the largest replica's
+  (``PlannerConfig.encoder_split`` selects whole samples or the unreachable even split
+  instead, for ablations).
 - Pipeline transfers: ``tokens * hidden * 2 / t`` bytes between stages, ``visual tokens *
   LLM hidden * 2`` bytes from the encoder to the LLM; intra-node bandwidth when both ends
   share a node. Gradient all-reduce per stage: ``2 (dp-1)/dp * 2 bytes * params / t`` over
@@ -136,6 +140,8 @@ class ModuleSpec:
             ``params_per_layer`` and of ``activation_bytes_per_token_layer`` that grow with
             the number of attention heads (used when a colocated encoder's heads are padded
             to a multiple of tp); 1.0 (all of it) unless known.
+        forward_fraction: forward share of a stage's forward + backward time (1/3: the
+            backward costs twice the forward); the trainer passes its measured share.
     """
 
     num_layers: int
@@ -150,6 +156,7 @@ class ModuleSpec:
     attention_compute_fraction: float = 1.0
     attention_param_fraction: float = 1.0
     attention_activation_fraction: float = 1.0
+    forward_fraction: float = 1.0 / 3.0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "hidden_size"):
@@ -167,6 +174,7 @@ class ModuleSpec:
             "attention_compute_fraction",
             "attention_param_fraction",
             "attention_activation_fraction",
+            "forward_fraction",
         ):
             _check_number("ModuleSpec", name, getattr(self, name), positive=False)
             if getattr(self, name) > 1.0:
@@ -262,6 +270,14 @@ class PlannerConfig:
         reference: also run the reference's mean-shape optimizer.
         num_threads: threads that evaluate candidates (None: one per hardware thread); the
             result and the search statistics do not depend on it.
+        encoder_split: how encoder DP replicas share a microbatch in the model: "unit"
+            (the runtime's split by visual unit), "sample" (whole samples) or "even" (each
+            replica a dp-th of the microbatch's load: an idealisation no runtime reaches).
+            The last two are ablations: plans for training use "unit".
+        colocated_candidates: also score colocated layouts (the encoder inside the first
+            LLM stage, Megatron-style) with dflop's balanced schedule. dflop's runtime runs
+            the encoder and the LLM on disjoint ranks and cannot execute them, so a plan
+            for ``dflop train`` leaves this off; on, it shows what colocation would win.
     """
 
     num_batches: int = 4
@@ -277,6 +293,8 @@ class PlannerConfig:
     baseline: bool = True
     reference: bool = False
     num_threads: int | None = None
+    encoder_split: str = "unit"
+    colocated_candidates: bool = False
 
     def __post_init__(self) -> None:
         _check_int("PlannerConfig", "num_batches", self.num_batches, 1)
@@ -289,6 +307,11 @@ class PlannerConfig:
         if self.microbatch_choices is not None:
             for k, m in enumerate(self.microbatch_choices):
                 _check_int("PlannerConfig", f"microbatch_choices[{k}]", m, 1)
+        if self.encoder_split not in ("unit", "sample", "even"):
+            raise ValueError(
+                f"PlannerConfig.encoder_split={self.encoder_split!r} must be 'unit', 'sample' "
+                "or 'even'"
+            )
         if self.balance_time_budget_ms is not None:
             _check_number(
                 "PlannerConfig",

@@ -9,6 +9,10 @@ File format (version 1)::
      "reference": LayoutPlan | null,        # the reference's mean-shape optimizer
      "stats": {...}, "planning_time_s": ...}
 
+The chosen layout (``layouts[0]``) also holds ``steps``: one :class:`StepAudit` per sampled
+batch (schedule, encoder split by visual unit, the predicted forward / backward seconds of
+every replica, stage and microbatch, links), from which ``dflop simulate`` re-simulates.
+
 A ``LayoutPlan`` holds per module (``encoder``, ``llm``): ``tp``, ``pp``, ``dp``,
 ``first_rank``, ``num_gpus``, ``layers_per_stage``, ``layer_ranges`` ([start, end) per
 stage) and ``stage_ranks`` (per stage, per DP replica, the TP ranks); global rank =
@@ -26,8 +30,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflop.planner.model import ClusterSpec
+from dflop.planner.steps import StepAudit
 
-__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "LayoutPlan", "ModulePlan", "Plan", "StepPrediction"]
+__all__ = [
+    "PLAN_FORMAT",
+    "PLAN_VERSION",
+    "LayoutPlan",
+    "ModulePlan",
+    "Plan",
+    "StepAudit",
+    "StepPrediction",
+]
 
 PLAN_FORMAT = "dflop.plan"
 PLAN_VERSION = 1
@@ -178,6 +191,9 @@ class LayoutPlan:
     schedule: str = "balanced"
     """How each step's batch is split: "balanced" (dflop.schedule per step) or
     "data_blind" (equal-count microbatches in dataset order: the baseline)."""
+    steps: tuple[StepAudit, ...] = ()
+    """The chosen layout: per sampled batch, the step the planner scored (for audits and
+    ``dflop simulate``); empty for the other layouts."""
 
     @property
     def num_encoder_gpus(self) -> int:
@@ -215,6 +231,7 @@ class LayoutPlan:
             "global_batch": self.global_batch,
             "schedule": self.schedule,
             "prediction": self.prediction.to_dict(),
+            "steps": [step.to_dict() for step in self.steps],
         }
 
     @classmethod
@@ -227,6 +244,7 @@ class LayoutPlan:
             prediction=StepPrediction.from_dict(data["prediction"]),
             colocated=bool(data.get("colocated", False)),
             schedule=str(data.get("schedule", "balanced")),
+            steps=tuple(StepAudit.from_dict(d) for d in data.get("steps", [])),
         )
 
 

@@ -13,15 +13,18 @@ from dflop.data.costs import EncoderConfig, LLMConfig
 from dflop.data.shapes import SampleShapes
 from dflop.planner.model import ClusterSpec, ModuleSpec, PlannerConfig, module_specs
 from dflop.planner.plan import LayoutPlan, ModulePlan, Plan, StepPrediction
+from dflop.planner.steps import StepAudit, _sample_record
 
 __all__ = [
     "InfeasibleClusterError",
     "PlannerInputs",
+    "audited",
     "evaluate_layout",
     "plan",
     "prepare_inputs",
     "search_layouts",
     "simulate_layout",
+    "single_batch_inputs",
 ]
 
 
@@ -151,6 +154,27 @@ def prepare_inputs(
             f"the distribution returned {len(batch)} samples for {num_batches} batches of "
             f"{global_batch}"
         )
+    return _inputs(performance_model, encoder, llm, batch, int(num_batches), int(global_batch))
+
+
+def single_batch_inputs(
+    performance_model: PerformanceModelLike,
+    encoder: EncoderConfig,
+    llm: LLMConfig,
+    shapes: SampleShapes,
+) -> PlannerInputs:
+    """The planner's inputs for one given global batch (what the trainer runs)."""
+    return _inputs(performance_model, encoder, llm, shapes, 1, len(shapes))
+
+
+def _inputs(
+    performance_model: PerformanceModelLike,
+    encoder: EncoderConfig,
+    llm: LLMConfig,
+    batch: SampleShapes,
+    num_batches: int,
+    global_batch: int,
+) -> PlannerInputs:
     costs = np.asarray(performance_model.costs(batch), dtype=np.float64)
     if costs.shape != (len(batch), 2):
         raise ValueError(f"performance_model.costs returned shape {costs.shape}, expected (N, 2)")
@@ -164,6 +188,7 @@ def prepare_inputs(
         "encoder_last_fraction": enc_fraction,
         "llm_last_fraction": llm_fraction,
         "encoder_tokens": batch.encoder_tokens.astype(np.float64),
+        "encoder_units": batch.encoder_units.astype(np.int64),
         "llm_tokens": batch.seq_len.astype(np.float64),
         "visual_tokens": batch.llm_visual_tokens.astype(np.float64),
     }
@@ -187,6 +212,8 @@ def _options(config: PlannerConfig, strategy: str, global_batch: int, top_k: int
         "balance_work_budget": -1 if budget is None else budget,
         "seed": config.seed,
         "num_threads": config.num_threads or 0,
+        "encoder_split": config.encoder_split,
+        "colocated_candidates": config.colocated_candidates,
     }
 
 
@@ -372,6 +399,7 @@ def plan(
     layouts, raw = search_layouts(cluster, inputs, config)
     if not layouts:
         raise _infeasible(cluster, inputs, config, raw["shortfall"])
+    layouts[0] = audited(cluster, inputs, layouts[0], config)
     baseline = reference = None
     if config.baseline:
         found, _ = search_layouts(cluster, inputs, config, strategy="data_blind", top_k=1)
@@ -431,6 +459,24 @@ def evaluate_layout(
     strategy, args = _layout_args(cluster, inputs, layout, config)
     raw = _core.evaluate_layout(*args)
     return _layout_plan(raw, inputs.global_batch, strategy, inputs.encoder.num_heads)
+
+
+def audited(
+    cluster: ClusterSpec,
+    inputs: PlannerInputs,
+    layout: LayoutPlan,
+    config: PlannerConfig = _DEFAULT_CONFIG,
+) -> LayoutPlan:
+    """``layout`` with its :class:`StepAudit` per sampled batch: the schedule, split and
+    per-replica times the planner scored it with (``LayoutPlan.steps``)."""
+    _, args = _layout_args(cluster, inputs, layout, config)
+    steps = tuple(
+        StepAudit.from_core(
+            _core.build_step(*args, b), _sample_record(inputs.samples, b, inputs.global_batch)
+        )
+        for b in range(inputs.num_batches)
+    )
+    return replace(layout, steps=steps)
 
 
 def simulate_layout(

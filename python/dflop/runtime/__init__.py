@@ -18,7 +18,7 @@ from dflop.runtime.launch import (
     init_from_env,
     spawn_local,
 )
-from dflop.runtime.routing import RoutingPlan, encoder_split, plan_for_microbatch, plan_routing
+from dflop.runtime.routing import RoutingPlan, UnitSplit, plan_routing, split_units
 from dflop.runtime.topology import (
     ModuleLayout,
     RankInfo,
@@ -39,12 +39,12 @@ __all__ = [
     "RuntimeLayout",
     "SpawnError",
     "Topology",
-    "encoder_split",
+    "UnitSplit",
     "init_from_env",
-    "plan_for_microbatch",
     "plan_routing",
     "rank_info",
     "spawn_local",
+    "split_units",
     "uniform_layer_ranges",
 ]
 

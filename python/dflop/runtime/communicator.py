@@ -1,8 +1,10 @@
 """The inter-model communicator: encoder features to the LLM, gradients back.
 
-Each sample's features go from the encoder DP replica that computed them (its last stage,
-tp rank 0: an *encoder bridge rank*) straight to the LLM DP replica that the Schedule gave
-the sample (its first stage, tp rank 0: an *LLM bridge rank*); gradients travel back the
+Each piece's features (a piece is a contiguous unit range of a sample; see
+:func:`~dflop.runtime.routing.split_units`) go from the encoder DP replica that computed
+them (its last stage, tp rank 0: an *encoder bridge rank*) straight to the LLM DP replica
+that the Schedule gave the sample (its first stage, tp rank 0: an *LLM bridge rank*),
+which thus receives every unit of its samples; gradients travel back the
 same way. That is an all-to-all with uneven splits between the S encoder and D LLM bridge
 ranks, with no hub rank.
 
@@ -38,10 +40,11 @@ that never answers becomes a ``RuntimeError`` naming the ranks and the microbatc
 process-wide default (``init_process_group(timeout=...)``, set by
 :mod:`dflop.runtime.launch`) bounds everything else.
 
-Tensors: one message per (src, dst) pair: the pair's samples' rows concatenated in
-``plan.pair_samples(src, dst)`` order. The sender's tensor form is its ``send_order``
+Tensors: one message per (src, dst) pair: the pair's items' rows concatenated in
+``plan.pair_items(src, dst)`` order. The sender's tensor form is its ``send_order``
 (pairs (s, 0), (s, 1), ... concatenated), so each message is one slice; the receiver's
-tensor form is its ``recv_order`` (ascending sample position) and costs one row gather.
+tensor form is its ``recv_order`` (ascending item position: for pieces, every sample's
+units in order) and costs one row gather.
 On NCCL the buffers live on the current CUDA device; transfers are issued on torch's
 P2P stream (ordering with compute streams is torch's: the returned tensors are safe to
 use on the current stream once ``wait`` returned).
@@ -193,8 +196,8 @@ class BridgeCommunicator:
     ) -> PendingTransfer:
         """Encoder side: send this replica's features of ``microbatch_id``.
 
-        ``features``: ``{sample_id: Tensor[rows_i, hidden]}`` for this replica's samples
-        (``plan.send_order[replica]``; zero-row samples may be left out), or one
+        ``features``: ``{item_id: Tensor[rows_i, hidden]}`` for this replica's items
+        (``plan.send_order[replica]``; zero-row items may be left out), or one
         ``Tensor[plan.send_rows(replica), hidden]`` in send order. Only data moves (no
         autograd): keep the graph on this side and feed :meth:`recv_grads`'s result to
         ``backward``.
@@ -215,10 +218,10 @@ class BridgeCommunicator:
     def recv_features(
         self, microbatch_id: int, plan: RoutingPlan, *, as_tensor: bool = False, wait: bool = True
     ) -> FeatureOutput | PendingTransfer:
-        """LLM side: receive the features of this replica's samples of ``microbatch_id``.
+        """LLM side: receive the features of this replica's items of ``microbatch_id``.
 
-        Returns ``{sample_id: Tensor[rows_i, hidden]}`` for every sample of
-        ``plan.recv_order[replica]`` (zero-row samples get an empty tensor; the values are
+        Returns ``{item_id: Tensor[rows_i, hidden]}`` for every item of
+        ``plan.recv_order[replica]`` (zero-row items get an empty tensor; the values are
         views of one buffer), or with ``as_tensor=True`` one
         ``Tensor[plan.recv_rows(replica), hidden]`` in recv order.
         """
@@ -227,7 +230,7 @@ class BridgeCommunicator:
         self._check_plan(plan)
         counts = plan.send_counts[:, dst]
         peers = [self.layout.encoder_bridge_rank(s) for s in range(plan.num_src)]
-        arrival_ids = [plan.pair_samples(s, dst) for s in range(plan.num_src)]
+        arrival_ids = [plan.pair_items(s, dst) for s in range(plan.num_src)]
 
         def finish(arrived: torch.Tensor) -> FeatureOutput:
             if as_tensor:
@@ -243,7 +246,7 @@ class BridgeCommunicator:
         self, microbatch_id: int, plan: RoutingPlan, grads: FeatureInput, *, wait: bool = True
     ) -> PendingTransfer:
         """LLM side: send the gradients w.r.t. the received features back to the encoder
-        replicas that computed them. ``grads``: ``{sample_id: Tensor[rows_i, hidden]}``
+        replicas that computed them. ``grads``: ``{item_id: Tensor[rows_i, hidden]}``
         or one ``Tensor[plan.recv_rows(replica), hidden]`` in recv order."""
         self._require("llm", "send_grads")
         dst = self.replica
@@ -259,7 +262,7 @@ class BridgeCommunicator:
             buffers = _slices(grads.detach(), counts)
         else:
             arrival_order = np.concatenate(
-                [plan.pair_samples(s, dst) for s in range(plan.num_src)] + [np.zeros(0, np.int64)]
+                [plan.pair_items(s, dst) for s in range(plan.num_src)] + [np.zeros(0, np.int64)]
             )
             buffers = self._split_outgoing(grads, arrival_order, plan, counts=counts, what=what)
         peers = [self.layout.encoder_bridge_rank(s) for s in range(plan.num_src)]
@@ -269,7 +272,7 @@ class BridgeCommunicator:
         self, microbatch_id: int, plan: RoutingPlan, *, as_tensor: bool = False, wait: bool = True
     ) -> FeatureOutput | PendingTransfer:
         """Encoder side: receive the gradients of this replica's features of
-        ``microbatch_id``: ``{sample_id: Tensor[rows_i, hidden]}`` or, with
+        ``microbatch_id``: ``{item_id: Tensor[rows_i, hidden]}`` or, with
         ``as_tensor=True``, one tensor in send order (matching :meth:`send_features`'
         tensor form, so ``features.backward(grads)`` works directly)."""
         self._require("encoder", "recv_grads")
@@ -277,7 +280,7 @@ class BridgeCommunicator:
         self._check_plan(plan)
         counts = plan.send_counts[src, :]
         peers = [self.layout.llm_bridge_rank(d) for d in range(plan.num_dst)]
-        pair_ids = [plan.pair_samples(src, d) for d in range(plan.num_dst)]
+        pair_ids = [plan.pair_items(src, d) for d in range(plan.num_dst)]
 
         def finish(arrived: torch.Tensor) -> FeatureOutput:
             return arrived if as_tensor else _as_dict(arrived, pair_ids, plan, order=None)
@@ -533,7 +536,7 @@ class BridgeCommunicator:
         counts: np.ndarray,
         what: str,
     ) -> list[torch.Tensor]:
-        """One contiguous buffer per peer: rows of ``order``'s samples, cut by ``counts``."""
+        """One contiguous buffer per peer: rows of ``order``'s items, cut by ``counts``."""
         total_rows = int(counts.sum())
         if isinstance(data, torch.Tensor):
             self._check_tensor(data, total_rows, what)
@@ -542,15 +545,13 @@ class BridgeCommunicator:
             raise TypeError(f"{what} must be a dict of tensors or one tensor, got {type(data)}")
         rows = plan.rows_of(order)
         pieces = []
-        for sample_id, sample_rows in zip(order.tolist(), rows.tolist()):
-            tensor = data.get(sample_id)
+        for item_id, item_rows in zip(order.tolist(), rows.tolist()):
+            tensor = data.get(item_id)
             if tensor is None:
-                if sample_rows == 0:
+                if item_rows == 0:
                     continue
-                raise KeyError(
-                    f"rank {self.rank}: {what} lacks sample {sample_id} ({sample_rows} rows)"
-                )
-            self._check_tensor(tensor, sample_rows, f"{what}, sample {sample_id}")
+                raise KeyError(f"rank {self.rank}: {what} lacks item {item_id} ({item_rows} rows)")
+            self._check_tensor(tensor, item_rows, f"{what}, item {item_id}")
             pieces.append(tensor.detach())
         joined = (
             torch.cat(pieces)
@@ -593,17 +594,17 @@ def _as_dict(
     plan: RoutingPlan,
     order: np.ndarray | None,
 ) -> dict[int, torch.Tensor]:
-    """Per-sample views of ``arrived`` (the peers' messages concatenated in order), keyed
-    by sample id and iterating in ``order`` (default: arrival order)."""
+    """Per-item views of ``arrived`` (the peers' messages concatenated in order), keyed
+    by item id and iterating in ``order`` (default: arrival order)."""
     views: dict[int, torch.Tensor] = {}
     start = 0
     for ids in ids_by_peer:
-        for sample_id, rows in zip(ids.tolist(), plan.rows_of(ids).tolist()):
-            views[sample_id] = arrived.narrow(0, start, rows)
+        for item_id, rows in zip(ids.tolist(), plan.rows_of(ids).tolist()):
+            views[item_id] = arrived.narrow(0, start, rows)
             start += rows
     if order is None:
         return views
-    return {sample_id: views[sample_id] for sample_id in order.tolist()}
+    return {item_id: views[item_id] for item_id in order.tolist()}
 
 
 def _is_identity(index: np.ndarray) -> bool:

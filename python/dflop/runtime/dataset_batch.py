@@ -393,15 +393,6 @@ class DatasetBatch(PackedBatchSource):
         """(N,) int64: target tokens of every sample (known without tokenising)."""
         return np.array([p.target_tokens for p in self._plans], dtype=np.int64)
 
-    def pixel_values(self, sample_ids: np.ndarray | list[int]) -> Tensor:
-        """``[U, C, H, W]`` float32 in ``[-1, 1]``: the units of ``sample_ids``, in order."""
-        v = self.config.vision
-        parts = [self._render(int(i)) for i in sample_ids]
-        parts = [p for p in parts if p.shape[0]]
-        if not parts:
-            return torch.zeros(0, v.channels, v.image_size_px, v.image_size_px)
-        return torch.cat(parts)
-
     # ------------------------------------------------------------------ describing
 
     def _describe(self, raw: RawSample, i: int) -> SampleDescriptor:
@@ -494,10 +485,13 @@ class DatasetBatch(PackedBatchSource):
 
     # ------------------------------------------------------------------ pixels
 
-    def _render(self, sample_id: int) -> Tensor:
+    def _render_units(self, sample_id: int, first: int, count: int) -> Tensor:
+        """Units ``[first, first + count)`` of a sample, ``[count, C, H, W]`` in ``[-1,
+        1]``: only the files those units come from are decoded."""
         plan = self._plans[sample_id]
         v = self.config.vision
-        if not plan.units:
+        units = plan.units[first : first + count]
+        if not units:
             return torch.zeros(0, v.channels, v.image_size_px, v.image_size_px)
         raw = self.records[sample_id]
         frames = (
@@ -505,9 +499,9 @@ class DatasetBatch(PackedBatchSource):
             if plan.descriptor.modality == Modality.VIDEO
             else None
         )
-        out: list[Tensor | None] = [None] * len(plan.units)
+        out: list[Tensor | None] = [None] * len(units)
         missing: dict[str, list[tuple[int, tuple, _Unit]]] = {}  # by file: decode once
-        for pos, unit in enumerate(plan.units):
+        for pos, unit in enumerate(units):
             if frames is not None:  # unit k of the descriptor's frames -> its file
                 k = unit.index * len(frames) // max(plan.descriptor.num_frames, 1)
                 unit = _Unit(frames[min(len(frames) - 1, k)], "full")

@@ -62,7 +62,7 @@ from dflop.models.decoder import IGNORE_INDEX, DecoderStage
 from dflop.models.multimodal import merge_visual_features
 from dflop.models.vision import VisionStage
 from dflop.runtime.communicator import BridgeCommunicator
-from dflop.runtime.step_data import MicrobatchPlan, StepPlan
+from dflop.runtime.step_data import EncoderShare, LLMShare, MicrobatchPlan, StepPlan
 from dflop.runtime.synthetic_batch import TextInputs
 from dflop.runtime.tensor_parallel import apply_tensor_parallel, local_tensor
 from dflop.runtime.topology import RankInfo, Topology
@@ -92,8 +92,14 @@ class ShapeMismatchError(RuntimeError):
 class BatchSource(Protocol):
     """Where a rank gets the tensors of the samples it computes (see ``SyntheticBatch``)."""
 
-    def pixel_values(self, sample_ids: np.ndarray) -> Tensor:
-        """``[U, C, H, W]``: the visual units of ``sample_ids``, in that order."""
+    def pixel_values(
+        self,
+        sample_ids: np.ndarray,
+        first_unit: np.ndarray | None = None,
+        num_units: np.ndarray | None = None,
+    ) -> Tensor:
+        """``[U, C, H, W]``: the visual units of ``sample_ids``, in that order (only units
+        ``[first_unit[k], first_unit[k] + num_units[k])`` of sample k when given)."""
         ...
 
     def text_inputs(self, sample_ids: np.ndarray) -> TextInputs:
@@ -213,24 +219,29 @@ class _Sent:
 class _Prefetched:
     """A rank's inputs of one step, read from the batch source before the step's clock
     starts, as a data loader's prefetch would: rendering or decoding them is then not on
-    the pipeline's critical path. Same interface as the batch source."""
+    the pipeline's critical path. Pixels of an encoder share's pieces, or text of an LLM
+    share's samples."""
 
     def __init__(
-        self, batch: BatchSource, shares: list[np.ndarray], *, pixels: bool, device: torch.device
+        self,
+        batch: BatchSource,
+        encoder_shares: list[EncoderShare],
+        llm_shares: list[LLMShare],
+        *,
+        device: torch.device,
     ) -> None:
         self.batch = batch
         self.device = device
-        self._pixels: dict[tuple[int, ...], Tensor] = {}
-        self._text: dict[tuple[int, ...], TextInputs] = {}
-        for ids in shares:
-            if pixels:
-                self._pixels[_key(ids)] = batch.pixel_values(ids).to(device)
-            else:
-                self._text[_key(ids)] = batch.text_inputs(ids)
+        self._pixels = {_piece_key(s): self._read_pixels(s) for s in encoder_shares}
+        self._text = {_key(s.sample_ids): batch.text_inputs(s.sample_ids) for s in llm_shares}
 
-    def pixel_values(self, sample_ids: np.ndarray) -> Tensor:
-        found = self._pixels.pop(_key(sample_ids), None)  # used once: free it early
-        return found if found is not None else self.batch.pixel_values(sample_ids).to(self.device)
+    def _read_pixels(self, share: EncoderShare) -> Tensor:
+        pixels = self.batch.pixel_values(share.sample_ids, share.first_unit, share.num_units)
+        return pixels.to(self.device)
+
+    def pixel_values(self, share: EncoderShare) -> Tensor:
+        found = self._pixels.pop(_piece_key(share), None)  # used once: free it early
+        return found if found is not None else self._read_pixels(share)
 
     def text_inputs(self, sample_ids: np.ndarray) -> TextInputs:
         found = self._text.get(_key(sample_ids))
@@ -239,6 +250,10 @@ class _Prefetched:
 
 def _key(sample_ids: np.ndarray) -> tuple[int, ...]:
     return tuple(int(i) for i in sample_ids)
+
+
+def _piece_key(share: EncoderShare) -> tuple[tuple[int, ...], ...]:
+    return (_key(share.sample_ids), _key(share.first_unit), _key(share.num_units))
 
 
 @dataclass
@@ -330,9 +345,8 @@ class PipelineEngine:
             )
         self.stage.zero_grad(set_to_none=True)
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        batch = _Prefetched(
-            batch, self._input_ids(plan), pixels=self.is_encoder, device=self.device
-        )
+        encoder_shares, llm_shares = self._input_shares(plan)
+        batch = _Prefetched(batch, encoder_shares, llm_shares, device=self.device)
         clock = self.clock = _Clock(self.device)
         stamps: list[tuple[str, int, Any, Any, Any]] = []
         in_flight: dict[int, _InFlight] = {}
@@ -393,7 +407,7 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ forward
 
-    def _encoder_forward(self, mb: MicrobatchPlan, batch: BatchSource) -> tuple[_InFlight, Any]:
+    def _encoder_forward(self, mb: MicrobatchPlan, batch: _Prefetched) -> tuple[_InFlight, Any]:
         """Returns the saved state and the clock mark at which compute began."""
         share = mb.encoder[self.info.dp_rank]
         state = _InFlight()
@@ -404,7 +418,7 @@ class PipelineEngine:
                 self._bridge_send_features(mb, self._empty_rows())
             return state, None
         if self.info.is_first_stage:
-            x = batch.pixel_values(share.sample_ids)
+            x = batch.pixel_values(share)
             if x.shape[0] != share.units:
                 raise ValueError(
                     f"microbatch {mb.index}: the batch source gave {x.shape[0]} units for "
@@ -522,19 +536,19 @@ class PipelineEngine:
     def _empty_rows(self) -> Tensor:
         return torch.empty(0, self.bridge.hidden_size, dtype=self.dtype, device=self.device)
 
-    def _input_ids(self, plan: StepPlan) -> list[np.ndarray]:
-        """The sample ids of every microbatch share this rank reads from the batch source:
-        pixels on the first encoder stage, tokens and labels on first and last LLM stages."""
+    def _input_shares(self, plan: StepPlan) -> tuple[list[EncoderShare], list[LLMShare]]:
+        """The microbatch shares this rank reads from the batch source: pixels of its
+        pieces on the first encoder stage, tokens and labels on first and last LLM stages."""
         info = self.info
-        if self.is_encoder and not info.is_first_stage:
-            return []
-        if not self.is_encoder and not (info.is_first_stage or info.is_last_stage):
-            return []
-        shares = [
-            mb.encoder[info.dp_rank] if self.is_encoder else mb.llm[info.dp_rank]
-            for mb in plan.microbatches
-        ]
-        return [share.sample_ids for share in shares if not share.is_empty]
+        if self.is_encoder:
+            if not info.is_first_stage:
+                return [], []
+            shares = [mb.encoder[info.dp_rank] for mb in plan.microbatches]
+            return [s for s in shares if not s.is_empty], []
+        if not (info.is_first_stage or info.is_last_stage):
+            return [], []
+        shares = [mb.llm[info.dp_rank] for mb in plan.microbatches]
+        return [], [s for s in shares if not s.is_empty]
 
     # ------------------------------------------------------------------ receives
 

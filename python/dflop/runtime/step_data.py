@@ -1,21 +1,26 @@
 """Every shape of one training step, derived identically on every rank.
 
 :meth:`StepPlan.build` turns the step's :class:`~dflop.scheduler.Schedule`, the global
-batch's :class:`~dflop.data.SampleShapes` and the :class:`RuntimeLayout` into, per
-microbatch: the samples of each LLM DP replica (the Schedule's bins), the split of the
-microbatch's visual samples across encoder DP replicas, the routing plan between them, and
-the size of every message (pixel units, feature rows, packed tokens, ``cu_seqlens``). It
-is a pure function of its inputs (the encoder split and the routing plan are deterministic
-C++), so all ranks build the same plan and no rank ever needs a shape handshake.
+batch's :class:`~dflop.data.SampleShapes`, the encoder costs and the
+:class:`RuntimeLayout` into, per microbatch: the samples of each LLM DP replica (the
+Schedule's bins), the split of the microbatch's visual units across encoder DP replicas
+(:func:`~dflop.runtime.routing.split_units`: pieces, contiguous unit ranges of a sample),
+the routing plan of the pieces between the replicas, and the size of every message (pixel
+units, feature rows, packed tokens, ``cu_seqlens``). It is a pure function of its inputs
+(the split and the routing plan are deterministic C++), so all ranks build the same plan
+and no rank ever needs a shape handshake.
 
-Sample order conventions (shared with :mod:`dflop.runtime.routing`):
+Order conventions (shared with :mod:`dflop.runtime.routing`):
 
-- A microbatch's *visual samples* (``units > 0``) are listed in ascending global index;
-  routing positions index this list.
-- An LLM replica packs its samples in ascending global index (``Schedule.bin`` order), so
-  its placeholders expect visual features in that order (the routing plan's receive order).
-- An encoder replica encodes its samples in the routing plan's send order (grouped by
-  destination LLM replica, ascending within a group), so the features bound for each
+- A microbatch's *pieces* are ordered by (sample id, first unit); routing item ids are
+  piece positions in that order.
+- An LLM replica packs its samples in ascending sample id (``Schedule.bin`` order) and
+  receives its pieces in piece order, i.e. every sample's unit features in unit order,
+  samples ascending: exactly its placeholders' order. Per-sample operations that span a
+  sample's units therefore run on the LLM replica's first stage, where the whole sample
+  has arrived.
+- An encoder replica encodes its pieces in the routing plan's send order (grouped by
+  destination LLM replica, piece order within a group), so the features bound for each
   LLM replica are one contiguous slice of its output.
 """
 
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflop.data.shapes import SampleShapes
-from dflop.runtime.routing import RoutingPlan, encoder_split, plan_routing
+from dflop.runtime.routing import RoutingPlan, UnitSplit, plan_routing, split_units
 from dflop.runtime.topology import RuntimeLayout
 from dflop.scheduler import Schedule
 
@@ -41,10 +46,17 @@ def _frozen(array: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class EncoderShare:
-    """What one encoder DP replica computes of one microbatch."""
+    """What one encoder DP replica computes of one microbatch: its pieces."""
 
+    piece_ids: np.ndarray
+    """Positions of its pieces in the microbatch's piece order, in encoding (= routing
+    send) order."""
     sample_ids: np.ndarray
-    """Global sample indices, in encoding (= routing send) order."""
+    """The sample of each of its pieces (aligned with ``piece_ids``)."""
+    first_unit: np.ndarray
+    """First unit of each piece within its sample."""
+    num_units: np.ndarray
+    """Units of each piece."""
     units: int
     """Visual units: pixels ``[units, C, H, W]``; stage-to-stage activations
     ``[units, tokens_per_unit, vision hidden]``."""
@@ -85,15 +97,15 @@ class MicrobatchPlan:
 
     index: int
     visual_sample_ids: np.ndarray
-    """Global indices of the microbatch's samples with visual units, ascending; the
-    routing plan's sample positions index this array."""
+    """Global indices of the microbatch's samples with visual units, ascending."""
     visual_rows: np.ndarray
     """Feature rows of each visual sample (aligned with ``visual_sample_ids``)."""
-    encoder_replica: np.ndarray
-    """Encoder DP replica of each visual sample."""
-    llm_replica: np.ndarray
-    """LLM DP replica of each visual sample."""
+    split: UnitSplit
+    """The encoder split: pieces (unit ranges of samples) and the replica of each."""
+    piece_llm_replica: np.ndarray
+    """LLM DP replica of each piece (the one the Schedule gave its sample)."""
     routing: RoutingPlan
+    """Routing of the pieces (item id = piece position)."""
     encoder: tuple[EncoderShare, ...]
     """One per encoder DP replica."""
     llm: tuple[LLMShare, ...]
@@ -140,17 +152,26 @@ class StepPlan:
             target_tokens: (N,) target tokens of every sample (e.g.
                 ``SyntheticBatch.target_tokens()``).
             tokens_per_unit: the model's encoder tokens per visual unit.
-            encoder_costs: (N,) cost of each sample on the encoder, used to split a
-                microbatch across encoder replicas; default: its encoder tokens.
+            encoder_costs: (N,) encoder cost of each sample, which the split balances
+                over the encoder replicas (the cost model's, as the planner uses);
+                default: its encoder tokens. Every rank must pass the same values.
         """
         _check_inputs(schedule, shapes, layout, target_tokens, tokens_per_unit)
         units = shapes.encoder_units.astype(np.int64)
         rows = units * tokens_per_unit
-        costs = rows.astype(np.float64) if encoder_costs is None else np.asarray(encoder_costs)
+        if encoder_costs is None:
+            costs = rows.astype(np.float64)
+        else:
+            costs = np.asarray(encoder_costs, dtype=np.float64)
+            if costs.shape != (len(shapes),):
+                raise ValueError(
+                    f"encoder_costs has shape {costs.shape}, expected ({len(shapes)},): one "
+                    "per sample of the global batch"
+                )
         seq_lens = (rows + shapes.text_tokens).astype(np.int64)
         targets = np.asarray(target_tokens, dtype=np.int64)
         microbatches = tuple(
-            _microbatch_plan(j, schedule, layout, units, rows, seq_lens, targets, costs)
+            _microbatch_plan(j, schedule, layout, units, tokens_per_unit, seq_lens, targets, costs)
             for j in range(schedule.num_microbatches)
         )
         return cls(microbatches, int(targets.sum()), int(tokens_per_unit))
@@ -193,11 +214,12 @@ def _microbatch_plan(
     schedule: Schedule,
     layout: RuntimeLayout,
     units: np.ndarray,
-    rows: np.ndarray,
+    tokens_per_unit: int,
     seq_lens: np.ndarray,
     targets: np.ndarray,
     encoder_costs: np.ndarray,
 ) -> MicrobatchPlan:
+    rows = units * tokens_per_unit
     llm_bins = schedule.microbatches  # bins of replica r: llm_bins(r)[j]
     llm = tuple(
         _llm_share(np.asarray(llm_bins(r)[j]), rows, seq_lens, targets)
@@ -212,36 +234,42 @@ def _microbatch_plan(
     members, owner = members[order], owner[order]
     visual = units[members] > 0
     visual_ids, llm_replica = members[visual], owner[visual]
-    src = np.asarray(encoder_split(visual_ids, encoder_costs, layout.encoder.dp), np.int64)
+    split = split_units(
+        units[visual_ids], encoder_costs[visual_ids], layout.encoder.dp, sample_ids=visual_ids
+    )
+    piece_llm_replica = llm_replica[np.searchsorted(visual_ids, split.sample_ids)]
     routing = plan_routing(
-        src,
-        llm_replica,
-        rows[visual_ids],
+        split.replica,
+        piece_llm_replica,
+        split.num_units * tokens_per_unit,
         num_src=layout.encoder.dp,
         num_dst=layout.llm.dp,
-        sample_ids=visual_ids,
     )
     encoder = tuple(
-        _encoder_share(np.asarray(routing.send_order[e]), units, rows)
+        _encoder_share(np.asarray(routing.send_order[e]), split, tokens_per_unit)
         for e in range(layout.encoder.dp)
     )
     return MicrobatchPlan(
         index=j,
         visual_sample_ids=_frozen(visual_ids),
         visual_rows=_frozen(rows[visual_ids]),
-        encoder_replica=_frozen(src),
-        llm_replica=_frozen(llm_replica),
+        split=split,
+        piece_llm_replica=_frozen(piece_llm_replica),
         routing=routing,
         encoder=encoder,
         llm=llm,
     )
 
 
-def _encoder_share(sample_ids: np.ndarray, units: np.ndarray, rows: np.ndarray) -> EncoderShare:
+def _encoder_share(piece_ids: np.ndarray, split: UnitSplit, tokens_per_unit: int) -> EncoderShare:
+    num_units = split.num_units[piece_ids]
     return EncoderShare(
-        sample_ids=_frozen(sample_ids),
-        units=int(units[sample_ids].sum()),
-        feature_rows=int(rows[sample_ids].sum()),
+        piece_ids=_frozen(piece_ids),
+        sample_ids=_frozen(split.sample_ids[piece_ids]),
+        first_unit=_frozen(split.first_unit[piece_ids]),
+        num_units=_frozen(num_units),
+        units=int(num_units.sum()),
+        feature_rows=int(num_units.sum()) * tokens_per_unit,
     )
 
 

@@ -147,17 +147,51 @@ class TextInputs:
 class PackedBatchSource:
     """What batch sources share: packing per-sample text into the LLM's inputs.
 
-    Subclasses provide ``shapes`` and ``_sample_text(i) -> (token_ids, image_token_mask,
-    labels)`` of one sample, plus ``pixel_values(sample_ids)``.
+    Subclasses provide ``shapes``, ``config``, ``_sample_text(i) -> (token_ids,
+    image_token_mask, labels)`` of one sample and ``_render_units(i, first, count) ->
+    [count, C, H, W]``, units ``[first, first + count)`` of sample i.
     """
 
     shapes: SampleShapes
+    config: ModelConfig
 
     def _sample_text(self, sample_id: int) -> tuple[Tensor, Tensor, Tensor]:
         raise NotImplementedError
 
-    def pixel_values(self, sample_ids: np.ndarray | list[int]) -> Tensor:
+    def _render_units(self, sample_id: int, first: int, count: int) -> Tensor:
         raise NotImplementedError
+
+    def pixel_values(
+        self,
+        sample_ids: np.ndarray | list[int],
+        first_unit: np.ndarray | list[int] | None = None,
+        num_units: np.ndarray | list[int] | None = None,
+    ) -> Tensor:
+        """``[U, C, H, W]`` float32: the units of ``sample_ids``, in that order; with
+        ``first_unit`` / ``num_units`` (aligned with ``sample_ids``) only units
+        ``[first_unit[k], first_unit[k] + num_units[k])`` of sample k (an encoder replica's
+        pieces). Each unit is rendered alone, so a piece costs only its own units."""
+        ids = [int(i) for i in sample_ids]
+        total = [int(self.shapes.encoder_units[i]) for i in ids]
+        firsts = [0] * len(ids) if first_unit is None else [int(f) for f in first_unit]
+        counts = total if num_units is None else [int(c) for c in num_units]
+        if len(firsts) != len(ids) or len(counts) != len(ids):
+            raise ValueError(
+                f"first_unit and num_units must have one entry per sample id ({len(ids)}), "
+                f"got {len(firsts)} and {len(counts)}"
+            )
+        parts = []
+        for i, first, count, units in zip(ids, firsts, counts, total):
+            if first < 0 or count < 0 or first + count > units:
+                raise ValueError(
+                    f"sample {i}: units [{first}, {first + count}) are out of its {units} units"
+                )
+            if count:
+                parts.append(self._render_units(i, first, count))
+        if not parts:
+            v = self.config.vision
+            return torch.zeros(0, v.channels, v.image_size_px, v.image_size_px)
+        return torch.cat(parts)
 
     def text_inputs(self, sample_ids: np.ndarray | list[int]) -> TextInputs:
         """The packed LLM inputs of ``sample_ids``, in that order."""
@@ -227,26 +261,21 @@ class SyntheticBatch(PackedBatchSource):
         """(N,) int64: target tokens of every sample (its answer length)."""
         return np.array([lay.answer for lay in self._layouts], dtype=np.int64)
 
-    def pixel_values(self, sample_ids: np.ndarray | list[int]) -> Tensor:
-        """``[U, C, H, W]`` float32: the units of ``sample_ids``, in that order."""
-        v = self.config.vision
-        units = [self._render_units(int(i)) for i in sample_ids]
-        if not units:
-            return torch.zeros(0, v.channels, v.image_size_px, v.image_size_px)
-        return torch.cat(units)
-
-    def _render_units(self, sample_id: int) -> Tensor:
+    def _render_units(self, sample_id: int, first: int, count: int) -> Tensor:
         """Smooth per-channel sinusoidal patterns (random frequencies and phases), so the
-        encoder sees structured images rather than noise."""
+        encoder sees structured images rather than noise. Units ``[first, first +
+        count)``; the random draws cover all of the sample's units, so a unit looks the
+        same whichever piece renders it."""
         v = self.config.vision
         num_units = int(self.shapes.encoder_units[sample_id])
         rng = np.random.default_rng([self.seed, sample_id, _PIXEL_STREAM])
-        freq = torch.from_numpy(rng.uniform(0.5, 3.0, size=(num_units, v.channels, 2)))
-        phase = torch.from_numpy(rng.uniform(0.0, 2 * math.pi, size=(num_units, v.channels)))
+        freq = rng.uniform(0.5, 3.0, size=(num_units, v.channels, 2))[first : first + count]
+        phase = rng.uniform(0.0, 2 * math.pi, size=(num_units, v.channels))[first : first + count]
+        freq_t, phase_t = torch.from_numpy(freq), torch.from_numpy(phase)
         axis = torch.linspace(0.0, 1.0, v.image_size_px, dtype=torch.float64)
         y, x = axis[:, None], axis[None, :]  # [H, 1], [1, W]
-        angle = 2 * math.pi * (freq[..., 0, None, None] * x + freq[..., 1, None, None] * y)
-        return (0.5 * torch.sin(angle + phase[..., None, None])).float()  # [U, C, H, W]
+        angle = 2 * math.pi * (freq_t[..., 0, None, None] * x + freq_t[..., 1, None, None] * y)
+        return (0.5 * torch.sin(angle + phase_t[..., None, None])).float()  # [count, C, H, W]
 
     def _sample_text(self, sample_id: int) -> tuple[Tensor, Tensor, Tensor]:
         lay = self._layouts[sample_id]

@@ -100,17 +100,16 @@ def step_metrics(
 
 
 def measured_microbatch_times(
-    records: list[RankRecord], num_microbatches: int, llm_dp: int
+    records: list[RankRecord], num_microbatches: int, encoder_dp: int, llm_dp: int
 ) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
-    """Measured forward + backward seconds per microbatch.
+    """Measured forward + backward seconds per microbatch and replica.
 
-    Returns ``(encoder_s (m,), llm_s (m, llm_dp), forward_fraction)``: the encoder time of
-    microbatch j is summed over every encoder rank (all its stages and DP replicas: the
-    whole encoder's work on that microbatch, as the cost model prices it); the LLM time of
-    microbatch j on replica r is summed over that replica's stages. ``forward_fraction``
-    per module: forward seconds over forward + backward seconds.
+    Returns ``(encoder_s (m, encoder_dp), llm_s (m, llm_dp), forward_fraction)``: the time
+    of microbatch j on a replica is summed over that replica's stages (an encoder replica
+    computes its pieces of the microbatch: what the cost model prices for those units).
+    ``forward_fraction`` per module: forward seconds over forward + backward seconds.
     """
-    encoder = np.zeros(num_microbatches)
+    encoder = np.zeros((num_microbatches, encoder_dp))
     llm = np.zeros((num_microbatches, llm_dp))
     forward = {"encoder": 0.0, "llm": 0.0}
     total = {"encoder": 0.0, "llm": 0.0}
@@ -118,7 +117,7 @@ def measured_microbatch_times(
         for kind, j, start_s, end_s in r.actions:
             duration = end_s - start_s
             if r.module == "encoder":
-                encoder[j] += duration
+                encoder[j, r.dp_rank] += duration
             else:
                 llm[j, r.dp_rank] += duration
             total[r.module] += duration

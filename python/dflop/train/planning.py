@@ -19,8 +19,10 @@ from dflop.runtime.topology import ModuleLayout, RuntimeLayout, uniform_layer_ra
 
 __all__ = [
     "LocalPlan",
+    "core_layout",
     "cost_configs",
     "layout_from_plan",
+    "local_cluster",
     "parse_layout",
     "plan_local",
     "quick_profile",
@@ -198,20 +200,10 @@ def plan_local(
     ``shapes``: a distribution with ``.sample(n, seed)`` (the scaled shapes the model is
     trained on). ``num_microbatches`` restricts the planner's choice of m.
     """
-    from dflop.planner import ClusterSpec, PlannerConfig, plan
+    from dflop.planner import PlannerConfig, plan
 
     encoder, llm = cost_configs(model)
-    if memory_bytes is None:
-        memory_bytes = _host_memory_bytes() / nproc
-    cluster = ClusterSpec(
-        num_gpus=nproc,
-        gpus_per_node=nproc,
-        gpu_memory_bytes=float(memory_bytes),
-        intra_node_bandwidth_bytes_per_s=5e9,  # shared memory between local processes
-        inter_node_bandwidth_bytes_per_s=5e9,
-        link_latency_s=1e-4,  # gloo over loopback
-        memory_reserve_bytes=0.0,
-    )
+    cluster = local_cluster(nproc, memory_bytes)
     choices = None if num_microbatches is None else (int(num_microbatches),)
     if choices is None:
         choices = tuple(m for m in (1, 2, 3, 4, 6, 8, 12, 16) if m <= global_batch)
@@ -244,6 +236,47 @@ def plan_local(
         global_batch=global_batch,
     )
     return LocalPlan(layout, best.describe(), best.prediction.step_time_s, result)
+
+
+def local_cluster(nproc: int, memory_bytes: float | None = None) -> Any:
+    """The planner's "cluster" of ``nproc`` local CPU processes: one node, this host's
+    RAM split between them, shared-memory links, gloo's loopback latency."""
+    from dflop.planner import ClusterSpec
+
+    if memory_bytes is None:
+        memory_bytes = _host_memory_bytes() / nproc
+    return ClusterSpec(
+        num_gpus=max(2, nproc),
+        gpus_per_node=max(2, nproc),
+        gpu_memory_bytes=float(memory_bytes),
+        intra_node_bandwidth_bytes_per_s=5e9,  # shared memory between local processes
+        inter_node_bandwidth_bytes_per_s=5e9,
+        link_latency_s=1e-4,  # gloo over loopback
+        memory_reserve_bytes=0.0,
+    )
+
+
+def core_layout(layout: RuntimeLayout) -> dict[str, Any]:
+    """A runtime layout in the planner core's form (``LayoutPlan.core_dict()``): encoder
+    ranks first, then the LLM's."""
+
+    def module(part: ModuleLayout, first_rank: int) -> dict[str, Any]:
+        return {
+            "tp": part.tp,
+            "pp": part.pp,
+            "dp": part.dp,
+            "first_rank": first_rank,
+            "layers_per_stage": [end - start for start, end in part.layer_ranges],
+            "recompute": False,
+        }
+
+    encoder = layout.encoder
+    return {
+        "colocated": False,
+        "encoder": module(encoder, 0),
+        "llm": module(layout.llm, encoder.tp * encoder.pp * encoder.dp),
+        "num_microbatches": layout.num_microbatches,
+    }
 
 
 def default_layout(model: ModelConfig, nproc: int, global_batch: int, m: int) -> RuntimeLayout:

@@ -90,6 +90,7 @@ class Trainer:
         *,
         device: Any = "cpu",
         distribution: Any = None,
+        cluster: dict[str, Any] | None = None,
     ) -> None:
         import torch
         import torch.distributed as dist
@@ -129,20 +130,30 @@ class Trainer:
         self._last_step_wall_s: float | None = None
         self._link_latency_s = 0.0
         self._calibrated = False
+        self.predictor = None
         if self.is_leader and "dflop" in config.modes:
-            self._start_scheduler(performance_model)
+            self._start_scheduler(performance_model, cluster)
 
     # ------------------------------------------------------------------ setup
 
-    def _start_scheduler(self, performance_model: Any) -> None:
+    def _start_scheduler(self, performance_model: Any, cluster: dict[str, Any] | None) -> None:
         from dflop.async_scheduler import AsyncScheduler
+        from dflop.planner import ClusterSpec, StepPredictor
         from dflop.profiling import CostModel, PerformanceModel
+        from dflop.train.planning import core_layout, cost_configs, local_cluster
 
         if performance_model is None:
             raise ValueError("the dflop schedule needs a performance model on rank 0")
         if isinstance(performance_model, dict):
             performance_model = PerformanceModel.from_dict(performance_model)
         self.cost_model = CostModel(performance_model)
+        encoder, llm = cost_configs(self.model_config)
+        self.predictor = StepPredictor(
+            ClusterSpec.from_dict(cluster) if cluster else local_cluster(self.world_size),
+            encoder,
+            llm,
+            core_layout(self.layout),
+        )
         self.scheduler = AsyncScheduler(
             self.layout.num_microbatches,
             self.layout.llm.dp,
@@ -181,24 +192,27 @@ class Trainer:
 
     # ------------------------------------------------------------------ scheduling (rank 0)
 
-    def _schedule_costs(self, shapes: Any) -> np.ndarray:
-        """Per-sample stage seconds: the encoder's work is split over its pp x dp ranks
-        (replicas share each microbatch: a microbatch dimension), the LLM's over its pp."""
+    def _stage_costs(self, shapes: Any) -> np.ndarray:
+        """Per-sample seconds of one stage of one replica: each module's work over its pp
+        stages. Encoder replicas share each microbatch by visual unit (the pipeline
+        model splits it as the runtime does), so the encoder's column is not divided by
+        its dp."""
         costs = np.array(self.cost_model.costs(shapes), dtype=np.float64)
-        costs[:, 0] /= self.layout.encoder.pp * self.layout.encoder.dp
+        costs[:, 0] /= self.layout.encoder.pp
         costs[:, 1] /= self.layout.llm.pp
         return costs
 
     def _pipeline_model(self) -> PipelineModel:
         """The encoder -> LLM pipeline as the cost model and the calibration see it now:
-        per-stage constants (split like the costs), forward shares, link latency."""
+        per-stage constants, forward shares, link latency, the encoder's replicas."""
         enc, llm = self.layout.encoder, self.layout.llm
-        constants = self.cost_model.microbatch_constant_s / [enc.pp * enc.dp, llm.pp]
+        constants = self.cost_model.microbatch_constant_s / [enc.pp, llm.pp]
         return PipelineModel(
             stages=(enc.pp, llm.pp),
             forward_fraction=(self._forward_fraction["encoder"], self._forward_fraction["llm"]),
             microbatch_constant_s=tuple(float(v) for v in constants),
             link_latency_s=self._link_latency_s,
+            replicas=(enc.dp, 1),
         )
 
     def _submit(self, step: int) -> None:
@@ -206,10 +220,14 @@ class Trainer:
         if self.config.schedule_deadline and self._last_step_wall_s is not None:
             deadline = max(0.01, (self.config.lookahead - 1) * self._last_step_wall_s)
         shapes = self.step_shapes.shapes(step)
-        pipeline = self._pipeline_model() if self.config.pipeline_schedule else None
-        self.scheduler.submit(
-            step, self._schedule_costs(shapes), deadline_s=deadline, pipeline=pipeline
-        )
+        model = self._pipeline_model()
+        costs = self._stage_costs(shapes)
+        if self.config.pipeline_schedule:
+            self.scheduler.submit(
+                step, costs, deadline_s=deadline, pipeline=model, units=shapes.encoder_units
+            )
+        else:  # balance alone: the encoder's cost per replica
+            self.scheduler.submit(step, model.balance_costs(costs), deadline_s=deadline)
 
     def _leader_schedules(self, step: int, shapes: Any) -> dict[str, Schedule]:
         m, dp = self.layout.num_microbatches, self.layout.llm.dp
@@ -223,18 +241,28 @@ class Trainer:
             else:
                 costs = np.stack([shapes.encoder_tokens, shapes.seq_len], axis=1).astype(float)
                 if self.cost_model is not None:
-                    costs = self._schedule_costs(shapes)
+                    costs = self._pipeline_model().balance_costs(self._stage_costs(shapes))
                 out[mode] = data_blind_schedule(costs, m, dp, microbatch_dims=(0,))
         return out
 
-    def _predict_step_s(self, s: Schedule, shapes: Any) -> float:
-        """The simulator's step time for schedule ``s`` under the current cost model."""
-        return self._pipeline_model().step_time_s(self._schedule_costs(shapes), s)
+    def _audit(self, s: Schedule, shapes: Any) -> Any:
+        """The planner's model of this step under schedule ``s`` (the same function a plan
+        is scored with: the encoder split, the slowest replica per encoder stage, links,
+        all-reduce), priced by the current cost model with the calibrated forward shares
+        and link latency."""
+        return self.predictor.audit(
+            self.cost_model,
+            shapes,
+            s.assignment,
+            forward_fraction=(self._forward_fraction["encoder"], self._forward_fraction["llm"]),
+            link_latency_s=self._link_latency_s if self._calibrated else None,
+        )
 
-    def _calibrate_latency(self, records: list[RankRecord], s: Schedule) -> None:
-        """Fit the per-transfer latency that makes the simulator, fed the MEASURED action
-        times, reproduce the measured step (messages, Python overhead, the loss all-reduce);
-        smoothed over steps and used in later predictions."""
+    def _calibrate_latency(self, records: list[RankRecord], s: Schedule, audit: Any) -> None:
+        """Fit the per-transfer latency that makes the step model, fed the MEASURED action
+        times (and the audit's links and all-reduce), reproduce the measured step
+        (messages, Python overhead, the loss all-reduce); smoothed over steps and used in
+        later predictions."""
         from dflop.simulator import simulate_pipeline
 
         enc, llm = self.layout.encoder, self.layout.llm
@@ -247,15 +275,21 @@ class Trainer:
             replicas = range(s.dp_size) if r.module == "encoder" else [r.dp_rank]
             for kind, j, start_s, end_s in r.actions:
                 target = forward if kind == "forward" else backward
-                for q in replicas:  # encoder replicas share a microbatch: the slowest counts
+                for q in replicas:  # every LLM replica waits for the slowest encoder replica
                     target[q, r.global_stage, j] = max(
                         target[q, r.global_stage, j], end_s - start_s
                     )
         measured = max(r.step_time_s for r in records)
 
         def simulated(latency_s: float) -> float:
-            lat = np.full(num_stages - 1, latency_s)
-            return simulate_pipeline(forward, backward, link_latency_s=lat).step_time_s
+            return simulate_pipeline(
+                forward,
+                backward,
+                link_latency_s=np.full(num_stages - 1, latency_s),
+                activation_bytes=audit.activation_bytes,
+                link_bandwidth_bytes_per_s=audit.link_bandwidth_bytes_per_s,
+                allreduce_s=audit.allreduce_s,
+            ).step_time_s
 
         low, high = 0.0, measured
         if simulated(low) >= measured:
@@ -272,7 +306,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ communication
 
-    def _broadcast_schedules(self, step: int, shapes: Any) -> dict[str, Schedule]:
+    def _encoder_costs(self, shapes: Any) -> np.ndarray:
+        """(N,) what the encoder split balances: the cost model's encoder seconds per
+        sample (as the planner splits), or encoder tokens without a cost model."""
+        if self.cost_model is None:
+            return shapes.encoder_tokens.astype(np.float64)
+        return np.array(self.cost_model.costs(shapes)[:, 0], dtype=np.float64)
+
+    def _broadcast_schedules(
+        self, step: int, shapes: Any
+    ) -> tuple[dict[str, Schedule], np.ndarray]:
+        """Every mode's Schedule and the encoder costs the split uses, from rank 0 (its
+        cost model is corrected online, so other ranks could not recompute them)."""
         import torch
         import torch.distributed as dist
 
@@ -281,20 +326,24 @@ class Trainer:
         comm_device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
         if self.is_leader:
             schedules = self._leader_schedules(step, shapes)
+            encoder_costs = self._encoder_costs(shapes)
             stacked = np.stack([np.asarray(schedules[mode].assignment) for mode in modes])
             buffer = torch.from_numpy(stacked.astype(np.int64)).to(comm_device)
+            costs = torch.from_numpy(encoder_costs).to(comm_device)
         else:
             buffer = torch.empty((len(modes), n), dtype=torch.int64, device=comm_device)
+            costs = torch.empty(n, dtype=torch.float64, device=comm_device)
         dist.broadcast(buffer, src=0)
+        dist.broadcast(costs, src=0)
         if self.is_leader:
-            return schedules
+            return schedules, encoder_costs
         assignments = buffer.cpu().numpy()
         zeros = np.zeros((n, 2))
         m, dp = self.layout.num_microbatches, self.layout.llm.dp
         return {
             mode: schedule_from_assignment(zeros, assignments[i], m, dp, microbatch_dims=(0,))
             for i, mode in enumerate(modes)
-        }
+        }, costs.cpu().numpy()
 
     def _record(self, mode_results: dict[str, Any]) -> dict[str, RankRecord]:
         info = self.info
@@ -338,23 +387,22 @@ class Trainer:
                     step, self.model_config, _step_seed(config.seed + 1, step)
                 )
                 shapes = batch.shapes
-                schedules = self._broadcast_schedules(step, shapes)
-                predicted = {}
+                schedules, encoder_costs = self._broadcast_schedules(step, shapes)
+                audits = {}
                 if self.is_leader and self.cost_model is not None:
-                    predicted = {
-                        mode: self._predict_step_s(s, shapes) for mode, s in schedules.items()
-                    }
+                    audits = {mode: self._audit(s, shapes) for mode, s in schedules.items()}
                 order = list(config.modes) if step % 2 == 0 else list(reversed(config.modes))
-                results = {}
+                results, plans = {}, {}
                 for mode in order:
-                    plan = StepPlan.build(
+                    plans[mode] = StepPlan.build(
                         schedules[mode],
                         shapes,
                         self.layout,
                         batch.target_tokens(),
                         tokens_per_unit=self.tokens_per_unit,
+                        encoder_costs=encoder_costs,
                     )
-                    results[mode] = self.engine.run_step(plan, batch)
+                    results[mode] = self.engine.run_step(plans[mode], batch)
                 grad_norm = self._clip_gradients()
                 self.optimizer.step()
                 gathered: list[Any] | None = [None] * self.world_size if self.is_leader else None
@@ -370,7 +418,9 @@ class Trainer:
                             records,
                             len(shapes),
                             int(shapes.seq_len.sum()),
-                            predicted_step_time_s=predicted.get(mode, math.nan),
+                            predicted_step_time_s=(
+                                audits[mode].step_time_s if mode in audits else math.nan
+                            ),
                             schedule_ratio=schedules[mode].ratio,
                             grad_norm=grad_norm,
                         )
@@ -381,8 +431,8 @@ class Trainer:
                             # in compare mode the blind run overlaps its modules less, and
                             # on shared CPU cores (memory bandwidth) its microbatches run
                             # faster than dflop's.
-                            self._observe(records, schedules[mode], shapes)
-                            self._calibrate_latency(records, schedules[mode])
+                            self._observe(records, schedules[mode], plans[mode], shapes)
+                            self._calibrate_latency(records, schedules[mode], audits[mode])
                         self._log(row, bar)
                     if bar is not None:
                         bar.update(1)
@@ -453,25 +503,24 @@ class Trainer:
 
     # ------------------------------------------------------------------ rank 0 bookkeeping
 
-    def _observe(self, records: list[RankRecord], s: Schedule, shapes: Any) -> None:
+    def _observe(self, records: list[RankRecord], s: Schedule, plan: Any, shapes: Any) -> None:
+        """Feed measured times to the cost model: per microbatch, every encoder replica's
+        time for the units of its pieces, and every LLM replica's for its bin."""
         encoder_s, llm_s, fraction = measured_microbatch_times(
-            records, s.num_microbatches, s.dp_size
+            records, s.num_microbatches, self.layout.encoder.dp, s.dp_size
         )
         for module, value in fraction.items():  # smoothed forward share, for predictions
             self._forward_fraction[module] = 0.8 * self._forward_fraction[module] + 0.2 * value
         if self.cost_model is None or not self.config.adaptive:
             return
         rows, times = [], []
-        for j in range(s.num_microbatches):
-            bins = [s.microbatches(r)[j] for r in range(s.dp_size)]
-            if s.dp_size == 1:
-                rows.append(shapes.take(bins[0]))
-                times.append((encoder_s[j], llm_s[j, 0]))
-                continue
-            rows.append(shapes.take(np.concatenate(bins)))
-            times.append((encoder_s[j], math.nan))
-            for r, ids in enumerate(bins):
-                rows.append(shapes.take(ids))
+        for j, mb in enumerate(plan.microbatches):
+            for e, share in enumerate(mb.encoder):
+                if share.units:
+                    rows.append(_pieces_as_shapes(shapes, share))
+                    times.append((encoder_s[j, e], math.nan))
+            for r in range(s.dp_size):
+                rows.append(shapes.take(s.microbatches(r)[j]))
                 times.append((math.nan, llm_s[j, r]))
         self.cost_model.observe(rows, np.array(times))
 
@@ -495,6 +544,15 @@ class Trainer:
             bar.write(line)
         else:
             print(line, flush=True)
+
+
+def _pieces_as_shapes(shapes: Any, share: Any) -> Any:
+    """An encoder replica's pieces as samples of their own units (what it computed)."""
+    from dataclasses import replace
+
+    part = shapes.take(share.sample_ids)
+    units = np.asarray(share.num_units, dtype=part.encoder_units.dtype)
+    return replace(part, encoder_units=units, llm_visual_tokens=units * part.tokens_per_unit)
 
 
 def _lay_out(steps: collections.deque) -> list[dict[str, Any]]:

@@ -1,0 +1,250 @@
+"""One training step as the planner models it, auditable and shared with the trainer.
+
+:class:`StepAudit` is what a :class:`~dflop.planner.Plan` records for each sampled batch
+of its chosen layout: the schedule, the encoder's split of every microbatch by visual
+unit (the runtime's own :func:`~dflop.runtime.routing.split_units`), and the forward and
+backward seconds the planner predicted for every (replica, stage, microbatch), encoder
+replicas and LLM replicas alike, with the links and all-reduces. :meth:`StepAudit.simulate`
+re-simulates the step from those numbers alone (``dflop simulate plan.json``): every LLM
+replica's encoder stages take the slowest encoder replica's time, as in the planner.
+
+:class:`StepPredictor` computes the same record for any schedule the trainer runs, from
+its cost model: the planner's ``step_from_assignment`` in the C++ core, so that a plan's
+promise and the trainer's prediction come from one model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from dflop import _core
+from dflop.data.costs import EncoderConfig, LLMConfig
+from dflop.data.shapes import SampleShapes
+from dflop.planner.model import ClusterSpec, PlannerConfig
+
+__all__ = ["StepAudit", "StepPredictor"]
+
+_PIECE_FIELDS = ("microbatch", "sample", "first_unit", "num_units", "replica")
+
+
+def _floats(value: Any, ndim: int) -> np.ndarray:
+    array = np.asarray(value, dtype=np.float64)
+    if array.ndim != ndim:
+        array = array.reshape((0,) * ndim) if array.size == 0 else array
+    return array
+
+
+@dataclass(frozen=True, eq=False)
+class StepAudit:
+    """One sampled batch of a layout as the planner scored it.
+
+    Microbatch indices are the execution order. Encoder arrays are empty for a colocated
+    layout (its encoder runs inside the first LLM stage).
+    """
+
+    assignment: np.ndarray
+    """(N,) bin of every sample: microbatch ``bin // llm dp`` on LLM replica ``bin % dp``."""
+    microbatch_order: np.ndarray
+    """(m,) the balanced schedule's microbatch at each position (the order chosen)."""
+    encoder_forward_s: np.ndarray
+    """(encoder dp, encoder pp, m): every encoder replica's forward seconds (0: idle)."""
+    encoder_backward_s: np.ndarray
+    llm_forward_s: np.ndarray
+    """(LLM dp, LLM pp, m) (colocated: the first stage holds the encoder too)."""
+    llm_backward_s: np.ndarray
+    pieces: dict[str, np.ndarray]
+    """The encoder split: per piece its ``microbatch``, ``sample`` (index in the batch),
+    ``first_unit``, ``num_units`` and encoder ``replica``."""
+    activation_bytes: np.ndarray
+    """(LLM dp, S - 1, m) bytes over each link (S = encoder pp + LLM pp)."""
+    link_latency_s: np.ndarray
+    link_bandwidth_bytes_per_s: np.ndarray
+    allreduce_s: np.ndarray
+    """(S,) gradient all-reduce seconds per stage."""
+    step_time_s: float
+    """The planner's simulated step time of this batch."""
+    samples: dict[str, np.ndarray] = field(default_factory=dict)
+    """Per sample of the batch: ``encoder_units``, ``encoder_s``, ``llm_s`` (the inputs)."""
+
+    @property
+    def num_encoder_stages(self) -> int:
+        return int(self.encoder_forward_s.shape[1]) if self.encoder_forward_s.size else 0
+
+    @property
+    def num_microbatches(self) -> int:
+        return int(self.llm_forward_s.shape[2])
+
+    def simulator_input(self) -> tuple[np.ndarray, np.ndarray]:
+        """(forward_s, backward_s) of shape (LLM dp, S, m): the encoder's stages take, per
+        microbatch, the slowest encoder replica's time in every LLM replica."""
+        replicas = self.llm_forward_s.shape[0]
+
+        def combined(encoder: np.ndarray, llm: np.ndarray) -> np.ndarray:
+            if encoder.size == 0:
+                return llm
+            slowest = encoder.max(axis=0)  # (E, m)
+            tiled = np.broadcast_to(slowest, (replicas, *slowest.shape))
+            return np.concatenate([tiled, llm], axis=1)
+
+        return (
+            combined(self.encoder_forward_s, self.llm_forward_s),
+            combined(self.encoder_backward_s, self.llm_backward_s),
+        )
+
+    def simulate(self, *, record_events: bool = True) -> Any:
+        """Re-simulate the step from the recorded times: a
+        :class:`dflop.simulator.SimulationResult` (its ``step_time_s`` equals
+        :attr:`step_time_s`)."""
+        from dflop.simulator import simulate_pipeline
+
+        forward, backward = self.simulator_input()
+        links = forward.shape[1] - 1
+        return simulate_pipeline(
+            forward,
+            backward,
+            schedule="1f1b",
+            link_latency_s=self.link_latency_s.reshape(links),
+            activation_bytes=self.activation_bytes if links else None,
+            link_bandwidth_bytes_per_s=self.link_bandwidth_bytes_per_s.reshape(links),
+            allreduce_s=self.allreduce_s,
+        )
+
+    def split_of(self, microbatch: int) -> dict[str, np.ndarray]:
+        """The pieces of one microbatch (sample, first_unit, num_units, replica)."""
+        keep = self.pieces["microbatch"] == microbatch
+        return {k: v[keep] for k, v in self.pieces.items() if k != "microbatch"}
+
+    @classmethod
+    def from_core(
+        cls, raw: dict[str, Any], samples: dict[str, np.ndarray] | None = None
+    ) -> StepAudit:
+        """From the core's ``build_step`` / ``step_from_assignment`` result."""
+        encoder_stages = int(raw["num_encoder_stages"])
+        forward, backward = raw["forward_s"], raw["backward_s"]
+        llm_forward = np.ascontiguousarray(forward[:, encoder_stages:, :])
+        llm_backward = np.ascontiguousarray(backward[:, encoder_stages:, :])
+        probe = cls(
+            assignment=np.asarray(raw["assignment"], dtype=np.int64),
+            microbatch_order=np.asarray(raw["microbatch_order"], dtype=np.int64),
+            encoder_forward_s=np.asarray(raw["encoder_forward_s"], dtype=np.float64),
+            encoder_backward_s=np.asarray(raw["encoder_backward_s"], dtype=np.float64),
+            llm_forward_s=llm_forward,
+            llm_backward_s=llm_backward,
+            pieces={k: np.asarray(raw["pieces"][k], dtype=np.int64) for k in _PIECE_FIELDS},
+            activation_bytes=np.asarray(raw["activation_bytes"], dtype=np.float64),
+            link_latency_s=np.asarray(raw["link_latency_s"], dtype=np.float64),
+            link_bandwidth_bytes_per_s=np.asarray(
+                raw["link_bandwidth_bytes_per_s"], dtype=np.float64
+            ),
+            allreduce_s=np.asarray(raw["allreduce_s"], dtype=np.float64),
+            step_time_s=0.0,
+            samples=dict(samples or {}),
+        )
+        return replace(probe, step_time_s=float(probe.simulate(record_events=False).step_time_s))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step_time_s": self.step_time_s,
+            "assignment": self.assignment.tolist(),
+            "microbatch_order": self.microbatch_order.tolist(),
+            "encoder_forward_s": self.encoder_forward_s.tolist(),
+            "encoder_backward_s": self.encoder_backward_s.tolist(),
+            "llm_forward_s": self.llm_forward_s.tolist(),
+            "llm_backward_s": self.llm_backward_s.tolist(),
+            "pieces": {k: self.pieces[k].tolist() for k in _PIECE_FIELDS},
+            "activation_bytes": self.activation_bytes.tolist(),
+            "link_latency_s": self.link_latency_s.tolist(),
+            "link_bandwidth_bytes_per_s": self.link_bandwidth_bytes_per_s.tolist(),
+            "allreduce_s": self.allreduce_s.tolist(),
+            "samples": {k: np.asarray(v).tolist() for k, v in self.samples.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepAudit:
+        llm_forward = _floats(data["llm_forward_s"], 3)
+        return cls(
+            assignment=np.asarray(data["assignment"], dtype=np.int64),
+            microbatch_order=np.asarray(data["microbatch_order"], dtype=np.int64),
+            encoder_forward_s=_floats(data["encoder_forward_s"], 3),
+            encoder_backward_s=_floats(data["encoder_backward_s"], 3),
+            llm_forward_s=llm_forward,
+            llm_backward_s=_floats(data["llm_backward_s"], 3),
+            pieces={
+                k: np.asarray(data["pieces"][k], dtype=np.int64).reshape(-1) for k in _PIECE_FIELDS
+            },
+            activation_bytes=_floats(data["activation_bytes"], 3),
+            link_latency_s=np.asarray(data["link_latency_s"], dtype=np.float64).reshape(-1),
+            link_bandwidth_bytes_per_s=np.asarray(
+                data["link_bandwidth_bytes_per_s"], dtype=np.float64
+            ).reshape(-1),
+            allreduce_s=np.asarray(data["allreduce_s"], dtype=np.float64).reshape(-1),
+            step_time_s=float(data["step_time_s"]),
+            samples={k: np.asarray(v) for k, v in data.get("samples", {}).items()},
+        )
+
+
+class StepPredictor:
+    """The planner's model of a step for schedules the trainer picks.
+
+    Given the cluster, the model configs, a layout (``LayoutPlan.core_dict()`` form) and the
+    planner settings, :meth:`audit` returns the :class:`StepAudit` of one global batch
+    under one schedule, priced by a cost model: exactly the numbers the planner would score
+    that schedule with (the core's ``step_from_assignment``). The trainer passes its
+    calibrated forward shares and link latency.
+    """
+
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        encoder: EncoderConfig,
+        llm: LLMConfig,
+        layout: dict[str, Any],
+        config: PlannerConfig | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.encoder = encoder
+        self.llm = llm
+        self.layout = dict(layout)
+        self.config = config or PlannerConfig(num_batches=1)
+
+    def audit(
+        self,
+        cost_model: Any,
+        shapes: SampleShapes,
+        assignment: Any,
+        *,
+        forward_fraction: tuple[float, float] | None = None,
+        link_latency_s: float | None = None,
+    ) -> StepAudit:
+        """The step of ``shapes`` under ``assignment`` (microbatch indices = execution
+        order), priced by ``cost_model`` (``.costs(shapes)`` and ``.microbatch_constant_s``)."""
+        from dflop.planner.search import _options, single_batch_inputs
+
+        inputs = single_batch_inputs(cost_model, self.encoder, self.llm, shapes)
+        encoder_spec, llm_spec = inputs.encoder, inputs.llm
+        if forward_fraction is not None:
+            encoder_spec = replace(encoder_spec, forward_fraction=float(forward_fraction[0]))
+            llm_spec = replace(llm_spec, forward_fraction=float(forward_fraction[1]))
+        cluster = self.cluster
+        if link_latency_s is not None:
+            cluster = replace(cluster, link_latency_s=float(link_latency_s))
+        raw = _core.step_from_assignment(
+            cluster.to_dict(),
+            encoder_spec.to_dict(),
+            llm_spec.to_dict(),
+            inputs.samples,
+            _options(self.config, "data_aware", len(shapes), 1),
+            self.layout,
+            0,
+            np.ascontiguousarray(np.asarray(assignment, dtype=np.int64)),
+        )
+        return StepAudit.from_core(raw, _sample_record(inputs.samples, 0, len(shapes)))
+
+
+def _sample_record(samples: dict[str, Any], batch: int, size: int) -> dict[str, np.ndarray]:
+    """The per-sample inputs of one sampled batch worth keeping in an audit."""
+    part = slice(batch * size, (batch + 1) * size)
+    return {k: np.asarray(samples[k][part]) for k in ("encoder_units", "encoder_s", "llm_s")}
