@@ -299,9 +299,9 @@ def _global_batch() -> DatasetBatch:
     return DatasetBatch([recs[k] for k in BATCH_IDS], CONFIG, SCALER)
 
 
-def _rank_step(rank: int, world_size: int):
-    batch = _global_batch()  # every rank builds it from the same records
+def _step_plan(batch: DatasetBatch, encoder_dp: int) -> tuple[RuntimeLayout, StepPlan]:
     layout = RuntimeLayout.simple(
+        encoder_dp=encoder_dp,
         encoder_layers=CONFIG.vision.layers,
         llm_layers=CONFIG.decoder.layers,
         num_microbatches=2,
@@ -311,6 +311,12 @@ def _rank_step(rank: int, world_size: int):
     costs = np.stack([shapes.encoder_tokens, shapes.seq_len], axis=1).astype(float)
     schedule = schedule_from_assignment(costs, ASSIGNMENT, 2, 1, microbatch_dims=[0])
     plan = StepPlan.build(schedule, shapes, layout, batch.target_tokens(), tokens_per_unit=TPU)
+    return layout, plan
+
+
+def _rank_step(rank: int, world_size: int, encoder_dp: int):
+    batch = _global_batch()  # every rank builds it from the same records
+    layout, plan = _step_plan(batch, encoder_dp)
     topology = Topology.create(layout, rank)
     stage = build_stage(CONFIG, topology.info, seed=MODEL_SEED)
     result = PipelineEngine(topology, stage).run_step(plan, batch)
@@ -321,20 +327,29 @@ def _rank_step(rank: int, world_size: int):
     return result.loss_sum, result.num_target_tokens, batch.stats, grads
 
 
-def test_pipelined_step_on_real_records_matches_single_process():
-    results = spawn_local(_rank_step, 2, timeout_s=60.0, num_threads=1)
+@pytest.mark.parametrize("encoder_dp", [1, 2])
+def test_pipelined_step_on_real_records_matches_single_process(encoder_dp):
+    if encoder_dp > 1:  # the real tiles and frames of single samples are shared
+        _, plan = _step_plan(_global_batch(), encoder_dp)
+        assert any(
+            np.unique(mb.split.sample_ids).size < mb.split.num_pieces for mb in plan.microbatches
+        )
+    results = spawn_local(
+        _rank_step, 1 + encoder_dp, args=(encoder_dp,), timeout_s=60.0, num_threads=1
+    )
     torch.set_num_threads(1)
     model = build_model("tiny", seed=MODEL_SEED)
     batch = _global_batch()
     sum_loss, num_targets = model(**batch.model_inputs(np.arange(len(BATCH_IDS))))
     (sum_loss / num_targets).backward()
     ref = {name: p.grad.numpy() for name, p in model.named_parameters()}
-    encoder, llm = results
+    *encoders, llm = results
     for loss_sum, targets, _, _ in results:
         assert targets == int(num_targets) == int(batch.target_tokens().sum())
         assert loss_sum == pytest.approx(sum_loss.item(), rel=1e-5)
-    # The encoder rank decoded but never tokenised; the LLM rank the opposite.
-    assert encoder[2]["samples_tokenised"] == 0 and encoder[2]["images_decoded"] > 0
+    # Encoder ranks decoded but never tokenised; the LLM rank the opposite.
+    for encoder in encoders:
+        assert encoder[2]["samples_tokenised"] == 0 and encoder[2]["images_decoded"] > 0
     assert llm[2]["images_decoded"] == 0 and llm[2]["samples_tokenised"] == len(BATCH_IDS)
     seen = set()
     for *_, grads in results:

@@ -167,6 +167,35 @@ def test_encoder_dp2_llm_pp2_matches_single_process():
     _check_against_reference(results)
 
 
+# Case (c): encoder dp=3 (4 ranks), 5 microbatches: mb 0 holds samples of 2 and 3 units (5
+# units over 3 replicas: the 3-unit sample is cut), mb 1 two 1-unit samples (fewer units
+# than replicas), mb 2 and mb 4 are text-only, mb 3 is sample 7 alone (2 units shared by
+# two replicas, the third idle).
+LAYOUT_C = dict(encoder_dp=3, num_microbatches=5)
+ASSIGN_C = [0, 1, 2, 2, 0, 1, 4, 3]
+
+
+def test_encoder_dp3_shares_single_samples_units_and_matches_single_process():
+    layout, plan, _ = _step_inputs(LAYOUT_C, ASSIGN_C)
+    mb0, mb1, mb2, mb3, mb4 = plan.microbatches
+    assert sorted(s.units for s in mb0.encoder) == [1, 2, 2]
+    assert mb0.split.num_pieces == 3  # two samples, the larger cut in two
+    assert sorted(s.units for s in mb1.encoder) == [0, 1, 1]
+    assert mb2.is_text_only and mb4.is_text_only
+    assert all(s.is_empty for s in mb2.encoder + mb4.encoder)
+    assert sorted(s.units for s in mb3.encoder) == [0, 1, 1]
+    pieces = sorted((int(s.sample_ids[0]), int(s.first_unit[0])) for s in mb3.encoder if s.units)
+    assert pieces == [(7, 0), (7, 1)]
+    results = spawn_local(
+        _rank_step,
+        layout.world_size,
+        args=(LAYOUT_C, ASSIGN_C, False, False),
+        timeout_s=SPAWN_TIMEOUT_S,
+        num_threads=1,
+    )
+    _check_against_reference(results)
+
+
 def test_llm_dp2_matches_single_process():
     """3 ranks: the encoder (rank 0); LLM replicas 0, 1 (ranks 1, 2); a text-only microbatch."""
     results = spawn_local(

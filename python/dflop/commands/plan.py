@@ -46,9 +46,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     s = subparsers.add_parser(
         "simulate",
-        help="simulate one sampled step of a plan and write its timeline",
-        description="Rebuild the plan's sampled batches, simulate one of them under the "
-        "chosen layout and write the timeline as Chrome-trace JSON and/or a PNG Gantt chart.",
+        help="re-simulate one sampled step of a plan and write its timeline",
+        description="Re-simulate one of the plan's sampled batches under the chosen layout "
+        "from the step the plan recorded (schedule, encoder split, every replica's stage "
+        "times: what the planner scored), print the planned and re-simulated step time and "
+        "write the timeline as Chrome-trace JSON and/or a PNG Gantt chart. Layouts without "
+        "a record (the baseline, the runners-up) are rebuilt from the plan's inputs.",
     )
     s.add_argument("plan", help="plan JSON written by 'dflop plan'")
     s.add_argument("--layout", type=int, default=0, help="index of the layout (0 = best)")
@@ -155,7 +158,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from dflop.planner import Plan, PlannerConfig, prepare_inputs, simulate_layout
+    from dflop.planner import Plan
 
     plan = Plan.load(args.plan)
     if args.baseline:
@@ -166,30 +169,16 @@ def run_simulate(args: argparse.Namespace) -> int:
         if not 0 <= args.layout < len(plan.layouts):
             raise ValueError(f"--layout {args.layout} is out of range [0, {len(plan.layouts)})")
         layout = plan.layouts[args.layout]
-    info = plan.inputs
-    encoder, llm = _configs(info.get("encoder", "siglip-400m"), info.get("llm", "llm-7b"))
-    model = _performance_model(
-        info.get("perf", "analytic"),
-        encoder,
-        llm,
-        info.get("gpu_flops", 312e12),
-        info.get("mfu", 0.4),
-    )
-    num_batches = int(info.get("num_batches", 1))
+    num_batches = len(layout.prediction.step_times_s)
     if not 0 <= args.batch < num_batches:
         raise ValueError(f"--batch {args.batch} is out of range [0, {num_batches})")
-    inputs = prepare_inputs(
-        model,
-        encoder,
-        llm,
-        global_batch=plan.global_batch,
-        shapes=_shapes(info.get("shapes", "synthetic")),
-        num_batches=num_batches,
-        seed=int(info.get("seed", 0)),
-    )
-    result = simulate_layout(
-        plan.cluster, inputs, layout, PlannerConfig(seed=int(info.get("seed", 0))), batch=args.batch
-    )
+    planned = layout.prediction.step_times_s[args.batch]
+    if layout.steps:
+        result = layout.steps[args.batch].simulate()
+        source = "recorded"
+    else:
+        result = _rebuilt(plan, layout, args.batch)
+        source = "rebuilt"
     if args.trace:
         result.write_chrome_trace(args.trace)
     if args.png:
@@ -197,6 +186,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     summary = {
         "layout": layout.describe(),
         "batch": args.batch,
+        "source": source,
+        "planned_step_time_s": planned,
         "step_time_s": result.step_time_s,
         "idle_fraction_of_pipeline_stages": result.idle_fraction,
         "num_events": int(result.events.shape[0]),
@@ -206,8 +197,38 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
-        print(f"{layout.describe()}: batch {args.batch} step {result.step_time_s:.3f} s")
+        print(
+            f"{layout.describe()}: batch {args.batch} re-simulated from the {source} step: "
+            f"{result.step_time_s:.3f} s (planned {planned:.3f} s)"
+        )
         for path in (args.trace, args.png):
             if path:
                 print(f"wrote {path}")
     return 0
+
+
+def _rebuilt(plan: Any, layout: Any, batch: int) -> Any:
+    """A layout without a recorded step: rebuild the sampled batch from the plan's inputs
+    and simulate it."""
+    from dflop.planner import PlannerConfig, prepare_inputs, simulate_layout
+
+    info = plan.inputs
+    encoder, llm = _configs(info.get("encoder", "siglip-400m"), info.get("llm", "llm-7b"))
+    model = _performance_model(
+        info.get("perf", "analytic"),
+        encoder,
+        llm,
+        info.get("gpu_flops", 312e12),
+        info.get("mfu", 0.4),
+    )
+    inputs = prepare_inputs(
+        model,
+        encoder,
+        llm,
+        global_batch=plan.global_batch,
+        shapes=_shapes(info.get("shapes", "synthetic")),
+        num_batches=int(info.get("num_batches", 1)),
+        seed=int(info.get("seed", 0)),
+    )
+    config = PlannerConfig(seed=int(info.get("seed", 0)))
+    return simulate_layout(plan.cluster, inputs, layout, config, batch=batch)

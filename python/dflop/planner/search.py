@@ -431,27 +431,36 @@ def _config_dict(config: Any) -> dict[str, Any]:
 
 
 def _layout_args(
-    cluster: ClusterSpec, inputs: PlannerInputs, layout: LayoutPlan, config: PlannerConfig
+    cluster: ClusterSpec,
+    inputs: PlannerInputs,
+    layout: LayoutPlan | dict[str, Any],
+    config: PlannerConfig,
 ) -> tuple[str, tuple[Any, ...]]:
     """The scheduling strategy of ``layout`` and the core's arguments to evaluate it."""
-    strategy = "data_blind" if layout.schedule == "data_blind" else "data_aware"
+    if isinstance(layout, LayoutPlan):
+        core, blind = layout.core_dict(), layout.schedule == "data_blind"
+    else:
+        core, blind = dict(layout), False
+    strategy = "data_blind" if blind else "data_aware"
     return strategy, (
         cluster.to_dict(),
         inputs.encoder.to_dict(),
         inputs.llm.to_dict(),
         inputs.samples,
         _options(config, strategy, inputs.global_batch, 1),
-        layout.core_dict(),
+        core,
     )
 
 
 def evaluate_layout(
     cluster: ClusterSpec,
     inputs: PlannerInputs,
-    layout: LayoutPlan,
+    layout: LayoutPlan | dict[str, Any],
     config: PlannerConfig = _DEFAULT_CONFIG,
 ) -> LayoutPlan:
     """Score a given layout on ``inputs`` (a colocated one with the data-blind schedule).
+    ``layout``: a :class:`LayoutPlan` or its ``core_dict()`` form (e.g. a runtime layout
+    through :func:`dflop.train.planning.core_layout`; scored with the balanced schedule).
 
     Raises:
         dflop.InfeasibleError: (a ValueError) the layout does not fit in memory.
