@@ -118,6 +118,9 @@ def test_profile_result_roundtrip(tmp_path) -> None:
     model = fit_performance_model(loaded, holdout_fraction=0.0)
     assert model.encoder.per_unit_s == 0.0 and model.llm_memory.per_item_bytes == 0.0
     assert isinstance(model, PerformanceModel)
+    # Memory that was not measured is said to be so, not printed as 0 MiB.
+    assert "memory:  encoder not measured; llm not measured" in model.summary()
+    assert model.metadata["memory_measured"] == {"encoder": False, "llm": False}
 
 
 def test_reference_tiny_model_profiles() -> None:

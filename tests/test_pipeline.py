@@ -307,6 +307,25 @@ def test_synthetic_batch_is_deterministic_per_sample():
     assert torch.equal(text.token_ids[3 * TPU + 8 :], single.token_ids)
 
 
+def test_fitted_shape_scaler_keeps_relative_sizes():
+    from dflop.data import synthetic_shapes
+
+    raw = synthetic_shapes(2048, seed=3)
+    scaler = ShapeScaler.fitted(CONFIG, raw, max_units_per_sample=8, max_text_tokens=128)
+    scaled = scaler.scale(raw)
+    # Only the tail above the 99th percentile reaches the caps; the rest keeps its order.
+    assert (scaled.encoder_units == 8).mean() <= 0.05 and scaled.encoder_units.max() == 8
+    assert (scaled.text_tokens == 128).mean() <= 0.05
+    visual = raw.encoder_units > 0
+    order = np.argsort(raw.encoder_units[visual], kind="stable")
+    assert np.all(np.diff(scaled.encoder_units[visual][order]) >= 0)
+    assert ((scaled.encoder_units > 0) == visual).all()
+    fixed = ShapeScaler.fitted(CONFIG, raw, unit_divisor=1)
+    assert fixed.unit_divisor == 1 and fixed.text_divisor > 1
+    with pytest.raises(ValueError, match="quantile"):
+        ShapeScaler.fitted(CONFIG, raw, quantile=0.0)
+
+
 def test_shape_scaler_conforms_shapes_to_the_model():
     from dflop.data import synthetic_shapes
 

@@ -52,7 +52,8 @@ def perf_json(tmp_path_factory) -> str:
 
 def _train(tmp_path: Path, perf: str, *extra: str, env: dict | None = None):
     metrics = tmp_path / f"metrics-{len(list(tmp_path.iterdir()))}.json"
-    args = ["train", "--perf", perf, "--global-batch", "8", "--json", str(metrics), *extra]
+    perf_args = ["--perf", perf] if perf else []
+    args = ["train", *perf_args, "--global-batch", "8", "--json", str(metrics), *extra]
     result = run_cli(*args, env=env)
     report = json.loads(metrics.read_text()) if metrics.exists() else None
     return result, report
@@ -90,6 +91,61 @@ def test_train_on_a_real_format_dataset(tmp_path, perf_json) -> None:
     assert result.returncode == 0, result.stderr
     assert len(report["steps"]) == 2
     assert all(np.isfinite(s["loss"]) for s in report["steps"])
+
+
+def test_a_dataset_json_with_image_folders_is_used_whole_and_skips_are_reported(
+    tmp_path, perf_json
+) -> None:
+    """llava_mini.json keeps its files in images/ and videos/: without the folders almost
+    every sample is skipped (said, with the fix); with them, the encoder gets work."""
+    data = Path(__file__).parent / "data" / "llava_mini"
+    common = ["--nproc", "2", "--steps", "2", "--layout", "enc_dp=1,m=2", "--quiet"]
+    result, _ = _train(tmp_path, perf_json, *common, "--data", str(data / "llava_mini.json"))
+    assert result.returncode == 0, result.stderr
+    assert "read 28, usable 2 (0 with images or video), skipped 26" in result.stdout
+    assert "missing_image: 19" in result.stdout and "--image-folder" in result.stdout
+    assert "warning: most of the dataset is unusable" in result.stdout
+    result, report = _train(
+        tmp_path,
+        perf_json,
+        *common,
+        "--data", str(data / "llava_mini.json"),
+        "--image-folder", str(data / "images"),
+        "--video-folder", str(data / "videos"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "usable 19 (17 with images or video)" in result.stdout
+    assert "warning" not in result.stdout
+    assert report["summary"]["dflop"]["busy_share"][0] > 0.05  # the encoder computes
+
+
+def test_local_plan_forced_layout_calibrated_then_trained(tmp_path, perf_json) -> None:
+    """dflop plan --local scores a forced layout (encoder dp 2) after a calibration run;
+    dflop train --plan uses its layout, cost model and cluster, and compares."""
+    plan_path = tmp_path / "plan.json"
+    result = run_cli(
+        "plan", "--local", "3", "--layout", "enc_dp=2,m=4", "--global-batch", "8",
+        "--perf", perf_json, "--calibrate-steps", "3", "-o", str(plan_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "calibrating: 3 steps" in result.stderr and "calibrated: per-transfer latency" in (
+        result.stderr
+    )
+    from dflop.planner import Plan
+
+    plan = Plan.load(plan_path)
+    best = plan.best
+    assert (best.encoder.dp, best.llm.dp, best.num_microbatches) == (2, 1, 4)
+    assert plan.inputs["local"] and plan.inputs["performance_model"]
+    assert plan.cluster.link_latency_s != 1e-4  # calibrated
+    assert len(best.steps) == 4 and any(s.pieces["replica"].max() == 1 for s in best.steps)
+    result, report = _train(tmp_path, "", "--plan", str(plan_path), "--steps", "3", "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert "profiling" not in result.stdout  # the plan's performance model is reused
+    assert f"the plan predicted {best.prediction.step_time_s:.3f} s per step" in result.stdout
+    # A plan for another model preset is refused.
+    bad = run_cli("train", "--plan", str(plan_path), "--preset", "small", "--steps", "1")
+    assert bad.returncode == 2 and "--preset tiny" in bad.stderr
 
 
 # The second layout shards both modules over 2 tensor-parallel ranks (DTensor parameters

@@ -37,8 +37,10 @@ py::dict simulate_pipeline_py(const DoubleArray& forward_s, const DoubleArray& b
                               const std::string& schedule, const DoubleArray& link_latency_s,
                               const DoubleArray& link_bandwidth_bytes_per_s,
                               const std::optional<DoubleArray>& activation_bytes,
-                              const std::optional<DoubleArray>& allreduce_s) {
+                              const std::optional<DoubleArray>& allreduce_s,
+                              bool record_events) {
   PipelineSimInput in;
+  in.record_events = record_events;
   in.schedule = parse_schedule_kind(schedule);
   in.forward_s = checked_3d(forward_s, "forward_s");
   in.backward_s = checked_3d(backward_s, "backward_s");
@@ -111,7 +113,7 @@ std::vector<std::pair<bool, int64_t>> pipeline_actions_py(const std::string& sch
 void register_simulator(py::module_& m) {
   m.def("simulate_pipeline", &simulate_pipeline_py, py::arg("forward_s"), py::arg("backward_s"),
         py::arg("schedule"), py::arg("link_latency_s"), py::arg("link_bandwidth_bytes_per_s"),
-        py::arg("activation_bytes"), py::arg("allreduce_s"),
+        py::arg("activation_bytes"), py::arg("allreduce_s"), py::arg("record_events") = true,
         "Simulate one training step of (R, S, m) pipelines. Returns a dict of numpy arrays "
         "and scalars; event kinds are 0 fwd, 1 bwd, 2 send, 3 allreduce. See "
         "dflop.simulator.simulate_pipeline.");

@@ -36,6 +36,8 @@ def pipeline_schedule(
     seed: int,
     time_budget_ms: float | None,
     time_limit_s: float | None,
+    replicas: Sequence[int] = ...,
+    units: Sequence[int] = ...,
 ) -> dict[str, Any]: ...
 def simulated_step_time(
     costs: np.ndarray,
@@ -47,6 +49,8 @@ def simulated_step_time(
     forward_fraction: Sequence[float],
     microbatch_constant_s: Sequence[float],
     link_latency_s: float,
+    replicas: Sequence[int] = ...,
+    units: Sequence[int] = ...,
 ) -> float: ...
 def pipeline_work_budget_for_ms(time_budget_ms: float) -> int: ...
 
@@ -59,6 +63,7 @@ def simulate_pipeline(
     link_bandwidth_bytes_per_s: np.ndarray,
     activation_bytes: np.ndarray | None,
     allreduce_s: np.ndarray | None,
+    record_events: bool = True,
 ) -> dict[str, Any]: ...
 def pipeline_actions(
     schedule: str, num_stages: int, num_microbatches: int, stage: int
@@ -88,6 +93,16 @@ def build_step(
     options: dict[str, Any],
     layout: dict[str, Any],
     batch: int,
+) -> dict[str, Any]: ...
+def step_from_assignment(
+    cluster: dict[str, Any],
+    encoder: dict[str, Any],
+    llm: dict[str, Any],
+    samples: dict[str, Any],
+    options: dict[str, Any],
+    layout: dict[str, Any],
+    batch: int,
+    assignment: np.ndarray,
 ) -> dict[str, Any]: ...
 def split_layers(
     num_layers: int,

@@ -268,7 +268,15 @@ def run_full_demo(config: FullDemoConfig, out: TextIO = sys.stdout) -> dict:
         progress=False,
         timeout_s=120.0,
     )
-    prepared = Prepared(local.layout, perf.to_dict(), None, local.description)
+    prepared = Prepared(
+        local.layout,
+        perf.to_dict(),
+        None,
+        local.description,
+        predicted_step_time_s=local.predicted_step_time_s,
+        plan=local.plan,
+        cluster=local.plan.cluster.to_dict(),
+    )
     report = run_training(train_config, log=log, prepared=prepared)
     log("")
     rows = print_summary(report, out=out, warmup=min(2, config.steps - 1))

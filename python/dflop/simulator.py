@@ -114,6 +114,7 @@ def simulate_pipeline(
     activation_bytes: Any = None,
     link_bandwidth_bytes_per_s: Any = math.inf,
     allreduce_s: Any = 0.0,
+    record_events: bool = True,
 ) -> SimulationResult:
     """Simulate one training step of pipelines.
 
@@ -132,6 +133,7 @@ def simulate_pipeline(
             ``inf`` means free transfers.
         allreduce_s: gradient all-reduce seconds of each stage after its last backward: a
             scalar or shape (S,). All zeros means no all-reduce (no all-reduce events).
+        record_events: False leaves ``events`` empty (faster when only times matter).
 
     Returns:
         A :class:`SimulationResult`; its per-stage arrays are (R, S) (R = 1 for 2-D input).
@@ -189,6 +191,7 @@ def simulate_pipeline(
         bandwidth,
         sizes,
         None if np.all(allreduce == 0.0) else allreduce,
+        bool(record_events),
     )
     columns = raw["events"]
     events = np.empty(columns["start_s"].shape[0], dtype=EVENT_DTYPE)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
 
@@ -27,12 +28,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--shapes", default="synthetic", help="ShapeDistribution JSON/Parquet or 'synthetic'"
     )
-    p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    p.add_argument("--gpus", type=int, default=None, help="number of GPUs (or --local)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-memory-gb", type=float, default=80.0)
     p.add_argument("--intra-node-gbps", type=float, default=300.0, help="GB/s per GPU (NVLink)")
     p.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s per GPU (network)")
-    p.add_argument("--global-batch", type=int, default=256)
+    p.add_argument("--global-batch", type=int, default=None, help="samples (256; local 16)")
     p.add_argument("--gpu-flops", type=float, default=312e12, help="analytic: peak FLOP/s")
     p.add_argument("--mfu", type=float, default=0.4, help="analytic: achieved fraction")
     p.add_argument("--batches", type=int, default=4, help="sampled batches per candidate")
@@ -42,6 +43,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--reference", action="store_true", help="also run the mean-shape optimizer")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    local = p.add_argument_group(
+        "local processes",
+        "--local N plans dflop's reference model for N local CPU processes, as 'dflop train' "
+        "trains it (same data, shape scaling and performance model: --perf FILE or a quick "
+        "profile); 'dflop train --plan' then runs the plan and compares its prediction.",
+    )
+    local.add_argument("--local", type=int, default=None, metavar="N", help="local processes")
+    local.add_argument("--preset", default="tiny", help="model preset (local)")
+    local.add_argument("--data", default="synthetic", help="synthetic, shapes file or dataset")
+    local.add_argument("--image-folder", default=None, help="root of a dataset's image paths")
+    local.add_argument("--video-folder", default=None, help="root of a dataset's video paths")
+    local.add_argument("--family", default="llava-ov", help="dataset shape rules (local)")
+    local.add_argument("--layout", default=None, help="force a layout: enc_dp=2,llm_pp=1,m=8")
+    local.add_argument("--num-microbatches", type=int, default=None, help="restrict m (local)")
+    local.add_argument("--mix", default=None, help="synthetic mix JSON (local)")
+    local.add_argument("--scaler", default=None, help="ShapeScaler arguments as JSON (local)")
+    local.add_argument(
+        "--calibrate-steps",
+        type=int,
+        default=8,
+        help="run N real steps of the chosen layout on this machine first and re-plan with "
+        "what they measured (default 8; 0: the profile alone)",
+    )
     p.set_defaults(handler=run_plan)
 
     s = subparsers.add_parser(
@@ -114,6 +138,14 @@ def _configs(encoder: Any, llm: Any) -> tuple[Any, Any]:
 def run_plan(args: argparse.Namespace) -> int:
     from dflop.planner import ClusterSpec, PlannerConfig, plan
 
+    if args.local is not None:
+        return _run_local_plan(args)
+    if args.gpus is None:
+        raise ValueError("pass --gpus N (a GPU cluster) or --local N (local CPU processes)")
+    if args.layout is not None:
+        raise ValueError("--layout forces a layout of local processes: use it with --local N")
+    args.global_batch = args.global_batch or 256
+
     encoder, llm = _configs(args.encoder, args.llm)
     model = _performance_model(args.perf, encoder, llm, args.gpu_flops, args.mfu)
     cluster = ClusterSpec(
@@ -154,6 +186,43 @@ def run_plan(args: argparse.Namespace) -> int:
         print(result.table())
         if args.output:
             print(f"plan written to {args.output}")
+    return 0
+
+
+def _run_local_plan(args: argparse.Namespace) -> int:
+    """``dflop plan --local N``: the plan 'dflop train --nproc N' would make (or, with
+    --layout, the given layout scored the same way), saved for 'dflop train --plan'."""
+    from dflop.commands.train import _json_arg
+    from dflop.train import TrainConfig
+    from dflop.train.run import prepare
+
+    config = TrainConfig(
+        model=args.preset,
+        layout=args.layout,
+        nproc=args.local,
+        num_microbatches=args.num_microbatches,
+        data=args.data,
+        image_folder=args.image_folder,
+        video_folder=args.video_folder,
+        family=args.family,
+        mix=_json_arg(args.mix, "--mix"),
+        scaler=_json_arg(args.scaler, "--scaler") or {},
+        global_batch=args.global_batch or 16,
+        seed=args.seed,
+        perf=None if args.perf == "analytic" else args.perf,
+        calibrate_steps=args.calibrate_steps,
+    )
+    prepared = prepare(config, log=lambda text: print(text, file=sys.stderr))
+    result = prepared.plan
+    if args.output:
+        result.save(args.output)
+    if args.json:
+        print(result.to_json())
+    else:
+        print(f"{prepared.description}")
+        print(result.table())
+        if args.output:
+            print(f"plan written to {args.output}; train it with: dflop train --plan {args.output}")
     return 0
 
 

@@ -26,6 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default: plan for --nproc local processes)",
     )
     p.add_argument("--data", default="synthetic", help="synthetic, shapes file or LLaVA dataset")
+    p.add_argument("--image-folder", default=None, help="root of a dataset's image paths")
+    p.add_argument("--video-folder", default=None, help="root of a dataset's video paths")
     p.add_argument("--family", default="llava-ov", help="dataset shape rules")
     p.add_argument("--preset", default="tiny", help="model preset (tiny, small, small+tiny, ...)")
     p.add_argument("--nproc", type=int, default=None, help="local processes (default: layout's)")
@@ -68,6 +70,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--debug", action="store_true", help="shape headers on every message")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
     p.add_argument("--json", default=None, metavar="PATH", help="write metrics JSON here")
+    p.add_argument(
+        "--calibrate-steps",
+        type=int,
+        default=0,
+        help="planning here: first run N steps of the chosen layout and re-plan with what "
+        "they measured (corrected cost model, link latency, forward shares)",
+    )
     p.set_defaults(handler=run)
 
 
@@ -93,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         nproc=args.nproc,
         num_microbatches=args.num_microbatches,
         data=args.data,
+        image_folder=args.image_folder,
+        video_folder=args.video_folder,
         family=args.family,
         mix=_json_arg(args.mix, "--mix"),
         scaler=_json_arg(args.scaler, "--scaler") or {},
@@ -115,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         debug=args.debug,
         device=args.device,
         timeout_s=args.timeout,
+        calibrate_steps=args.calibrate_steps,
     )
     return train_main(config, args.json)
 

@@ -274,6 +274,8 @@ class PlannerConfig:
             (the runtime's split by visual unit), "sample" (whole samples) or "even" (each
             replica a dp-th of the microbatch's load: an idealisation no runtime reaches).
             The last two are ablations: plans for training use "unit".
+        forward_fraction: the forward share of a stage's time, (encoder, LLM): 1/3 by
+            the FLOP count; a calibration run (``dflop plan --local``) measures it.
         colocated_candidates: also score colocated layouts (the encoder inside the first
             LLM stage, Megatron-style) with dflop's balanced schedule. dflop's runtime runs
             the encoder and the LLM on disjoint ranks and cannot execute them, so a plan
@@ -295,6 +297,7 @@ class PlannerConfig:
     num_threads: int | None = None
     encoder_split: str = "unit"
     colocated_candidates: bool = False
+    forward_fraction: tuple[float, float] = (1.0 / 3.0, 1.0 / 3.0)
 
     def __post_init__(self) -> None:
         _check_int("PlannerConfig", "num_batches", self.num_batches, 1)
@@ -307,6 +310,15 @@ class PlannerConfig:
         if self.microbatch_choices is not None:
             for k, m in enumerate(self.microbatch_choices):
                 _check_int("PlannerConfig", f"microbatch_choices[{k}]", m, 1)
+        fractions = tuple(self.forward_fraction)
+        if len(fractions) != 2 or not all(
+            isinstance(f, (int, float)) and 0.0 <= f <= 1.0 for f in fractions
+        ):
+            raise ValueError(
+                "PlannerConfig.forward_fraction must be two numbers in [0, 1] (encoder, LLM), "
+                f"got {self.forward_fraction!r}"
+            )
+        object.__setattr__(self, "forward_fraction", tuple(float(f) for f in fractions))
         if self.encoder_split not in ("unit", "sample", "even"):
             raise ValueError(
                 f"PlannerConfig.encoder_split={self.encoder_split!r} must be 'unit', 'sample' "

@@ -374,9 +374,13 @@ class Plan:
             lines.append(
                 f"speed-up over the data-blind baseline: {self.speedup_over_baseline:.2f}x"
             )
-        lines.append(
-            f"planned in {self.planning_time_s:.2f} s; candidates {self.stats.get('num_candidates')}, "
-            f"simulated {self.stats.get('num_simulated')}, pruned {self.stats.get('num_pruned')}, "
-            f"over memory {self.stats.get('num_memory_rejected')}"
-        )
+        if self.stats:
+            lines.append(
+                f"planned in {self.planning_time_s:.2f} s; candidates "
+                f"{self.stats.get('num_candidates')}, simulated {self.stats.get('num_simulated')}, "
+                f"pruned {self.stats.get('num_pruned')}, over memory "
+                f"{self.stats.get('num_memory_rejected')}"
+            )
+        else:
+            lines.append("a given layout, scored (no search)")
         return "\n".join(lines)

@@ -126,9 +126,11 @@ def prepare_inputs(
     shapes: Any = None,
     num_batches: int = 4,
     seed: int = 0,
+    forward_fraction: tuple[float, float] | None = None,
 ) -> PlannerInputs:
     """Sample ``num_batches`` global batches (batch b with seed ``seed + b``) and compute
-    their per-sample costs with ``performance_model``."""
+    their per-sample costs with ``performance_model``; ``forward_fraction`` (encoder, LLM)
+    overrides the modules' forward share of a stage's time (1/3)."""
     if not isinstance(encoder, EncoderConfig):
         raise TypeError(f"encoder must be an EncoderConfig, got {type(encoder).__name__}")
     if not isinstance(llm, LLMConfig):
@@ -154,7 +156,15 @@ def prepare_inputs(
             f"the distribution returned {len(batch)} samples for {num_batches} batches of "
             f"{global_batch}"
         )
-    return _inputs(performance_model, encoder, llm, batch, int(num_batches), int(global_batch))
+    return _inputs(
+        performance_model,
+        encoder,
+        llm,
+        batch,
+        int(num_batches),
+        int(global_batch),
+        forward_fraction,
+    )
 
 
 def single_batch_inputs(
@@ -162,9 +172,10 @@ def single_batch_inputs(
     encoder: EncoderConfig,
     llm: LLMConfig,
     shapes: SampleShapes,
+    forward_fraction: tuple[float, float] | None = None,
 ) -> PlannerInputs:
     """The planner's inputs for one given global batch (what the trainer runs)."""
-    return _inputs(performance_model, encoder, llm, shapes, 1, len(shapes))
+    return _inputs(performance_model, encoder, llm, shapes, 1, len(shapes), forward_fraction)
 
 
 def _inputs(
@@ -174,12 +185,16 @@ def _inputs(
     batch: SampleShapes,
     num_batches: int,
     global_batch: int,
+    forward_fraction: tuple[float, float] | None = None,
 ) -> PlannerInputs:
     costs = np.asarray(performance_model.costs(batch), dtype=np.float64)
     if costs.shape != (len(batch), 2):
         raise ValueError(f"performance_model.costs returned shape {costs.shape}, expected (N, 2)")
     enc_fraction, llm_fraction = _last_stage_fractions(batch, encoder, llm)
     enc_spec, llm_spec = module_specs(encoder, llm, performance_model.microbatch_constant_s)
+    if forward_fraction is not None:
+        enc_spec = replace(enc_spec, forward_fraction=float(forward_fraction[0]))
+        llm_spec = replace(llm_spec, forward_fraction=float(forward_fraction[1]))
     samples = {
         "num_batches": int(num_batches),
         "batch_size": int(global_batch),
@@ -395,6 +410,7 @@ def plan(
         shapes=shapes,
         num_batches=config.num_batches,
         seed=config.seed,
+        forward_fraction=config.forward_fraction,
     )
     layouts, raw = search_layouts(cluster, inputs, config)
     if not layouts:

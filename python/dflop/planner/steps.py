@@ -94,19 +94,24 @@ class StepAudit:
             combined(self.encoder_backward_s, self.llm_backward_s),
         )
 
-    def simulate(self, *, record_events: bool = True) -> Any:
+    def simulate(self, *, link_latency_s: float | None = None, record_events: bool = True) -> Any:
         """Re-simulate the step from the recorded times: a
         :class:`dflop.simulator.SimulationResult` (its ``step_time_s`` equals
-        :attr:`step_time_s`)."""
+        :attr:`step_time_s`). ``link_latency_s``: every link's latency instead of the
+        recorded ones; ``record_events=False`` skips the event list (faster)."""
         from dflop.simulator import simulate_pipeline
 
         forward, backward = self.simulator_input()
         links = forward.shape[1] - 1
+        latency = self.link_latency_s.reshape(links)
+        if link_latency_s is not None:
+            latency = np.full(links, float(link_latency_s))
         return simulate_pipeline(
             forward,
             backward,
             schedule="1f1b",
-            link_latency_s=self.link_latency_s.reshape(links),
+            link_latency_s=latency,
+            record_events=record_events,
             activation_bytes=self.activation_bytes if links else None,
             link_bandwidth_bytes_per_s=self.link_bandwidth_bytes_per_s.reshape(links),
             allreduce_s=self.allreduce_s,
@@ -223,18 +228,15 @@ class StepPredictor:
         order), priced by ``cost_model`` (``.costs(shapes)`` and ``.microbatch_constant_s``)."""
         from dflop.planner.search import _options, single_batch_inputs
 
-        inputs = single_batch_inputs(cost_model, self.encoder, self.llm, shapes)
-        encoder_spec, llm_spec = inputs.encoder, inputs.llm
-        if forward_fraction is not None:
-            encoder_spec = replace(encoder_spec, forward_fraction=float(forward_fraction[0]))
-            llm_spec = replace(llm_spec, forward_fraction=float(forward_fraction[1]))
+        fractions = self.config.forward_fraction if forward_fraction is None else forward_fraction
+        inputs = single_batch_inputs(cost_model, self.encoder, self.llm, shapes, fractions)
         cluster = self.cluster
         if link_latency_s is not None:
             cluster = replace(cluster, link_latency_s=float(link_latency_s))
         raw = _core.step_from_assignment(
             cluster.to_dict(),
-            encoder_spec.to_dict(),
-            llm_spec.to_dict(),
+            inputs.encoder.to_dict(),
+            inputs.llm.to_dict(),
             inputs.samples,
             _options(self.config, "data_aware", len(shapes), 1),
             self.layout,

@@ -812,6 +812,12 @@ def fit_performance_model(
             llm_memory = fit_memory(tokens, peaks)
 
     metadata = dict(result.metadata)
+    metadata["memory_measured"] = {
+        "encoder": bool(result.encoder)
+        and bool(np.all(np.isfinite([m.peak_bytes for m in result.encoder]))),
+        "llm": bool(result.decoder)
+        and bool(np.all(np.isfinite([m.peak_bytes for m in result.decoder]))),
+    }
     metadata["fit"] = {
         "holdout_fraction": holdout_fraction,
         "seed": seed,

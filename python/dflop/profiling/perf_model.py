@@ -546,11 +546,27 @@ class PerformanceModel:
                 f"{pct(self.llm_fit.holdout_median_abs_rel_error)}, "
                 f"n_fit={self.llm_fit.num_fit_points}, "
                 f"n_holdout={self.llm_fit.num_holdout_points})",
-                f"  memory:  encoder {self.encoder_memory.per_item_bytes / 2**20:.4g} MiB/unit + "
-                f"{self.encoder_memory.constant_bytes / 2**20:.4g} MiB; llm "
-                f"{self.llm_memory.per_item_bytes / 2**10:.4g} KiB/token + "
-                f"{self.llm_memory.constant_bytes / 2**20:.4g} MiB",
+                f"  memory:  encoder {self._memory_text('encoder')}; llm "
+                f"{self._memory_text('llm')}",
             ]
+        )
+
+    def _memory_text(self, module: str) -> str:
+        """A module's memory coefficients, or "not measured" (e.g. a quick CPU profile)."""
+        measured = self.metadata.get("memory_measured", {})
+        coefficients = self.encoder_memory if module == "encoder" else self.llm_memory
+        if not measured.get(module, True) or (
+            coefficients.per_item_bytes == 0 and coefficients.constant_bytes == 0
+        ):
+            return "not measured"
+        if module == "encoder":
+            return (
+                f"{coefficients.per_item_bytes / 2**20:.4g} MiB/unit + "
+                f"{coefficients.constant_bytes / 2**20:.4g} MiB"
+            )
+        return (
+            f"{coefficients.per_item_bytes / 2**10:.4g} KiB/token + "
+            f"{coefficients.constant_bytes / 2**20:.4g} MiB"
         )
 
 

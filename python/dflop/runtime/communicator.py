@@ -237,7 +237,7 @@ class BridgeCommunicator:
                 index = plan.recv_arrival_index(dst)
                 if _is_identity(index):
                     return arrived
-                return arrived.index_select(0, torch.from_numpy(index).to(arrived.device))
+                return arrived.index_select(0, torch.tensor(index, device=arrived.device))
             return _as_dict(arrived, arrival_ids, plan, order=plan.recv_order[dst])
 
         return self._recv(microbatch_id, FEATURES, counts, peers, finish, wait)
@@ -258,7 +258,7 @@ class BridgeCommunicator:
             index = plan.recv_arrival_index(dst)
             if not _is_identity(index):
                 inverse = np.argsort(index, kind="stable")
-                grads = grads.index_select(0, torch.from_numpy(inverse).to(grads.device))
+                grads = grads.index_select(0, torch.tensor(inverse, device=grads.device))
             buffers = _slices(grads.detach(), counts)
         else:
             arrival_order = np.concatenate(

@@ -6,7 +6,7 @@ simulator models), where S = encoder stages + LLM stages. Per action:
 
 - forward of microbatch j: receive the stage input (pixels from the batch source on the
   first encoder stage, read for the whole step before its clock starts, as a data
-  loader's prefetch would; hidden states from the previous stage of the same replica; on the
+  loader's prefetch would, after which all ranks start the clock together; hidden states from the previous stage of the same replica; on the
   first LLM stage, token embeddings merged with the visual features that the bridge
   brings from the encoder replicas), run the stage, send the output on (or, on the last
   LLM stage, compute ``sum_loss / global target tokens``);
@@ -292,6 +292,8 @@ class PipelineEngine:
         debug: send a shape header before every stage-to-stage tensor (and ask the bridge
             to do the same) to report plan mismatches clearly.
         device: where activations live; default: the stage's parameters' device.
+        synchronized_start: a barrier of all ranks before the step's clock starts, so that
+            step times measure the pipeline, not how late a rank arrived.
     """
 
     def __init__(
@@ -302,6 +304,7 @@ class PipelineEngine:
         schedule: str = "1f1b",
         debug: bool = False,
         device: torch.device | str | None = None,
+        synchronized_start: bool = True,
     ) -> None:
         info = topology.info
         layout = topology.layout
@@ -317,6 +320,7 @@ class PipelineEngine:
         self.stage = stage
         self.schedule = schedule
         self.debug = debug
+        self.synchronized_start = synchronized_start
         param = next(stage.parameters())
         self.device = torch.device(device) if device is not None else param.device
         self.dtype = param.dtype
@@ -347,6 +351,11 @@ class PipelineEngine:
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         encoder_shares, llm_shares = self._input_shares(plan)
         batch = _Prefetched(batch, encoder_shares, llm_shares, device=self.device)
+        if self.synchronized_start:
+            # Every rank starts the step's clock together: work a rank does before the
+            # step (reading inputs, rank 0's scheduling and bookkeeping) is not charged to
+            # the step of the ranks that would otherwise wait for it inside their clock.
+            dist.barrier()
         clock = self.clock = _Clock(self.device)
         stamps: list[tuple[str, int, Any, Any, Any]] = []
         in_flight: dict[int, _InFlight] = {}

@@ -87,6 +87,41 @@ class ShapeScaler:
         """A scaler for ``config`` (its tokens per unit); ``caps`` override the defaults."""
         return cls(config.vision.tokens_per_unit, **caps)
 
+    @classmethod
+    def fitted(
+        cls,
+        config: ModelConfig,
+        shapes: SampleShapes,
+        *,
+        max_units_per_sample: int | None = 8,
+        max_text_tokens: int | None = 256,
+        quantile: float = 0.99,
+        **fixed: int | None,
+    ) -> ShapeScaler:
+        """A scaler that keeps the data's relative sizes: divisors chosen so that the
+        ``quantile`` of ``shapes``' units and text tokens maps onto the caps (only the
+        tail above it is clipped), instead of fixed divisors whose caps would flatten
+        most real samples to the same size. ``fixed`` sets any field explicitly (e.g.
+        ``unit_divisor=1``)."""
+        if not 0.0 < quantile <= 1.0:
+            raise ValueError(f"quantile must be in (0, 1], got {quantile}")
+
+        def divisor(values: np.ndarray, cap: int | None) -> int:
+            if cap is None or values.size == 0:
+                return 1
+            return max(1, math.ceil(float(np.quantile(values, quantile)) / cap))
+
+        units = shapes.encoder_units[shapes.encoder_units > 0].astype(np.float64)
+        text = shapes.text_tokens.astype(np.float64)
+        fields = {
+            "max_units_per_sample": max_units_per_sample,
+            "max_text_tokens": max_text_tokens,
+            "unit_divisor": divisor(units, max_units_per_sample),
+            "text_divisor": divisor(text, max_text_tokens),
+        }
+        fields.update(fixed)
+        return cls(config.vision.tokens_per_unit, **fields)
+
     def scale(self, shapes: SampleShapes) -> SampleShapes:
         units = -(-shapes.encoder_units.astype(np.int64) // self.unit_divisor)  # ceil
         if self.max_units_per_sample is not None:

@@ -40,6 +40,9 @@ class TrainConfig:
             dataset (``.json``/``.jsonl``/``.yaml``; its images, frames and text are loaded,
             each rank only its own samples: ``DatasetBatch``). For the embedded mix and
             shape files the tensors are synthesised from the shapes (``SyntheticBatch``).
+        image_folder: a dataset's image paths are relative to it (default: the dataset
+            file's folder), as LLaVA's ``--image_folder``.
+        video_folder: a dataset's video paths are relative to it (default: image_folder).
         family: shape rules of a dataset (``llava-ov`` or ``internvl``).
         mix: synthetic mix override (``MixSpec`` fractions), e.g. ``{"text": 0.4, ...}``.
         scaler: ``ShapeScaler`` arguments mapping real shapes onto the small model.
@@ -83,6 +86,10 @@ class TrainConfig:
         timeout_s: limit of every collective: a rank waiting longer on a peer fails.
         run_timeout_s: limit of a whole local run (None: none beyond the collectives').
         threads: torch threads per process (None: cores // processes).
+        calibrate_steps: local processes planned here (no plan file): first run this many
+            steps of the chosen layout, then re-plan with the performance model corrected
+            from the measured action times, the fitted per-transfer latency and the measured
+            forward shares (0: plan with the profile alone).
     """
 
     model: str = "tiny"
@@ -91,6 +98,8 @@ class TrainConfig:
     nproc: int | None = None
     num_microbatches: int | None = None
     data: str = "synthetic"
+    image_folder: str | None = None
+    video_folder: str | None = None
     family: str = "llava-ov"
     mix: dict[str, float] | None = None
     scaler: dict[str, Any] = field(default_factory=dict)
@@ -119,6 +128,7 @@ class TrainConfig:
     timeout_s: float = 300.0
     run_timeout_s: float | None = None
     threads: int | None = None
+    calibrate_steps: int = 0
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -141,6 +151,7 @@ class TrainConfig:
         integer("nproc", 2, optional=True)
         integer("num_microbatches", 1, optional=True)
         integer("threads", 1, optional=True)
+        integer("calibrate_steps", 0)
         for name, positive in (("lr", True), ("weight_decay", False), ("timeout_s", True)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):

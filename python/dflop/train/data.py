@@ -21,29 +21,64 @@ from dflop.data.shapes import SampleShapes
 from dflop.models.config import ModelConfig
 from dflop.runtime.synthetic_batch import ShapeScaler
 
-__all__ = ["ScaledShapes", "StepShapes", "load_distribution"]
+__all__ = ["ScaledShapes", "StepShapes", "describe_records", "load_distribution"]
 
 _DATASET_SUFFIXES = (".jsonl", ".yaml", ".yml")
 
 
-def load_distribution(data: str, family: str = "llava-ov", progress: bool = False) -> Any:
+def load_distribution(
+    data: str,
+    family: str = "llava-ov",
+    progress: bool = False,
+    *,
+    image_folder: str | None = None,
+    video_folder: str | None = None,
+) -> Any:
     """The sample source of ``data``: None for ``"synthetic"``, a ShapeDistribution for a
     saved one, or a :class:`~dflop.runtime.dataset_batch.RecordSet` (records + their
-    profile) for a LLaVA-style dataset."""
+    profile) for a LLaVA-style dataset (image / video paths relative to the folders)."""
     if data == "synthetic":
         return None
     from dflop.data import ShapeDistribution
     from dflop.runtime.dataset_batch import read_records
 
+    def records() -> Any:
+        return read_records(
+            data, family=family, image_folder=image_folder, video_folder=video_folder
+        )
+
     if data.endswith(_DATASET_SUFFIXES):
-        return read_records(data, family=family)
+        return records()
     if data.endswith(".parquet"):
         return ShapeDistribution.load(data)
     # A .json is either a saved ShapeDistribution or a LLaVA-style dataset (a list).
     try:
         return ShapeDistribution.load(data)
     except (ValueError, KeyError, TypeError):
-        return read_records(data, family=family)
+        return records()
+
+
+def describe_records(records: Any) -> tuple[str, bool]:
+    """A one-paragraph account of what a dataset gave (read, usable, skipped by reason
+    with an example) and whether too little of it is usable to train on as meant (more
+    than half skipped, or no visual sample left)."""
+    dist = records.distribution
+    usable = len(dist.samples)
+    skipped = sum(dist.skipped.values())
+    visual = int((dist.samples.encoder_units > 0).sum()) if usable else 0
+    lines = [
+        f"dataset {dist.source}: read {dist.num_read}, usable {usable} "
+        f"({visual} with images or video), skipped {skipped}"
+    ]
+    for reason, count in sorted(dist.skipped.items(), key=lambda kv: -kv[1]):
+        example = next((e for e in dist.skipped_examples if e["reason"] == reason), None)
+        lines.append(f"  {reason}: {count}" + (f" (e.g. {example['message']})" if example else ""))
+    if any(r in dist.skipped for r in ("missing_image", "missing_video")):
+        lines.append(
+            "  image and video paths are relative to --image-folder / --video-folder "
+            "(default: the dataset file's folder)"
+        )
+    return "\n".join(lines), skipped > usable or (usable > 0 and visual == 0)
 
 
 class StepShapes:
@@ -70,7 +105,21 @@ class StepShapes:
         self.distribution = distribution
         self.family = family
         self.mix = mix
-        self.scaler = ShapeScaler.for_model(model, **(scaler or {}))
+        settings = dict(scaler or {})
+        if {"unit_divisor", "text_divisor"} <= settings.keys():
+            self.scaler = ShapeScaler.for_model(model, **settings)
+        else:  # fit what is not given to the data, keeping its relative sizes
+            self.scaler = ShapeScaler.fitted(model, self._reference(), **settings)
+
+    def _reference(self) -> SampleShapes:
+        """The data the scaler is fitted to: the dataset's samples, or 4,096 draws."""
+        if self.records is not None:
+            return self.records.distribution.samples
+        if self.distribution is None:
+            from dflop.data.synthetic import synthetic_shapes
+
+            return synthetic_shapes(4096, seed=self.seed, family=self.family, mix=self.mix)
+        return self.distribution.sample(4096, seed=self.seed)
 
     def raw(self, step: int) -> SampleShapes:
         """The unscaled shapes of ``step``'s batch."""

@@ -18,9 +18,11 @@ from dflop.models.config import ModelConfig
 from dflop.runtime.topology import ModuleLayout, RuntimeLayout, uniform_layer_ranges
 
 __all__ = [
+    "Calibration",
     "LocalPlan",
     "core_layout",
     "cost_configs",
+    "evaluate_local",
     "layout_from_plan",
     "local_cluster",
     "parse_layout",
@@ -175,6 +177,68 @@ def quick_profile(
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """What a short run of the real runtime measured on this machine: the performance
+    model corrected from the measured action times, the per-transfer latency that the
+    step model needs to reproduce the measured steps, and the forward shares."""
+
+    performance_model: Any
+    link_latency_s: float
+    forward_fraction: tuple[float, float]
+
+
+def _local_planning(
+    nproc: int,
+    seed: int,
+    memory_bytes: float | None,
+    calibration: Calibration | None,
+    **config: Any,
+) -> tuple[Any, Any]:
+    """(cluster, PlannerConfig) for local processes, calibrated when given."""
+    from dflop.planner import PlannerConfig
+
+    latency = None if calibration is None else calibration.link_latency_s
+    cluster = local_cluster(nproc, memory_bytes, link_latency_s=latency)
+    if calibration is not None:
+        config["forward_fraction"] = calibration.forward_fraction
+    return cluster, PlannerConfig(seed=seed, max_tp=1, baseline=False, **config)
+
+
+def evaluate_local(
+    cost_model: Any,
+    model: ModelConfig,
+    layout: RuntimeLayout,
+    shapes: Any,
+    *,
+    seed: int = 0,
+    memory_bytes: float | None = None,
+    calibration: Calibration | None = None,
+) -> Any:
+    """A :class:`~dflop.planner.Plan` holding one given layout for its local processes,
+    scored and audited as the planner scores its own choices (to force a layout)."""
+    from dflop.planner import Plan, audited, evaluate_layout, prepare_inputs
+
+    encoder, llm = cost_configs(model)
+    cluster, config = _local_planning(layout.world_size, seed, memory_bytes, calibration)
+    inputs = prepare_inputs(
+        cost_model,
+        encoder,
+        llm,
+        global_batch=layout.global_batch,
+        shapes=shapes,
+        num_batches=config.num_batches,
+        seed=seed,
+        forward_fraction=config.forward_fraction,
+    )
+    scored = evaluate_layout(cluster, inputs, core_layout(layout), config)
+    return Plan(
+        cluster=cluster,
+        global_batch=layout.global_batch,
+        layouts=[audited(cluster, inputs, scored, config)],
+    )
+
+
+@dataclass(frozen=True)
 class LocalPlan:
     """The planner's answer for the local processes."""
 
@@ -194,21 +258,22 @@ def plan_local(
     seed: int = 0,
     num_microbatches: int | None = None,
     memory_bytes: float | None = None,
+    calibration: Calibration | None = None,
 ) -> LocalPlan:
     """Plan ``model`` on ``nproc`` local processes with ``dflop.planner.plan``.
 
     ``shapes``: a distribution with ``.sample(n, seed)`` (the scaled shapes the model is
-    trained on). ``num_microbatches`` restricts the planner's choice of m.
+    trained on). ``num_microbatches`` restricts the planner's choice of m. A
+    ``calibration`` (a short run's measurements) sets the link latency and forward shares.
     """
-    from dflop.planner import PlannerConfig, plan
+    from dflop.planner import plan
 
     encoder, llm = cost_configs(model)
-    cluster = local_cluster(nproc, memory_bytes)
     choices = None if num_microbatches is None else (int(num_microbatches),)
     if choices is None:
         choices = tuple(m for m in (1, 2, 3, 4, 6, 8, 12, 16) if m <= global_batch)
-    config = PlannerConfig(
-        seed=seed, max_tp=1, baseline=False, microbatch_choices=choices, top_k=20
+    cluster, config = _local_planning(
+        nproc, seed, memory_bytes, calibration, microbatch_choices=choices, top_k=20
     )
     result = plan(
         cost_model, encoder, llm, cluster, global_batch=global_batch, shapes=shapes, config=config
@@ -238,9 +303,12 @@ def plan_local(
     return LocalPlan(layout, best.describe(), best.prediction.step_time_s, result)
 
 
-def local_cluster(nproc: int, memory_bytes: float | None = None) -> Any:
+def local_cluster(
+    nproc: int, memory_bytes: float | None = None, link_latency_s: float | None = None
+) -> Any:
     """The planner's "cluster" of ``nproc`` local CPU processes: one node, this host's
-    RAM split between them, shared-memory links, gloo's loopback latency."""
+    RAM split between them, shared-memory links, gloo's loopback latency (or a calibrated
+    one)."""
     from dflop.planner import ClusterSpec
 
     if memory_bytes is None:
@@ -251,7 +319,7 @@ def local_cluster(nproc: int, memory_bytes: float | None = None) -> Any:
         gpu_memory_bytes=float(memory_bytes),
         intra_node_bandwidth_bytes_per_s=5e9,  # shared memory between local processes
         inter_node_bandwidth_bytes_per_s=5e9,
-        link_latency_s=1e-4,  # gloo over loopback
+        link_latency_s=1e-4 if link_latency_s is None else float(link_latency_s),
         memory_reserve_bytes=0.0,
     )
 

@@ -27,18 +27,24 @@ from dflop.runtime.topology import RuntimeLayout
 from dflop.train.config import TrainConfig
 from dflop.train.metrics import ModeSummary, summarise
 
-__all__ = ["Prepared", "prepare", "print_summary", "run_training", "write_timelines"]
+__all__ = ["Prepared", "calibrate", "prepare", "print_summary", "run_training", "write_timelines"]
 
 
 @dataclass
 class Prepared:
-    """What every rank needs before training: the layout and rank 0's prior cost model."""
+    """What every rank needs before training: the layout and rank 0's prior cost model,
+    and the plan that scored the layout (its prediction and cluster)."""
 
     layout: RuntimeLayout
     performance_model: dict[str, Any] | None
     distribution: Any
     description: str
     predicted_step_time_s: float = math.nan
+    """The plan's predicted step time for this layout (nan without one)."""
+    plan: Any = None
+    """The :class:`~dflop.planner.Plan` the layout comes from or was scored in."""
+    cluster: dict[str, Any] | None = None
+    """The planner's cluster (rank 0 predicts every step with it)."""
 
 
 def _threads_per_rank(config: TrainConfig, world_size: int) -> int:
@@ -46,79 +52,232 @@ def _threads_per_rank(config: TrainConfig, world_size: int) -> int:
 
 
 def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared:
-    """Resolve the data source, the performance model (file or quick profile) and the
-    layout (plan file, manual layout, or the planner for ``nproc`` local processes)."""
+    """Resolve the data source, the performance model and the layout: a plan file (its
+    layout, cluster and, unless ``perf`` is given, the performance model it was made
+    with), a manual layout (scored by the planner for the local processes), or the
+    planner run for ``nproc`` local processes."""
     from dflop.models import model_config
-    from dflop.train.data import ScaledShapes, StepShapes, load_distribution
-    from dflop.train.planning import layout_from_plan, parse_layout, plan_local, quick_profile
+    from dflop.planner import Plan
+    from dflop.runtime.dataset_batch import RecordSet
+    from dflop.train.data import ScaledShapes, StepShapes, describe_records, load_distribution
+    from dflop.train.planning import (
+        evaluate_local,
+        layout_from_plan,
+        local_cluster,
+        parse_layout,
+        plan_local,
+    )
 
     model = model_config(config.model)
-    distribution = load_distribution(config.data, config.family)
-    auto_plan = config.plan is None and config.layout is None
-    nproc = config.nproc or 2
+    distribution = load_distribution(
+        config.data,
+        config.family,
+        image_folder=config.image_folder,
+        video_folder=config.video_folder,
+    )
+    if isinstance(distribution, RecordSet):
+        account, poor = describe_records(distribution)
+        log(account)
+        if poor:
+            log(
+                "warning: most of the dataset is unusable or it has no visual sample left: "
+                "the run will not exercise the encoder as the data intends"
+            )
+    plan_file = Plan.load(config.plan) if config.plan is not None else None
+    if plan_file is not None:
+        _check_plan_inputs(plan_file, config, log)
     perf = None
-    if "dflop" in config.modes or auto_plan:
-        from dflop.profiling import PerformanceModel
-
-        if config.perf:
-            perf = PerformanceModel.load(config.perf)
-        else:
-            threads = _threads_per_rank(config, nproc)
-            log(f"profiling {config.model} on this CPU ({threads} thread(s)) ...")
-            perf = quick_profile(model, threads=threads, seed=config.seed)
-            log(perf.summary())
-    if config.plan is not None:
+    if "dflop" in config.modes or plan_file is None:
+        perf = _performance_model(config, plan_file, model, config.nproc or 2, log)
+    if plan_file is not None:
         layout = layout_from_plan(config.plan, model, config.global_batch, config.num_microbatches)
-        description = f"plan {config.plan}"
-        predicted = math.nan
-    elif config.layout is not None:
-        layout = parse_layout(
-            config.layout, model, config.global_batch or 16, config.num_microbatches
+        best = plan_file.best
+        same = (layout.global_batch, layout.num_microbatches) == (
+            best.global_batch,
+            best.num_microbatches,
         )
-        description = f"layout {config.layout}"
-        predicted = math.nan
-    else:
+        return Prepared(
+            layout=layout,
+            performance_model=perf.to_dict() if perf is not None else None,
+            distribution=distribution,
+            description=f"plan {config.plan}",
+            predicted_step_time_s=best.prediction.step_time_s if same else math.nan,
+            plan=plan_file,
+            cluster=plan_file.cluster.to_dict(),
+        )
+    global_batch = config.global_batch or 16
+    shapes = ScaledShapes(
+        StepShapes(
+            model,
+            global_batch,
+            seed=config.seed,
+            distribution=distribution,
+            family=config.family,
+            mix=config.mix,
+            scaler=config.scaler,
+        )
+    )
+
+    def local_plan(calibration: Any = None) -> tuple[RuntimeLayout, Any, str]:
+        """(layout, plan, description): the forced layout scored, or the planner's choice."""
         from dflop.profiling import CostModel
 
-        global_batch = config.global_batch or 16
-        shapes = ScaledShapes(
-            StepShapes(
-                model,
-                global_batch,
-                seed=config.seed,
-                distribution=distribution,
-                family=config.family,
-                mix=config.mix,
-                scaler=config.scaler,
+        cost_model = CostModel(perf if calibration is None else calibration.performance_model)
+        if config.layout is not None:
+            layout = parse_layout(config.layout, model, global_batch, config.num_microbatches)
+            plan = evaluate_local(
+                cost_model, model, layout, shapes, seed=config.seed, calibration=calibration
             )
-        )
+            return layout, plan, f"layout {config.layout}"
+        nproc = config.nproc or 2
         local = plan_local(
-            CostModel(perf),
+            cost_model,
             model,
             nproc,
             global_batch,
             shapes,
             seed=config.seed,
             num_microbatches=config.num_microbatches,
+            calibration=calibration,
         )
-        layout, description, predicted = (
-            local.layout,
-            local.description,
-            local.predicted_step_time_s,
-        )
-        description = f"planned for {nproc} local processes: {description}"
+        return local.layout, local.plan, f"planned for {nproc} local processes: {local.description}"
+
+    if perf is None:  # a manual layout run data-blind: nothing to plan with
+        layout = parse_layout(config.layout, model, global_batch, config.num_microbatches)
+        plan, description = None, f"layout {config.layout}"
+    else:
+        layout, plan, description = local_plan()
+    if plan is not None and config.calibrate_steps:
+        calibration = calibrate(config, layout, perf, distribution, log)
+        perf = calibration.performance_model
+        layout, plan, description = local_plan(calibration)
+        description += f" (calibrated by {config.calibrate_steps} steps)"
     if config.nproc is not None and config.nproc != layout.world_size:
         raise ValueError(
             f"TrainConfig.nproc={config.nproc} but the layout needs {layout.world_size} "
             f"processes ({description})"
         )
+    if plan is not None:
+        plan.inputs = _local_inputs(config, global_batch, perf)
     return Prepared(
         layout=layout,
         performance_model=perf.to_dict() if perf is not None else None,
         distribution=distribution,
         description=description,
-        predicted_step_time_s=predicted,
+        predicted_step_time_s=plan.best.prediction.step_time_s if plan else math.nan,
+        plan=plan,
+        cluster=(plan.cluster if plan else local_cluster(layout.world_size)).to_dict(),
     )
+
+
+def calibrate(
+    config: TrainConfig,
+    layout: RuntimeLayout,
+    perf: Any,
+    distribution: Any,
+    log: Callable[[str], None] = print,
+) -> Any:
+    """Run ``config.calibrate_steps`` real training steps of ``layout`` on local processes
+    (dflop's schedule, adaptive correction) and return what they measured: a
+    :class:`~dflop.train.planning.Calibration`. The weights are thrown away."""
+    from dataclasses import replace
+
+    from dflop.profiling import PerformanceModel
+    from dflop.train.planning import Calibration, local_cluster
+
+    steps = config.calibrate_steps
+    log(f"calibrating: {steps} steps of the layout on {layout.world_size} local processes ...")
+    run = replace(
+        config,
+        steps=steps,
+        schedule="dflop",
+        plan=None,
+        checkpoint_dir=None,
+        trace=None,
+        png=None,
+        log_every=0,
+        progress=False,
+        calibrate_steps=0,
+    )
+    prepared = Prepared(
+        layout,
+        perf.to_dict(),
+        distribution,
+        "calibration",
+        cluster=local_cluster(layout.world_size).to_dict(),
+    )
+    report = run_training(run, log=lambda text: None, prepared=prepared)
+    stats = report.stats
+    latency = stats.get("link_latency_s")
+    fractions = stats["forward_fraction"]
+    calibration = Calibration(
+        performance_model=PerformanceModel.from_dict(report.performance_model),
+        link_latency_s=1e-4 if latency is None else float(latency),
+        forward_fraction=(float(fractions["encoder"]), float(fractions["llm"])),
+    )
+    log(
+        f"calibrated: per-transfer latency {1e3 * calibration.link_latency_s:.2f} ms, forward "
+        f"share encoder {calibration.forward_fraction[0]:.2f} / LLM "
+        f"{calibration.forward_fraction[1]:.2f}; corrected "
+        + calibration.performance_model.summary().splitlines()[1].strip()
+    )
+    return calibration
+
+
+def _performance_model(
+    config: TrainConfig, plan: Any, model: Any, nproc: int, log: Callable[[str], None]
+) -> Any:
+    """``config.perf``, else the model a local plan was made with, else a quick profile."""
+    from dflop.profiling import PerformanceModel
+    from dflop.train.planning import quick_profile
+
+    if config.perf:
+        return PerformanceModel.load(config.perf)
+    if plan is not None and plan.inputs.get("performance_model"):
+        return PerformanceModel.from_dict(plan.inputs["performance_model"])
+    threads = _threads_per_rank(config, nproc)
+    log(f"profiling {config.model} on this CPU ({threads} thread(s)) ...")
+    perf = quick_profile(model, threads=threads, seed=config.seed)
+    log(perf.summary())
+    return perf
+
+
+def _local_inputs(config: TrainConfig, global_batch: int, perf: Any) -> dict[str, Any]:
+    """What a plan for local processes was made from (``dflop train --plan`` checks it
+    and reuses the performance model)."""
+    return {
+        "local": True,
+        "preset": config.model,
+        "data": config.data,
+        "image_folder": config.image_folder,
+        "video_folder": config.video_folder,
+        "family": config.family,
+        "mix": config.mix,
+        "scaler": config.scaler,
+        "seed": config.seed,
+        "global_batch": global_batch,
+        "performance_model": perf.to_dict() if perf is not None else None,
+    }
+
+
+def _check_plan_inputs(plan: Any, config: TrainConfig, log: Callable[[str], None]) -> None:
+    """A plan made for local processes names its model and data: training another model
+    is an error, other data makes its prediction meaningless (said, not fatal)."""
+    inputs = plan.inputs
+    if not inputs.get("local"):
+        return
+    if inputs.get("preset") not in (None, config.model):
+        raise ValueError(
+            f"{config.plan} was planned for the model preset {inputs['preset']!r}, not "
+            f"{config.model!r}: pass --preset {inputs['preset']}"
+        )
+    for key in ("data", "image_folder", "video_folder", "mix", "scaler", "seed"):
+        mine = getattr(config, key)
+        if key in inputs and inputs[key] != mine and not (key == "scaler" and not mine):
+            log(
+                f"note: {config.plan} was planned with {key}={inputs[key]!r}, this run uses "
+                f"{mine!r}: the plan's predicted step time does not apply"
+            )
 
 
 def _device_for(kind: str, rank: int) -> str:
@@ -152,6 +311,7 @@ def _rank_main(
     perf: dict[str, Any] | None,
     distribution: Any,
     device_kind: str,
+    cluster: dict[str, Any] | None = None,
 ) -> Any:
     from dflop.train.trainer import Trainer
 
@@ -161,6 +321,7 @@ def _rank_main(
         perf,
         device=_device_for(device_kind, rank),
         distribution=distribution,
+        cluster=cluster,
     )
     return trainer.train()
 
@@ -199,6 +360,7 @@ def run_training(
             prepared.performance_model,
             prepared.distribution,
             device_kind,
+            prepared.cluster,
         ),
         timeout_s=config.run_timeout_s or 7 * 24 * 3600.0,
         backend="nccl" if device_kind == "cuda" else "gloo",
@@ -206,6 +368,7 @@ def run_training(
         num_threads=_threads_per_rank(config, world_size),
     )
     report = results[0]
+    report.planned_step_time_s = prepared.predicted_step_time_s
     write_timelines(report, config, log)
     return report
 
@@ -221,17 +384,31 @@ def _run_torchrun(config: TrainConfig, log: Callable[[str], None]) -> Any:
     payload: list[Any] = [None]
     if info.rank == 0:
         prepared = prepare(config, log)
-        payload = [(prepared.layout.to_dict(), prepared.performance_model, prepared.distribution)]
+        payload = [
+            (
+                prepared.layout.to_dict(),
+                prepared.performance_model,
+                prepared.distribution,
+                prepared.cluster,
+                prepared.predicted_step_time_s,
+            )
+        ]
     dist.broadcast_object_list(payload, src=0)
-    layout, perf, distribution = payload[0]
+    layout, perf, distribution, cluster, planned = payload[0]
     device = f"cuda:{info.local_rank}" if info.backend == "nccl" else "cpu"
     if device == "cpu" and config.threads:
         torch.set_num_threads(config.threads)
     trainer = Trainer(
-        config, RuntimeLayout.from_dict(layout), perf, device=device, distribution=distribution
+        config,
+        RuntimeLayout.from_dict(layout),
+        perf,
+        device=device,
+        distribution=distribution,
+        cluster=cluster,
     )
     report = trainer.train()
     if report is not None:
+        report.planned_step_time_s = planned
         write_timelines(report, config, log)
     dist.destroy_process_group()
     return report
@@ -312,4 +489,12 @@ def print_summary(report: Any, out: Any = None, warmup: int = 1) -> dict[str, Mo
                 f"measured {s.step_time_s:.3f} s ({100 * s.prediction_error:.1f}% off)",
                 file=out,
             )
+    planned = getattr(report, "planned_step_time_s", math.nan)
+    if "dflop" in rows and not math.isnan(planned):
+        measured = rows["dflop"].step_time_s
+        print(
+            f"plan vs measured (dflop): the plan predicted {planned:.3f} s per step, measured "
+            f"{measured:.3f} s ({100 * abs(planned - measured) / measured:.1f}% off)",
+            file=out,
+        )
     return rows

@@ -68,6 +68,8 @@ class TrainReport:
     performance_model: dict[str, Any] | None = None
     """The cost model's corrected coefficients at the end."""
     stats: dict[str, Any] = field(default_factory=dict)
+    planned_step_time_s: float = math.nan
+    """The plan's predicted step time for the layout (set by the launcher; nan: none)."""
 
 
 class Trainer:
@@ -258,38 +260,18 @@ class Trainer:
             link_latency_s=self._link_latency_s if self._calibrated else None,
         )
 
-    def _calibrate_latency(self, records: list[RankRecord], s: Schedule, audit: Any) -> None:
-        """Fit the per-transfer latency that makes the step model, fed the MEASURED action
-        times (and the audit's links and all-reduce), reproduce the measured step
-        (messages, Python overhead, the loss all-reduce); smoothed over steps and used in
-        later predictions."""
-        from dflop.simulator import simulate_pipeline
-
-        enc, llm = self.layout.encoder, self.layout.llm
-        num_stages = enc.pp + llm.pp
-        if num_stages < 2:
-            return
-        shape = (s.dp_size, num_stages, s.num_microbatches)
-        forward, backward = np.zeros(shape), np.zeros(shape)
-        for r in records:
-            replicas = range(s.dp_size) if r.module == "encoder" else [r.dp_rank]
-            for kind, j, start_s, end_s in r.actions:
-                target = forward if kind == "forward" else backward
-                for q in replicas:  # every LLM replica waits for the slowest encoder replica
-                    target[q, r.global_stage, j] = max(
-                        target[q, r.global_stage, j], end_s - start_s
-                    )
+    def _calibrate_latency(self, records: list[RankRecord], audit: Any) -> None:
+        """Fit the per-transfer latency that makes the step model, fed the cost model's
+        action times (the step's audit), reproduce the measured step: it takes what the
+        action times do not explain (per-message costs, Python overhead, the loss
+        all-reduce, and the waiting that timing noise adds to a pipeline). Smoothed over
+        steps; later predictions use it."""
+        if audit.llm_forward_s.shape[1] + audit.num_encoder_stages < 2:
+            return  # one stage: no links
         measured = max(r.step_time_s for r in records)
 
         def simulated(latency_s: float) -> float:
-            return simulate_pipeline(
-                forward,
-                backward,
-                link_latency_s=np.full(num_stages - 1, latency_s),
-                activation_bytes=audit.activation_bytes,
-                link_bandwidth_bytes_per_s=audit.link_bandwidth_bytes_per_s,
-                allreduce_s=audit.allreduce_s,
-            ).step_time_s
+            return audit.simulate(link_latency_s=latency_s, record_events=False).step_time_s
 
         low, high = 0.0, measured
         if simulated(low) >= measured:
@@ -426,13 +408,14 @@ class Trainer:
                         )
                         metrics.append(row)
                         recent[mode].append((records, row.step_time_s))
-                        if mode == "dflop":
+                        if mode == "dflop" and step > self.start_step:
                             # Only dflop's run feeds the cost model and the latency fit:
                             # in compare mode the blind run overlaps its modules less, and
                             # on shared CPU cores (memory bandwidth) its microbatches run
-                            # faster than dflop's.
+                            # faster than dflop's. A run's first step is left out: it pays
+                            # one-time costs (first kernels, allocations, connections).
                             self._observe(records, schedules[mode], plans[mode], shapes)
-                            self._calibrate_latency(records, schedules[mode], audits[mode])
+                            self._calibrate_latency(records, audits[mode])
                         self._log(row, bar)
                     if bar is not None:
                         bar.update(1)
@@ -459,7 +442,12 @@ class Trainer:
             performance_model=(
                 self.cost_model.performance_model.to_dict() if self.cost_model else None
             ),
-            stats={"schedule_fallbacks": num_fallbacks_before},
+            stats={
+                "schedule_fallbacks": num_fallbacks_before,
+                # The calibration of the step model (dflop plan --local uses it).
+                "link_latency_s": self._link_latency_s if self._calibrated else None,
+                "forward_fraction": dict(self._forward_fraction),
+            },
         )
 
     def _clip_gradients(self) -> float:
