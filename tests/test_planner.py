@@ -186,16 +186,51 @@ def test_deterministic() -> None:
     assert a == b
 
 
-@pytest.mark.parametrize(("gpus", "encoder"), [(8, "siglip-400m"), (16, "vit-6b")])
-def test_pruning_matches_exhaustive(gpus: int, encoder: str) -> None:
-    inputs = _inputs(encoder=encoder, batch=32)
-    cluster = ClusterSpec(num_gpus=gpus)
+# The pruned search (bounds, screening, patience) finds what the exhaustive one finds, on
+# clusters small enough to search exhaustively: different encoders and LLMs, batches from
+# one sample per GPU upwards, 4 or 8 GPUs per node, 40 or 80 GB. (benchmarks/bench_plan.py
+# --validate runs hundreds of such settings.)
+@pytest.mark.parametrize(
+    ("gpus", "encoder", "llm", "batch", "gpn", "memory_gb"),
+    [
+        (8, "siglip-400m", "llm-7b", 32, 8, 80),
+        (16, "vit-6b", "llm-7b", 32, 8, 80),
+        (8, "vit-6b", "llm-7b", 8, 4, 80),
+        (12, "vit-300m", "llm-8b", 48, 4, 40),
+        (16, "siglip-400m", "qwen2-0.5b", 16, 4, 40),
+        (24, "vit-6b", "llm-32b", 48, 8, 80),
+    ],
+)
+def test_pruning_matches_exhaustive(gpus, encoder, llm, batch, gpn, memory_gb) -> None:
+    inputs = _inputs(encoder=encoder, llm=llm, batch=batch)
+    cluster = ClusterSpec(num_gpus=gpus, gpus_per_node=gpn, gpu_memory_bytes=memory_gb * 1e9)
     pruned, raw_pruned = search_layouts(cluster, inputs, PlannerConfig(num_batches=2, top_k=3))
     full, raw_full = search_layouts(
         cluster, inputs, PlannerConfig(num_batches=2, top_k=3, prune=False)
     )
     assert [lp.to_dict() for lp in pruned] == [lp.to_dict() for lp in full]
     assert raw_pruned["stats"]["num_simulated"] < raw_full["stats"]["num_simulated"]
+    assert not raw_pruned["stats"]["stopped_by_patience"]
+    assert raw_pruned["stats"]["num_candidates"] == raw_full["stats"]["num_candidates"]
+
+
+def test_large_clusters_plan_with_bounded_effort() -> None:
+    """1,024 GPUs: most blocks are never enumerated pair by pair, patience ends the
+    plateau of near-equal layouts, and the few unexplored candidates are reported."""
+    inputs = _inputs(batch=2048, batches=2)
+    layouts, raw = search_layouts(ClusterSpec(num_gpus=1024), inputs, PlannerConfig(num_batches=2))
+    stats = raw["stats"]
+    assert layouts and not layouts[0].colocated
+    assert stats["num_scheduled"] < 5000 < stats["num_candidates"]
+    assert (
+        stats["num_pruned"]
+        + stats["num_simulated"]
+        + stats["num_memory_rejected"]
+        + stats["num_unexplored"]
+        == stats["num_candidates"]
+    )
+    if stats["stopped_by_patience"]:
+        assert stats["num_unexplored"] >= 0
 
 
 def test_threads_do_not_change_the_result() -> None:

@@ -109,6 +109,8 @@ PlannerOptions to_options(const py::dict& d) {
   get_opt(d, "seed", &o.seed);
   get_opt(d, "num_threads", &o.num_threads);
   get_opt(d, "colocated_candidates", &o.colocated_candidates);
+  get_opt(d, "screen_factor", &o.screen_factor);
+  get_opt(d, "patience", &o.patience);
   std::string split = "unit";
   get_opt(d, "encoder_split", &split);
   if (split == "unit") {
@@ -219,6 +221,8 @@ py::dict plan_layouts_py(const py::dict& cluster, const py::dict& encoder, const
   stats["num_scheduled"] = r.stats.num_scheduled;
   stats["num_balanced"] = r.stats.num_balanced;
   stats["num_pruned_after_schedule"] = r.stats.num_pruned_after_schedule;
+  stats["stopped_by_patience"] = r.stats.stopped_by_patience;
+  stats["num_unexplored"] = r.stats.num_unexplored;
   py::dict shortfall;
   shortfall["found"] = r.shortfall.found;
   shortfall["needed_bytes"] = r.shortfall.needed_bytes;

@@ -37,8 +37,7 @@ py::dict simulate_pipeline_py(const DoubleArray& forward_s, const DoubleArray& b
                               const std::string& schedule, const DoubleArray& link_latency_s,
                               const DoubleArray& link_bandwidth_bytes_per_s,
                               const std::optional<DoubleArray>& activation_bytes,
-                              const std::optional<DoubleArray>& allreduce_s,
-                              bool record_events) {
+                              const std::optional<DoubleArray>& allreduce_s, bool record_events) {
   PipelineSimInput in;
   in.record_events = record_events;
   in.schedule = parse_schedule_kind(schedule);

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <set>
 #include <string>
@@ -45,6 +46,18 @@ int64_t fitting_units(double room, double c, double capacity, int64_t wanted) {
   return fit >= static_cast<double>(wanted) ? wanted : static_cast<int64_t>(std::floor(fit));
 }
 
+// Whether every unit costs the same, up to rounding (costs computed as c x units and
+// divided back).
+bool equal_unit_costs(const std::vector<Visual>& visual) {
+  if (visual.empty()) return true;
+  double lo = visual.front().unit_cost, hi = lo;
+  for (const Visual& v : visual) {
+    lo = std::min(lo, v.unit_cost);
+    hi = std::max(hi, v.unit_cost);
+  }
+  return hi - lo <= 1e-12 * hi;
+}
+
 // Next fit in `order` at capacity M: replica 0 takes units until the next one would exceed
 // M, then replica 1, ... Returns false if R replicas do not suffice; else the largest load.
 bool next_fit(const std::vector<Visual>& order, int64_t R, double M, std::vector<Piece>* out,
@@ -72,21 +85,12 @@ bool next_fit(const std::vector<Visual>& order, int64_t R, double M, std::vector
 
 // The smallest capacity at which next fit in `order` places everything (header, step 1).
 double target_capacity(const std::vector<Visual>& order, int64_t R) {
-  double total = 0.0, largest_unit = 0.0, smallest_unit = order.front().unit_cost;
-  int64_t units = 0;
+  double total = 0.0, largest_unit = 0.0;
   for (const Visual& v : order) {
     total += v.cost;
-    units += v.units;
     largest_unit = std::max(largest_unit, v.unit_cost);
-    smallest_unit = std::min(smallest_unit, v.unit_cost);
   }
   double achieved = 0.0;
-  // Equal unit costs (up to rounding: costs computed as c x units and divided back):
-  // ceil(U / R) units per replica is optimal and next fit reaches it.
-  if (largest_unit - smallest_unit <= 1e-12 * largest_unit) {
-    const double M = largest_unit * static_cast<double>((units + R - 1) / R);
-    if (next_fit(order, R, M, nullptr, &achieved)) return achieved;
-  }
   // Feasibility grows with M; next fit succeeds at total / R + largest unit (every replica
   // but the last is filled above total / R), so bisect between that and the lower bound.
   double lo = std::max(total / static_cast<double>(R), largest_unit);
@@ -141,6 +145,62 @@ bool whole_then_pour(const std::vector<Visual>& by_cost, int64_t R, double M,
     }
   }
   return true;
+}
+
+// Equal unit costs (the usual case: every tile or frame of the model costs the same): the
+// same steps in whole units, exactly (no floating-point ties): M = ceil(U / R) units, which
+// is optimal, then whole samples by LPT if that reaches M, else best fit and pouring. The
+// K = min(R, U) replicas suffice and are always enough here (K x M >= U).
+void split_equal_units(const std::vector<Visual>& by_cost, int64_t R, std::vector<Piece>* out) {
+  int64_t total = 0;
+  for (const Visual& v : by_cost) total += v.units;
+  const int64_t K = std::min(R, total);
+  const int64_t M = (total + R - 1) / R;
+  // 1. LPT: least loaded replica first (ties: lower index).
+  std::vector<std::pair<int64_t, int64_t>> heap;  // (load, replica), a min-heap
+  heap.reserve(static_cast<size_t>(K));
+  for (int64_t r = 0; r < K; ++r) heap.emplace_back(0, r);
+  const auto greater = std::greater<std::pair<int64_t, int64_t>>();
+  int64_t worst = 0;
+  for (const Visual& v : by_cost) {
+    std::pop_heap(heap.begin(), heap.end(), greater);
+    auto& [load, r] = heap.back();
+    out->push_back({v.sample, 0, v.units, r});
+    load += v.units;
+    worst = std::max(worst, load);
+    std::push_heap(heap.begin(), heap.end(), greater);
+  }
+  if (worst <= M) return;
+  out->clear();
+  // 2. Best fit of whole samples: the fullest replica that still takes the sample.
+  std::vector<std::vector<int64_t>> level(static_cast<size_t>(M + 1));  // replicas by load
+  for (int64_t r = K - 1; r >= 0; --r) level[0].push_back(r);
+  auto move = [&](int64_t from, int64_t to) {
+    const int64_t r = level[from].back();
+    level[from].pop_back();
+    level[to].push_back(r);
+    return r;
+  };
+  std::vector<const Visual*> rest;
+  for (const Visual& v : by_cost) {
+    int64_t l = M - v.units;
+    while (l >= 0 && level[l].empty()) --l;
+    if (l < 0) {
+      rest.push_back(&v);
+      continue;
+    }
+    out->push_back({v.sample, 0, v.units, move(l, l + v.units)});
+  }
+  // 3. Pour the rest into the replicas with the most room, in unit order.
+  for (const Visual* v : rest) {
+    int64_t next = 0, l = 0;
+    while (next < v->units) {
+      while (level[l].empty()) ++l;  // some replica has room: K x M >= U
+      const int64_t take = std::min(v->units - next, M - l);
+      out->push_back({v->sample, next, take, move(l, l + take)});
+      next += take;
+    }
+  }
 }
 
 // Plain LPT of whole samples (costliest first onto the least loaded replica, ties by
@@ -252,6 +312,8 @@ UnitSplit split_units(const int64_t* units, const double* costs, int64_t num_sam
     const std::vector<int64_t> replica = whole_samples(by_cost, K);
     for (size_t k = 0; k < by_cost.size(); ++k)
       pieces.push_back({by_cost[k].sample, 0, by_cost[k].units, replica[k]});
+  } else if (equal_unit_costs(costly)) {
+    split_equal_units(by_cost, R, &pieces);
   } else {
     const double M = target_capacity(canonical, R);
     // No placement uses more replicas than there are units: the others stay empty.

@@ -1,25 +1,32 @@
 // Planner: enumeration of layouts, cheap lower bounds, scoring by balance + simulation.
 // The model is documented in planner.hpp; this file explains the search.
 //
-// Search (DataAware and DataBlindColocated): every candidate gets a first lower bound on
-// its mean simulated step time that needs no schedule (per stage: its share of the batch's
-// total load over the DP replicas, or the largest sample, plus m microbatch constants and
-// its gradient all-reduce). Candidates are taken in increasing (bound, tie key) order and
-// the search stops once the next bound exceeds the k-th best simulated time. The first
-// bound misses the pipeline's fill and drain (about (S - 1) / m of the step) and
-// microbatches whose bottleneck alternates between the encoder and the LLM, so thousands of
-// candidates at 1,024 GPUs pass it; each of those is then balanced one batch at a time and
-// given a second bound from its schedule (Evaluator::replica_bound: critical paths of the
-// simulation, then single replicas simulated alone), and is simulated in full only when that
-// bound does not exceed the k-th best. Every bound is a true lower bound of the score, so
-// the result equals exhaustive evaluation. Schedules depend on a layout only through a few
-// fields (Evaluator::schedule_key) and are balanced once per key and batch (e.g. every
-// encoder pipeline depth of the same GPU split shares them). Candidates are evaluated in
-// fixed-size waves on several threads and merged in order, so the result and the
-// statistics do not depend on the number of threads. To keep memory bounded at 1,024 GPUs
-// (millions of candidates), a first pass keeps only the few lowest bounds, simulates them
-// to get an incumbent, and a second pass collects just the candidates whose bound can still
-// beat it.
+// Exhaustive (prune = false): every memory-feasible candidate is balanced and simulated.
+//
+// Pruned (the default, DataAware and DataBlindColocated): every candidate gets, without a
+// schedule, (1) a lower bound on its mean simulated step: per stage, its share of the
+// batch's load over the DP replicas, or the largest item one replica must hold, plus m
+// microbatch constants and its gradient all-reduce; and the mean path of a microbatch
+// through all stages (module_path_part), which sees deep pipelines with few microbatches;
+// (2) a pruning key, the bound or screen_factor x a uniform estimate of the step (fill +
+// steady state + drain of m typical microbatches) if larger: not a bound, but an estimate
+// that the near-best layouts' scores exceed (uneven microbatches only slow a pipeline down,
+// except where reordering exploits them, which the planner's few orders rarely do); and (3)
+// an evaluation order, a pessimistic estimate that ranks the best layouts first.
+// Disaggregated candidates are grouped in blocks (encoder GPU count, m) whose keys and
+// orders are bounded below by those of the per-module minima (every term grows with each
+// module's), so blocks that cannot matter are never enumerated pair by pair. An incumbent
+// comes from the candidates first in order; then, in order, every candidate whose key can
+// still beat the k-th best is balanced one batch at a time and given a second bound from
+// its schedule (Evaluator::replica_bound: critical paths of the simulation, then single
+// replicas simulated alone) and simulated in full only when that bound does not exceed the
+// k-th best. The search stops once `patience` candidates in a row left the k-th best
+// unchanged (the near-best plateau of a large cluster holds thousands of layouts within a
+// few percent of each other); what it left is counted. On clusters small enough for the
+// exhaustive search the two agree (tests, bench_plan --validate). Schedules depend on a
+// layout only through a few fields (Evaluator::schedule_key) and are balanced once per key
+// and batch. Candidates are evaluated in fixed-size waves on several threads and merged in
+// order, so the result and the statistics do not depend on the number of threads.
 #include "dflop/planner.hpp"
 
 #include <algorithm>
@@ -1083,19 +1090,26 @@ class Evaluator {
 // Stage s of a module cannot finish before: its replica's share of the batch's load (the
 // busiest replica carries at least the mean, and at least the largest sample) plus m
 // microbatch constants, then its all-reduce. One batch.
+// The largest piece of work one replica must hold: the LLM's largest sample; the encoder's
+// largest unit (its replicas share microbatches by unit), sample, or dp-th of a sample
+// (Even). As (body, last, tokens) and the divisor of that piece.
+std::pair<const std::array<double, 3>&, double> largest_item(const Context& ctx, const BatchSums& s,
+                                                             const ModuleLayout& l,
+                                                             bool is_encoder) {
+  const EncoderSplit split = ctx.o.encoder_split;
+  const auto& big = !is_encoder                   ? s.max_llm
+                    : split == EncoderSplit::Unit ? s.max_enc_unit
+                                                  : s.max_enc;
+  return {big, is_encoder && split == EncoderSplit::Even ? double(l.dp) : 1.0};
+}
+
 double module_batch_bound(const Context& ctx, const ModuleModel& mm, const ModuleLayout& l,
                           int64_t m, bool is_encoder, double extra_allreduce_params,
                           const BatchSums& s) {
   const double body = is_encoder ? s.enc_body : s.llm_body;
   const double last = is_encoder ? s.enc_last : s.llm_last;
   const double tokens = is_encoder ? s.enc_tokens : s.llm_tokens;
-  // The smallest item a replica can hold: the LLM's largest sample; the encoder's largest
-  // unit (its replicas share microbatches by unit), sample, or dp-th of a sample (Even).
-  const EncoderSplit split = ctx.o.encoder_split;
-  const auto& big = !is_encoder                   ? s.max_llm
-                    : split == EncoderSplit::Unit ? s.max_enc_unit
-                                                  : s.max_enc;
-  const double item_share = is_encoder && split == EncoderSplit::Even ? double(l.dp) : 1.0;
+  const auto& [big, item_share] = largest_item(ctx, s, l, is_encoder);
   // Every LLM bin holds a sample, so each of the m microbatches pays the constant; an
   // encoder replica pays it only for microbatches it has units of (at least one if any).
   const double constants = !is_encoder ? double(m) : (s.has_visual ? 1.0 : 0.0);
@@ -1121,6 +1135,114 @@ double module_bound(const Context& ctx, const ModuleModel& mm, const ModuleLayou
     total += module_batch_bound(ctx, mm, l, m, is_encoder, extra_allreduce_params, s);
   }
   return total / double(ctx.sums.size());
+}
+
+// A module's part of the path bound, and of the screening estimate (Search explains both).
+// Every microbatch runs forward through all stages and back, one stage after another, so
+// the step is at least the longest such path, which is at least the mean over
+// microbatches: the module's per-replica share of the batch over m on every stage (an LLM
+// replica: at least the mean replica's; the encoder: every replica waits for the slowest
+// encoder replica, which holds at least the mean), plus the stage constants (every LLM
+// microbatch pays them; the encoder's, at least once in m). The encoder's part also carries
+// the all-reduce of global stage 0, which starts after its last backward, i.e. after some
+// path ended. It catches what the busy bound cannot: few microbatches on deep pipelines.
+// For the screening estimate, `estimate_path` is the same path with every stage constant
+// (a typical microbatch), and `excess` the largest, over the module's stages, of the
+// stage's busy time (as in the busy bound: the mean share of m microbatches, or the
+// largest item one replica must hold, whichever is larger) minus one typical microbatch.
+// For the search's evaluation order, `order_path` / `order_slowest` take every microbatch
+// at least as slow as the largest item (pessimistic; right when bins hold few samples).
+struct PathPart {
+  double path = 0.0, estimate_path = 0.0, excess = 0.0;
+  double order_path = 0.0, order_slowest = 0.0;
+};
+
+PathPart module_path_part(const Context& ctx, const ModuleModel& mm, const ModuleLayout& l,
+                          int64_t m, bool is_encoder, const BatchSums& s) {
+  const double body = is_encoder ? s.enc_body : s.llm_body;
+  const double last = is_encoder ? s.enc_last : s.llm_last;
+  const double tokens = is_encoder ? s.enc_tokens : s.llm_tokens;
+  const double constants = !is_encoder ? 1.0 : (s.has_visual ? 1.0 / double(m) : 0.0);
+  const auto& [big, item_share] = largest_item(ctx, s, l, is_encoder);
+  PathPart out;
+  out.path = is_encoder ? allreduce_time(ctx.c, mm, l, 0, 0.0) : 0.0;
+  out.estimate_path = out.order_path = out.path;
+  for (int64_t st = 0; st < l.pp; ++st) {
+    const int64_t nl = l.layers_per_stage[size_t(st)];
+    const bool is_last = st == l.pp - 1;
+    const double share = mm.stage_time(l.tp, l.recompute, nl, is_last, body, last, tokens) /
+                         (double(l.dp) * double(m));
+    const double item =
+        mm.stage_time(l.tp, l.recompute, nl, is_last, big[0], big[1], big[2]) / item_share;
+    const double constant = mm.stage_constant(l.tp, nl);
+    const double typical = share + (s.has_visual || !is_encoder ? constant : 0.0);
+    out.path += share + constants * constant;
+    out.estimate_path += typical;
+    const double busy = std::max(double(m) * share, item) + double(m) * (typical - share);
+    out.excess = std::max(out.excess, busy - typical);
+    const double heavy = typical + std::max(0.0, item - share);
+    out.order_path += heavy;
+    out.order_slowest = std::max(out.order_slowest, heavy);
+  }
+  return out;
+}
+
+PathPart module_path_mean(const Context& ctx, const ModuleModel& mm, const ModuleLayout& l,
+                          int64_t m, bool is_encoder) {
+  PathPart total;
+  for (const BatchSums& s : ctx.sums) {
+    const PathPart part = module_path_part(ctx, mm, l, m, is_encoder, s);
+    total.path += part.path;
+    total.estimate_path += part.estimate_path;
+    total.excess += part.excess;
+    total.order_path += part.order_path;
+    total.order_slowest += part.order_slowest;
+  }
+  const double n = double(ctx.sums.size());
+  return {total.path / n, total.estimate_path / n, total.excess / n, total.order_path / n,
+          total.order_slowest / n};
+}
+
+// Elementwise minimum (a lower bound of every term over a set of layouts).
+PathPart min_parts(const PathPart& a, const PathPart& b) {
+  return {std::min(a.path, b.path), std::min(a.estimate_path, b.estimate_path),
+          std::min(a.excess, b.excess), std::min(a.order_path, b.order_path),
+          std::min(a.order_slowest, b.order_slowest)};
+}
+
+// The links of the path: S - 1 forward and S - 1 backward transfers.
+double path_links(const Context& ctx, const Layout& l) {
+  return 2.0 * double(l.encoder.pp + l.llm.pp - 1) * ctx.c.link_latency_s;
+}
+
+// The screening estimate (not a bound) of a 1F1B step: a typical microbatch's path (the
+// pipeline's fill and drain) plus the busiest stage's work beyond that microbatch. For m
+// identical microbatches it is exact: path + (m - 1) x the slowest stage.
+double uniform_estimate(const PathPart& enc, const PathPart& llm, double links) {
+  return enc.estimate_path + llm.estimate_path + links + std::max(enc.excess, llm.excess);
+}
+
+// The evaluation order's estimate: the 1F1B step of m microbatches each as slow as
+// `order_slowest` says.
+double order_estimate(const PathPart& enc, const PathPart& llm, double links, int64_t m) {
+  return enc.order_path + llm.order_path + links +
+         double(m - 1) * std::max(enc.order_slowest, llm.order_slowest);
+}
+
+// A disaggregated candidate's keys from its modules' terms (means over the batches):
+// the lower bound, the pruning key (the bound, or the screened estimate if larger) and the
+// evaluation order. Every term grows with each module term, so the keys of per-module
+// minima bound the keys of every pair of a block from below.
+struct Keys {
+  double bound, key, order;
+};
+Keys candidate_keys(const Context& ctx, double enc_busy, const PathPart& enc, double llm_busy,
+                    const PathPart& llm, double links, int64_t m) {
+  Keys k;
+  k.bound = std::max({llm_busy, enc_busy, enc.path + llm.path + links});
+  k.key = std::max(k.bound, ctx.o.screen_factor * uniform_estimate(enc, llm, links));
+  k.order = std::max(k.key, order_estimate(enc, llm, links, m));
+  return k;
 }
 
 // Colocated: the encoder's load sits on the LLM's first stage of every replica. One batch.
@@ -1157,20 +1279,41 @@ double colocated_bound(const Context& ctx, const Layout& l) {
 double batch_bound(const Context& ctx, const Layout& l, int64_t b) {
   const BatchSums& s = ctx.sums[size_t(b)];
   if (l.colocated) return colocated_batch_bound(ctx, l, s);
-  return std::max(module_batch_bound(ctx, ctx.llm, l.llm, l.num_microbatches, false, 0.0, s),
-                  module_batch_bound(ctx, ctx.enc, l.encoder, l.num_microbatches, true, 0.0, s));
+  const int64_t m = l.num_microbatches;
+  const double path = module_path_part(ctx, ctx.enc, l.encoder, m, true, s).path +
+                      module_path_part(ctx, ctx.llm, l.llm, m, false, s).path + path_links(ctx, l);
+  return std::max({module_batch_bound(ctx, ctx.llm, l.llm, m, false, 0.0, s),
+                   module_batch_bound(ctx, ctx.enc, l.encoder, m, true, 0.0, s), path});
+}
+
+// The search's key of one batch: the bound, or the screened estimate if larger.
+double batch_key(const Context& ctx, const Layout& l, int64_t b) {
+  const double bound = batch_bound(ctx, l, b);
+  if (l.colocated || ctx.o.screen_factor <= 0.0) return bound;
+  const BatchSums& s = ctx.sums[size_t(b)];
+  const int64_t m = l.num_microbatches;
+  const double estimate =
+      uniform_estimate(module_path_part(ctx, ctx.enc, l.encoder, m, true, s),
+                       module_path_part(ctx, ctx.llm, l.llm, m, false, s), path_links(ctx, l));
+  return std::max(bound, ctx.o.screen_factor * estimate);
 }
 
 // ---------------------------------------------------------------------------------------
 // Search
 
 struct Candidate {
-  double bound;
+  double bound;  // the search's key: the lower bound, or the screened estimate if larger
+  double lower_bound;
+  double order;  // prune mode: when it is evaluated (Search explains)
   Layout layout;
 };
 
 bool candidate_less(const Candidate& a, const Candidate& b) {
   return better(a.bound, a.layout, b.bound, b.layout);
+}
+
+bool order_less(const Candidate& a, const Candidate& b) {
+  return better(a.order, a.layout, b.order, b.layout);
 }
 
 // `colocated_recompute`: set for a colocated LLM layout (the encoder joins its first stage).
@@ -1212,30 +1355,22 @@ class Search {
 
   PlanResult run() {
     const PlannerOptions& o = ctx_.o;
-    enumerate();
-    std::sort(cands_.begin(), cands_.end(), candidate_less);
-    if (o.strategy == PlanStrategy::MeanShapeReference) {
-      // The reference ranks by its estimate; we report the simulated time of its choice
-      // (and of the next ones when top_k > 1), walking down the estimate ranking past
-      // layouts that fail the exact memory check.
-      for (const Candidate& c : cands_) {
-        if (int64_t(best_.size()) >= o.top_k) break;
-        evaluate_wave({&c}, false);
-      }
-    } else if (!o.prune) {
-      evaluate_sorted(cands_, nullptr, false);
-    } else {
-      // Phase 1 kept the lowest bounds only; simulate them for an incumbent.
-      std::set<TieKey> done;
-      evaluate_sorted(cands_, &done, true);
-      // Phase 2: everything whose bound can still beat the k-th best (not counted again).
-      threshold_ = kth_best();
-      collect_all_ = true;
-      cands_.clear();
+    if (o.strategy == PlanStrategy::MeanShapeReference || !o.prune) {
       enumerate();
       std::sort(cands_.begin(), cands_.end(), candidate_less);
-      evaluate_sorted(cands_, &done, true);
-      stats_.num_pruned = stats_.num_bounded - stats_.num_simulated - exact_rejected_;
+      if (o.strategy == PlanStrategy::MeanShapeReference) {
+        // The reference ranks by its estimate; we report the simulated time of its choice
+        // (and of the next ones when top_k > 1), walking down the estimate ranking past
+        // layouts that fail the exact memory check.
+        for (const Candidate& c : cands_) {
+          if (int64_t(best_.size()) >= o.top_k) break;
+          evaluate_wave({&c}, false);
+        }
+      } else {
+        evaluate_sorted(cands_, nullptr, false);
+      }
+    } else {
+      run_pruned();
     }
     PlanResult result;
     result.stats = stats_;
@@ -1288,6 +1423,77 @@ class Search {
     }
   }
 
+  // The pruned search (see the file comment): an incumbent from the candidates first in
+  // evaluation order, then rounds over everything whose key can still beat the k-th best,
+  // in evaluation order, until `patience` schedules in a row leave the k-th best as it was.
+  void run_pruned() {
+    const PlannerOptions& o = ctx_.o;
+    build_blocks();
+    pass_ = Pass::Incumbent;
+    enumerate();
+    std::sort(cands_.begin(), cands_.end(), order_less);
+    std::set<TieKey> done;
+    evaluate_ordered(cands_, &done, 0);
+    pass_ = Pass::Collect;
+    const Candidate* floor = nullptr;
+    Candidate last;
+    for (;;) {
+      threshold_ = kth_best();
+      floor_ = floor;
+      overflowed_ = false;
+      cands_.clear();
+      enumerate();
+      std::sort(cands_.begin(), cands_.end(), order_less);
+      // Small batches schedule fast: their patience grows as the global batch shrinks
+      // below 2,048 samples, so small clusters are searched to the end.
+      const int64_t patience =
+          o.patience * std::max<int64_t>(1, int64_t(2048) / std::max<int64_t>(1, ctx_.n));
+      const size_t stopped_at = evaluate_ordered(cands_, &done, patience);
+      if (stopped_at < cands_.size()) {
+        stats_.stopped_by_patience = true;
+        const double kth = kth_best();
+        for (size_t i = stopped_at; i < cands_.size(); ++i) {
+          if (cands_[i].bound <= kth && !done.count(tie_key(cands_[i].layout))) {
+            ++stats_.num_unexplored;
+          }
+        }
+        break;
+      }
+      if (!overflowed_ || cands_.empty()) break;
+      last = cands_.back();  // everything up to it has been evaluated: start after it
+      floor = &last;
+    }
+    // Everything neither scored, nor over memory, nor left unexplored was pruned (by a
+    // block's or its own key, or by the replica bound).
+    stats_.num_pruned = stats_.num_candidates - stats_.num_simulated - stats_.num_memory_rejected -
+                        stats_.num_unexplored;
+  }
+
+  // Evaluates candidates sorted by evaluation order in waves of kWaveSize, skipping those
+  // whose key exceeds the k-th best at the start of their wave (pruned) and those in `done`.
+  // With `patience` > 0, stops once that many candidates in a row were scheduled without
+  // lowering the k-th best; returns the position it stopped at (cands.size(): the end).
+  size_t evaluate_ordered(const std::vector<Candidate>& cands, std::set<TieKey>* done,
+                          int64_t patience) {
+    size_t i = 0;
+    int64_t unimproved = 0;
+    while (i < cands.size()) {
+      const double kth = kth_best();
+      std::vector<const Candidate*> wave;
+      while (i < cands.size() && wave.size() < kWaveSize) {
+        const Candidate& c = cands[i++];
+        if (c.bound > kth) continue;
+        if (!done->insert(tie_key(c.layout)).second) continue;
+        wave.push_back(&c);
+      }
+      if (wave.empty()) continue;
+      evaluate_wave(wave, true);
+      unimproved = kth_best() < kth ? 0 : unimproved + int64_t(wave.size());
+      if (patience > 0 && unimproved >= patience) return i;
+    }
+    return cands.size();
+  }
+
   // Scores a wave of candidates in parallel: one task per group of candidates that share
   // schedules (so that each schedule is balanced once), results merged in the wave's order.
   // With `prune` (and an incumbent), a candidate is balanced and bounded one batch at a
@@ -1336,7 +1542,7 @@ class Search {
         Outcome& o = out[j];
         std::vector<double> first(static_cast<size_t>(B), 0.0);
         if (bound) {
-          for (int64_t b = 0; b < B; ++b) first[size_t(b)] = batch_bound(ctx_, l, b);
+          for (int64_t b = 0; b < B; ++b) first[size_t(b)] = batch_key(ctx_, l, b);
         }
         std::vector<BinSums> sums;
         double done = 0;  // replica bounds of the batches scheduled so far
@@ -1417,7 +1623,7 @@ class Search {
 
   void insert(const Candidate& c, LayoutScore score) {
     ++stats_.num_simulated;
-    score.lower_bound_s = ctx_.o.strategy == PlanStrategy::MeanShapeReference ? 0.0 : c.bound;
+    score.lower_bound_s = ctx_.o.strategy == PlanStrategy::MeanShapeReference ? 0.0 : c.lower_bound;
     if (ctx_.o.strategy == PlanStrategy::MeanShapeReference) score.estimate_s = c.bound;
     best_.push_back(std::move(score));
     // The reference keeps its own ranking (by its estimate: candidates arrive in that
@@ -1430,45 +1636,49 @@ class Search {
     if (int64_t(best_.size()) > ctx_.o.top_k) best_.pop_back();
   }
 
-  // Offers a candidate to the current pass.
-  void offer(double bound, const Layout& l) {
-    if (!collect_all_) ++stats_.num_bounded;
-    if (keep(bound)) add(bound, l);
-  }
-
-  // Whether the current pass may keep a candidate with this bound (false: it would not).
-  bool keep(double bound) const {
-    if (collect_all_) return bound <= threshold_;
-    if (!phase_one_heap()) return true;
-    return cands_.size() < heap_size() || bound <= cands_.front().bound;
-  }
-  bool phase_one_heap() const {
-    return ctx_.o.prune && ctx_.o.strategy != PlanStrategy::MeanShapeReference && !collect_all_;
-  }
-  size_t heap_size() const { return size_t(std::max<int64_t>(4 * ctx_.o.top_k, 32)); }
-
-  void add(double bound, const Layout& l) {
-    if (!phase_one_heap()) {
-      cands_.push_back({bound, l});
+  // Offers a candidate to the current pass: All keeps it; Incumbent keeps the heap_size()
+  // first in evaluation order; Collect keeps, of those whose key can beat the threshold
+  // and which come after the floor (evaluated in an earlier round), the collect_size()
+  // first in evaluation order (overflowed_: some were dropped for a later round).
+  void consider(double key, double lower_bound, double order, const Layout& l) {
+    if (counting()) ++stats_.num_bounded;
+    Candidate c{key, lower_bound, order, l};
+    if (pass_ == Pass::All) {
+      cands_.push_back(std::move(c));
       return;
     }
-    // Phase 1: keep the lowest bounds in a bounded max-heap.
-    Candidate c{bound, l};
-    if (cands_.size() < heap_size()) {
+    if (pass_ == Pass::Collect) {
+      if (key > threshold_ || (floor_ != nullptr && !order_less(*floor_, c))) return;
+    }
+    const size_t cap = pass_ == Pass::Incumbent ? heap_size() : collect_size();
+    if (cands_.size() < cap) {
       cands_.push_back(std::move(c));
-      std::push_heap(cands_.begin(), cands_.end(), candidate_less);
-    } else if (candidate_less(c, cands_.front())) {
-      std::pop_heap(cands_.begin(), cands_.end(), candidate_less);
+      std::push_heap(cands_.begin(), cands_.end(), order_less);
+    } else if (order_less(c, cands_.front())) {
+      std::pop_heap(cands_.begin(), cands_.end(), order_less);
       cands_.back() = std::move(c);
-      std::push_heap(cands_.begin(), cands_.end(), candidate_less);
+      std::push_heap(cands_.begin(), cands_.end(), order_less);
+      overflowed_ = true;
+    } else {
+      overflowed_ = true;
     }
   }
+  // Whether a candidate ordered `order` (or later) may still enter the current pass.
+  bool admits(double order) const {
+    if (pass_ == Pass::All) return true;
+    const size_t cap = pass_ == Pass::Incumbent ? heap_size() : collect_size();
+    return cands_.size() < cap || order <= cands_.front().order;
+  }
+  // Statistics count what the first enumeration sees.
+  bool counting() const { return pass_ != Pass::Collect; }
+  size_t heap_size() const { return size_t(std::max<int64_t>(4 * ctx_.o.top_k, 32)); }
+  size_t collect_size() const { return size_t(std::max<int64_t>(4 * ctx_.o.patience, 4096)); }
 
   // Checks memory with the smallest possible bins; returns false (and counts) if over.
   bool fits(const Layout& l) { return fits(eval_.memory_lower_bound(l)); }
   bool fits(const Evaluator::Memory& mem) {
     if (mem.peak <= ctx_.c.gpu_memory_bytes) return true;
-    if (!collect_all_) ++stats_.num_memory_rejected;
+    if (counting()) ++stats_.num_memory_rejected;
     note_shortfall(mem);
     return false;
   }
@@ -1515,71 +1725,142 @@ class Search {
       l.encoder.layers_per_stage = {ctx_.enc.p->num_layers};
       for (int64_t m : microbatch_choices(d.dp)) {
         l.num_microbatches = m;
-        if (!collect_all_) ++stats_.num_candidates;
+        if (counting()) ++stats_.num_candidates;
         const double bound = colocated_bound(ctx_, l);
-        if (collect_all_ && bound > threshold_) continue;
+        if (pass_ == Pass::Collect && bound > threshold_) continue;
         if (!fits(l)) continue;
-        offer(bound, l);
+        consider(bound, bound, bound, l);
       }
     }
   }
 
-  void enumerate_disaggregated() {
+  // The encoder layouts on v GPUs and the LLM layouts on the other N - v.
+  void module_layouts(int64_t v, std::vector<ModuleLayout>* encs,
+                      std::vector<ModuleLayout>* llms) const {
     const int64_t N = ctx_.c.num_gpus;
     const bool balanced = ctx_.o.balanced_layer_split;
-    const bool reference = ctx_.o.strategy == PlanStrategy::MeanShapeReference;
+    for (const auto& [d, recompute] :
+         with_recompute(module_degrees(ctx_.c, *ctx_.enc.p, v, 0, max_tp()))) {
+      encs->push_back(make_module(ctx_.enc, d, 0, balanced, ctx_));
+      encs->back().recompute = recompute;
+    }
+    if (encs->empty()) return;
+    for (const auto& [d, recompute] :
+         with_recompute(module_degrees(ctx_.c, *ctx_.llm.p, N - v, v, max_tp()))) {
+      llms->push_back(make_module(ctx_.llm, d, v, balanced, ctx_));
+      llms->back().recompute = recompute;
+    }
+  }
+
+  // Prune mode: the disaggregated candidates grouped in blocks of one encoder GPU count v
+  // and one microbatch count m, each with lower bounds of its candidates' keys and orders
+  // (from the per-module minima of their terms) and its size, sorted by order. Blocks whose
+  // order bound cannot enter a full pass, or whose key bound exceeds the threshold, are
+  // never enumerated pair by pair.
+  struct Block {
+    double order, key;
+    int64_t v, m;
+  };
+  void build_blocks() {
+    blocks_.clear();
+    if (ctx_.o.strategy != PlanStrategy::DataAware) return;
+    const int64_t N = ctx_.c.num_gpus;
+    const double links = 2.0 * ctx_.c.link_latency_s;  // the fewest stages: one each
     for (int64_t v = 1; v < N; ++v) {
       std::vector<ModuleLayout> encs, llms;
-      for (const auto& [d, recompute] :
-           with_recompute(module_degrees(ctx_.c, *ctx_.enc.p, v, 0, max_tp()))) {
-        encs.push_back(make_module(ctx_.enc, d, 0, balanced, ctx_));
-        encs.back().recompute = recompute;
-      }
-      if (encs.empty()) continue;
-      for (const auto& [d, recompute] :
-           with_recompute(module_degrees(ctx_.c, *ctx_.llm.p, N - v, v, max_tp()))) {
-        llms.push_back(make_module(ctx_.llm, d, v, balanced, ctx_));
-        llms.back().recompute = recompute;
-      }
-      // Everything here is per module (and m): the bounds, and the memory lower bound's
-      // two parts; a Layout is built only for candidates that are kept.
-      std::map<std::pair<size_t, int64_t>, double> enc_bounds;  // (encoder, m)
-      Layout l;
+      module_layouts(v, &encs, &llms);
+      if (encs.empty() || llms.empty()) continue;
+      std::map<int64_t, std::pair<double, PathPart>> llm_min;  // m -> minima; count below
+      std::map<int64_t, int64_t> llm_count;
       for (const ModuleLayout& g : llms) {
-        const std::vector<int64_t> ms = microbatch_choices(g.dp);
-        for (int64_t m : ms) {
-          const double llm_bound = reference ? 0.0 : module_bound(ctx_, ctx_.llm, g, m, false, 0.0);
-          const double llm_tokens = eval_.llm_tokens_lower_bound(m, g.dp);
-          const Evaluator::Memory llm_mem = eval_.llm_memory(g, false, m, llm_tokens, 0.0);
-          for (size_t ei = 0; ei < encs.size(); ++ei) {
-            const ModuleLayout& e = encs[ei];
-            if (!collect_all_) ++stats_.num_candidates;
-            double bound = 0;
-            if (reference) {
-              l.encoder = e;
-              l.llm = g;
-              l.num_microbatches = m;
-              bound = eval_.mean_shape_estimate(l);
-            } else {
-              auto it = enc_bounds.find({ei, m});
-              if (it == enc_bounds.end()) {
-                const double eb = module_bound(ctx_, ctx_.enc, e, m, true, 0.0);
-                it = enc_bounds.emplace(std::make_pair(ei, m), eb).first;
-              }
-              bound = std::max(llm_bound, it->second);
-              if (collect_all_ && bound > threshold_) continue;
-            }
-            const double enc_tokens = eval_.enc_tokens_lower_bound(m, g.dp, false, e.dp);
-            if (!fits(eval_.combine(eval_.encoder_memory(e, g.pp, m, enc_tokens), llm_mem))) {
-              continue;
-            }
-            if (!collect_all_) ++stats_.num_bounded;
-            if (!keep(bound)) continue;
+        for (int64_t m : microbatch_choices(g.dp)) {
+          const double busy = module_bound(ctx_, ctx_.llm, g, m, false, 0.0);
+          const PathPart part = module_path_mean(ctx_, ctx_.llm, g, m, false);
+          auto [it, fresh] = llm_min.try_emplace(m, busy, part);
+          if (!fresh)
+            it->second = {std::min(it->second.first, busy), min_parts(it->second.second, part)};
+          ++llm_count[m];
+        }
+      }
+      for (const auto& [m, llm] : llm_min) {
+        double enc_busy = kInf;
+        PathPart enc;
+        for (size_t ei = 0; ei < encs.size(); ++ei) {
+          const double busy = module_bound(ctx_, ctx_.enc, encs[ei], m, true, 0.0);
+          const PathPart part = module_path_mean(ctx_, ctx_.enc, encs[ei], m, true);
+          enc_busy = std::min(enc_busy, busy);
+          enc = ei == 0 ? part : min_parts(enc, part);
+        }
+        const Keys k = candidate_keys(ctx_, enc_busy, enc, llm.first, llm.second, links, m);
+        blocks_.push_back({k.order, k.key, v, m});
+        stats_.num_candidates += int64_t(encs.size()) * llm_count[m];
+      }
+    }
+    std::sort(blocks_.begin(), blocks_.end(), [](const Block& a, const Block& b) {
+      return std::tie(a.order, a.v, a.m) < std::tie(b.order, b.v, b.m);
+    });
+  }
+
+  void enumerate_disaggregated() {
+    if (pass_ == Pass::All) {
+      for (int64_t v = 1; v < ctx_.c.num_gpus; ++v) enumerate_block(v, 0);
+      return;
+    }
+    for (const Block& b : blocks_) {
+      if (!admits(b.order)) break;  // later blocks come later in order still
+      if (pass_ == Pass::Collect && b.key > threshold_) continue;
+      enumerate_block(b.v, b.m);
+    }
+  }
+
+  // The candidates with v encoder GPUs and m microbatches (m = 0: every m).
+  void enumerate_block(int64_t v, int64_t only_m) {
+    const bool reference = ctx_.o.strategy == PlanStrategy::MeanShapeReference;
+    std::vector<ModuleLayout> encs, llms;
+    module_layouts(v, &encs, &llms);
+    if (encs.empty()) return;
+    // Everything here is per module (and m): the bounds, and the memory lower bound's two
+    // parts; a Layout is built only for candidates that are kept.
+    std::map<std::pair<size_t, int64_t>, std::pair<double, PathPart>> enc_terms;  // (e, m)
+    Layout l;
+    for (const ModuleLayout& g : llms) {
+      for (int64_t m : microbatch_choices(g.dp)) {
+        if (only_m != 0 && m != only_m) continue;
+        const double llm_busy = reference ? 0.0 : module_bound(ctx_, ctx_.llm, g, m, false, 0.0);
+        const PathPart llm_part =
+            reference ? PathPart{} : module_path_mean(ctx_, ctx_.llm, g, m, false);
+        const double llm_tokens = eval_.llm_tokens_lower_bound(m, g.dp);
+        const Evaluator::Memory llm_mem = eval_.llm_memory(g, false, m, llm_tokens, 0.0);
+        for (size_t ei = 0; ei < encs.size(); ++ei) {
+          const ModuleLayout& e = encs[ei];
+          if (pass_ == Pass::All) ++stats_.num_candidates;
+          Keys k{};
+          if (reference) {
             l.encoder = e;
             l.llm = g;
             l.num_microbatches = m;
-            add(bound, l);
+            k.bound = k.key = k.order = eval_.mean_shape_estimate(l);
+          } else {
+            auto it = enc_terms.find({ei, m});
+            if (it == enc_terms.end()) {
+              const double busy = module_bound(ctx_, ctx_.enc, e, m, true, 0.0);
+              const PathPart part = module_path_mean(ctx_, ctx_.enc, e, m, true);
+              it = enc_terms.emplace(std::make_pair(ei, m), std::make_pair(busy, part)).first;
+            }
+            const double links = 2.0 * double(e.pp + g.pp - 1) * ctx_.c.link_latency_s;
+            k = candidate_keys(ctx_, it->second.first, it->second.second, llm_busy, llm_part, links,
+                               m);
+            if (pass_ == Pass::Collect && k.key > threshold_) continue;
+            if (!admits(k.order)) continue;
           }
+          const double enc_tokens = eval_.enc_tokens_lower_bound(m, g.dp, false, e.dp);
+          if (!fits(eval_.combine(eval_.encoder_memory(e, g.pp, m, enc_tokens), llm_mem))) {
+            continue;
+          }
+          l.encoder = e;
+          l.llm = g;
+          l.num_microbatches = m;
+          consider(k.key, k.bound, k.order, l);
         }
       }
     }
@@ -1600,8 +1881,14 @@ class Search {
   std::vector<LayoutScore> best_;
   PlannerStats stats_;
   MemoryShortfall shortfall_;
+  // The pass enumerate() feeds (consider()): every candidate, the incumbent's, or a
+  // collection round of the pruned search.
+  enum class Pass { All, Incumbent, Collect };
+  Pass pass_ = Pass::All;
+  std::vector<Block> blocks_;
   double threshold_ = kInf;
-  bool collect_all_ = false;
+  const Candidate* floor_ = nullptr;
+  bool overflowed_ = false;
   int64_t exact_rejected_ = 0;
   std::map<CacheKey, std::vector<int64_t>> schedule_cache_;
   std::deque<CacheKey> cache_order_;
@@ -1723,6 +2010,9 @@ void validate_planner_input(const ClusterParams& c, const ModuleParams& enc,
   require(int(o.strategy) >= 0 && int(o.strategy) <= 2, "strategy is not a PlanStrategy");
   require(int(o.encoder_split) >= 0 && int(o.encoder_split) <= 2,
           "encoder_split is not an EncoderSplit");
+  require(std::isfinite(o.screen_factor) && o.screen_factor >= 0.0 && o.screen_factor <= 1.0,
+          "screen_factor must be in [0, 1], got " + fmt(o.screen_factor));
+  require(o.patience >= 0, "patience must be >= 0, got " + std::to_string(o.patience));
   for (size_t i = 0; i < o.microbatch_choices.size(); ++i) {
     require(o.microbatch_choices[i] >= 1, "microbatch_choices[" + std::to_string(i) +
                                               "] must be >= 1, got " +
@@ -1773,10 +2063,9 @@ LayoutScore evaluate_layout(const ClusterParams& c, const ModuleParams& enc,
                      (mem.encoder ? "encoder" : "LLM") + " stage " + std::to_string(mem.stage) +
                      ", more than gpu_memory_bytes = " + fmt(c.gpu_memory_bytes / 1e9) + " GB");
   }
-  score.lower_bound_s =
-      l.colocated ? colocated_bound(ctx, l)
-                  : std::max(module_bound(ctx, ctx.llm, l.llm, l.num_microbatches, false, 0.0),
-                             module_bound(ctx, ctx.enc, l.encoder, l.num_microbatches, true, 0.0));
+  double bound = 0;
+  for (int64_t b = 0; b < x.num_batches; ++b) bound += batch_bound(ctx, l, b);
+  score.lower_bound_s = bound / double(x.num_batches);
   return score;
 }
 

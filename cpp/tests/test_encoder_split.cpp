@@ -71,7 +71,7 @@ TEST_CASE(hand_computed_split) {
   CHECK_EQ(s.sample, (Ints{0, 1, 1}));
   CHECK_EQ(s.first_unit, (Ints{0, 0, 4}));
   CHECK_EQ(s.num_units, (Ints{3, 4, 1}));
-  CHECK_EQ(s.replica, (Ints{1, 0, 1}));
+  CHECK_EQ(s.replica, (Ints{0, 1, 0}));
   CHECK_EQ(s.replica_units, (Ints{4, 4}));
   CHECK_EQ(s.makespan, 4.0);
   // A 32-frame video alone over 3 replicas: 11 + 11 + 10 frames.

@@ -243,6 +243,39 @@ TEST_CASE(validation_names_the_problem) {
   p = make_problem(8);
   p.cluster.num_gpus = 1;
   CHECK_THROWS_AS(run(p), dflop::InvalidArgument);
+  p = make_problem(8);
+  p.options.screen_factor = 1.5;
+  CHECK_THROWS_WITH(run(p), dflop::InvalidArgument, "screen_factor");
+  p = make_problem(8);
+  p.options.patience = -1;
+  CHECK_THROWS_WITH(run(p), dflop::InvalidArgument, "patience");
+  p = make_problem(8);
+  p.samples.encoder_units[5] = 0;  // encoder time without units
+  CHECK_THROWS_WITH(run(p), dflop::InvalidArgument, "encoder_units[5]=0");
+}
+
+// Screening off, patience off, and the exhaustive search give the same layouts; screening
+// and patience on keep every candidate's key above its lower bound.
+TEST_CASE(screening_and_patience_keep_the_best) {
+  for (int64_t gpus : {8, 12}) {
+    Problem p = make_problem(gpus);
+    p.options.prune = false;
+    const auto full = run(p);
+    p.options.prune = true;
+    for (double screen : {0.0, 0.9}) {
+      for (int64_t patience : {0, 1000}) {
+        p.options.screen_factor = screen;
+        p.options.patience = patience;
+        const auto got = run(p);
+        CHECK_EQ(got.best.size(), full.best.size());
+        CHECK(!got.stats.stopped_by_patience);
+        CHECK_EQ(got.stats.num_unexplored, 0);
+        for (size_t i = 0; i < got.best.size() && i < full.best.size(); ++i) {
+          CHECK_EQ(got.best[i].mean_step_time_s, full.best[i].mean_step_time_s);
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -13,8 +13,9 @@
 // Unit granularity (the default):
 // 1. Target M: the smallest capacity at which "next fit" (units in canonical order:
 //    samples by unit cost descending, then index; each replica filled up to M before the
-//    next is opened) places every unit. With equal unit costs c this is c * ceil(U / R),
-//    the optimum; in general it is below max(total / R, largest unit) + largest unit.
+//    next is opened) places every unit; below max(total / R, largest unit) + largest unit.
+//    With equal unit costs c (up to rounding: the usual case) it is c * ceil(U / R), the
+//    optimum, and steps 1-3 run in whole units, exactly.
 //    If plain LPT of whole samples already reaches M, it is the split (no piece is cut),
 //    so the unit split is never worse than whole-sample LPT.
 // 2. Whole samples first, costliest first, each onto the fullest replica it still fits in

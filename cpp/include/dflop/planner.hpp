@@ -152,6 +152,21 @@ struct PlannerOptions {
   // balanced schedule. dflop's runtime does not execute them, so plans for training leave
   // this off; it shows what colocation would be worth.
   bool colocated_candidates = false;
+  // Screening (prune only): a disaggregated candidate is also skipped once screen_factor x
+  // its uniform estimate (the 1F1B step of m identical mean microbatches: fill, steady
+  // state, drain; not a bound: uneven microbatches can beat it, rarely by much) exceeds
+  // the k-th best. 0: lower bounds only, the result equals prune = false. The estimate
+  // sees pipeline fill and drain, which no schedule-free lower bound can, and keeps
+  // planning near-linear in the cluster size.
+  double screen_factor = 0.9;
+  // Pruned search: stop once this many candidates in a row (times 2,048 / global_batch when
+  // the batch is smaller: cheaper schedules) were scheduled (balanced and bounded or
+  // scored) without improving the k-th best; what is left unscheduled is counted in
+  // PlannerStats::num_unexplored. Candidates are taken in the order of an estimate that
+  // ranks the best early in practice; small clusters are searched to the end, while on
+  // thousands of GPUs, where the near-best plateau holds many thousands of layouts within
+  // a few percent of each other, it keeps planning near-linear. 0: no limit.
+  int64_t patience = 1000;
 };
 
 struct ModuleLayout {
@@ -208,6 +223,8 @@ struct PlannerStats {
   int64_t num_scheduled = 0;              // schedules built or reused (the second bound or a score)
   int64_t num_balanced = 0;               // layouts balanced (the others reused their schedules)
   int64_t num_pruned_after_schedule = 0;  // of num_pruned: by the replica bound
+  bool stopped_by_patience = false;       // PlannerOptions::patience ended the search
+  int64_t num_unexplored = 0;  // then: candidates whose key could still beat the k-th best
 };
 
 // Smallest memory need found when no layout fits, for the error message.

@@ -276,6 +276,11 @@ class PlannerConfig:
             The last two are ablations: plans for training use "unit".
         forward_fraction: the forward share of a stage's time, (encoder, LLM): 1/3 by
             the FLOP count; a calibration run (``dflop plan --local``) measures it.
+        screen_factor: prune also by this fraction of a schedule-free estimate of the step
+            (0: lower bounds only: the result equals the exhaustive search).
+        patience: stop the pruned search once this many candidates in a row (more for
+            batches under 2,048 samples) were scheduled without improving the k-th best
+            (0: none); Plan.stats reports ``stopped_by_patience`` and ``num_unexplored``.
         colocated_candidates: also score colocated layouts (the encoder inside the first
             LLM stage, Megatron-style) with dflop's balanced schedule. dflop's runtime runs
             the encoder and the LLM on disjoint ranks and cannot execute them, so a plan
@@ -297,6 +302,8 @@ class PlannerConfig:
     num_threads: int | None = None
     encoder_split: str = "unit"
     colocated_candidates: bool = False
+    screen_factor: float = 0.9
+    patience: int = 1000
     forward_fraction: tuple[float, float] = (1.0 / 3.0, 1.0 / 3.0)
 
     def __post_init__(self) -> None:
@@ -310,6 +317,12 @@ class PlannerConfig:
         if self.microbatch_choices is not None:
             for k, m in enumerate(self.microbatch_choices):
                 _check_int("PlannerConfig", f"microbatch_choices[{k}]", m, 1)
+        _check_number("PlannerConfig", "screen_factor", self.screen_factor, positive=False)
+        if self.screen_factor > 1.0:
+            raise ValueError(
+                f"PlannerConfig.screen_factor={self.screen_factor!r} must be in [0, 1]"
+            )
+        _check_int("PlannerConfig", "patience", self.patience, 0)
         fractions = tuple(self.forward_fraction)
         if len(fractions) != 2 or not all(
             isinstance(f, (int, float)) and 0.0 <= f <= 1.0 for f in fractions

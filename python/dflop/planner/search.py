@@ -229,6 +229,8 @@ def _options(config: PlannerConfig, strategy: str, global_batch: int, top_k: int
         "num_threads": config.num_threads or 0,
         "encoder_split": config.encoder_split,
         "colocated_candidates": config.colocated_candidates,
+        "screen_factor": config.screen_factor,
+        "patience": config.patience,
     }
 
 
