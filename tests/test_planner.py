@@ -115,6 +115,22 @@ def test_disaggregated_layout_on_large_encoder() -> None:
     assert best.llm.first_rank == best.encoder.num_gpus
 
 
+def test_encoder_restrictions_are_obeyed_and_validated() -> None:
+    free = _plan(16)
+    fixed = _plan(16, config=replace(FAST, encoder_gpus=(2, 4), encoder_max_tp=1))
+    assert fixed.layouts
+    for lp in fixed.layouts:
+        assert lp.encoder.num_gpus in (2, 4) and lp.encoder.tp == 1
+    # A restriction can only narrow the search.
+    assert fixed.best.prediction.step_time_s >= free.best.prediction.step_time_s
+    with pytest.raises(ValueError, match=r"PlannerConfig.encoder_gpus\[1\]"):
+        PlannerConfig(encoder_gpus=(2, 0))
+    with pytest.raises(ValueError, match="PlannerConfig.encoder_max_tp"):
+        PlannerConfig(encoder_max_tp=0)
+    with pytest.raises(ValueError, match=r"encoder_gpu_choices\[0\] must be in \[1, num_gpus\)"):
+        _plan(16, config=replace(FAST, encoder_gpus=(16,)))
+
+
 def test_data_blind_baseline_pads_encoder_heads() -> None:
     # InternViT-6B has 25 heads: a colocated layout at tp > 1 needs padded heads (as NVLM
     # does in Megatron-LM); without them only tp = 1 exists and a 32B LLM does not fit.

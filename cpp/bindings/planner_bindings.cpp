@@ -111,6 +111,8 @@ PlannerOptions to_options(const py::dict& d) {
   get_opt(d, "colocated_candidates", &o.colocated_candidates);
   get_opt(d, "screen_factor", &o.screen_factor);
   get_opt(d, "patience", &o.patience);
+  get_opt(d, "encoder_max_tp", &o.encoder_max_tp);
+  get_opt(d, "encoder_gpu_choices", &o.encoder_gpu_choices);
   std::string split = "unit";
   get_opt(d, "encoder_split", &split);
   if (split == "unit") {

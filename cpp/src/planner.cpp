@@ -1707,6 +1707,13 @@ class Search {
   int64_t max_tp() const {
     return ctx_.o.max_tp > 0 ? std::min(ctx_.o.max_tp, ctx_.c.gpus_per_node) : ctx_.c.gpus_per_node;
   }
+  int64_t encoder_max_tp() const {
+    return ctx_.o.encoder_max_tp > 0 ? std::min(ctx_.o.encoder_max_tp, max_tp()) : max_tp();
+  }
+  bool encoder_gpus_allowed(int64_t v) const {
+    const auto& allowed = ctx_.o.encoder_gpu_choices;
+    return allowed.empty() || std::find(allowed.begin(), allowed.end(), v) != allowed.end();
+  }
 
   void enumerate_colocated() {
     const int64_t N = ctx_.c.num_gpus;
@@ -1739,8 +1746,9 @@ class Search {
                       std::vector<ModuleLayout>* llms) const {
     const int64_t N = ctx_.c.num_gpus;
     const bool balanced = ctx_.o.balanced_layer_split;
+    if (!encoder_gpus_allowed(v)) return;
     for (const auto& [d, recompute] :
-         with_recompute(module_degrees(ctx_.c, *ctx_.enc.p, v, 0, max_tp()))) {
+         with_recompute(module_degrees(ctx_.c, *ctx_.enc.p, v, 0, encoder_max_tp()))) {
       encs->push_back(make_module(ctx_.enc, d, 0, balanced, ctx_));
       encs->back().recompute = recompute;
     }
@@ -2013,6 +2021,13 @@ void validate_planner_input(const ClusterParams& c, const ModuleParams& enc,
   require(std::isfinite(o.screen_factor) && o.screen_factor >= 0.0 && o.screen_factor <= 1.0,
           "screen_factor must be in [0, 1], got " + fmt(o.screen_factor));
   require(o.patience >= 0, "patience must be >= 0, got " + std::to_string(o.patience));
+  require(o.encoder_max_tp >= 0,
+          "encoder_max_tp must be >= 0, got " + std::to_string(o.encoder_max_tp));
+  for (size_t i = 0; i < o.encoder_gpu_choices.size(); ++i) {
+    require(o.encoder_gpu_choices[i] >= 1 && o.encoder_gpu_choices[i] < c.num_gpus,
+            "encoder_gpu_choices[" + std::to_string(i) + "] must be in [1, num_gpus), got " +
+                std::to_string(o.encoder_gpu_choices[i]));
+  }
   for (size_t i = 0; i < o.microbatch_choices.size(); ++i) {
     require(o.microbatch_choices[i] >= 1, "microbatch_choices[" + std::to_string(i) +
                                               "] must be >= 1, got " +

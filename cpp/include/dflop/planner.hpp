@@ -167,6 +167,10 @@ struct PlannerOptions {
   // thousands of GPUs, where the near-best plateau holds many thousands of layouts within
   // a few percent of each other, it keeps planning near-linear. 0: no limit.
   int64_t patience = 1000;
+  // Restrictions of the disaggregated layouts (analyses, or a deployment's constraints):
+  // the encoder's largest tp (0: max_tp) and its allowed GPU counts (empty: any).
+  int64_t encoder_max_tp = 0;
+  std::vector<int64_t> encoder_gpu_choices;
 };
 
 struct ModuleLayout {

@@ -281,6 +281,9 @@ class PlannerConfig:
         patience: stop the pruned search once this many candidates in a row (more for
             batches under 2,048 samples) were scheduled without improving the k-th best
             (0: none); Plan.stats reports ``stopped_by_patience`` and ``num_unexplored``.
+        encoder_max_tp: the encoder's largest tp (None: max_tp).
+        encoder_gpus: allowed encoder GPU counts of disaggregated layouts (None: any),
+            e.g. to compare ratios or to fit a deployment.
         colocated_candidates: also score colocated layouts (the encoder inside the first
             LLM stage, Megatron-style) with dflop's balanced schedule. dflop's runtime runs
             the encoder and the LLM on disjoint ranks and cannot execute them, so a plan
@@ -304,6 +307,8 @@ class PlannerConfig:
     colocated_candidates: bool = False
     screen_factor: float = 0.9
     patience: int = 1000
+    encoder_max_tp: int | None = None
+    encoder_gpus: tuple[int, ...] | None = None
     forward_fraction: tuple[float, float] = (1.0 / 3.0, 1.0 / 3.0)
 
     def __post_init__(self) -> None:
@@ -323,6 +328,11 @@ class PlannerConfig:
                 f"PlannerConfig.screen_factor={self.screen_factor!r} must be in [0, 1]"
             )
         _check_int("PlannerConfig", "patience", self.patience, 0)
+        if self.encoder_max_tp is not None:
+            _check_int("PlannerConfig", "encoder_max_tp", self.encoder_max_tp, 1)
+        if self.encoder_gpus is not None:
+            for k, v in enumerate(self.encoder_gpus):
+                _check_int("PlannerConfig", f"encoder_gpus[{k}]", v, 1)
         fractions = tuple(self.forward_fraction)
         if len(fractions) != 2 or not all(
             isinstance(f, (int, float)) and 0.0 <= f <= 1.0 for f in fractions

@@ -231,6 +231,8 @@ def _options(config: PlannerConfig, strategy: str, global_batch: int, top_k: int
         "colocated_candidates": config.colocated_candidates,
         "screen_factor": config.screen_factor,
         "patience": config.patience,
+        "encoder_max_tp": config.encoder_max_tp or 0,
+        "encoder_gpu_choices": list(config.encoder_gpus or []),
     }
 
 
