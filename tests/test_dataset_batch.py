@@ -4,6 +4,7 @@ the requested samples, and a pipelined step on them equal to a single-process ru
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -294,12 +295,21 @@ BATCH_IDS = ["single-0", "multi-2", "video-frames", "text-1", "single-9", "text-
 ASSIGNMENT = [0, 1, 0, 1, 1, 0]
 
 
-def _global_batch() -> DatasetBatch:
+# DecoderConfig.image_newline: a per-sample row after all of a sample's units (here after
+# the last image of "multi-2" and the last frame of "video-frames").
+NEWLINE_CONFIG = dataclasses.replace(
+    CONFIG, decoder=dataclasses.replace(CONFIG.decoder, image_newline=True)
+)
+
+
+def _global_batch(config=CONFIG) -> DatasetBatch:
     recs = _by_id(_records().records)
-    return DatasetBatch([recs[k] for k in BATCH_IDS], CONFIG, SCALER)
+    return DatasetBatch([recs[k] for k in BATCH_IDS], config, ShapeScaler.for_model(config))
 
 
-def _step_plan(batch: DatasetBatch, encoder_dp: int) -> tuple[RuntimeLayout, StepPlan]:
+def _step_plan(
+    batch: DatasetBatch, encoder_dp: int, config=CONFIG
+) -> tuple[RuntimeLayout, StepPlan]:
     layout = RuntimeLayout.simple(
         encoder_dp=encoder_dp,
         encoder_layers=CONFIG.vision.layers,
@@ -310,15 +320,22 @@ def _step_plan(batch: DatasetBatch, encoder_dp: int) -> tuple[RuntimeLayout, Ste
     shapes = batch.shapes
     costs = np.stack([shapes.encoder_tokens, shapes.seq_len], axis=1).astype(float)
     schedule = schedule_from_assignment(costs, ASSIGNMENT, 2, 1, microbatch_dims=[0])
-    plan = StepPlan.build(schedule, shapes, layout, batch.target_tokens(), tokens_per_unit=TPU)
+    plan = StepPlan.build(
+        schedule,
+        shapes,
+        layout,
+        batch.target_tokens(),
+        tokens_per_unit=TPU,
+        visual_newline=config.decoder.image_newline,
+    )
     return layout, plan
 
 
-def _rank_step(rank: int, world_size: int, encoder_dp: int):
-    batch = _global_batch()  # every rank builds it from the same records
-    layout, plan = _step_plan(batch, encoder_dp)
+def _rank_step(rank: int, world_size: int, encoder_dp: int, config=CONFIG):
+    batch = _global_batch(config)  # every rank builds it from the same records
+    layout, plan = _step_plan(batch, encoder_dp, config)
     topology = Topology.create(layout, rank)
-    stage = build_stage(CONFIG, topology.info, seed=MODEL_SEED)
+    stage = build_stage(config, topology.info, seed=MODEL_SEED)
     result = PipelineEngine(topology, stage).run_step(plan, batch)
     prefix = "vision." if topology.info.module == "encoder" else "decoder."
     grads = {
@@ -327,19 +344,23 @@ def _rank_step(rank: int, world_size: int, encoder_dp: int):
     return result.loss_sum, result.num_target_tokens, batch.stats, grads
 
 
-@pytest.mark.parametrize("encoder_dp", [1, 2])
-def test_pipelined_step_on_real_records_matches_single_process(encoder_dp):
+@pytest.mark.parametrize(
+    ("encoder_dp", "config"),
+    [(1, CONFIG), (2, CONFIG), (2, NEWLINE_CONFIG)],
+    ids=["dp1", "dp2", "dp2-image_newline"],
+)
+def test_pipelined_step_on_real_records_matches_single_process(encoder_dp, config):
     if encoder_dp > 1:  # the real tiles and frames of single samples are shared
-        _, plan = _step_plan(_global_batch(), encoder_dp)
+        _, plan = _step_plan(_global_batch(config), encoder_dp, config)
         assert any(
             np.unique(mb.split.sample_ids).size < mb.split.num_pieces for mb in plan.microbatches
         )
     results = spawn_local(
-        _rank_step, 1 + encoder_dp, args=(encoder_dp,), timeout_s=60.0, num_threads=1
+        _rank_step, 1 + encoder_dp, args=(encoder_dp, config), timeout_s=60.0, num_threads=1
     )
     torch.set_num_threads(1)
-    model = build_model("tiny", seed=MODEL_SEED)
-    batch = _global_batch()
+    model = build_model(config, seed=MODEL_SEED)
+    batch = _global_batch(config)
     sum_loss, num_targets = model(**batch.model_inputs(np.arange(len(BATCH_IDS))))
     (sum_loss / num_targets).backward()
     ref = {name: p.grad.numpy() for name, p in model.named_parameters()}

@@ -54,16 +54,17 @@ def _cu(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
 
 
-def _batch(units: list[int], text: list[int], seed: int = 0) -> dict:
+def _batch(units: list[int], text: list[int], seed: int = 0, config=TINY) -> dict:
     """A packed microbatch: sample i = [image placeholders of units[i] units] + text[i] tokens."""
     g = torch.Generator().manual_seed(seed)
     v = TINY.vision
-    lens = [u * TPU + t for u, t in zip(units, text)]
+    visual = [int(config.llm_visual_tokens(u)) for u in units]
+    lens = [n + t for n, t in zip(visual, text)]
     token_ids, mask = [], []
-    for u, t in zip(units, text):
-        token_ids.append(torch.zeros(u * TPU, dtype=torch.long))
+    for n, t in zip(visual, text):
+        token_ids.append(torch.zeros(n, dtype=torch.long))
         token_ids.append(torch.randint(1, TINY.decoder.vocab_size, (t,), generator=g))
-        mask += [True] * (u * TPU) + [False] * t
+        mask += [True] * n + [False] * t
     token_ids = torch.cat(token_ids)
     return {
         "pixel_values": torch.randn(
@@ -241,6 +242,44 @@ def test_text_only_microbatch(model):
     with torch.no_grad():
         sum_loss, count = model(**batch)
     assert count.item() == 7 and torch.isfinite(sum_loss)
+
+
+NEWLINE = dataclasses.replace(TINY, decoder=dataclasses.replace(TINY.decoder, image_newline=True))
+
+
+def test_image_newline_follows_each_visual_sample():
+    model = build_model(NEWLINE, seed=3)
+    units, text = [2, 0, 1], [4, 5, 3]
+    batch = _batch(units, text, config=NEWLINE)
+    assert int(batch["image_token_mask"].sum()) == 3 * TPU + 2  # one newline per visual sample
+    embeds = model.input_embeds(*(batch[k] for k in list(batch)[:5]))
+    # The newline row sits after the sample's last unit: the end of its placeholders.
+    for end in (2 * TPU, 5 + 4 + 1 * TPU + 1 + 2 * TPU):
+        assert_close(embeds[end], model.decoder.image_newline.detach(), atol=0)
+    # Packed equals sample by sample (each sample's features get their own newline).
+    cu, first_unit = batch["cu_seqlens"].tolist(), [0, 2, 2, 3]
+    with torch.no_grad():
+        packed, _ = model(**batch)
+        alone = 0.0
+        for i, u in enumerate(units):
+            t0, t1 = cu[i], cu[i + 1]
+            one = {k: batch[k][t0:t1] for k in ("token_ids", "image_token_mask", "labels")}
+            pixels = batch["pixel_values"][first_unit[i] : first_unit[i + 1]]
+            alone += model(pixels, torch.tensor([u]), cu_seqlens=_cu([t1 - t0]), **one)[0]
+    assert_close(packed, alone, atol=1e-4)
+    sum_loss, count = model(**batch)
+    (sum_loss / count).backward()
+    assert model.decoder.image_newline.grad.abs().sum() > 0
+    assert model.vision.get_parameter("projector.linear_1.weight").grad.abs().sum() > 0
+    # A batch laid out without the newline is refused, naming it.
+    with pytest.raises(ValueError, match=r"2 units x 16 tokens per unit \+ 1 newline = 33"):
+        model(**_batch(units, text))
+    meta = build_model(NEWLINE, device="meta")
+    assert sum(p.numel() for p in meta.parameters()) == NEWLINE.num_parameters()
+    assert NEWLINE.num_parameters() == TINY.num_parameters() + TINY.decoder.hidden
+    assert ModelConfig.from_dict(NEWLINE.to_dict()) == NEWLINE
+    with pytest.raises(ValueError, match="no image_newline"):
+        build_model("tiny").decoder.append_visual_newlines(torch.zeros(2, 64), [2])
 
 
 # ----------------------------------------------------------------------------- stages

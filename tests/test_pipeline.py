@@ -46,12 +46,20 @@ LAYOUT_B = dict(llm_dp=2, num_microbatches=2)
 ASSIGN_B = [0, 0, 2, 3, 1, 1, 3, 1]
 
 
-def _shapes() -> SampleShapes:
+# The same model with DecoderConfig.image_newline: a per-sample operation over all of a
+# sample's units, which runs on the LLM's first stage after the units' features arrive from
+# every encoder replica.
+NEWLINE_CONFIG = dataclasses.replace(
+    CONFIG, decoder=dataclasses.replace(CONFIG.decoder, image_newline=True)
+)
+
+
+def _shapes(config=CONFIG) -> SampleShapes:
     modality = np.where(UNITS > 0, Modality.IMAGE, Modality.TEXT).astype(np.int8)
     return SampleShapes(
         encoder_units=UNITS.copy(),
         tokens_per_unit=np.where(UNITS > 0, TPU, 0),
-        llm_visual_tokens=UNITS * TPU,
+        llm_visual_tokens=config.llm_visual_tokens(UNITS),
         text_tokens=TEXT.copy(),
         modality=modality,
     )
@@ -66,16 +74,23 @@ def _layout(spec: dict) -> RuntimeLayout:
     )
 
 
-def _step_inputs(spec: dict, assignment: list[int]):
+def _step_inputs(spec: dict, assignment: list[int], config=CONFIG):
     """(layout, plan, batch): what every rank derives on its own, identically."""
     layout = _layout(spec)
-    shapes = _shapes()
+    shapes = _shapes(config)
     costs = np.stack([shapes.encoder_tokens, shapes.seq_len], axis=1).astype(float)
     schedule = schedule_from_assignment(
         costs, assignment, layout.num_microbatches, layout.llm.dp, microbatch_dims=[0]
     )
-    batch = SyntheticBatch(shapes, CONFIG, seed=DATA_SEED)
-    plan = StepPlan.build(schedule, shapes, layout, batch.target_tokens(), tokens_per_unit=TPU)
+    batch = SyntheticBatch(shapes, config, seed=DATA_SEED)
+    plan = StepPlan.build(
+        schedule,
+        shapes,
+        layout,
+        batch.target_tokens(),
+        tokens_per_unit=TPU,
+        visual_newline=config.decoder.image_newline,
+    )
     return layout, plan, batch
 
 
@@ -84,11 +99,17 @@ def _full_name(module: str, name: str) -> str:
 
 
 def _rank_step(
-    rank: int, world_size: int, spec: dict, assignment: list[int], debug: bool, tamper: bool
+    rank: int,
+    world_size: int,
+    spec: dict,
+    assignment: list[int],
+    debug: bool,
+    tamper: bool,
+    config=CONFIG,
 ):
     """One pipelined step on one rank; returns its losses, actions and gradients.
     ``tamper``: the second encoder stage's plan disagrees with the first's."""
-    layout, plan, batch = _step_inputs(spec, assignment)
+    layout, plan, batch = _step_inputs(spec, assignment, config)
     topology = Topology.create(layout, rank)
     info = topology.info
     if tamper and info.module == "encoder" and not info.is_first_stage:
@@ -98,7 +119,7 @@ def _rank_step(
         mb = dataclasses.replace(mb, encoder=(share, *mb.encoder[1:]))
         plan = dataclasses.replace(plan, microbatches=(mb, *plan.microbatches[1:]))
     stage = build_stage(
-        CONFIG,
+        config,
         info,
         seed=MODEL_SEED,
         tp_group=topology.tp_group,
@@ -126,19 +147,19 @@ def _rank_step(
     }
 
 
-def _reference():
+def _reference(config=CONFIG):
     """Loss sum, target count and gradients of one process on the whole batch."""
     torch.set_num_threads(1)
-    model = build_model(PRESET, seed=MODEL_SEED)
-    batch = SyntheticBatch(_shapes(), CONFIG, seed=DATA_SEED)
+    model = build_model(config, seed=MODEL_SEED)
+    batch = SyntheticBatch(_shapes(config), config, seed=DATA_SEED)
     sum_loss, num_targets = model(**batch.model_inputs(np.arange(len(UNITS))))
     (sum_loss / num_targets).backward()
     grads = {name: p.grad.numpy().copy() for name, p in model.named_parameters()}
     return sum_loss.item(), int(num_targets), grads
 
 
-def _check_against_reference(results: list[dict]) -> None:
-    ref_loss, ref_targets, ref_grads = _reference()
+def _check_against_reference(results: list[dict], config=CONFIG) -> None:
+    ref_loss, ref_targets, ref_grads = _reference(config)
     for r in results:
         assert r["actions"] == r["expected_actions"]
         assert r["num_target_tokens"] == ref_targets
@@ -175,8 +196,9 @@ LAYOUT_C = dict(encoder_dp=3, num_microbatches=5)
 ASSIGN_C = [0, 1, 2, 2, 0, 1, 4, 3]
 
 
-def test_encoder_dp3_shares_single_samples_units_and_matches_single_process():
-    layout, plan, _ = _step_inputs(LAYOUT_C, ASSIGN_C)
+@pytest.mark.parametrize("config", [CONFIG, NEWLINE_CONFIG], ids=["plain", "image_newline"])
+def test_encoder_dp3_shares_single_samples_units_and_matches_single_process(config):
+    layout, plan, _ = _step_inputs(LAYOUT_C, ASSIGN_C, config)
     mb0, mb1, mb2, mb3, mb4 = plan.microbatches
     assert sorted(s.units for s in mb0.encoder) == [1, 2, 2]
     assert mb0.split.num_pieces == 3  # two samples, the larger cut in two
@@ -189,11 +211,18 @@ def test_encoder_dp3_shares_single_samples_units_and_matches_single_process():
     results = spawn_local(
         _rank_step,
         layout.world_size,
-        args=(LAYOUT_C, ASSIGN_C, False, False),
+        args=(LAYOUT_C, ASSIGN_C, False, False, config),
         timeout_s=SPAWN_TIMEOUT_S,
         num_threads=1,
     )
-    _check_against_reference(results)
+    _check_against_reference(results, config)
+    if config.decoder.image_newline:  # trained on the LLM's first stage, and only there
+        (newline,) = [
+            r["grads"]["decoder.image_newline"]
+            for r in results
+            if "decoder.image_newline" in r["grads"]
+        ]
+        assert np.abs(newline).max() > 0
 
 
 def test_llm_dp2_matches_single_process():
@@ -334,3 +363,11 @@ def test_shape_scaler_conforms_shapes_to_the_model():
     assert scaled.encoder_units.max() <= 4 and scaled.text_tokens.max() <= 64
     assert ((scaled.encoder_units > 0) == (scaled.modality != Modality.TEXT)).all()
     SyntheticBatch(scaled, CONFIG)  # accepted as is
+    # The newline model's placeholders: one more per visual sample, and only for it.
+    newline = ShapeScaler.for_model(NEWLINE_CONFIG).scale(synthetic_shapes(64, seed=1))
+    assert (
+        newline.llm_visual_tokens == scaled.llm_visual_tokens + (scaled.encoder_units > 0)
+    ).all()
+    SyntheticBatch(newline, NEWLINE_CONFIG)
+    with pytest.raises(ValueError, match=r"x 16 tokens per unit \+ 1 newline of the model"):
+        SyntheticBatch(scaled, NEWLINE_CONFIG)

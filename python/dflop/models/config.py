@@ -147,6 +147,12 @@ class DecoderConfig:
 
     ``max_seq_len`` bounds the length of one packed sample (not the packed total).
     ``attention_bias`` adds biases to the q/k/v projections (as Qwen2 does).
+    ``image_newline`` appends a learned row (parameter ``image_newline`` of the stage that
+    holds the token embedding) after the visual features of every sample that has
+    units, as LLaVA-OneVision does after a video's frames: a per-sample operation that
+    spans the sample's units, so it runs where all of them are together (the first LLM
+    stage) and each visual sample takes ``units * tokens_per_unit + 1`` placeholders
+    (``ModelConfig.llm_visual_tokens``).
     """
 
     vocab_size: int
@@ -159,6 +165,7 @@ class DecoderConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     attention_bias: bool = False
+    image_newline: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -202,7 +209,8 @@ class DecoderConfig:
     def num_parameters(self) -> int:
         """Parameters of the whole decoder (embedding, blocks, final norm, head)."""
         embed_and_head = 2 * self.vocab_size * self.hidden
-        return embed_and_head + self.layers * self.params_per_layer() + self.hidden
+        newline = self.hidden if self.image_newline else 0
+        return embed_and_head + self.layers * self.params_per_layer() + self.hidden + newline
 
 
 @dataclass(frozen=True)
@@ -230,6 +238,15 @@ class ModelConfig:
                 f"ProjectorConfig.hidden={self.projector.hidden} must equal "
                 f"DecoderConfig.hidden={self.decoder.hidden}"
             )
+
+    def llm_visual_tokens(self, encoder_units: Any) -> Any:
+        """Placeholder positions the LLM gives a sample of ``encoder_units`` units (an int
+        or an integer array): ``units * tokens_per_unit``, plus one newline row per
+        visual sample with ``DecoderConfig.image_newline``."""
+        visual = encoder_units * self.vision.tokens_per_unit
+        if self.decoder.image_newline:
+            visual = visual + (encoder_units > 0) * 1
+        return visual
 
     def num_parameters(self) -> int:
         return (

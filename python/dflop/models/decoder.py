@@ -221,8 +221,10 @@ class DecoderBlock(nn.Module):
 class DecoderStage(nn.Module):
     """Blocks ``[first_layer, end_layer)`` of the decoder, for pipeline parallelism.
 
-    ``has_embed``: the stage owns the token embedding (``embed``); callers embed tokens
-    (and merge visual features) before ``forward``. ``has_head``: the stage owns the final
+    ``has_embed``: the stage owns the token embedding (``embed``) and, with
+    ``DecoderConfig.image_newline``, the ``image_newline`` row
+    (``append_visual_newlines``); callers embed tokens (and merge visual features) before
+    ``forward``. ``has_head``: the stage owns the final
     norm and output head; ``forward`` returns logits and ``loss`` is available. Otherwise
     ``forward`` maps hidden states ``[T, hidden]`` to hidden states ``[T, hidden]``.
     """
@@ -254,12 +256,17 @@ class DecoderStage(nn.Module):
         self.first_layer, self.end_layer = first_layer, end_layer
         self.has_embed, self.has_head = has_embed, has_head
         self.embed_tokens: nn.Embedding | None = None
+        self.image_newline: nn.Parameter | None = None
         self.norm: RMSNorm | None = None
         self.lm_head: nn.Linear | None = None
         if has_embed:
             self.embed_tokens = (
                 src.embed_tokens if src else embedding(config.vocab_size, config.hidden, **kw)
             )
+            if config.image_newline:
+                self.image_newline = (
+                    src.image_newline if src else nn.Parameter(torch.zeros(config.hidden, **kw))
+                )
         self.layers = nn.ModuleDict(
             {
                 str(i): src.layers[str(i)] if src else DecoderBlock(config, **kw)
@@ -281,6 +288,28 @@ class DecoderStage(nn.Module):
         if token_ids.dim() != 1:
             raise ValueError(f"token_ids must be 1-D [T], got shape {tuple(token_ids.shape)}")
         return self.embed_tokens(token_ids)
+
+    def append_visual_newlines(self, features: Tensor, rows_per_sample: list[int]) -> Tensor:
+        """``features`` ``[sum(rows_per_sample), hidden]``, the visual features of
+        consecutive samples, with the ``image_newline`` row appended after each sample
+        that has rows (needs ``DecoderConfig.image_newline`` and ``has_embed``).
+        Differentiable in both; the result has one row more per such sample."""
+        if self.image_newline is None:
+            raise ValueError(
+                "this DecoderStage has no image_newline (DecoderConfig.image_newline=False "
+                "or has_embed=False)"
+            )
+        if sum(rows_per_sample) != features.shape[0]:
+            raise ValueError(
+                f"rows_per_sample sums to {sum(rows_per_sample)} but features has "
+                f"{features.shape[0]} rows"
+            )
+        newline = self.image_newline.to(features.dtype)[None]
+        parts = []
+        for rows in features.split(list(rows_per_sample)):
+            if rows.shape[0]:
+                parts += [rows, newline]
+        return torch.cat(parts) if parts else features
 
     def hidden_states(self, input_embeds: Tensor, cu_seqlens: Tensor) -> Tensor:
         """Run this stage's blocks: ``[T, hidden] -> [T, hidden]`` (no final norm)."""

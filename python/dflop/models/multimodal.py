@@ -34,10 +34,12 @@ def check_visual_layout(
     unit_counts_per_sample: Tensor,
     tokens_per_unit: int,
     num_units: int,
+    newline_tokens: int = 0,
 ) -> None:
     """Raise ``ValueError`` unless sample i has exactly ``unit_counts_per_sample[i] *
-    tokens_per_unit`` placeholder positions and the counts sum to ``num_units`` (so every
-    sample's features land inside that sample). One host synchronisation."""
+    tokens_per_unit`` placeholder positions (plus ``newline_tokens`` if it has units) and
+    the counts sum to ``num_units`` (so every sample's features land inside that sample).
+    One host synchronisation."""
     if image_token_mask.dtype != torch.bool or image_token_mask.dim() != 1:
         raise ValueError(
             f"image_token_mask must be a 1-D bool tensor [T], got dtype={image_token_mask.dtype} "
@@ -58,11 +60,13 @@ def check_visual_layout(
     )
     per_sample = (cumulative[cu_seqlens[1:]] - cumulative[cu_seqlens[:-1]]).tolist()
     for i, (placeholders, units) in enumerate(zip(per_sample, counts)):
-        if placeholders != units * tokens_per_unit:
+        newline = newline_tokens if units > 0 else 0
+        if placeholders != units * tokens_per_unit + newline:
             raise ValueError(
                 f"sample {i} has {placeholders} image placeholder positions but "
                 f"unit_counts_per_sample[{i}]={units} units x {tokens_per_unit} tokens per unit "
-                f"= {units * tokens_per_unit}"
+                + (f"+ {newline} newline " if newline else "")
+                + f"= {units * tokens_per_unit + newline}"
             )
 
 
@@ -80,7 +84,9 @@ class MultimodalModel(nn.Module):
       are ignored (any valid id, e.g. an image token id).
     - ``image_token_mask``: ``BoolTensor[T]``, True at image placeholder positions; sample i
       has exactly ``unit_counts_per_sample[i] * tokens_per_unit`` of them, filled with its
-      units' projected features in order (unit-major, then patch row-major).
+      units' projected features in order (unit-major, then patch row-major), plus one
+      for the ``image_newline`` row after them when the sample has units and
+      ``DecoderConfig.image_newline`` is set (``ModelConfig.llm_visual_tokens``).
     - ``cu_seqlens``: ``LongTensor[n + 1]``, cumulative sample lengths, 0 .. T.
     - ``labels``: ``LongTensor[T]``, aligned with ``token_ids``; -100 = no loss. Positions
       under ``image_token_mask`` never count (forced to -100). Shifted within each sample.
@@ -124,11 +130,16 @@ class MultimodalModel(nn.Module):
                 unit_counts_per_sample,
                 self.vision.tokens_per_unit,
                 pixel_values.shape[0],
+                newline_tokens=int(self.decoder.config.image_newline),
             )
         embeds = self.decoder.embed(token_ids)
         if pixel_values.shape[0] == 0:
             return embeds
-        return merge_visual_features(embeds, image_token_mask, self.vision(pixel_values))
+        features = self.vision(pixel_values)
+        if self.decoder.image_newline is not None:
+            rows = unit_counts_per_sample * self.vision.tokens_per_unit
+            features = self.decoder.append_visual_newlines(features, rows.tolist())
+        return merge_visual_features(embeds, image_token_mask, features)
 
     def forward(
         self,

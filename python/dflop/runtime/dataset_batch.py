@@ -64,7 +64,9 @@ Visual placeholders: the ``<image>``/``<video>`` occurrences of the conversation
 (image k; the video) goes where the k-th placeholder is when their counts agree, otherwise
 all items go at the first placeholder; with no placeholder they are prepended to the first
 turn's content. Each item takes ``units_of_item * tokens_per_unit`` positions with
-``IMAGE_TOKEN_ID`` (placeholders are never cut by the text budget).
+``IMAGE_TOKEN_ID`` (placeholders are never cut by the text budget); with
+``DecoderConfig.image_newline`` the item holding the sample's last unit takes one more,
+for the newline row that follows the sample's features.
 """
 
 from __future__ import annotations
@@ -343,10 +345,14 @@ class DatasetBatch(PackedBatchSource):
         text_counter: TextTokenCounter | None = None,
     ) -> None:
         vision = config.vision
-        if scaler.tokens_per_unit != vision.tokens_per_unit:
+        if (scaler.tokens_per_unit, scaler.visual_newline) != (
+            vision.tokens_per_unit,
+            config.decoder.image_newline,
+        ):
             raise ValueError(
-                f"the scaler has tokens_per_unit={scaler.tokens_per_unit}, the model "
-                f"{vision.tokens_per_unit}: use ShapeScaler.for_model(config)"
+                f"the scaler has tokens_per_unit={scaler.tokens_per_unit} and "
+                f"visual_newline={scaler.visual_newline}, the model {vision.tokens_per_unit} "
+                f"and {config.decoder.image_newline}: use ShapeScaler.for_model(config)"
             )
         if config.decoder.vocab_size <= RESERVED_TOKEN_IDS:
             raise ValueError(
@@ -562,6 +568,8 @@ class DatasetBatch(PackedBatchSource):
         plan = self._plans[sample_id]
         tpu = self.config.vision.tokens_per_unit
         per_item = np.bincount([u.item for u in plan.units], minlength=1) * tpu
+        if plan.units and self.config.decoder.image_newline:
+            per_item[plan.units[-1].item] += 1  # the newline row follows the last unit
         tokens: list[int] = [BOS_TOKEN_ID]
         labels: list[int] = [IGNORE_INDEX]
         mask: list[bool] = [False]

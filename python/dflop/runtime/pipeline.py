@@ -347,6 +347,14 @@ class PipelineEngine:
                 f"the StepPlan has {plan.num_microbatches} microbatches, the layout "
                 f"{self.layout.num_microbatches}"
             )
+        if not self.is_encoder and self.info.is_first_stage:
+            has_newline = self.stage.image_newline is not None
+            if plan.visual_newline != has_newline:
+                raise ValueError(
+                    f"the StepPlan has visual_newline={plan.visual_newline} but the model's "
+                    f"DecoderConfig.image_newline={has_newline}: build the plan with "
+                    "visual_newline=config.decoder.image_newline"
+                )
         self.stage.zero_grad(set_to_none=True)
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         encoder_shares, llm_shares = self._input_shares(plan)
@@ -470,6 +478,9 @@ class PipelineEngine:
             if share.visual_rows > 0:
                 features = features.to(self.device).requires_grad_(True)
                 state.visual_features = features
+                if plan.visual_newline:  # per sample: all its units' features are here
+                    rows = share.sample_visual_rows.tolist()
+                    features = self.stage.append_visual_newlines(features, rows)
                 x = merge_visual_features(x, text.image_token_mask, features)
         else:
             x = state.stage_input = self._received(True, mb)

@@ -77,7 +77,11 @@ class LLMShare:
     cu_seqlens: np.ndarray
     """(n + 1,) int64: cumulative sequence lengths of the packed samples."""
     visual_rows: int
-    """Feature rows received over the bridge (placeholder positions)."""
+    """Feature rows received over the bridge."""
+    sample_visual_rows: np.ndarray
+    """Feature rows of each of its samples (aligned with ``sample_ids``; 0 for text-only):
+    where one sample's features end and the next one's begin, for per-sample operations
+    (``image_newline``)."""
     target_tokens: int
     """Target tokens of these samples (loss terms)."""
 
@@ -125,6 +129,9 @@ class StepPlan:
     """Target tokens of the whole global batch: every rank divides its loss sums by it,
     so the gradients summed over microbatches and DP replicas are those of the mean loss."""
     tokens_per_unit: int
+    visual_newline: bool = False
+    """The LLM's first stage appends the model's ``image_newline`` row after each visual
+    sample's features (``DecoderConfig.image_newline``)."""
 
     @property
     def num_microbatches(self) -> int:
@@ -139,6 +146,7 @@ class StepPlan:
         target_tokens: np.ndarray,
         *,
         tokens_per_unit: int,
+        visual_newline: bool = False,
         encoder_costs: np.ndarray | None = None,
     ) -> StepPlan:
         """The plan of one step.
@@ -147,16 +155,18 @@ class StepPlan:
             schedule: the step's Schedule over the LLM's DP replicas (``dp_size`` = LLM dp,
                 ``num_microbatches`` = the pipeline's microbatches).
             shapes: the global batch, conformed to the model (``llm_visual_tokens ==
-                encoder_units * tokens_per_unit``, e.g. by ``ShapeScaler``).
+                encoder_units * tokens_per_unit``, plus 1 per visual sample with
+                ``visual_newline``; ``ShapeScaler.for_model`` does it).
             layout: the runtime layout (encoder and LLM parallel sizes).
             target_tokens: (N,) target tokens of every sample (e.g.
                 ``SyntheticBatch.target_tokens()``).
             tokens_per_unit: the model's encoder tokens per visual unit.
+            visual_newline: the model's ``DecoderConfig.image_newline``.
             encoder_costs: (N,) encoder cost of each sample, which the split balances
                 over the encoder replicas (the cost model's, as the planner uses);
                 default: its encoder tokens. Every rank must pass the same values.
         """
-        _check_inputs(schedule, shapes, layout, target_tokens, tokens_per_unit)
+        _check_inputs(schedule, shapes, layout, target_tokens, tokens_per_unit, visual_newline)
         units = shapes.encoder_units.astype(np.int64)
         rows = units * tokens_per_unit
         if encoder_costs is None:
@@ -168,13 +178,13 @@ class StepPlan:
                     f"encoder_costs has shape {costs.shape}, expected ({len(shapes)},): one "
                     "per sample of the global batch"
                 )
-        seq_lens = (rows + shapes.text_tokens).astype(np.int64)
+        seq_lens = shapes.seq_len.astype(np.int64)
         targets = np.asarray(target_tokens, dtype=np.int64)
         microbatches = tuple(
             _microbatch_plan(j, schedule, layout, units, tokens_per_unit, seq_lens, targets, costs)
             for j in range(schedule.num_microbatches)
         )
-        return cls(microbatches, int(targets.sum()), int(tokens_per_unit))
+        return cls(microbatches, int(targets.sum()), int(tokens_per_unit), bool(visual_newline))
 
 
 def _check_inputs(
@@ -183,6 +193,7 @@ def _check_inputs(
     layout: RuntimeLayout,
     target_tokens: np.ndarray,
     tokens_per_unit: int,
+    visual_newline: bool,
 ) -> None:
     if schedule.num_samples != len(shapes) or len(target_tokens) != len(shapes):
         raise ValueError(
@@ -198,14 +209,16 @@ def _check_inputs(
             f"Schedule.num_microbatches={schedule.num_microbatches} must equal "
             f"RuntimeLayout.num_microbatches={layout.num_microbatches}"
         )
-    expected = shapes.encoder_units * tokens_per_unit
+    units = shapes.encoder_units.astype(np.int64)
+    expected = units * tokens_per_unit + (units > 0) * int(visual_newline)
     bad = np.flatnonzero(shapes.llm_visual_tokens != expected)
     if bad.size:
         i = int(bad[0])
+        newline = " + 1 newline" if visual_newline and units[i] else ""
         raise ValueError(
             f"sample {i}: llm_visual_tokens={shapes.llm_visual_tokens[i]} != encoder_units "
-            f"{shapes.encoder_units[i]} x tokens_per_unit {tokens_per_unit}: conform the shapes "
-            "to the model (ShapeScaler) before planning the step"
+            f"{units[i]} x tokens_per_unit {tokens_per_unit}{newline}: conform the shapes "
+            "to the model (ShapeScaler.for_model) before planning the step"
         )
 
 
@@ -281,5 +294,6 @@ def _llm_share(
         sample_ids=_frozen(sample_ids),
         cu_seqlens=_frozen(cu),
         visual_rows=int(rows[sample_ids].sum()),
+        sample_visual_rows=_frozen(rows[sample_ids]),
         target_tokens=int(targets[sample_ids].sum()),
     )

@@ -41,6 +41,7 @@ __all__ = [
     "ShapeScaler",
     "SyntheticBatch",
     "TextInputs",
+    "check_conformed",
     "sample_layout",
 ]
 
@@ -56,8 +57,9 @@ class ShapeScaler:
     """Maps sample shapes onto a (small) model so that they can be trained on.
 
     Per sample: ``units = min(ceil(encoder_units / unit_divisor), max_units_per_sample)`` (a
-    visual sample keeps at least one unit, a text-only sample none); the LLM sees ``units * tokens_per_unit`` visual tokens (the model's
-    own tokens per unit, so placeholders and features agree); text tokens become
+    visual sample keeps at least one unit, a text-only sample none); the LLM sees ``units *
+    tokens_per_unit`` visual tokens (the model's own tokens per unit, so placeholders and
+    features agree), plus one for the newline row with ``visual_newline``; text tokens become
     ``clip(ceil(text_tokens / text_divisor), min_text_tokens, max_text_tokens)``.
     ``None`` disables a cap; ``ShapeScaler(tpu, max_units_per_sample=None, unit_divisor=1,
     text_divisor=1, min_text_tokens=2, max_text_tokens=None)`` only conforms the visual
@@ -70,6 +72,7 @@ class ShapeScaler:
     text_divisor: int = 8
     min_text_tokens: int = 4
     max_text_tokens: int | None = 64
+    visual_newline: bool = False
 
     def __post_init__(self) -> None:
         if min(self.tokens_per_unit, self.unit_divisor, self.text_divisor) < 1:
@@ -84,8 +87,11 @@ class ShapeScaler:
 
     @classmethod
     def for_model(cls, config: ModelConfig, **caps: int | None) -> ShapeScaler:
-        """A scaler for ``config`` (its tokens per unit); ``caps`` override the defaults."""
-        return cls(config.vision.tokens_per_unit, **caps)
+        """A scaler for ``config`` (its tokens per unit and newline); ``caps`` override the
+        defaults."""
+        return cls(
+            config.vision.tokens_per_unit, visual_newline=config.decoder.image_newline, **caps
+        )
 
     @classmethod
     def fitted(
@@ -120,7 +126,7 @@ class ShapeScaler:
             "text_divisor": divisor(text, max_text_tokens),
         }
         fields.update(fixed)
-        return cls(config.vision.tokens_per_unit, **fields)
+        return cls.for_model(config, **fields)
 
     def scale(self, shapes: SampleShapes) -> SampleShapes:
         units = -(-shapes.encoder_units.astype(np.int64) // self.unit_divisor)  # ceil
@@ -131,13 +137,32 @@ class ShapeScaler:
         if self.max_text_tokens is not None:
             text = np.minimum(text, self.max_text_tokens)
         tokens_per_unit = np.where(units > 0, self.tokens_per_unit, 0).astype(np.int64)
+        newline = (units > 0).astype(np.int64) if self.visual_newline else 0
         return SampleShapes(
             encoder_units=units,
             tokens_per_unit=tokens_per_unit,
-            llm_visual_tokens=units * tokens_per_unit,
+            llm_visual_tokens=units * tokens_per_unit + newline,
             text_tokens=text,
             modality=shapes.modality.copy(),
         )
+
+
+def check_conformed(shapes: SampleShapes, config: ModelConfig) -> np.ndarray:
+    """``shapes.llm_visual_tokens`` after checking that it is what ``config`` gives each
+    sample's units (``ModelConfig.llm_visual_tokens``); ``ValueError`` names the first
+    sample that differs."""
+    visual = config.llm_visual_tokens(shapes.encoder_units.astype(np.int64))
+    bad = np.flatnonzero(shapes.llm_visual_tokens != visual)
+    if bad.size:
+        i = int(bad[0])
+        newline = " + 1 newline" if config.decoder.image_newline and visual[i] else ""
+        raise ValueError(
+            f"sample {i} has llm_visual_tokens={shapes.llm_visual_tokens[i]} but "
+            f"{shapes.encoder_units[i]} units x {config.vision.tokens_per_unit} tokens per "
+            f"unit{newline} of the model = {visual[i]}: conform the shapes with "
+            "ShapeScaler.for_model(config) first"
+        )
+    return visual
 
 
 @dataclass(frozen=True)
@@ -262,16 +287,7 @@ class SyntheticBatch(PackedBatchSource):
     """
 
     def __init__(self, shapes: SampleShapes, config: ModelConfig, seed: int = 0) -> None:
-        vision = config.vision
-        visual = shapes.encoder_units * vision.tokens_per_unit
-        bad = np.flatnonzero(shapes.llm_visual_tokens != visual)
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(
-                f"sample {i} has llm_visual_tokens={shapes.llm_visual_tokens[i]} but "
-                f"{shapes.encoder_units[i]} units x {vision.tokens_per_unit} tokens per unit "
-                f"of the model = {visual[i]}: conform the shapes with ShapeScaler first"
-            )
+        visual = check_conformed(shapes, config)
         self.shapes = shapes
         self.config = config
         self.seed = seed

@@ -9,7 +9,8 @@ with ``torch.distributed.tensor.parallel.parallelize_module``:
   ``o_proj`` / ``out_proj`` row-parallel;
 - MLP: ``gate_proj`` / ``up_proj`` (decoder) or ``fc1`` (encoder) column-parallel,
   ``down_proj`` / ``fc2`` row-parallel; the projector's ``linear_1`` / ``linear_2`` the same;
-- replicated: embeddings, norms, the patch convolution and the decoder's output head.
+- replicated: embeddings, norms, the patch convolution, the decoder's ``image_newline``
+  and output head.
 
 Every block's input and output stay replicated, plain tensors (no sequence parallelism):
 per block, the forward does one all-reduce after each row-parallel layer and the backward

@@ -382,6 +382,7 @@ class Trainer:
                         self.layout,
                         batch.target_tokens(),
                         tokens_per_unit=self.tokens_per_unit,
+                        visual_newline=self.model_config.decoder.image_newline,
                         encoder_costs=encoder_costs,
                     )
                     results[mode] = self.engine.run_step(plans[mode], batch)
