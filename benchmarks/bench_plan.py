@@ -53,9 +53,10 @@ from dflop.planner import (
     ClusterSpec,
     PlannerConfig,
     audited,
+    choose_layouts,
     evaluate_layout,
     prepare_inputs,
-    search_layouts,
+    runtime_scored,
 )
 from dflop.planner.search import _options
 from dflop.runtime.routing import split_units
@@ -91,7 +92,14 @@ METHODS = (
     ("blind", "data-blind (Megatron-LM style)", "data_blind", {}, None),
     ("reference", "reference (mean-shape optimizer)", "mean_shape", {"order": False}, None),
     ("dflop", "**dflop** (what the runtime executes)", "data_aware", {}, None),
-    ("no_order", "dflop without microbatch ordering", "data_aware", {"order": False}, None),
+    ("search", "dflop's search alone (balanced + orders)", "data_aware", {"runtime": False}, None),
+    (
+        "no_order",
+        "dflop's search, no microbatch ordering",
+        "data_aware",
+        {"order": False, "runtime": False},
+        None,
+    ),
     ("sample", "ablation: whole-sample encoder split", "data_aware", {"split": "sample"}, None),
     ("even", "ablation: even split (UNREACHABLE)", "data_aware", {"split": "even"}, None),
     ("even_real", "  the even split's layout, as run", "data_aware", {"split": "even"}, "unit"),
@@ -107,6 +115,7 @@ def _config(batches: int, top_k: int = 1, **changes) -> PlannerConfig:
         order_microbatches=changes.get("order", True),
         encoder_split=changes.get("split", "unit"),
         colocated_candidates=changes.get("coloc", False),
+        runtime_schedule=changes.get("runtime", True),
     )
 
 
@@ -124,7 +133,7 @@ def run_setting(encoder: str, llm: str, args: argparse.Namespace) -> dict:
     for key, _, strategy, changes, scored_with in METHODS:
         cfg = _config(args.batches, **changes)
         start = time.perf_counter()
-        layouts, raw = search_layouts(CLUSTER, inputs, cfg, strategy=strategy)
+        layouts, raw = choose_layouts(CLUSTER, inputs, cfg, strategy=strategy)
         elapsed = time.perf_counter() - start
         if not layouts:
             row[key] = None
@@ -132,12 +141,12 @@ def run_setting(encoder: str, llm: str, args: argparse.Namespace) -> dict:
         # A held-out batch may need more memory than the search's batches did (a larger
         # largest bin); then every method falls back, in its own ranking, to the next
         # layout that fits (as it would have chosen with those batches in its sample).
-        ranked, _ = search_layouts(CLUSTER, inputs, cfg, strategy=strategy, top_k=TOP_K)
+        ranked, _ = choose_layouts(CLUSTER, inputs, cfg, strategy=strategy, top_k=TOP_K)
         score_cfg = _config(args.held_out, **{**changes, "split": scored_with or cfg.encoder_split})
         fits = []
         for chosen in ranked:
             try:
-                fits.append(evaluate_layout(CLUSTER, held_out, chosen, score_cfg))
+                fits.append(runtime_scored(CLUSTER, held_out, chosen, score_cfg))
             except dflop.InfeasibleError:
                 fits.append(None)
                 continue
@@ -158,7 +167,7 @@ def run_setting(encoder: str, llm: str, args: argparse.Namespace) -> dict:
 def agreement(model, cluster, inputs, layout, config) -> tuple[float, int, int]:
     """(largest relative difference between the planned and the re-simulated step times,
     microbatches checked, microbatches whose recorded split differs from split_units)."""
-    scored = audited(cluster, inputs, layout, config)
+    scored = layout if layout.steps else audited(cluster, inputs, layout, config)
     worst, checked, differ = 0.0, 0, 0
     family = model.encoder.default_family
     for b, step in enumerate(scored.steps):
@@ -200,12 +209,12 @@ def issue_settings(args: argparse.Namespace) -> list[dict]:
         }
         for split in ("even", "unit"):
             cfg = _config(args.batches, split=split)
-            layouts, _ = search_layouts(cluster, inputs, cfg)
+            layouts, _ = choose_layouts(cluster, inputs, cfg)
             lp = layouts[0]
             # Run with the runtime's split, the layout may no longer fit: its time with
             # memory set aside, and its memory.
             roomy = ClusterSpec(**{**cluster.to_dict(), "gpu_memory_bytes": 1e15})
-            as_run = evaluate_layout(roomy, inputs, lp, _config(args.batches)).prediction
+            as_run = runtime_scored(roomy, inputs, lp, _config(args.batches)).prediction
             out[split] = (lp, lp.prediction, as_run)
         lp = out["unit"][0]
         out["agree"] = agreement(model, cluster, inputs, lp, _config(args.batches))
@@ -218,13 +227,19 @@ def breakdown(args: argparse.Namespace) -> dict:
     model = AnalyticCostModel("vit-6b", "llm-7b")
     inputs = _inputs(model, args.global_batch, args.batches, 0)
     cfg = _config(args.batches)
-    best = search_layouts(CLUSTER, inputs, cfg)[0][0]
+    best = choose_layouts(CLUSTER, inputs, cfg)[0][0]
     # The same layout and schedules, scored with the even split: what perfect packing of
     # units (e.g. one encoder forward serving several LLM microbatches) could win at most.
-    even = evaluate_layout(CLUSTER, inputs, best, _config(args.batches, split="even"))
+    even = evaluate_layout(
+        CLUSTER,
+        inputs,
+        best,
+        _config(args.batches, split="even"),
+        assignments=[step.assignment for step in best.steps],
+    )
     ratio = []
     for v in range(8, 57, 8):
-        found, _ = search_layouts(
+        found, _ = choose_layouts(
             CLUSTER, inputs, PlannerConfig(num_batches=args.batches, top_k=1, encoder_gpus=(v,))
         )
         if found:
@@ -232,7 +247,7 @@ def breakdown(args: argparse.Namespace) -> dict:
     per_m = []
     units = inputs.samples["encoder_units"].reshape(args.batches, -1).sum(axis=1).mean()
     for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
-        found, _ = search_layouts(
+        found, _ = choose_layouts(
             CLUSTER,
             inputs,
             PlannerConfig(
@@ -252,7 +267,7 @@ def breakdown(args: argparse.Namespace) -> dict:
     tp_inputs = _inputs(tp_model, 256, args.batches, 0)
     tp = {}
     for name, limit in (("encoder tp = 1", 1), ("encoder tp <= 8", None)):
-        found, _ = search_layouts(
+        found, _ = choose_layouts(
             tp_cluster,
             tp_inputs,
             PlannerConfig(num_batches=args.batches, top_k=1, encoder_max_tp=limit),
@@ -270,11 +285,11 @@ def scale(args: argparse.Namespace) -> list[dict]:
         batch = 2 * gpus
         start = time.perf_counter()
         inputs = _inputs(model, batch, 4, 0)
-        layouts, raw = search_layouts(ClusterSpec(num_gpus=gpus), inputs, PlannerConfig())
+        layouts, raw = choose_layouts(ClusterSpec(num_gpus=gpus), inputs, PlannerConfig())
         elapsed = time.perf_counter() - start
         row = {"gpus": gpus, "s": elapsed, "stats": raw["stats"], "layout": layouts[0]}
         if gpus <= args.scale_check:  # the screened search run to the end: no patience
-            full, _ = search_layouts(ClusterSpec(num_gpus=gpus), inputs, PlannerConfig(patience=0))
+            full, _ = choose_layouts(ClusterSpec(num_gpus=gpus), inputs, PlannerConfig(patience=0))
             row["same_without_patience"] = full[0].to_dict() == layouts[0].to_dict()
         rows.append(row)
         print(f"scale {gpus}: {elapsed:.1f} s", file=sys.stderr)
@@ -388,7 +403,10 @@ def render(rows, issue, parts, scaled, checked, args, total_s) -> str:
         f"**{'yes' if never_slower else 'NO'}**; dflop's GPU idle "
         f"{fmt_pct(min(idle))}-{fmt_pct(max(idle))} (the earlier target of < "
         f"{100 * IDLE_TARGET:.0f}% {'is' if max(idle) < IDLE_TARGET else 'is NOT'} met with the "
-        "split that runs). 'The even split's layout, as run' is the layout the even-split "
+        "split that runs). dflop's rows are scored with the schedules its trainer computes "
+        "for every step (`dflop.pipeline_schedule`); 'dflop's search alone' is what the "
+        "search ranks with (its balanced schedule and a few microbatch orders). 'The even "
+        "split's layout, as run' is the layout the even-split "
         "planner chose, scored with the split the runtime executes: the promise it could "
         "not keep. Each method's layout is its #1 unless that one is over memory on a "
         "held-out batch, then its next that fits. Data-blind: Megatron-LM's colocated "
@@ -481,8 +499,9 @@ def render(rows, issue, parts, scaled, checked, args, total_s) -> str:
     lines += [
         "",
         "Planning time with `dflop plan`'s defaults (siglip-400m + llm-7b, 4 sampled batches, "
-        f"global batch twice the GPUs, 8 per node, 80 GB; {os.cpu_count()} threads), the "
-        "search only (the CLI adds the baseline and the plan's audit records):",
+        f"global batch twice the GPUs, 8 per node, 80 GB; {os.cpu_count()} threads): the "
+        "search and the re-scoring of the kept layouts with the trainer's scheduler (the CLI "
+        "adds the data-blind baseline):",
         "",
         "| GPUs | planning s | candidates | scheduled | stopped by patience (unexplored) | "
         "same layout without patience | best layout |",

@@ -17,9 +17,11 @@ import sys
 
 import numpy as np
 import pytest
+from dflop.async_scheduler import AsyncScheduler
 from dflop.data.costs import AnalyticCostModel
 from dflop.data.shapes import Modality, SampleShapes
 from dflop.models import model_config
+from dflop.pipeline_scheduler import PipelineModel
 from dflop.planner import (
     Plan,
     PlannerConfig,
@@ -28,6 +30,7 @@ from dflop.planner import (
     audited,
     evaluate_layout,
     prepare_inputs,
+    runtime_scored,
 )
 from dflop.runtime.step_data import StepPlan
 from dflop.runtime.topology import RuntimeLayout
@@ -132,6 +135,45 @@ def test_trainer_derives_the_plans_split_and_stage_times(encoder_dp: int) -> Non
         assert shared > 0  # some sample's units are spread over replicas (the video)
     if encoder_dp == 3:
         assert fewer_units > 0
+
+
+@pytest.mark.parametrize("encoder_dp", [1, 2, 3])
+def test_plan_schedules_each_step_as_the_trainer_does(encoder_dp: int) -> None:
+    """The plan's recorded schedules are the ones the trainer's scheduler computes for the
+    same batches (the predictor's stage costs, its pipeline model, its AsyncScheduler), so
+    the plan's prediction is of the schedules the runtime executes."""
+    encoder, llm = cost_configs(CONFIG)
+    cost_model = AnalyticCostModel(encoder, llm)
+    layout = _layout(encoder_dp)
+    cluster = local_cluster(layout.world_size, memory_bytes=8e9, link_latency_s=2e-4)
+    config = PlannerConfig(num_batches=len(UNITS), seed=5, forward_fraction=(0.4, 0.35))
+    inputs = prepare_inputs(
+        cost_model, encoder, llm, global_batch=GLOBAL_BATCH, shapes=FixedBatches(), num_batches=3
+    )
+    scored = evaluate_layout(cluster, inputs, core_layout(layout), config)
+    planned = runtime_scored(cluster, inputs, scored, config)
+    predictor = StepPredictor(cluster, encoder, llm, core_layout(layout))
+    times = [step.step_time_s for step in planned.steps]
+    assert planned.prediction.step_time_s == pytest.approx(np.mean(times), rel=1e-12)
+    with AsyncScheduler(
+        MICROBATCHES, 1, microbatch_dims=(0,), seed=config.seed, lookahead=len(UNITS)
+    ) as scheduler:
+        for b in range(len(UNITS)):  # the trainer's step b, on sampled batch b
+            shapes = FixedBatches().sample(GLOBAL_BATCH, b)
+            costs, constants = predictor.stage_costs(cost_model, shapes)
+            model = PipelineModel.encoder_llm(
+                encoder_pp=1,
+                encoder_dp=encoder_dp,
+                llm_pp=1,
+                stage_constant_s=constants,
+                forward_fraction=config.forward_fraction,
+                link_latency_s=cluster.link_latency_s,
+            )
+            scheduler.submit(b, costs, pipeline=model, units=shapes.encoder_units)
+        for b, step in enumerate(planned.steps):
+            np.testing.assert_array_equal(scheduler.get(b).assignment, step.assignment)
+    # No worse than the search's own balanced schedule (it starts from it).
+    assert planned.prediction.step_time_s <= scored.prediction.step_time_s * (1 + 1e-9)
 
 
 def test_cli_simulate_resimulates_the_recorded_steps(tmp_path) -> None:

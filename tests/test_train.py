@@ -128,9 +128,8 @@ def test_local_plan_forced_layout_calibrated_then_trained(tmp_path, perf_json) -
         "--perf", perf_json, "--calibrate-steps", "3", "-o", str(plan_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "calibrating: 3 steps" in result.stderr and "calibrated: per-transfer latency" in (
-        result.stderr
-    )
+    assert "calibrating: 3 steps" in result.stderr
+    assert "calibrated on steps of" in result.stderr and "per-transfer latency" in result.stderr
     from dflop.planner import Plan
 
     plan = Plan.load(plan_path)
@@ -138,6 +137,7 @@ def test_local_plan_forced_layout_calibrated_then_trained(tmp_path, perf_json) -
     assert (best.encoder.dp, best.llm.dp, best.num_microbatches) == (2, 1, 4)
     assert plan.inputs["local"] and plan.inputs["performance_model"]
     assert plan.cluster.link_latency_s != 1e-4  # calibrated
+    assert len(plan.inputs["forward_fraction"]) == 2  # the trainer starts from them
     assert len(best.steps) == 4 and any(s.pieces["replica"].max() == 1 for s in best.steps)
     result, report = _train(tmp_path, "", "--plan", str(plan_path), "--steps", "3", "--quiet")
     assert result.returncode == 0, result.stderr

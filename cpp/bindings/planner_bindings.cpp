@@ -239,16 +239,24 @@ py::dict plan_layouts_py(const py::dict& cluster, const py::dict& encoder, const
 
 py::dict evaluate_layout_py(const py::dict& cluster, const py::dict& encoder, const py::dict& llm,
                             const py::dict& samples, const py::dict& options,
-                            const py::dict& layout) {
+                            const py::dict& layout, const py::object& assignments) {
   const ClusterParams c = to_cluster(cluster);
   const ModuleParams e = to_module(encoder, "encoder"), l = to_module(llm, "llm");
   const PlannerSamples x = to_samples(samples);
   const PlannerOptions o = to_options(options);
   const Layout lay = to_layout(layout);
+  std::vector<std::vector<int64_t>> given;
+  if (!assignments.is_none()) {
+    for (const py::handle item : assignments) {
+      const IntArray a = py::cast<IntArray>(item);
+      if (a.ndim() != 1) throw py::value_error("every assignment must be 1-D");
+      given.emplace_back(a.data(), a.data() + a.size());
+    }
+  }
   LayoutScore s;
   {
     py::gil_scoped_release release;
-    s = evaluate_layout(c, e, l, x, o, lay);
+    s = evaluate_layout(c, e, l, x, o, lay, assignments.is_none() ? nullptr : &given);
   }
   return from_score(s);
 }
@@ -325,6 +333,27 @@ py::dict step_from_assignment_py(const py::dict& cluster, const py::dict& encode
   return from_step(step);
 }
 
+py::dict stage_costs_py(const py::dict& cluster, const py::dict& encoder, const py::dict& llm,
+                        const py::dict& samples, const py::dict& options, const py::dict& layout,
+                        int64_t batch) {
+  const ClusterParams c = to_cluster(cluster);
+  const ModuleParams e = to_module(encoder, "encoder"), l = to_module(llm, "llm");
+  const PlannerSamples x = to_samples(samples);
+  const PlannerOptions o = to_options(options);
+  const Layout lay = to_layout(layout);
+  StageCosts sc;
+  {
+    py::gil_scoped_release release;
+    sc = stage_costs(c, e, l, x, o, lay, batch);
+  }
+  py::array_t<double> costs({static_cast<py::ssize_t>(sc.costs.size() / 2), py::ssize_t{2}});
+  std::copy(sc.costs.begin(), sc.costs.end(), costs.mutable_data());
+  py::dict out;
+  out["costs"] = costs;
+  out["constants"] = py::make_tuple(sc.constants[0], sc.constants[1]);
+  return out;
+}
+
 }  // namespace
 
 void register_planner(py::module_& m) {
@@ -333,7 +362,9 @@ void register_planner(py::module_& m) {
         "Search parallel layouts; returns {best, stats, shortfall}. See dflop.planner.");
   m.def("evaluate_layout", &evaluate_layout_py, py::arg("cluster"), py::arg("encoder"),
         py::arg("llm"), py::arg("samples"), py::arg("options"), py::arg("layout"),
-        "Score one layout by simulation over the sampled batches.");
+        py::arg("assignments") = py::none(),
+        "Score one layout by simulation over the sampled batches (with the planner's "
+        "schedules, or the given ones: one assignment per batch).");
   m.def("build_step", &build_step_py, py::arg("cluster"), py::arg("encoder"), py::arg("llm"),
         py::arg("samples"), py::arg("options"), py::arg("layout"), py::arg("batch"),
         "Simulator input, schedule, encoder split and per-replica encoder times of one "
@@ -342,6 +373,10 @@ void register_planner(py::module_& m) {
         py::arg("llm"), py::arg("samples"), py::arg("options"), py::arg("layout"), py::arg("batch"),
         py::arg("assignment"),
         "The planner's step model of one sampled batch under a given schedule.");
+  m.def("stage_costs", &stage_costs_py, py::arg("cluster"), py::arg("encoder"), py::arg("llm"),
+        py::arg("samples"), py::arg("options"), py::arg("layout"), py::arg("batch"),
+        "Per-sample seconds of an average stage of each module and the stages' constants, "
+        "as a runtime's scheduler should see one sampled batch under a disaggregated layout.");
   m.def("split_layers", &split_layers, py::arg("num_layers"), py::arg("num_stages"),
         py::arg("per_layer"), py::arg("first_stage_extra"), py::arg("last_stage_extra"),
         py::arg("balanced"));

@@ -412,6 +412,48 @@ class Evaluator {
  public:
   explicit Evaluator(const Context& ctx) : ctx_(ctx) {}
 
+  // Per-sample seconds of an average stage of each module under layout l, batch b: (n, 2)
+  // row-major. Column 0: a disaggregated encoder's stage on one replica (its replicas share
+  // microbatches by unit), or a colocated layout's first stage (the encoder plus its LLM
+  // layers); column 1: an average LLM stage.
+  std::vector<double> sample_stage_costs(const Layout& l, int64_t b) const {
+    const int64_t n = ctx_.n;
+    const ModuleLayout &e = l.encoder, &g = l.llm;
+    std::vector<double> costs(size_t(2 * n));
+    for (int64_t i = 0; i < n; ++i) {
+      const size_t k = size_t(b * n + i);
+      const auto& x = ctx_.x;
+      const double enc =
+          ctx_.enc.stage_time(e.tp, e.recompute, ctx_.enc.p->num_layers, true,
+                              x.encoder_s[k] * (1 - x.encoder_last_fraction[k]),
+                              x.encoder_s[k] * x.encoder_last_fraction[k], x.encoder_tokens[k]);
+      const double lm = ctx_.llm.stage_time(g.tp, g.recompute, ctx_.llm.p->num_layers, true,
+                                            x.llm_s[k] * (1 - x.llm_last_fraction[k]),
+                                            x.llm_s[k] * x.llm_last_fraction[k], x.llm_tokens[k]);
+      if (l.colocated) {
+        // Both columns are per bin (every replica runs its own encoder).
+        const double first = double(g.layers_per_stage[0]) / double(ctx_.llm.p->num_layers);
+        const ModuleModel& ce = ctx_.colocated_enc(g.tp);
+        const double enc_here =
+            ce.stage_time(g.tp, g.recompute, ce.p->num_layers, true,
+                          x.encoder_s[k] * (1 - x.encoder_last_fraction[k]),
+                          x.encoder_s[k] * x.encoder_last_fraction[k], x.encoder_tokens[k]);
+        costs[size_t(2 * i)] = enc_here + lm * first;
+      } else {
+        costs[size_t(2 * i)] = enc / double(e.pp);
+      }
+      costs[size_t(2 * i + 1)] = lm / double(g.pp);
+    }
+    return costs;
+  }
+
+  // The per-microbatch constant of an average stage of each module (disaggregated).
+  std::array<double, 2> stage_constants(const Layout& l) const {
+    const ModuleLayout &e = l.encoder, &g = l.llm;
+    return {ctx_.enc.stage_constant(e.tp, ctx_.enc.p->num_layers) / double(e.pp),
+            ctx_.llm.stage_constant(g.tp, ctx_.llm.p->num_layers) / double(g.pp)};
+  }
+
   // The schedule of batch b: bin of each sample (bin = microbatch x dp + rank).
   std::vector<int64_t> assign(const Layout& l, int64_t b) const {
     const int64_t n = ctx_.n, m = l.num_microbatches, dp = l.llm.dp;
@@ -429,33 +471,10 @@ class Evaluator {
       return bins;
     }
     // Per-sample time of an average stage of each module, so that the balance's min-max
-    // targets the pipeline's bottleneck in seconds.
-    const ModuleLayout &e = l.encoder, &g = l.llm;
-    std::vector<double> costs(size_t(2 * n));
-    for (int64_t i = 0; i < n; ++i) {
-      const size_t k = size_t(b * n + i);
-      const auto& x = ctx_.x;
-      const double enc =
-          ctx_.enc.stage_time(e.tp, e.recompute, ctx_.enc.p->num_layers, true,
-                              x.encoder_s[k] * (1 - x.encoder_last_fraction[k]),
-                              x.encoder_s[k] * x.encoder_last_fraction[k], x.encoder_tokens[k]);
-      const double lm = ctx_.llm.stage_time(g.tp, g.recompute, ctx_.llm.p->num_layers, true,
-                                            x.llm_s[k] * (1 - x.llm_last_fraction[k]),
-                                            x.llm_s[k] * x.llm_last_fraction[k], x.llm_tokens[k]);
-      if (l.colocated) {
-        // Column 0: the first stage (the encoder plus its LLM layers); column 1: an
-        // average LLM stage. Both are per bin (every replica runs its own encoder).
-        const double first = double(g.layers_per_stage[0]) / double(ctx_.llm.p->num_layers);
-        const ModuleModel& ce = ctx_.colocated_enc(g.tp);
-        const double enc_here =
-            ce.stage_time(g.tp, g.recompute, ce.p->num_layers, true,
-                          x.encoder_s[k] * (1 - x.encoder_last_fraction[k]),
-                          x.encoder_s[k] * x.encoder_last_fraction[k], x.encoder_tokens[k]);
-        costs[size_t(2 * i)] = enc_here + lm * first;
-      } else {
-        costs[size_t(2 * i)] = enc / double(e.pp * e.dp);
-      }
-      costs[size_t(2 * i + 1)] = lm / double(g.pp);
+    // targets the pipeline's bottleneck in seconds; a disaggregated encoder's per replica.
+    std::vector<double> costs = sample_stage_costs(l, b);
+    if (!l.colocated) {
+      for (int64_t i = 0; i < n; ++i) costs[size_t(2 * i)] /= double(l.encoder.dp);
     }
     BalanceOptions bo;
     bo.num_microbatches = m;
@@ -997,8 +1016,9 @@ class Evaluator {
     return bound;
   }
 
-  // Full score of prepared (memory-feasible) schedules.
-  LayoutScore finish(const Layout& l, const Prepared& p) const {
+  // Full score of prepared (memory-feasible) schedules. `as_given`: the microbatches run
+  // in the order of their indices (a schedule from elsewhere), no other order is tried.
+  LayoutScore finish(const Layout& l, const Prepared& p, bool as_given = false) const {
     LayoutScore out;
     out.layout = l;
     out.peak_memory_bytes = p.mem.peak;
@@ -1011,7 +1031,9 @@ class Evaluator {
       double best = kInf;
       StepBreakdown best_breakdown;
       double plain = 0;
-      for (const auto& [kind, order] : orders(l, base)) {
+      auto tried = orders(l, base);
+      if (as_given) tried.resize(1);  // AsScheduled comes first
+      for (const auto& [kind, order] : tried) {
         const PipelineSimInput in =
             kind == MicrobatchOrder::AsScheduled ? base : permuted(base, order);
         const PipelineSimResult res = simulate_pipeline(in);
@@ -1033,9 +1055,13 @@ class Evaluator {
   }
 
   // Full score; `feasible` false when the exact memory check fails (score unset then).
-  LayoutScore score(const Layout& l, bool* feasible, Memory* mem_out) const {
+  // `given`: the schedule of every batch (bins), instead of the planner's own.
+  LayoutScore score(const Layout& l, bool* feasible, Memory* mem_out,
+                    const std::vector<std::vector<int64_t>>* given = nullptr) const {
     std::vector<BinSums> sums;
-    for (int64_t b = 0; b < ctx_.x.num_batches; ++b) sums.push_back(bin_sums(l, b, assign(l, b)));
+    for (int64_t b = 0; b < ctx_.x.num_batches; ++b) {
+      sums.push_back(bin_sums(l, b, given ? (*given)[size_t(b)] : assign(l, b)));
+    }
     const Prepared p = prepare(l, std::move(sums));
     if (mem_out) *mem_out = p.mem;
     *feasible = p.feasible;
@@ -1045,7 +1071,7 @@ class Evaluator {
       out.peak_memory_bytes = p.mem.peak;
       return out;
     }
-    return finish(l, p);
+    return finish(l, p, given != nullptr);
   }
 
   // Mean-shape estimate of the reference's optimizer: every bin holds global_batch / bins
@@ -2063,16 +2089,49 @@ PlanResult plan_layouts(const ClusterParams& c, const ModuleParams& enc, const M
   return search.run();
 }
 
+namespace {
+
+// Throws InvalidArgument unless `assignment` gives every sample of a batch a bin of `l` and
+// leaves no bin empty.
+void check_assignment(const PlannerSamples& x, const Layout& l,
+                      const std::vector<int64_t>& assignment, const std::string& name) {
+  const int64_t bins = l.num_microbatches * l.llm.dp;
+  require(int64_t(assignment.size()) == x.batch_size,
+          name + " has " + std::to_string(assignment.size()) + " entries, expected " +
+              std::to_string(x.batch_size) + " (one per sample)");
+  std::vector<int64_t> count(static_cast<size_t>(bins), 0);
+  for (size_t i = 0; i < assignment.size(); ++i) {
+    require(assignment[i] >= 0 && assignment[i] < bins,
+            name + "[" + std::to_string(i) + "]=" + std::to_string(assignment[i]) +
+                " is out of range [0, " + std::to_string(bins) + ")");
+    ++count[size_t(assignment[i])];
+  }
+  for (int64_t b = 0; b < bins; ++b) {
+    require(count[size_t(b)] > 0, "bin " + std::to_string(b) + " of " + name + " is empty");
+  }
+}
+
+}  // namespace
+
 LayoutScore evaluate_layout(const ClusterParams& c, const ModuleParams& enc,
                             const ModuleParams& llm, const PlannerSamples& x,
-                            const PlannerOptions& o, const Layout& l) {
+                            const PlannerOptions& o, const Layout& l,
+                            const std::vector<std::vector<int64_t>>* assignments) {
   validate_planner_input(c, enc, llm, x, o);
   check_layout(c, enc, llm, o, l);
+  if (assignments) {
+    require(int64_t(assignments->size()) == x.num_batches,
+            "assignments has " + std::to_string(assignments->size()) + " schedules, expected " +
+                std::to_string(x.num_batches) + " (one per sampled batch)");
+    for (size_t b = 0; b < assignments->size(); ++b) {
+      check_assignment(x, l, (*assignments)[b], "assignments[" + std::to_string(b) + "]");
+    }
+  }
   const Context ctx(c, enc, llm, x, o);
   Evaluator eval(ctx);
   bool feasible = false;
   Evaluator::Memory mem;
-  LayoutScore score = eval.score(l, &feasible, &mem);
+  LayoutScore score = eval.score(l, &feasible, &mem, assignments);
   if (!feasible) {
     throw Infeasible("layout needs " + fmt(mem.peak / 1e9) + " GB on " +
                      (mem.encoder ? "encoder" : "LLM") + " stage " + std::to_string(mem.stage) +
@@ -2167,6 +2226,24 @@ StepModel build_step(const ClusterParams& c, const ModuleParams& enc, const Modu
   return out;
 }
 
+StageCosts stage_costs(const ClusterParams& c, const ModuleParams& enc, const ModuleParams& llm,
+                       const PlannerSamples& x, const PlannerOptions& o, const Layout& l,
+                       int64_t batch) {
+  validate_planner_input(c, enc, llm, x, o);
+  check_layout(c, enc, llm, o, l);
+  require(!l.colocated,
+          "stage_costs needs a disaggregated layout (the encoder on GPUs of its own)");
+  require(
+      batch >= 0 && batch < x.num_batches,
+      "batch must be in [0, " + std::to_string(x.num_batches) + "), got " + std::to_string(batch));
+  const Context ctx(c, enc, llm, x, o);
+  const Evaluator eval(ctx);
+  StageCosts out;
+  out.costs = eval.sample_stage_costs(l, batch);
+  out.constants = eval.stage_constants(l);
+  return out;
+}
+
 StepModel step_from_assignment(const ClusterParams& c, const ModuleParams& enc,
                                const ModuleParams& llm, const PlannerSamples& x,
                                const PlannerOptions& o, const Layout& l, int64_t batch,
@@ -2176,20 +2253,7 @@ StepModel step_from_assignment(const ClusterParams& c, const ModuleParams& enc,
   require(
       batch >= 0 && batch < x.num_batches,
       "batch must be in [0, " + std::to_string(x.num_batches) + "), got " + std::to_string(batch));
-  const int64_t bins = l.num_microbatches * l.llm.dp;
-  require(int64_t(assignment.size()) == x.batch_size,
-          "assignment has " + std::to_string(assignment.size()) + " entries, expected " +
-              std::to_string(x.batch_size) + " (one per sample)");
-  std::vector<int64_t> count(static_cast<size_t>(bins), 0);
-  for (size_t i = 0; i < assignment.size(); ++i) {
-    require(assignment[i] >= 0 && assignment[i] < bins,
-            "assignment[" + std::to_string(i) + "]=" + std::to_string(assignment[i]) +
-                " is out of range [0, " + std::to_string(bins) + ")");
-    ++count[size_t(assignment[i])];
-  }
-  for (int64_t b = 0; b < bins; ++b) {
-    require(count[size_t(b)] > 0, "bin " + std::to_string(b) + " of the assignment is empty");
-  }
+  check_assignment(x, l, assignment, "assignment");
   const Context ctx(c, enc, llm, x, o);
   Evaluator eval(ctx);
   return make_step(ctx, eval, l, batch, assignment);

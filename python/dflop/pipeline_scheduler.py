@@ -115,6 +115,29 @@ class PipelineModel:
         object.__setattr__(self, "microbatch_constant_s", constants)
         object.__setattr__(self, "link_latency_s", latency)
 
+    @classmethod
+    def encoder_llm(
+        cls,
+        *,
+        encoder_pp: int,
+        encoder_dp: int,
+        llm_pp: int,
+        stage_constant_s: tuple[float, float],
+        forward_fraction: tuple[float, float],
+        link_latency_s: float,
+    ) -> PipelineModel:
+        """dflop's encoder -> LLM pipeline as its trainer schedules every step (and the
+        planner scores a plan): the encoder's replicas share each microbatch by unit.
+        Costs and constants are an average stage's
+        (:meth:`dflop.planner.StepPredictor.stage_costs`)."""
+        return cls(
+            stages=(int(encoder_pp), int(llm_pp)),
+            forward_fraction=tuple(float(f) for f in forward_fraction),
+            microbatch_constant_s=tuple(float(c) for c in stage_constant_s),
+            link_latency_s=float(link_latency_s),
+            replicas=(int(encoder_dp), 1),
+        )
+
     @property
     def num_modules(self) -> int:
         return len(self.stages)

@@ -53,6 +53,7 @@
 // all-reduces (hidden-sized) are unchanged. The LLM's tp still divides the LLM's heads.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -259,10 +260,13 @@ PlanResult plan_layouts(const ClusterParams& cluster, const ModuleParams& encode
                         const PlannerOptions& options);
 
 // Scores one given layout (strategy decides the schedule: data-blind split for a
-// colocated layout, balance otherwise); throws Infeasible if it does not fit in memory.
+// colocated layout, balance otherwise; or `assignments`, one schedule per sampled batch
+// whose microbatch indices are the execution order, e.g. the runtime's own scheduler's);
+// throws Infeasible if it does not fit in memory, InvalidArgument for a bad assignment.
 LayoutScore evaluate_layout(const ClusterParams& cluster, const ModuleParams& encoder,
                             const ModuleParams& llm, const PlannerSamples& samples,
-                            const PlannerOptions& options, const Layout& layout);
+                            const PlannerOptions& options, const Layout& layout,
+                            const std::vector<std::vector<int64_t>>* assignments = nullptr);
 
 // One sampled batch of a layout as the planner scores it, with everything needed to audit
 // or re-simulate it.
@@ -294,6 +298,18 @@ StepModel step_from_assignment(const ClusterParams& cluster, const ModuleParams&
                                const ModuleParams& llm, const PlannerSamples& samples,
                                const PlannerOptions& options, const Layout& layout, int64_t batch,
                                const std::vector<int64_t>& assignment);
+
+// What a runtime's scheduler should see of sampled batch `batch` under a disaggregated
+// layout, by the planner's model: per-sample seconds of an average stage of each module
+// (n x 2, row-major; the encoder's on one replica, since its replicas share microbatches by
+// unit) and each module's per-microbatch constant of an average stage.
+struct StageCosts {
+  std::vector<double> costs;
+  std::array<double, 2> constants{};
+};
+StageCosts stage_costs(const ClusterParams& cluster, const ModuleParams& encoder,
+                       const ModuleParams& llm, const PlannerSamples& samples,
+                       const PlannerOptions& options, const Layout& layout, int64_t batch);
 
 // Attention heads after padding to a multiple of tp (heads itself when tp divides them).
 int64_t padded_heads(int64_t heads, int64_t tp);

@@ -62,9 +62,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     local.add_argument(
         "--calibrate-steps",
         type=int,
-        default=8,
+        default=16,
         help="run N real steps of the chosen layout on this machine first and re-plan with "
-        "what they measured (default 8; 0: the profile alone)",
+        "what they measured (default 16; 0: the profile alone)",
     )
     p.set_defaults(handler=run_plan)
 

@@ -284,6 +284,10 @@ class PlannerConfig:
         encoder_max_tp: the encoder's largest tp (None: max_tp).
         encoder_gpus: allowed encoder GPU counts of disaggregated layouts (None: any),
             e.g. to compare ratios or to fit a deployment.
+        runtime_schedule: score the kept layouts (``top_k``) with the schedules dflop's
+            trainer computes for its steps (``dflop.pipeline_schedule``) and re-rank them,
+            so that a plan predicts what the runtime executes; the search itself ranks
+            candidates with the cheaper balanced schedule and microbatch orders.
         colocated_candidates: also score colocated layouts (the encoder inside the first
             LLM stage, Megatron-style) with dflop's balanced schedule. dflop's runtime runs
             the encoder and the LLM on disjoint ranks and cannot execute them, so a plan
@@ -309,6 +313,7 @@ class PlannerConfig:
     patience: int = 1000
     encoder_max_tp: int | None = None
     encoder_gpus: tuple[int, ...] | None = None
+    runtime_schedule: bool = True
     forward_fraction: tuple[float, float] = (1.0 / 3.0, 1.0 / 3.0)
 
     def __post_init__(self) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -14,6 +16,7 @@ from dflop.data.shapes import SampleShapes
 from dflop.planner.model import ClusterSpec, ModuleSpec, PlannerConfig, module_specs
 from dflop.planner.plan import LayoutPlan, ModulePlan, Plan, StepPrediction
 from dflop.planner.steps import StepAudit, _sample_record
+from dflop.scheduler import InfeasibleError
 
 __all__ = [
     "InfeasibleClusterError",
@@ -325,6 +328,41 @@ def search_layouts(
     return layouts, {"stats": dict(raw["stats"]), "shortfall": dict(raw["shortfall"])}
 
 
+def choose_layouts(
+    cluster: ClusterSpec,
+    inputs: PlannerInputs,
+    config: PlannerConfig = _DEFAULT_CONFIG,
+    *,
+    strategy: str = "data_aware",
+    top_k: int | None = None,
+) -> tuple[list[LayoutPlan], dict[str, Any]]:
+    """What :func:`plan` chooses from: :func:`search_layouts`, then (with
+    ``config.runtime_schedule``) the kept layouts re-scored with the schedules dflop's
+    trainer computes (:func:`runtime_scored`) and re-ranked, so that every number is one
+    the runtime reaches. Only the best keeps its step records (a plan for thousands of
+    GPUs would otherwise carry several copies); :func:`simulate_layout` rebuilds others'."""
+    layouts, raw = search_layouts(cluster, inputs, config, strategy=strategy, top_k=top_k)
+    if strategy != "data_aware" or not any(_runs_runtime_schedule(lp, config) for lp in layouts):
+        return layouts, raw  # the baselines rank by their own rules
+
+    def as_run(layout: LayoutPlan) -> LayoutPlan | None:
+        try:
+            return runtime_scored(cluster, inputs, layout, config)
+        except InfeasibleError:  # the trainer's schedule needs more memory than fits
+            return None
+
+    # In threads: the core releases the GIL. Stable: ties keep the search's order.
+    threads = config.num_threads or os.cpu_count() or 1
+    with ThreadPoolExecutor(max_workers=min(threads, len(layouts))) as pool:
+        scored = [lp for lp in pool.map(as_run, layouts) if lp is not None]
+    raw["stats"]["num_over_memory_as_run"] = len(layouts) - len(scored)
+    if not scored:
+        return [], raw
+    scored.sort(key=lambda lp: lp.prediction.step_time_s)
+    scored[1:] = [replace(lp, steps=()) for lp in scored[1:]]
+    return scored, raw
+
+
 def _smallest_fitting_gpus(
     cluster: ClusterSpec, inputs: PlannerInputs, config: PlannerConfig
 ) -> int | None:
@@ -416,10 +454,11 @@ def plan(
         seed=config.seed,
         forward_fraction=config.forward_fraction,
     )
-    layouts, raw = search_layouts(cluster, inputs, config)
+    layouts, raw = choose_layouts(cluster, inputs, config)
     if not layouts:
         raise _infeasible(cluster, inputs, config, raw["shortfall"])
-    layouts[0] = audited(cluster, inputs, layouts[0], config)
+    if not layouts[0].steps:
+        layouts[0] = audited(cluster, inputs, layouts[0], config)
     baseline = reference = None
     if config.baseline:
         found, _ = search_layouts(cluster, inputs, config, strategy="data_blind", top_k=1)
@@ -432,6 +471,7 @@ def plan(
     description.setdefault("llm", _config_dict(llm))
     description.setdefault("num_batches", config.num_batches)
     description.setdefault("seed", config.seed)
+    description.setdefault("forward_fraction", list(config.forward_fraction))
     return Plan(
         cluster=cluster,
         global_batch=int(global_batch),
@@ -477,16 +517,22 @@ def evaluate_layout(
     inputs: PlannerInputs,
     layout: LayoutPlan | dict[str, Any],
     config: PlannerConfig = _DEFAULT_CONFIG,
+    *,
+    assignments: list[Any] | None = None,
 ) -> LayoutPlan:
     """Score a given layout on ``inputs`` (a colocated one with the data-blind schedule).
     ``layout``: a :class:`LayoutPlan` or its ``core_dict()`` form (e.g. a runtime layout
     through :func:`dflop.train.planning.core_layout`; scored with the balanced schedule).
+    ``assignments``: one schedule per sampled batch (bins; microbatch indices are the
+    execution order) to score instead of the planner's own.
 
     Raises:
         dflop.InfeasibleError: (a ValueError) the layout does not fit in memory.
     """
     strategy, args = _layout_args(cluster, inputs, layout, config)
-    raw = _core.evaluate_layout(*args)
+    if assignments is not None:
+        assignments = [np.ascontiguousarray(a, dtype=np.int64) for a in assignments]
+    raw = _core.evaluate_layout(*args, assignments=assignments)
     return _layout_plan(raw, inputs.global_batch, strategy, inputs.encoder.num_heads)
 
 
@@ -508,6 +554,73 @@ def audited(
     return replace(layout, steps=steps)
 
 
+def _runs_runtime_schedule(layout: LayoutPlan, config: PlannerConfig) -> bool:
+    """Whether dflop's trainer would schedule ``layout``'s steps itself: a disaggregated
+    layout scored with the split it executes (ablations keep the planner's schedule)."""
+    return (
+        config.runtime_schedule
+        and not layout.colocated
+        and layout.schedule != "data_blind"
+        and config.encoder_split == "unit"
+    )
+
+
+def runtime_scored(
+    cluster: ClusterSpec,
+    inputs: PlannerInputs,
+    layout: LayoutPlan,
+    config: PlannerConfig = _DEFAULT_CONFIG,
+) -> LayoutPlan:
+    """``layout`` scored on ``inputs`` and audited as dflop runs it: with the schedules
+    dflop's trainer computes for its steps (:func:`dflop.pipeline_schedule` on the
+    simulated encoder -> LLM step, the encoder's replicas sharing microbatches by unit,
+    microbatches in the order it chose) instead of the search's own balanced schedule, so
+    the prediction is of what the runtime executes. The search ranks candidates with the
+    cheaper schedule; this re-scores the few it keeps. Colocated and data-blind layouts
+    (and ablation splits) are scored with the planner's own schedule.
+
+    Raises:
+        dflop.InfeasibleError: (a ValueError) the layout does not fit in memory.
+    """
+    from dflop.pipeline_scheduler import PipelineModel, pipeline_schedule
+
+    if not _runs_runtime_schedule(layout, config):
+        return audited(cluster, inputs, evaluate_layout(cluster, inputs, layout, config), config)
+    _, args = _layout_args(cluster, inputs, layout, config)
+    n, samples = inputs.global_batch, inputs.samples
+    assignments = []
+    for b in range(inputs.num_batches):
+        seen = _core.stage_costs(*args, b)
+        model = PipelineModel.encoder_llm(
+            encoder_pp=layout.encoder.pp,
+            encoder_dp=layout.encoder.dp,
+            llm_pp=layout.llm.pp,
+            stage_constant_s=seen["constants"],
+            forward_fraction=tuple(config.forward_fraction),
+            link_latency_s=cluster.link_latency_s,
+        )
+        # As the trainer's scheduler does for step b: its seed offset by the step.
+        chosen = pipeline_schedule(
+            seen["costs"],
+            layout.num_microbatches,
+            layout.llm.dp,
+            pipeline=model,
+            microbatch_dims=(0,),
+            seed=config.seed + b,
+            units=samples["encoder_units"][b * n : (b + 1) * n],
+        )
+        assignments.append(np.ascontiguousarray(chosen.assignment, dtype=np.int64))
+    scored = evaluate_layout(cluster, inputs, layout, config, assignments=assignments)
+    steps = tuple(
+        StepAudit.from_core(
+            _core.step_from_assignment(*args, b, assignments[b]),
+            _sample_record(samples, b, n),
+        )
+        for b in range(inputs.num_batches)
+    )
+    return replace(scored, steps=steps)
+
+
 def simulate_layout(
     cluster: ClusterSpec,
     inputs: PlannerInputs,
@@ -520,10 +633,16 @@ def simulate_layout(
     :class:`dflop.simulator.SimulationResult` (write_chrome_trace / write_gantt_png).
 
     Stages are the encoder's then the LLM's; replicas are the LLM's DP ranks (encoder
-    stages repeat in every replica: its DP replicas share each microbatch).
+    stages repeat in every replica: its DP replicas share each microbatch). The step is the
+    one the layout's prediction was made with: its recorded step, or else rebuilt the same
+    way (with the trainer's schedule where the runtime schedules it).
     """
     from dflop.simulator import simulate_pipeline
 
+    if not layout.steps and _runs_runtime_schedule(layout, config):
+        layout = runtime_scored(cluster, inputs, layout, config)
+    if layout.steps:
+        return layout.steps[int(batch)].simulate()
     _, args = _layout_args(cluster, inputs, layout, config)
     step = _core.build_step(*args, int(batch))
     num_links = step["forward_s"].shape[1] - 1

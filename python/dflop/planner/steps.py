@@ -245,6 +245,29 @@ class StepPredictor:
         )
         return StepAudit.from_core(raw, _sample_record(inputs.samples, 0, len(shapes)))
 
+    def stage_costs(
+        self, cost_model: Any, shapes: SampleShapes
+    ) -> tuple[np.ndarray, tuple[float, float]]:
+        """What the trainer's scheduler sees of ``shapes`` under this layout, by the
+        planner's model (tp, recompute and layers per stage included): ``(costs, constants)``,
+        the ``(N, 2)`` per-sample seconds of an average encoder stage (one replica) and
+        LLM stage, and each module's per-microbatch constant of an average stage."""
+        from dflop.planner.search import _options, single_batch_inputs
+
+        inputs = single_batch_inputs(
+            cost_model, self.encoder, self.llm, shapes, self.config.forward_fraction
+        )
+        raw = _core.stage_costs(
+            self.cluster.to_dict(),
+            inputs.encoder.to_dict(),
+            inputs.llm.to_dict(),
+            inputs.samples,
+            _options(self.config, "data_aware", len(shapes), 1),
+            self.layout,
+            0,
+        )
+        return np.asarray(raw["costs"]), tuple(float(c) for c in raw["constants"])
+
 
 def _sample_record(samples: dict[str, Any], batch: int, size: int) -> dict[str, np.ndarray]:
     """The per-sample inputs of one sampled batch worth keeping in an audit."""

@@ -215,8 +215,9 @@ def evaluate_local(
     calibration: Calibration | None = None,
 ) -> Any:
     """A :class:`~dflop.planner.Plan` holding one given layout for its local processes,
-    scored and audited as the planner scores its own choices (to force a layout)."""
-    from dflop.planner import Plan, audited, evaluate_layout, prepare_inputs
+    scored and audited as the planner scores its own choices (to force a layout): with
+    the schedules the trainer computes (``runtime_scored``)."""
+    from dflop.planner import Plan, evaluate_layout, prepare_inputs, runtime_scored
 
     encoder, llm = cost_configs(model)
     cluster, config = _local_planning(layout.world_size, seed, memory_bytes, calibration)
@@ -234,7 +235,7 @@ def evaluate_local(
     return Plan(
         cluster=cluster,
         global_batch=layout.global_batch,
-        layouts=[audited(cluster, inputs, scored, config)],
+        layouts=[runtime_scored(cluster, inputs, scored, config)],
     )
 
 

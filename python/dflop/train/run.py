@@ -45,6 +45,14 @@ class Prepared:
     """The :class:`~dflop.planner.Plan` the layout comes from or was scored in."""
     cluster: dict[str, Any] | None = None
     """The planner's cluster (rank 0 predicts every step with it)."""
+    forward_fraction: tuple[float, float] | None = None
+    """The forward shares the plan was scored with (rank 0 starts from them)."""
+
+
+def _plan_forward_fraction(plan: Any) -> tuple[float, float] | None:
+    """The forward shares ``plan`` was scored with (recorded in ``Plan.inputs``)."""
+    value = (plan.inputs or {}).get("forward_fraction") if plan is not None else None
+    return None if value is None else (float(value[0]), float(value[1]))
 
 
 def _threads_per_rank(config: TrainConfig, world_size: int) -> int:
@@ -104,6 +112,7 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
             predicted_step_time_s=best.prediction.step_time_s if same else math.nan,
             plan=plan_file,
             cluster=plan_file.cluster.to_dict(),
+            forward_fraction=_plan_forward_fraction(plan_file),
         )
     global_batch = config.global_batch or 16
     shapes = ScaledShapes(
@@ -147,6 +156,7 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
         plan, description = None, f"layout {config.layout}"
     else:
         layout, plan, description = local_plan()
+    calibration = None
     if plan is not None and config.calibrate_steps:
         calibration = calibrate(config, layout, perf, distribution, log)
         perf = calibration.performance_model
@@ -159,6 +169,8 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
         )
     if plan is not None:
         plan.inputs = _local_inputs(config, global_batch, perf)
+        if calibration is not None:
+            plan.inputs["forward_fraction"] = list(calibration.forward_fraction)
     return Prepared(
         layout=layout,
         performance_model=perf.to_dict() if perf is not None else None,
@@ -167,6 +179,7 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
         predicted_step_time_s=plan.best.prediction.step_time_s if plan else math.nan,
         plan=plan,
         cluster=(plan.cluster if plan else local_cluster(layout.world_size)).to_dict(),
+        forward_fraction=_plan_forward_fraction(plan),
     )
 
 
@@ -215,8 +228,11 @@ def calibrate(
         link_latency_s=1e-4 if latency is None else float(latency),
         forward_fraction=(float(fractions["encoder"]), float(fractions["llm"])),
     )
+    measured = summaries(report)["dflop"]
     log(
-        f"calibrated: per-transfer latency {1e3 * calibration.link_latency_s:.2f} ms, forward "
+        f"calibrated on steps of {measured.step_time_s:.3f} s (simulated "
+        f"{measured.predicted_step_time_s:.3f} s): per-transfer latency "
+        f"{1e3 * calibration.link_latency_s:.2f} ms, forward "
         f"share encoder {calibration.forward_fraction[0]:.2f} / LLM "
         f"{calibration.forward_fraction[1]:.2f}; corrected "
         + calibration.performance_model.summary().splitlines()[1].strip()
@@ -312,6 +328,7 @@ def _rank_main(
     distribution: Any,
     device_kind: str,
     cluster: dict[str, Any] | None = None,
+    forward_fraction: tuple[float, float] | None = None,
 ) -> Any:
     from dflop.train.trainer import Trainer
 
@@ -322,6 +339,7 @@ def _rank_main(
         device=_device_for(device_kind, rank),
         distribution=distribution,
         cluster=cluster,
+        forward_fraction=forward_fraction,
     )
     return trainer.train()
 
@@ -361,6 +379,7 @@ def run_training(
             prepared.distribution,
             device_kind,
             prepared.cluster,
+            prepared.forward_fraction,
         ),
         timeout_s=config.run_timeout_s or 7 * 24 * 3600.0,
         backend="nccl" if device_kind == "cuda" else "gloo",
@@ -390,11 +409,12 @@ def _run_torchrun(config: TrainConfig, log: Callable[[str], None]) -> Any:
                 prepared.performance_model,
                 prepared.distribution,
                 prepared.cluster,
+                prepared.forward_fraction,
                 prepared.predicted_step_time_s,
             )
         ]
     dist.broadcast_object_list(payload, src=0)
-    layout, perf, distribution, cluster, planned = payload[0]
+    layout, perf, distribution, cluster, forward_fraction, planned = payload[0]
     device = f"cuda:{info.local_rank}" if info.backend == "nccl" else "cpu"
     if device == "cpu" and config.threads:
         torch.set_num_threads(config.threads)
@@ -405,6 +425,7 @@ def _run_torchrun(config: TrainConfig, log: Callable[[str], None]) -> Any:
         device=device,
         distribution=distribution,
         cluster=cluster,
+        forward_fraction=forward_fraction,
     )
     report = trainer.train()
     if report is not None:

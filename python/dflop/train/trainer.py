@@ -93,6 +93,7 @@ class Trainer:
         device: Any = "cpu",
         distribution: Any = None,
         cluster: dict[str, Any] | None = None,
+        forward_fraction: tuple[float, float] | None = None,
     ) -> None:
         import torch
         import torch.distributed as dist
@@ -128,9 +129,15 @@ class Trainer:
         self._resume()
         self.cost_model = None
         self.scheduler = None
-        self._forward_fraction = {"encoder": 1.0 / 3.0, "llm": 1.0 / 3.0}
+        # The forward shares a plan was scored with, refined by what the steps measure.
+        fractions = forward_fraction or (1.0 / 3.0, 1.0 / 3.0)
+        self._forward_fraction = {"encoder": float(fractions[0]), "llm": float(fractions[1])}
         self._last_step_wall_s: float | None = None
         self._link_latency_s = 0.0
+        self._latency_fits: collections.deque[float] = collections.deque(maxlen=9)
+        self._observed_steps: collections.deque[tuple[Any, Schedule, float]] = collections.deque(
+            maxlen=32
+        )
         self._calibrated = False
         self.predictor = None
         if self.is_leader and "dflop" in config.modes:
@@ -156,6 +163,8 @@ class Trainer:
             llm,
             core_layout(self.layout),
         )
+        # Until the steps calibrate it, the latency the plan was scored with.
+        self._link_latency_s = self.predictor.cluster.link_latency_s
         self.scheduler = AsyncScheduler(
             self.layout.num_microbatches,
             self.layout.llm.dp,
@@ -194,36 +203,28 @@ class Trainer:
 
     # ------------------------------------------------------------------ scheduling (rank 0)
 
-    def _stage_costs(self, shapes: Any) -> np.ndarray:
-        """Per-sample seconds of one stage of one replica: each module's work over its pp
-        stages. Encoder replicas share each microbatch by visual unit (the pipeline
-        model splits it as the runtime does), so the encoder's column is not divided by
-        its dp."""
-        costs = np.array(self.cost_model.costs(shapes), dtype=np.float64)
-        costs[:, 0] /= self.layout.encoder.pp
-        costs[:, 1] /= self.layout.llm.pp
-        return costs
-
-    def _pipeline_model(self) -> PipelineModel:
-        """The encoder -> LLM pipeline as the cost model and the calibration see it now:
-        per-stage constants, forward shares, link latency, the encoder's replicas."""
-        enc, llm = self.layout.encoder, self.layout.llm
-        constants = self.cost_model.microbatch_constant_s / [enc.pp, llm.pp]
-        return PipelineModel(
-            stages=(enc.pp, llm.pp),
+    def _scheduler_view(self, shapes: Any) -> tuple[np.ndarray, PipelineModel]:
+        """What the scheduler sees of ``shapes``: per-sample seconds of an average stage of
+        each module (the encoder's on one replica: its replicas share each microbatch by
+        unit) and the pipeline, by the planner's model of this layout (the same numbers a
+        plan was scored with) priced by the current cost model and calibration."""
+        costs, constants = self.predictor.stage_costs(self.cost_model, shapes)
+        model = PipelineModel.encoder_llm(
+            encoder_pp=self.layout.encoder.pp,
+            encoder_dp=self.layout.encoder.dp,
+            llm_pp=self.layout.llm.pp,
+            stage_constant_s=constants,
             forward_fraction=(self._forward_fraction["encoder"], self._forward_fraction["llm"]),
-            microbatch_constant_s=tuple(float(v) for v in constants),
             link_latency_s=self._link_latency_s,
-            replicas=(enc.dp, 1),
         )
+        return costs, model
 
     def _submit(self, step: int) -> None:
         deadline = None
         if self.config.schedule_deadline and self._last_step_wall_s is not None:
             deadline = max(0.01, (self.config.lookahead - 1) * self._last_step_wall_s)
         shapes = self.step_shapes.shapes(step)
-        model = self._pipeline_model()
-        costs = self._stage_costs(shapes)
+        costs, model = self._scheduler_view(shapes)
         if self.config.pipeline_schedule:
             self.scheduler.submit(
                 step, costs, deadline_s=deadline, pipeline=model, units=shapes.encoder_units
@@ -243,7 +244,8 @@ class Trainer:
             else:
                 costs = np.stack([shapes.encoder_tokens, shapes.seq_len], axis=1).astype(float)
                 if self.cost_model is not None:
-                    costs = self._pipeline_model().balance_costs(self._stage_costs(shapes))
+                    stage_costs, model = self._scheduler_view(shapes)
+                    costs = model.balance_costs(stage_costs)
                 out[mode] = data_blind_schedule(costs, m, dp, microbatch_dims=(0,))
         return out
 
@@ -260,31 +262,34 @@ class Trainer:
             link_latency_s=self._link_latency_s if self._calibrated else None,
         )
 
-    def _calibrate_latency(self, records: list[RankRecord], audit: Any) -> None:
+    def _calibrate_latency(
+        self, records: list[RankRecord], schedule: Schedule, audit: Any, shapes: Any
+    ) -> None:
         """Fit the per-transfer latency that makes the step model, fed the cost model's
         action times (the step's audit), reproduce the measured step: it takes what the
         action times do not explain (per-message costs, Python overhead, the loss
-        all-reduce, and the waiting that timing noise adds to a pipeline). Smoothed over
-        steps; later predictions use it."""
+        all-reduce, and the waiting that timing noise adds to a pipeline). The median of
+        the last fits: one step slowed by another process on shared cores moves it little;
+        later predictions use it."""
         if audit.llm_forward_s.shape[1] + audit.num_encoder_stages < 2:
             return  # one stage: no links
         measured = max(r.step_time_s for r in records)
-
-        def simulated(latency_s: float) -> float:
-            return audit.simulate(link_latency_s=latency_s, record_events=False).step_time_s
-
-        low, high = 0.0, measured
-        if simulated(low) >= measured:
-            fitted = 0.0
-        else:
-            for _ in range(20):
-                mid = 0.5 * (low + high)
-                low, high = (mid, high) if simulated(mid) < measured else (low, mid)
-            fitted = 0.5 * (low + high)
-        self._link_latency_s = (
-            0.7 * self._link_latency_s + 0.3 * fitted if self._calibrated else fitted
-        )
+        self._observed_steps.append((shapes, schedule, measured))
+        self._latency_fits.append(fit_link_latency([audit], measured))
+        self._link_latency_s = float(np.median(self._latency_fits))
         self._calibrated = True
+
+    def final_link_latency_s(self) -> float | None:
+        """The latency that, with the cost model and forward shares as they are now (the
+        run's end), makes the mean simulated step of the last observed steps equal their
+        mean measured step: a consistent snapshot for planning (``dflop plan --local``
+        calibrates with it). The running estimate pairs each step's latency with the cost
+        model of that step, which kept moving."""
+        if not self._calibrated or not self._observed_steps:
+            return None
+        audits = [self._audit(s, shapes) for shapes, s, _ in self._observed_steps]
+        measured = float(np.mean([t for _, _, t in self._observed_steps]))
+        return fit_link_latency(audits, measured)
 
     # ------------------------------------------------------------------ communication
 
@@ -416,7 +421,7 @@ class Trainer:
                             # faster than dflop's. A run's first step is left out: it pays
                             # one-time costs (first kernels, allocations, connections).
                             self._observe(records, schedules[mode], plans[mode], shapes)
-                            self._calibrate_latency(records, audits[mode])
+                            self._calibrate_latency(records, schedules[mode], audits[mode], shapes)
                         self._log(row, bar)
                     if bar is not None:
                         bar.update(1)
@@ -446,7 +451,7 @@ class Trainer:
             stats={
                 "schedule_fallbacks": num_fallbacks_before,
                 # The calibration of the step model (dflop plan --local uses it).
-                "link_latency_s": self._link_latency_s if self._calibrated else None,
+                "link_latency_s": self.final_link_latency_s(),
                 "forward_fraction": dict(self._forward_fraction),
             },
         )
@@ -562,3 +567,27 @@ def _fault_step(rank: int) -> int | None:
     except ValueError:
         raise ValueError(f"{FAULT_ENV}={spec!r} must be RANK:STEP") from None
     return fault_step if fault_rank == rank else None
+
+
+def fit_link_latency(audits: list[Any], measured_s: float) -> float:
+    """The per-transfer latency at which the mean simulated step of ``audits`` (the step
+    model of each step, :class:`~dflop.planner.StepAudit`) equals ``measured_s``; 0 if the
+    action times alone already reach it. Bisection: the simulated step grows with it."""
+
+    def simulated(latency_s: float) -> float:
+        return float(
+            np.mean(
+                [
+                    a.simulate(link_latency_s=latency_s, record_events=False).step_time_s
+                    for a in audits
+                ]
+            )
+        )
+
+    low, high = 0.0, measured_s
+    if simulated(low) >= measured_s:
+        return 0.0
+    for _ in range(20):
+        mid = 0.5 * (low + high)
+        low, high = (mid, high) if simulated(mid) < measured_s else (low, mid)
+    return 0.5 * (low + high)
