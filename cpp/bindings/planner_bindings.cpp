@@ -237,26 +237,39 @@ py::dict plan_layouts_py(const py::dict& cluster, const py::dict& encoder, const
   return out;
 }
 
+// The arguments of every call about one layout, converted (and checked) once.
+struct LayoutArgs {
+  LayoutArgs(const py::dict& cluster, const py::dict& encoder, const py::dict& llm,
+             const py::dict& samples, const py::dict& options, const py::dict& layout)
+      : c(to_cluster(cluster)),
+        e(to_module(encoder, "encoder")),
+        l(to_module(llm, "llm")),
+        x(to_samples(samples)),
+        o(to_options(options)),
+        lay(to_layout(layout)) {}
+  ClusterParams c;
+  ModuleParams e, l;
+  PlannerSamples x;
+  PlannerOptions o;
+  Layout lay;
+};
+
 py::dict evaluate_layout_py(const py::dict& cluster, const py::dict& encoder, const py::dict& llm,
                             const py::dict& samples, const py::dict& options,
                             const py::dict& layout, const py::object& assignments) {
-  const ClusterParams c = to_cluster(cluster);
-  const ModuleParams e = to_module(encoder, "encoder"), l = to_module(llm, "llm");
-  const PlannerSamples x = to_samples(samples);
-  const PlannerOptions o = to_options(options);
-  const Layout lay = to_layout(layout);
+  const LayoutArgs a(cluster, encoder, llm, samples, options, layout);
   std::vector<std::vector<int64_t>> given;
   if (!assignments.is_none()) {
     for (const py::handle item : assignments) {
-      const IntArray a = py::cast<IntArray>(item);
-      if (a.ndim() != 1) throw py::value_error("every assignment must be 1-D");
-      given.emplace_back(a.data(), a.data() + a.size());
+      const IntArray bins = py::cast<IntArray>(item);
+      if (bins.ndim() != 1) throw py::value_error("every assignment must be 1-D");
+      given.emplace_back(bins.data(), bins.data() + bins.size());
     }
   }
   LayoutScore s;
   {
     py::gil_scoped_release release;
-    s = evaluate_layout(c, e, l, x, o, lay, assignments.is_none() ? nullptr : &given);
+    s = evaluate_layout(a.c, a.e, a.l, a.x, a.o, a.lay, assignments.is_none() ? nullptr : &given);
   }
   return from_score(s);
 }
@@ -301,15 +314,11 @@ py::dict from_step(const StepModel& step) {
 py::dict build_step_py(const py::dict& cluster, const py::dict& encoder, const py::dict& llm,
                        const py::dict& samples, const py::dict& options, const py::dict& layout,
                        int64_t batch) {
-  const ClusterParams c = to_cluster(cluster);
-  const ModuleParams e = to_module(encoder, "encoder"), l = to_module(llm, "llm");
-  const PlannerSamples x = to_samples(samples);
-  const PlannerOptions o = to_options(options);
-  const Layout lay = to_layout(layout);
+  const LayoutArgs a(cluster, encoder, llm, samples, options, layout);
   StepModel step;
   {
     py::gil_scoped_release release;
-    step = build_step(c, e, l, x, o, lay, batch);
+    step = build_step(a.c, a.e, a.l, a.x, a.o, a.lay, batch);
   }
   return from_step(step);
 }
@@ -318,17 +327,13 @@ py::dict step_from_assignment_py(const py::dict& cluster, const py::dict& encode
                                  const py::dict& llm, const py::dict& samples,
                                  const py::dict& options, const py::dict& layout, int64_t batch,
                                  const IntArray& assignment) {
-  const ClusterParams c = to_cluster(cluster);
-  const ModuleParams e = to_module(encoder, "encoder"), l = to_module(llm, "llm");
-  const PlannerSamples x = to_samples(samples);
-  const PlannerOptions o = to_options(options);
-  const Layout lay = to_layout(layout);
+  const LayoutArgs a(cluster, encoder, llm, samples, options, layout);
   if (assignment.ndim() != 1) throw py::value_error("assignment must be 1-D");
   const std::vector<int64_t> bins(assignment.data(), assignment.data() + assignment.size());
   StepModel step;
   {
     py::gil_scoped_release release;
-    step = step_from_assignment(c, e, l, x, o, lay, batch, bins);
+    step = step_from_assignment(a.c, a.e, a.l, a.x, a.o, a.lay, batch, bins);
   }
   return from_step(step);
 }
@@ -336,15 +341,11 @@ py::dict step_from_assignment_py(const py::dict& cluster, const py::dict& encode
 py::dict stage_costs_py(const py::dict& cluster, const py::dict& encoder, const py::dict& llm,
                         const py::dict& samples, const py::dict& options, const py::dict& layout,
                         int64_t batch) {
-  const ClusterParams c = to_cluster(cluster);
-  const ModuleParams e = to_module(encoder, "encoder"), l = to_module(llm, "llm");
-  const PlannerSamples x = to_samples(samples);
-  const PlannerOptions o = to_options(options);
-  const Layout lay = to_layout(layout);
+  const LayoutArgs a(cluster, encoder, llm, samples, options, layout);
   StageCosts sc;
   {
     py::gil_scoped_release release;
-    sc = stage_costs(c, e, l, x, o, lay, batch);
+    sc = stage_costs(a.c, a.e, a.l, a.x, a.o, a.lay, batch);
   }
   py::array_t<double> costs({static_cast<py::ssize_t>(sc.costs.size() / 2), py::ssize_t{2}});
   std::copy(sc.costs.begin(), sc.costs.end(), costs.mutable_data());
