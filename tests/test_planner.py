@@ -131,6 +131,22 @@ def test_encoder_restrictions_are_obeyed_and_validated() -> None:
         _plan(16, config=replace(FAST, encoder_gpus=(16,)))
 
 
+def test_given_schedules_are_scored_and_bad_ones_named() -> None:
+    result = _plan(16)
+    inputs = _inputs()
+    best = result.best
+    # The plan's records are the schedules it was scored with: scoring them again agrees.
+    given = [step.assignment for step in best.steps]
+    again = evaluate_layout(result.cluster, inputs, best, FAST, assignments=given)
+    assert again.prediction.step_time_s == pytest.approx(best.prediction.step_time_s)
+    with pytest.raises(ValueError, match=r"assignments has 1 schedules, expected 2"):
+        evaluate_layout(result.cluster, inputs, best, FAST, assignments=given[:1])
+    bad = [given[0].copy(), given[1]]
+    bad[0][3] = 10_000
+    with pytest.raises(ValueError, match=r"assignments\[0\]\[3\]=10000 is out of range"):
+        evaluate_layout(result.cluster, inputs, best, FAST, assignments=bad)
+
+
 def test_data_blind_baseline_pads_encoder_heads() -> None:
     # InternViT-6B has 25 heads: a colocated layout at tp > 1 needs padded heads (as NVLM
     # does in Megatron-LM); without them only tp = 1 exists and a 32B LLM does not fit.
