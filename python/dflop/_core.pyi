@@ -84,6 +84,7 @@ def evaluate_layout(
     samples: dict[str, Any],
     options: dict[str, Any],
     layout: dict[str, Any],
+    assignments: list[np.ndarray] | None = None,
 ) -> dict[str, Any]: ...
 def build_step(
     cluster: dict[str, Any],
@@ -103,6 +104,15 @@ def step_from_assignment(
     layout: dict[str, Any],
     batch: int,
     assignment: np.ndarray,
+) -> dict[str, Any]: ...
+def stage_costs(
+    cluster: dict[str, Any],
+    encoder: dict[str, Any],
+    llm: dict[str, Any],
+    samples: dict[str, Any],
+    options: dict[str, Any],
+    layout: dict[str, Any],
+    batch: int,
 ) -> dict[str, Any]: ...
 def split_layers(
     num_layers: int,

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from typing import Any
 
 
@@ -192,7 +193,7 @@ def run_plan(args: argparse.Namespace) -> int:
 def _run_local_plan(args: argparse.Namespace) -> int:
     """``dflop plan --local N``: the plan 'dflop train --nproc N' would make (or, with
     --layout, the given layout scored the same way), saved for 'dflop train --plan'."""
-    from dflop.commands.train import _json_arg
+    from dflop.commands.train import data_settings
     from dflop.train import TrainConfig
     from dflop.train.run import prepare
 
@@ -201,12 +202,7 @@ def _run_local_plan(args: argparse.Namespace) -> int:
         layout=args.layout,
         nproc=args.local,
         num_microbatches=args.num_microbatches,
-        data=args.data,
-        image_folder=args.image_folder,
-        video_folder=args.video_folder,
-        family=args.family,
-        mix=_json_arg(args.mix, "--mix"),
-        scaler=_json_arg(args.scaler, "--scaler") or {},
+        **data_settings(args),
         global_batch=args.global_batch or 16,
         seed=args.seed,
         perf=None if args.perf == "analytic" else args.perf,
@@ -290,6 +286,9 @@ def _rebuilt(plan: Any, layout: Any, batch: int) -> Any:
         info.get("gpu_flops", 312e12),
         info.get("mfu", 0.4),
     )
+    config = PlannerConfig(seed=int(info.get("seed", 0)))
+    if "forward_fraction" in info:  # what the plan was scored with
+        config = replace(config, forward_fraction=tuple(info["forward_fraction"]))
     inputs = prepare_inputs(
         model,
         encoder,
@@ -297,7 +296,7 @@ def _rebuilt(plan: Any, layout: Any, batch: int) -> Any:
         global_batch=plan.global_batch,
         shapes=_shapes(info.get("shapes", "synthetic")),
         num_batches=int(info.get("num_batches", 1)),
-        seed=int(info.get("seed", 0)),
+        seed=config.seed,
+        forward_fraction=config.forward_fraction,
     )
-    config = PlannerConfig(seed=int(info.get("seed", 0)))
     return simulate_layout(plan.cluster, inputs, layout, config, batch=batch)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -92,6 +93,19 @@ def _json_arg(text: str | None, flag: str) -> dict | None:
     return value
 
 
+def data_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The TrainConfig fields of the data options that 'dflop train' and 'dflop plan
+    --local' share."""
+    return {
+        "data": args.data,
+        "image_folder": args.image_folder,
+        "video_folder": args.video_folder,
+        "family": args.family,
+        "mix": _json_arg(args.mix, "--mix"),
+        "scaler": _json_arg(args.scaler, "--scaler") or {},
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     from dflop.train import TrainConfig
 
@@ -101,12 +115,7 @@ def run(args: argparse.Namespace) -> int:
         layout=args.layout,
         nproc=args.nproc,
         num_microbatches=args.num_microbatches,
-        data=args.data,
-        image_folder=args.image_folder,
-        video_folder=args.video_folder,
-        family=args.family,
-        mix=_json_arg(args.mix, "--mix"),
-        scaler=_json_arg(args.scaler, "--scaler") or {},
+        **data_settings(args),
         global_batch=args.global_batch,
         steps=args.steps,
         lr=args.lr,

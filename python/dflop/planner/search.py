@@ -637,23 +637,9 @@ def simulate_layout(
     one the layout's prediction was made with: its recorded step, or else rebuilt the same
     way (with the trainer's schedule where the runtime schedules it).
     """
-    from dflop.simulator import simulate_pipeline
-
     if not layout.steps and _runs_runtime_schedule(layout, config):
         layout = runtime_scored(cluster, inputs, layout, config)
     if layout.steps:
         return layout.steps[int(batch)].simulate()
     _, args = _layout_args(cluster, inputs, layout, config)
-    step = _core.build_step(*args, int(batch))
-    num_links = step["forward_s"].shape[1] - 1
-    return simulate_pipeline(
-        step["forward_s"],
-        step["backward_s"],
-        schedule="1f1b",
-        link_latency_s=np.asarray(step["link_latency_s"], dtype=np.float64).reshape(num_links),
-        activation_bytes=step["activation_bytes"] if num_links else None,
-        link_bandwidth_bytes_per_s=np.asarray(
-            step["link_bandwidth_bytes_per_s"], dtype=np.float64
-        ).reshape(num_links),
-        allreduce_s=np.asarray(step["allreduce_s"], dtype=np.float64),
-    )
+    return StepAudit.from_core(_core.build_step(*args, int(batch))).simulate()

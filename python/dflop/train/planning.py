@@ -236,6 +236,7 @@ def evaluate_local(
         cluster=cluster,
         global_batch=layout.global_batch,
         layouts=[runtime_scored(cluster, inputs, scored, config)],
+        inputs={"forward_fraction": list(config.forward_fraction)},
     )
 
 

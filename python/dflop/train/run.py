@@ -156,7 +156,6 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
         plan, description = None, f"layout {config.layout}"
     else:
         layout, plan, description = local_plan()
-    calibration = None
     if plan is not None and config.calibrate_steps:
         calibration = calibrate(config, layout, perf, distribution, log)
         perf = calibration.performance_model
@@ -168,9 +167,7 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
             f"processes ({description})"
         )
     if plan is not None:
-        plan.inputs = _local_inputs(config, global_batch, perf)
-        if calibration is not None:
-            plan.inputs["forward_fraction"] = list(calibration.forward_fraction)
+        plan.inputs = {**(plan.inputs or {}), **_local_inputs(config, global_batch, perf)}
     return Prepared(
         layout=layout,
         performance_model=perf.to_dict() if perf is not None else None,
