@@ -10,6 +10,10 @@ Quick start::
 Pipeline stages: ``VisionTower.stage`` / ``Decoder.stage`` (sharing the full model's
 modules) or ``VisionStage`` / ``DecoderStage`` built on their own (same weights for the
 same seed, thanks to name-keyed init).
+
+The runtime trains any model through a :class:`ModelSpec` (``model_spec("tiny")``,
+``model_spec("hf:PATH")`` for a Hugging Face folder; see :mod:`dflop.models.spec` and
+:mod:`dflop.models.hf`).
 """
 
 from dflop.models.config import (
@@ -36,6 +40,14 @@ from dflop.models.multimodal import (
     check_visual_layout,
     merge_visual_features,
 )
+from dflop.models.spec import (
+    EncoderStageModule,
+    LLMStageModule,
+    ModelSpec,
+    ReferenceSpec,
+    VisualItem,
+    model_spec,
+)
 from dflop.models.vision import Projector, VisionEncoder, VisionStage, VisionTower
 
 __all__ = [
@@ -46,19 +58,25 @@ __all__ = [
     "Decoder",
     "DecoderConfig",
     "DecoderStage",
+    "EncoderStageModule",
+    "LLMStageModule",
     "ModelConfig",
+    "ModelSpec",
     "MultimodalModel",
     "Projector",
     "ProjectorConfig",
+    "ReferenceSpec",
     "VisionConfig",
     "VisionEncoder",
     "VisionStage",
     "VisionTower",
+    "VisualItem",
     "build_model",
     "check_visual_layout",
     "init_weights",
     "merge_visual_features",
     "model_config",
+    "model_spec",
     "next_token_targets",
     "packed_positions",
 ]

@@ -14,7 +14,7 @@ keyed by their global index so a stage's names match the full decoder's.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ __all__ = [
     "Decoder",
     "DecoderStage",
     "RMSNorm",
+    "merge_visual_features",
     "next_token_targets",
     "packed_positions",
 ]
@@ -96,6 +97,21 @@ def next_token_targets(labels: Tensor, cu_seqlens: Tensor) -> Tensor:
     last = cu_seqlens[1:] - 1
     targets[last[last >= 0]] = IGNORE_INDEX
     return targets
+
+
+def merge_visual_features(
+    text_embeds: Tensor, image_token_mask: Tensor, visual_features: Tensor
+) -> Tensor:
+    """Put ``visual_features`` rows, in order, at the ``True`` positions of
+    ``image_token_mask``: ``[T, hidden]`` with ``[T]`` bool and ``[V, hidden]`` -> ``[T, hidden]``.
+
+    Out of place and differentiable in both inputs. ``V`` must equal the mask's count (see
+    ``check_visual_layout``, which also checks each sample's share).
+    """
+    if visual_features.shape[0] == 0:
+        return text_embeds
+    mask = image_token_mask.to(text_embeds.device).unsqueeze(-1)
+    return text_embeds.masked_scatter(mask, visual_features.to(text_embeds.dtype))
 
 
 class RMSNorm(nn.Module):
@@ -310,6 +326,28 @@ class DecoderStage(nn.Module):
             if rows.shape[0]:
                 parts += [rows, newline]
         return torch.cat(parts) if parts else features
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden
+
+    @property
+    def visual_newline(self) -> bool:
+        return self.config.image_newline
+
+    def merge_visual(
+        self,
+        input_embeds: Tensor,
+        features: Tensor,
+        text: Any,
+        rows_per_sample: list[int],
+    ) -> Tensor:
+        """Token embeddings with the visual ``features`` (``rows_per_sample`` rows of each
+        sample, in order) at ``text.image_token_mask``, after appending the image_newline
+        row to each sample's rows when the model has one."""
+        if self.image_newline is not None:
+            features = self.append_visual_newlines(features, rows_per_sample)
+        return merge_visual_features(input_embeds, text.image_token_mask, features)
 
     def hidden_states(self, input_embeds: Tensor, cu_seqlens: Tensor) -> Tensor:
         """Run this stage's blocks: ``[T, hidden] -> [T, hidden]`` (no final norm)."""

@@ -7,25 +7,10 @@ import torch
 from torch import Tensor, nn
 
 from dflop.models.config import ModelConfig, model_config
-from dflop.models.decoder import IGNORE_INDEX, Decoder, DeviceLike
+from dflop.models.decoder import IGNORE_INDEX, Decoder, DeviceLike, merge_visual_features
 from dflop.models.vision import VisionTower
 
 __all__ = ["MultimodalModel", "build_model", "check_visual_layout", "merge_visual_features"]
-
-
-def merge_visual_features(
-    text_embeds: Tensor, image_token_mask: Tensor, visual_features: Tensor
-) -> Tensor:
-    """Put ``visual_features`` rows, in order, at the ``True`` positions of
-    ``image_token_mask``: ``[T, hidden]`` with ``[T]`` bool and ``[V, hidden]`` -> ``[T, hidden]``.
-
-    Out of place and differentiable in both inputs. ``V`` must equal the mask's count (see
-    ``check_visual_layout``, which also checks each sample's share).
-    """
-    if visual_features.shape[0] == 0:
-        return text_embeds
-    mask = image_token_mask.to(text_embeds.device).unsqueeze(-1)
-    return text_embeds.masked_scatter(mask, visual_features.to(text_embeds.dtype))
 
 
 def check_visual_layout(

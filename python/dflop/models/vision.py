@@ -253,6 +253,14 @@ class VisionStage(nn.Module):
     def tokens_per_unit(self) -> int:
         return self.vision_config.tokens_per_unit
 
+    @property
+    def hidden_size(self) -> int:
+        return self.vision_config.hidden
+
+    @property
+    def output_size(self) -> int:
+        return self.projector_config.hidden
+
     def forward(self, x: Tensor) -> Tensor:
         """See the class docstring for the input and output of each kind of stage."""
         x = self.encoder(x)

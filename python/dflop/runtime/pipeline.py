@@ -55,16 +55,15 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from dflop.models.config import ModelConfig
-from dflop.models.decoder import IGNORE_INDEX, DecoderStage
-from dflop.models.multimodal import merge_visual_features
-from dflop.models.vision import VisionStage
+from dflop.models.decoder import IGNORE_INDEX
+from dflop.models.spec import EncoderStageModule, LLMStageModule, ModelSpec, model_spec
 from dflop.runtime.communicator import BridgeCommunicator
 from dflop.runtime.step_data import EncoderShare, LLMShare, MicrobatchPlan, StepPlan
 from dflop.runtime.synthetic_batch import TextInputs
-from dflop.runtime.tensor_parallel import apply_tensor_parallel, local_tensor
+from dflop.runtime.tensor_parallel import local_tensor
 from dflop.runtime.topology import RankInfo, Topology
 from dflop.simulator import pipeline_actions
 
@@ -155,7 +154,7 @@ class StepResult:
 
 
 def build_stage(
-    config: ModelConfig,
+    model: ModelSpec | ModelConfig | str,
     info: RankInfo,
     *,
     seed: int = 0,
@@ -163,24 +162,17 @@ def build_stage(
     dtype: torch.dtype | None = None,
     tp_group: Any = None,
     tp_size: int = 1,
-) -> VisionStage | DecoderStage:
-    """This rank's part of the model, built on its own with the full model's weights for
-    ``seed`` (name-keyed init): a ``VisionStage`` on encoder ranks (with the patch embedding
-    on the first stage, final norm + projector on the last), a ``DecoderStage`` on LLM ranks
-    (token embedding on the first stage, head on the last). With ``tp_size > 1`` the stage
-    is then sharded over ``tp_group`` (``Topology.tp_group``; see
-    :func:`dflop.runtime.tensor_parallel.apply_tensor_parallel`)."""
-    first, end = info.layer_range
-    kw = {"has_embed": info.is_first_stage, "has_head": info.is_last_stage}
-    if info.module == "encoder":
-        stage: VisionStage | DecoderStage = VisionStage(
-            config.vision, config.projector, first, end, device=device, dtype=dtype, **kw
-        )
-    else:
-        stage = DecoderStage(config.decoder, first, end, device=device, dtype=dtype, **kw)
-    stage.init_weights(seed)
-    # Every TP rank initialised the same full weights; each keeps its slice.
-    return apply_tensor_parallel(stage, tp_group, tp_size=tp_size)
+) -> nn.Module:
+    """This rank's part of ``model`` (a :class:`~dflop.models.spec.ModelSpec`, a reference
+    ``ModelConfig`` or anything :func:`~dflop.models.spec.model_spec` takes): an encoder
+    stage on encoder ranks (pixels in on the first stage, projected features out on the
+    last), an LLM stage on LLM ranks (token embedding on the first stage, head on the
+    last). The reference model's stages get the full model's weights for ``seed``
+    (name-keyed init) and, with ``tp_size > 1``, are sharded over ``tp_group``
+    (``Topology.tp_group``; see :func:`dflop.runtime.tensor_parallel.apply_tensor_parallel`)."""
+    return model_spec(model).build_stage(
+        info, seed=seed, device=device, dtype=dtype, tp_group=tp_group, tp_size=tp_size
+    )
 
 
 class _Clock:
@@ -286,8 +278,8 @@ class PipelineEngine:
 
     Args:
         topology: this rank's :class:`Topology` (``Topology.create`` on every rank).
-        stage: this rank's ``VisionStage`` / ``DecoderStage`` (e.g. :func:`build_stage`),
-            already on ``device``.
+        stage: this rank's stage (:func:`build_stage`): an ``EncoderStageModule`` on
+            encoder ranks, an ``LLMStageModule`` on LLM ranks, already on ``device``.
         schedule: ``"1f1b"`` (default) or ``"gpipe"``, as in ``pipeline_actions``.
         debug: send a shape header before every stage-to-stage tensor (and ask the bridge
             to do the same) to report plan mismatches clearly.
@@ -299,7 +291,7 @@ class PipelineEngine:
     def __init__(
         self,
         topology: Topology,
-        stage: VisionStage | DecoderStage,
+        stage: nn.Module,
         *,
         schedule: str = "1f1b",
         debug: bool = False,
@@ -309,7 +301,7 @@ class PipelineEngine:
         info = topology.info
         layout = topology.layout
         self.tp_size = layout.module(info.module).tp
-        expect = VisionStage if info.module == "encoder" else DecoderStage
+        expect = EncoderStageModule if info.module == "encoder" else LLMStageModule
         if not isinstance(stage, expect):
             raise TypeError(
                 f"rank {info.rank} is an {info.module} rank: stage must be a {expect.__name__}"
@@ -327,7 +319,7 @@ class PipelineEngine:
         self.is_encoder = info.module == "encoder"
         self.bridge: BridgeCommunicator | None = None
         if info.is_bridge_sender or info.is_bridge_receiver:
-            hidden = stage.projector_config.hidden if self.is_encoder else stage.config.hidden
+            hidden = stage.output_size if self.is_encoder else stage.hidden_size
             self.bridge = BridgeCommunicator(
                 topology, hidden, self.dtype, device=self.device, debug=debug
             )
@@ -348,12 +340,12 @@ class PipelineEngine:
                 f"{self.layout.num_microbatches}"
             )
         if not self.is_encoder and self.info.is_first_stage:
-            has_newline = self.stage.image_newline is not None
-            if plan.visual_newline != has_newline:
+            expected = self.stage.visual_newline
+            if expected is not None and plan.visual_newline != expected:
                 raise ValueError(
                     f"the StepPlan has visual_newline={plan.visual_newline} but the model's "
-                    f"DecoderConfig.image_newline={has_newline}: build the plan with "
-                    "visual_newline=config.decoder.image_newline"
+                    f"stage says {expected}: build the plan with the spec's visual_newline "
+                    "(config.decoder.image_newline for the reference model)"
                 )
         self.stage.zero_grad(set_to_none=True)
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -463,7 +455,7 @@ class PipelineEngine:
             if self.bridge is not None:  # TP rank 0
                 features = self._received(True, mb)
             if self.tp_size > 1 and share.visual_rows > 0:
-                shape = (share.visual_rows, self.stage.config.hidden)
+                shape = (share.visual_rows, self.stage.hidden_size)
                 features = self._tp_broadcast(features, shape)
         if share.is_empty:  # an empty bin: nothing to run
             return state, None
@@ -478,10 +470,10 @@ class PipelineEngine:
             if share.visual_rows > 0:
                 features = features.to(self.device).requires_grad_(True)
                 state.visual_features = features
-                if plan.visual_newline:  # per sample: all its units' features are here
-                    rows = share.sample_visual_rows.tolist()
-                    features = self.stage.append_visual_newlines(features, rows)
-                x = merge_visual_features(x, text.image_token_mask, features)
+                # Per-sample visual operations (newline rows, unpadding, pooling) run here,
+                # where all of a sample's units have arrived from the encoder replicas.
+                rows = share.sample_visual_rows.tolist()
+                x = self.stage.merge_visual(x, features, text, rows)
         else:
             x = state.stage_input = self._received(True, mb)
             start = self.clock.mark()
@@ -599,8 +591,8 @@ class PipelineEngine:
                 return self.bridge.recv_grads(mb.index, mb.routing, as_tensor=True, wait=False)
             if share.is_empty or (is_forward and info.is_first_stage):
                 return None
-            vision = self.stage.vision_config
-            shape: tuple[int, ...] = (share.units, vision.tokens_per_unit, vision.hidden)
+            stage = self.stage
+            shape: tuple[int, ...] = (share.units, stage.tokens_per_unit, stage.hidden_size)
         else:
             share = mb.llm[info.dp_rank]
             if is_forward and info.is_first_stage:
@@ -609,7 +601,7 @@ class PipelineEngine:
                 return self.bridge.recv_features(mb.index, mb.routing, as_tensor=True, wait=False)
             if share.is_empty or (not is_forward and info.is_last_stage):
                 return None
-            shape = (share.tokens, self.stage.config.hidden)
+            shape = (share.tokens, self.stage.hidden_size)
         if is_forward:
             return self._recv(shape, info.prev_rank, mb.index, kind=0)
         return self._recv(shape, info.next_rank, mb.index, kind=1)

@@ -129,9 +129,10 @@ class StepPlan:
     """Target tokens of the whole global batch: every rank divides its loss sums by it,
     so the gradients summed over microbatches and DP replicas are those of the mean loss."""
     tokens_per_unit: int
-    visual_newline: bool = False
+    visual_newline: bool | None = False
     """The LLM's first stage appends the model's ``image_newline`` row after each visual
-    sample's features (``DecoderConfig.image_newline``)."""
+    sample's features (``DecoderConfig.image_newline``); None for a model that counts its
+    visual tokens by its own per-sample rule (``ModelSpec.visual_newline``)."""
 
     @property
     def num_microbatches(self) -> int:
@@ -146,7 +147,7 @@ class StepPlan:
         target_tokens: np.ndarray,
         *,
         tokens_per_unit: int,
-        visual_newline: bool = False,
+        visual_newline: bool | None = False,
         encoder_costs: np.ndarray | None = None,
     ) -> StepPlan:
         """The plan of one step.
@@ -161,7 +162,10 @@ class StepPlan:
             target_tokens: (N,) target tokens of every sample (e.g.
                 ``SyntheticBatch.target_tokens()``).
             tokens_per_unit: the model's encoder tokens per visual unit.
-            visual_newline: the model's ``DecoderConfig.image_newline``.
+            visual_newline: the model's ``DecoderConfig.image_newline`` (its spec's
+                ``visual_newline``); None: the model has its own per-sample rule for
+                ``llm_visual_tokens`` (e.g. LLaVA-OneVision's unpadding), which its LLM
+                stage checks, so the shapes are not checked against units here.
             encoder_costs: (N,) encoder cost of each sample, which the split balances
                 over the encoder replicas (the cost model's, as the planner uses);
                 default: its encoder tokens. Every rank must pass the same values.
@@ -184,7 +188,8 @@ class StepPlan:
             _microbatch_plan(j, schedule, layout, units, tokens_per_unit, seq_lens, targets, costs)
             for j in range(schedule.num_microbatches)
         )
-        return cls(microbatches, int(targets.sum()), int(tokens_per_unit), bool(visual_newline))
+        newline = None if visual_newline is None else bool(visual_newline)
+        return cls(microbatches, int(targets.sum()), int(tokens_per_unit), newline)
 
 
 def _check_inputs(
@@ -193,7 +198,7 @@ def _check_inputs(
     layout: RuntimeLayout,
     target_tokens: np.ndarray,
     tokens_per_unit: int,
-    visual_newline: bool,
+    visual_newline: bool | None,
 ) -> None:
     if schedule.num_samples != len(shapes) or len(target_tokens) != len(shapes):
         raise ValueError(
@@ -209,6 +214,8 @@ def _check_inputs(
             f"Schedule.num_microbatches={schedule.num_microbatches} must equal "
             f"RuntimeLayout.num_microbatches={layout.num_microbatches}"
         )
+    if visual_newline is None:
+        return
     units = shapes.encoder_units.astype(np.int64)
     expected = units * tokens_per_unit + (units > 0) * int(visual_newline)
     bad = np.flatnonzero(shapes.llm_visual_tokens != expected)

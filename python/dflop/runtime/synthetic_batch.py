@@ -33,6 +33,7 @@ from torch import Tensor
 from dflop.data.shapes import SampleShapes
 from dflop.models.config import ModelConfig
 from dflop.models.decoder import IGNORE_INDEX
+from dflop.models.spec import VisualItem
 
 __all__ = [
     "IMAGE_TOKEN_ID",
@@ -202,6 +203,9 @@ class TextInputs:
     """LongTensor[n + 1]: cumulative sample lengths, 0 .. T."""
     unit_counts: Tensor
     """LongTensor[n]: visual units per sample."""
+    visual_items: tuple[tuple[VisualItem, ...], ...] | None = None
+    """Per sample, its visual inputs in order, for models whose per-sample visual
+    operations need them (``LLMStageModule.merge_visual``); None when the model does not."""
 
 
 class PackedBatchSource:

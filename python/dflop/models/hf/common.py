@@ -1,0 +1,280 @@
+"""What every Hugging Face adapter shares: the ``transformers`` import, local configs,
+packed attention over samples, stage trees under the model's own parameter names, and
+checkpoints in the Hugging Face layout (safetensors with the original keys).
+
+Stages keep the full model's module paths (``model.language_model.layers.3.mlp...``), so a
+stage's ``state_dict()`` is a slice of the full model's; the map between those names and
+the keys of a checkpoint file comes from transformers' own conversion rules for the
+installed version (:func:`checkpoint_keys`), never from a hand-written table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dflop.models.decoder import packed_positions
+
+__all__ = [
+    "SUPPORTED_TRANSFORMERS",
+    "StageTree",
+    "block_causal_mask",
+    "checkpoint_keys",
+    "load_config",
+    "materialize",
+    "load_stage_weights",
+    "packed_decoder_inputs",
+    "require_transformers",
+    "save_checkpoint",
+]
+
+SUPPORTED_TRANSFORMERS = ((5, 0), (6, 0))
+"""Tested range of ``transformers`` versions: ``>= 5.0, < 6.0``."""
+
+
+def require_transformers() -> Any:
+    """The ``transformers`` module, or an ImportError that says how to install it."""
+    try:
+        import transformers
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            'Hugging Face models need the optional dependency transformers: pip install "dflop[hf]"'
+        ) from err
+    version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+    low, high = SUPPORTED_TRANSFORMERS
+    if not low <= version < high:
+        raise ImportError(
+            f"transformers {transformers.__version__} is outside dflop's tested range "
+            f">= {low[0]}.{low[1]}, < {high[0]}.{high[1]}"
+        )
+    return transformers
+
+
+def load_config(path: str) -> Any:
+    """The model config in the local folder ``path`` (its ``config.json``); never downloads."""
+    transformers = require_transformers()
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"hf:{path}: no config.json in that folder")
+    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    return config
+
+
+# --------------------------------------------------------------------------- packing
+
+
+def block_causal_mask(cu_seqlens: Tensor, total_tokens: int, device: torch.device) -> Tensor:
+    """``[1, 1, T, T]`` bool: position q may attend to k when both lie in the same packed
+    sample and ``k <= q`` (True = attend), for SDPA / eager attention."""
+    cu = cu_seqlens.to(device)
+    lens = cu[1:] - cu[:-1]
+    sample = torch.repeat_interleave(torch.arange(lens.numel(), device=device), lens)
+    if sample.numel() != total_tokens:
+        raise ValueError(
+            f"cu_seqlens covers {sample.numel()} positions, the hidden states {total_tokens}"
+        )
+    index = torch.arange(total_tokens, device=device)
+    same = sample[:, None] == sample[None, :]
+    return (same & (index[None, :] <= index[:, None]))[None, None]
+
+
+def packed_decoder_inputs(
+    config: Any, cu_seqlens: Tensor, total_tokens: int, device: torch.device
+) -> tuple[Tensor, Tensor | None, dict[str, Any]]:
+    """``(position_ids [1, T], attention_mask, attention kwargs)`` for HF decoder layers over
+    samples packed into one sequence: positions restart at every sample and no position
+    attends across samples. Flash attention (``_attn_implementation`` starting with
+    ``flash``) gets the varlen boundaries (``cu_seq_lens_q/k``, ``max_length_q/k``) and no
+    mask; every other implementation a block-diagonal causal mask."""
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    positions = packed_positions(cu, total_tokens)[None]
+    impl = str(getattr(config, "_attn_implementation", None) or "sdpa")
+    if impl.startswith("flash"):
+        max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+        cu32 = cu.to(torch.int32)
+        kwargs = {
+            "cu_seq_lens_q": cu32,
+            "cu_seq_lens_k": cu32,
+            "max_length_q": max_len,
+            "max_length_k": max_len,
+        }
+        return positions, None, kwargs
+    return positions, block_causal_mask(cu, total_tokens, device), {}
+
+
+# --------------------------------------------------------------------------- stage trees
+
+
+class StageTree(nn.Module):
+    """A pipeline stage's modules under the full model's paths: ``attach("model.x.layers.3",
+    module)`` makes the module's parameters ``model.x.layers.3.*`` in ``state_dict()``."""
+
+    def attach(self, path: str, item: nn.Module | nn.Parameter) -> None:
+        *parents, leaf = path.split(".")
+        node: nn.Module = self
+        for name in parents:
+            child = node._modules.get(name)
+            if child is None:
+                child = nn.Module()
+                node.add_module(name, child)
+            node = child
+        if isinstance(item, nn.Parameter):
+            node.register_parameter(leaf, item)
+        else:
+            node.add_module(leaf, item)
+
+    def find(self, path: str) -> Any:
+        """The module or parameter at ``path`` (None when this stage does not hold it)."""
+        node: Any = self
+        for name in path.split("."):
+            node = getattr(node, name, None)
+            if node is None:
+                return None
+        return node
+
+
+def carve(full: nn.Module, paths: Iterable[str]) -> StageTree:
+    """A :class:`StageTree` holding the modules/parameters of ``full`` at ``paths``."""
+    tree = StageTree()
+    for path in paths:
+        tree.attach(
+            path, full.get_submodule(path) if _is_module(full, path) else _param(full, path)
+        )
+    return tree
+
+
+def materialize(full: nn.Module, tree: StageTree) -> None:
+    """Give the meta-device modules of ``tree`` (carved from ``full``, built on the meta
+    device) real CPU storage. Parameters and persistent buffers are left to be loaded from
+    a checkpoint; non-persistent buffers (position ids, rotary frequencies), which no
+    checkpoint holds, are recomputed by the owning model's own ``_init_weights``."""
+    from transformers import PreTrainedModel
+
+    owners = [(name, m) for name, m in full.named_modules() if isinstance(m, PreTrainedModel)]
+    tree.to_empty(device="cpu")
+    for path, module in tree.named_modules():
+        if not getattr(module, "_non_persistent_buffers_set", None):
+            continue
+        # The deepest PreTrainedModel above the module knows how to initialise it.
+        owner = max(
+            (m for name, m in owners if not name or path.startswith(name + ".")),
+            key=lambda m: len(next(n for n, o in owners if o is m)),
+        )
+        with torch.no_grad():
+            owner._init_weights(module)
+
+
+def _is_module(full: nn.Module, path: str) -> bool:
+    try:
+        full.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _param(full: nn.Module, path: str) -> nn.Parameter:
+    owner, _, name = path.rpartition(".")
+    return getattr(full.get_submodule(owner) if owner else full, name)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_keys(model: nn.Module) -> dict[str, str]:
+    """``{parameter or buffer name in the model: key in a saved checkpoint}``, from
+    transformers' own save-time conversion of ``model`` (build it on the meta device)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = model.state_dict()
+    by_id = {id(t): name for name, t in state.items()}
+    reverted = revert_weight_conversion(model, dict(state))
+    mapping: dict[str, str] = {}
+    for key, tensor in reverted.items():
+        name = by_id.get(id(tensor))
+        if name is None:
+            raise ValueError(
+                f"checkpoint key {key!r} is not a plain rename of a parameter of "
+                f"{type(model).__name__}: this transformers version converts weights in a "
+                "way dflop's stage loader does not support"
+            )
+        mapping[name] = key
+    return mapping
+
+
+def _checkpoint_files(folder: str) -> dict[str, str]:
+    """``{checkpoint key: safetensors file}`` of the folder (one file or a sharded index)."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {key: os.path.join(folder, name) for key, name in weight_map.items()}
+    single = os.path.join(folder, "model.safetensors")
+    if not os.path.isfile(single):
+        raise FileNotFoundError(
+            f"hf:{folder}: no model.safetensors or model.safetensors.index.json (weights)"
+        )
+    from safetensors import safe_open
+
+    with safe_open(single, "pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def has_weights(folder: str) -> bool:
+    return any(
+        os.path.isfile(os.path.join(folder, name))
+        for name in ("model.safetensors", "model.safetensors.index.json")
+    )
+
+
+def load_stage_weights(stage: nn.Module, folder: str, keys: dict[str, str]) -> None:
+    """Fill every parameter and persistent buffer of ``stage`` from the checkpoint in
+    ``folder``, reading only this stage's tensors. ``keys`` maps the stage's names (the
+    full model's) to checkpoint keys (:func:`checkpoint_keys`). A missing key or a shape
+    that differs raises ``ValueError`` naming it."""
+    from safetensors import safe_open
+
+    files = _checkpoint_files(folder)
+    wanted: dict[str, list[tuple[str, Tensor]]] = {}
+    for name, tensor in stage.state_dict(keep_vars=True).items():
+        key = keys.get(name)
+        if key is None or key not in files:
+            raise ValueError(f"hf:{folder}: the checkpoint has no tensor for {name!r}")
+        wanted.setdefault(files[key], []).append((key, tensor))
+    with torch.no_grad():
+        for path, entries in wanted.items():
+            with safe_open(path, "pt") as f:
+                for key, tensor in entries:
+                    value = f.get_tensor(key)
+                    if tuple(value.shape) != tuple(tensor.shape):
+                        raise ValueError(
+                            f"hf:{folder}: {key!r} has shape {tuple(value.shape)}, the model "
+                            f"expects {tuple(tensor.shape)} (does config.json match?)"
+                        )
+                    tensor.copy_(value.to(tensor.dtype))
+
+
+def save_checkpoint(
+    folder: str, model_class: Any, config: Any, state_dict: dict[str, Tensor]
+) -> None:
+    """Write ``state_dict`` (the full model's names, e.g. the union of all stages') as a
+    Hugging Face checkpoint folder: ``config.json`` and safetensors with the original keys,
+    loadable with ``model_class.from_pretrained(folder)``."""
+    with torch.device("meta"):
+        model = model_class(config)
+    expected = set(model.state_dict())
+    missing = sorted(expected - set(state_dict))
+    unknown = sorted(set(state_dict) - expected)
+    if missing or unknown:
+        raise ValueError(
+            f"cannot save a checkpoint: missing {missing[:3]}, unknown {unknown[:3]} "
+            f"(of {len(expected)} tensors)"
+        )
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in state_dict.items()}
+    model.load_state_dict(tensors, assign=True, strict=True)
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder)

@@ -1,0 +1,329 @@
+"""LLaVA-OneVision (``LlavaOnevisionForConditionalGeneration``) under dflop's runtime.
+
+Encoder stages run the SigLIP tower's layers up to ``vision_feature_layer`` (the layers
+after it and the post-layernorm never reach the LLM, as in the model), the last one the
+projector; every visual unit (a base image or anyres crop, a multi-image tile, a video
+frame) is one row group of ``(image_size // patch_size)^2`` features. LLM stages run the
+Qwen2 decoder's layers on samples packed into one sequence (positions restart per sample,
+no attention across samples). The first LLM stage does what the model does per sample
+once all of a sample's units are there, with the model's own code
+(``pack_image_features``: anyres unpadding, ``anyres_max_N`` downsampling and a newline
+per feature row; one newline after a multi-image tile; ``apply_pooling`` of video frames
+and one newline per video), then scatters the rows into the placeholder positions.
+
+Tensor parallelism and tied word embeddings split over pipeline stages are not supported
+yet (both raise a clear error).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflop.models.decoder import IGNORE_INDEX, merge_visual_features, next_token_targets
+from dflop.models.hf.common import (
+    StageTree,
+    carve,
+    checkpoint_keys,
+    has_weights,
+    load_stage_weights,
+    materialize,
+    packed_decoder_inputs,
+    require_transformers,
+    save_checkpoint,
+)
+from dflop.models.spec import ModelSpec, VisualItem
+
+__all__ = ["LlavaOnevisionSpec"]
+
+_VISION = "model.vision_tower"
+_TEXT = "model.language_model"
+
+
+class LlavaOnevisionSpec(ModelSpec):
+    """A LLaVA-OneVision model from its ``LlavaOnevisionConfig`` (random init for a seed)
+    or a local checkpoint folder (``checkpoint_dir``, safetensors in the HF layout)."""
+
+    def __init__(self, config: Any, checkpoint_dir: str | None = None) -> None:
+        transformers = require_transformers()
+        self.model_class = transformers.LlavaOnevisionForConditionalGeneration
+        if getattr(config, "model_type", None) != "llava_onevision":
+            raise ValueError(
+                f"config.model_type={getattr(config, 'model_type', None)!r}: expected "
+                "'llava_onevision'"
+            )
+        layer = config.vision_feature_layer
+        if not isinstance(layer, int):
+            raise ValueError(
+                f"vision_feature_layer={layer!r}: dflop supports one feature layer (an int)"
+            )
+        vision = config.vision_config
+        total = vision.num_hidden_layers
+        used = layer if layer >= 0 else total + 1 + layer
+        if not 1 <= used <= total:
+            raise ValueError(
+                f"vision_feature_layer={layer} selects hidden state {used} of a {total}-layer "
+                "tower: it must select a layer's output (1..num_hidden_layers)"
+            )
+        if config._attn_implementation is None:
+            config._attn_implementation = "sdpa"
+        self.config = config
+        self.checkpoint_dir = checkpoint_dir
+        self.name = "llava_onevision"
+        self.encoder_layers = used
+        self.llm_layers = config.text_config.num_hidden_layers
+        side = vision.image_size // vision.patch_size
+        drop_first = config.vision_feature_select_strategy == "default"
+        self.tokens_per_unit = side * side - int(drop_first)
+        self.visual_newline = None  # the model's own per-sample rule (merge_visual checks)
+
+    # ------------------------------------------------------------------ building
+
+    def _full_model(self, seed: int, meta: bool) -> nn.Module:
+        if meta:
+            with torch.device("meta"):
+                return self.model_class(self.config)
+        torch.manual_seed(seed)
+        return self.model_class(self.config)
+
+    def stage_paths(self, module: str, first: int, end: int, first_stage: bool, last: bool):
+        """The full model's paths (modules or parameters) a stage holds."""
+        if module == "encoder":
+            paths = [f"{_VISION}.embeddings"] if first_stage else []
+            paths += [f"{_VISION}.encoder.layers.{i}" for i in range(first, end)]
+            return paths + (["model.multi_modal_projector"] if last else [])
+        paths = [f"{_TEXT}.embed_tokens", "model.image_newline"] if first_stage else []
+        paths += [f"{_TEXT}.layers.{i}" for i in range(first, end)]
+        paths.append(f"{_TEXT}.rotary_emb")
+        return paths + ([f"{_TEXT}.norm", "lm_head"] if last else [])
+
+    def build_stage(
+        self,
+        info: Any,
+        *,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        tp_group: Any = None,
+        tp_size: int = 1,
+    ) -> nn.Module:
+        """This rank's stage: from ``checkpoint_dir`` when it holds weights (only this
+        stage's tensors are read), else the weights of the full model built for ``seed``
+        (``torch.manual_seed(seed)`` then the transformers constructor: identical on every
+        rank)."""
+        if tp_size != 1:
+            raise ValueError(
+                f"tensor parallelism (tp={tp_size}) is not supported for Hugging Face models "
+                "yet: use a layout with encoder_tp=1 and llm_tp=1"
+            )
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        if tied and info.module == "llm" and info.is_first_stage != info.is_last_stage:
+            raise ValueError(
+                "tie_word_embeddings=True with the LLM split over pipeline stages is not "
+                "supported yet: use llm_pp=1"
+            )
+        first, end = info.layer_range
+        from_checkpoint = self.checkpoint_dir is not None and has_weights(self.checkpoint_dir)
+        full = self._full_model(seed, meta=from_checkpoint)
+        paths = self.stage_paths(info.module, first, end, info.is_first_stage, info.is_last_stage)
+        tree = carve(full, paths)
+        if from_checkpoint:
+            keys = checkpoint_keys(full)
+            materialize(full, tree)
+            load_stage_weights(tree, self.checkpoint_dir, keys)
+        del full
+        cls = LlavaOnevisionEncoderStage if info.module == "encoder" else LlavaOnevisionLLMStage
+        stage = cls(self.config, tree, first, end, info.is_first_stage, info.is_last_stage)
+        return stage.to(device=device, dtype=dtype)
+
+    def save_checkpoint(self, folder: str, state_dict: dict[str, Tensor], seed: int = 0) -> None:
+        """Write the full model's ``state_dict`` (all stages' together) as a Hugging Face
+        checkpoint folder. Tensors that no stage holds (the tower's layers past
+        ``vision_feature_layer`` and its post-layernorm, which never reach the loss) are
+        written as they started: from ``checkpoint_dir``, else the init for ``seed``."""
+        with torch.device("meta"):
+            expected = set(self.model_class(self.config).state_dict())
+        untrained = sorted(expected - set(state_dict))
+        if untrained:
+            from_checkpoint = self.checkpoint_dir is not None and has_weights(self.checkpoint_dir)
+            full = self._full_model(seed, meta=from_checkpoint)
+            if from_checkpoint:
+                tree = carve(full, untrained)
+                materialize(full, tree)
+                load_stage_weights(tree, self.checkpoint_dir, checkpoint_keys(full))
+                start = tree.state_dict()
+            else:
+                start = full.state_dict()
+            state_dict = {**{name: start[name] for name in untrained}, **state_dict}
+        save_checkpoint(folder, self.model_class, self.config, state_dict)
+
+
+class _Stage(nn.Module):
+    def __init__(
+        self, config: Any, tree: StageTree, first: int, end: int, first_stage: bool, last: bool
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.first_layer, self.end_layer = first, end
+        self.has_embed, self.has_head = first_stage, last
+        # The tree's children ("model", "lm_head") become this module's, so that
+        # state_dict() keys are the full model's.
+        for name, child in tree.named_children():
+            self.add_module(name, child)
+
+    def _layers(self, root: str) -> list[nn.Module]:
+        layers = self.get_submodule(f"{root}.layers") if self.end_layer > self.first_layer else None
+        return [getattr(layers, str(i)) for i in range(self.first_layer, self.end_layer)]
+
+
+class LlavaOnevisionEncoderStage(_Stage):
+    """SigLIP layers ``[first, end)``; pixels in on the first stage, projected features
+    ``[U * tokens_per_unit, text hidden]`` out on the last."""
+
+    @property
+    def tokens_per_unit(self) -> int:
+        vision = self.config.vision_config
+        side = vision.image_size // vision.patch_size
+        return side * side - int(self.config.vision_feature_select_strategy == "default")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.vision_config.hidden_size
+
+    @property
+    def output_size(self) -> int:
+        return self.config.text_config.hidden_size
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.has_embed:
+            x = self.get_submodule(f"{_VISION}.embeddings")(x)
+        for layer in self._layers(f"{_VISION}.encoder"):
+            out = layer(x, None)
+            x = out[0] if isinstance(out, tuple) else out
+        if not self.has_head:
+            return x
+        if self.config.vision_feature_select_strategy == "default":
+            x = x[:, 1:]
+        return self.get_submodule("model.multi_modal_projector")(x).flatten(0, 1)
+
+
+class LlavaOnevisionLLMStage(_Stage):
+    """Qwen2 decoder layers ``[first, end)`` over packed samples; token embedding, the
+    model's per-sample visual operations and ``image_newline`` on the first stage, final
+    norm and head on the last."""
+
+    visual_newline = None
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.text_config.hidden_size
+
+    def embed(self, token_ids: Tensor) -> Tensor:
+        if not self.has_embed:
+            raise ValueError("this LLM stage has no token embedding (not the first stage)")
+        return self.get_submodule(f"{_TEXT}.embed_tokens")(token_ids)
+
+    def visual_rows(self, features: Tensor, items: tuple[VisualItem, ...]) -> Tensor:
+        """One sample's LLM visual rows from its units' projected features ``[sum units *
+        tokens_per_unit, hidden]``, by the model's own per-sample code."""
+        from transformers.models.llava_onevision.modeling_llava_onevision import (
+            LlavaOnevisionModel,
+        )
+
+        per_unit = features.view(-1, self.tokens_per_unit, features.shape[-1])
+        if sum(item.units for item in items) != per_unit.shape[0]:
+            raise ValueError(
+                f"the sample's visual items have {sum(i.units for i in items)} units, its "
+                f"features {per_unit.shape[0]}"
+            )
+        newline = self.get_parameter("model.image_newline")
+        aspect = self.config.vision_aspect_ratio
+        rows = []
+        for item, units in zip(items, per_unit.split([i.units for i in items])):
+            if item.kind == "video":
+                pooled = LlavaOnevisionModel.apply_pooling(self, units).flatten(0, 1)
+                rows.append(torch.cat((pooled, newline[None].to(pooled.dtype))))
+                continue
+            if item.kind == "image" and units.shape[0] > 1 and item.height_px <= 0:
+                raise ValueError("an anyres image item needs its height_px and width_px")
+            size = torch.tensor([[item.height_px, item.width_px]])
+            packed, _ = LlavaOnevisionModel.pack_image_features(
+                self, [units], size, image_newline=newline, vision_aspect_ratio=aspect
+            )
+            rows.append(packed[0])
+        return torch.cat(rows)
+
+    @property
+    def tokens_per_unit(self) -> int:
+        vision = self.config.vision_config
+        side = vision.image_size // vision.patch_size
+        return side * side - int(self.config.vision_feature_select_strategy == "default")
+
+    def merge_visual(
+        self, input_embeds: Tensor, features: Tensor, text: Any, rows_per_sample: list[int]
+    ) -> Tensor:
+        if text.visual_items is None:
+            raise ValueError(
+                "LLaVA-OneVision needs each sample's visual items (TextInputs.visual_items) "
+                "for its per-sample operations"
+            )
+        mask = text.image_token_mask
+        cu = text.cu_seqlens.tolist()
+        counts = torch.cat((mask.new_zeros(1, dtype=torch.long), mask.long().cumsum(0)))
+        parts = []
+        for k, (rows, sample) in enumerate(zip(features.split(rows_per_sample), zip(cu, cu[1:]))):
+            if rows.shape[0] == 0:
+                continue
+            visual = self.visual_rows(rows, text.visual_items[k])
+            placeholders = int(counts[sample[1]] - counts[sample[0]])
+            if placeholders != visual.shape[0]:
+                raise ValueError(
+                    f"packed sample {k} has {placeholders} visual placeholder tokens but "
+                    f"the model makes {visual.shape[0]} visual rows from its items "
+                    f"{text.visual_items[k]}: the placeholders must follow the model's rule"
+                )
+            parts.append(visual)
+        if not parts:
+            return input_embeds
+        return merge_visual_features(input_embeds, mask, torch.cat(parts))
+
+    def hidden_states(self, input_embeds: Tensor, cu_seqlens: Tensor) -> Tensor:
+        tokens = input_embeds.shape[0]
+        text_config = self.config.text_config
+        positions, mask, kwargs = packed_decoder_inputs(
+            text_config, cu_seqlens, tokens, input_embeds.device
+        )
+        h = input_embeds[None]
+        rotary = self.get_submodule(f"{_TEXT}.rotary_emb")
+        position_embeddings = rotary(h, positions)
+        for layer in self._layers(_TEXT):
+            h = layer(
+                h,
+                attention_mask=mask,
+                position_ids=positions,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
+            h = h[0] if isinstance(h, tuple) else h
+        return h[0]
+
+    def forward(self, input_embeds: Tensor, cu_seqlens: Tensor) -> Tensor:
+        return self.hidden_states(input_embeds, cu_seqlens)
+
+    def loss(
+        self, input_embeds: Tensor, cu_seqlens: Tensor, labels: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Next-token cross-entropy within each packed sample, summed (float32 logits, as
+        transformers' loss), and the number of targets."""
+        if not self.has_head:
+            raise ValueError("this LLM stage has no head (not the last stage)")
+        x = self.hidden_states(input_embeds, cu_seqlens)
+        targets = next_token_targets(labels.to(x.device), cu_seqlens.to(x.device))
+        keep = targets != IGNORE_INDEX
+        hidden = self.get_submodule(f"{_TEXT}.norm")(x[keep])
+        logits = self.get_submodule("lm_head")(hidden)
+        sum_loss = F.cross_entropy(logits.float(), targets[keep], reduction="sum")
+        return sum_loss, keep.sum()

@@ -1,0 +1,204 @@
+"""The model interface dflop's runtime trains through: one :class:`ModelSpec` per model.
+
+A spec bundles what the runtime needs of a model family (torchtitan's ModelSpec plays the
+same role): the layer counts a layout splits, the builder of one rank's pipeline stage, the
+number of feature rows a visual unit sends over the bridge, and the model's checkpoint
+format. dflop's reference model (:class:`ReferenceSpec`) and the Hugging Face adapters
+(:mod:`dflop.models.hf`) are implementations; :func:`model_spec` finds one by name.
+
+Stages (the modules :meth:`ModelSpec.build_stage` returns) follow two protocols, so that the
+pipeline engine calls only what they declare:
+
+- :class:`EncoderStageModule`: ``forward(x)``; the first stage takes pixels ``[U, C, H, W]``,
+  the last returns projected features ``[U * tokens_per_unit, output_size]`` (what the
+  bridge carries), the others map ``[U, tokens_per_unit, hidden_size]`` hidden states.
+- :class:`LLMStageModule`: ``embed`` and ``merge_visual`` on the first stage (the per-sample
+  visual operations of the model, e.g. LLaVA-OneVision's unpadding and newline rows, run
+  there, where all of a sample's units have arrived), ``hidden_states`` on every stage and
+  ``loss`` (summed next-token cross-entropy within each packed sample) on the last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor, nn
+
+    from dflop.models.config import ModelConfig
+    from dflop.runtime.synthetic_batch import TextInputs
+    from dflop.runtime.topology import RankInfo
+
+__all__ = [
+    "EncoderStageModule",
+    "LLMStageModule",
+    "ModelSpec",
+    "ReferenceSpec",
+    "VisualItem",
+    "model_spec",
+]
+
+
+@dataclass(frozen=True)
+class VisualItem:
+    """One visual input of a sample, as the model's per-sample operations need it.
+
+    Attributes:
+        kind: ``"image"`` (a single image, tiled by the model's own rule: LLaVA-OneVision's
+            base image plus anyres crops), ``"tile"`` (an image encoded as one unit, e.g.
+            each image of a multi-image sample) or ``"video"`` (one unit per frame).
+        units: encoder units of the item (tiles or frames).
+        height_px, width_px: the original image size (what the model's unpadding uses);
+            0 when the model does not need it.
+    """
+
+    kind: str
+    units: int
+    height_px: int = 0
+    width_px: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("image", "tile", "video"):
+            raise ValueError(f"VisualItem.kind={self.kind!r} must be 'image', 'tile' or 'video'")
+        if self.units < 1:
+            raise ValueError(f"VisualItem.units={self.units} must be >= 1")
+        if self.height_px < 0 or self.width_px < 0:
+            raise ValueError(
+                f"VisualItem size {self.height_px}x{self.width_px} must not be negative"
+            )
+
+
+@runtime_checkable
+class EncoderStageModule(Protocol):
+    """A pipeline stage of the vision encoder (see the module docstring)."""
+
+    tokens_per_unit: int
+    """Feature rows per visual unit, between encoder stages and over the bridge."""
+    hidden_size: int
+    """Width of the hidden states between encoder stages."""
+    output_size: int
+    """Width of the projected features the last stage sends over the bridge."""
+
+    def forward(self, x: Tensor) -> Tensor: ...
+
+
+@runtime_checkable
+class LLMStageModule(Protocol):
+    """A pipeline stage of the decoder LLM over packed samples (see the module docstring)."""
+
+    hidden_size: int
+    visual_newline: bool | None
+    """What ``StepPlan.visual_newline`` must say for this model (None: the model counts
+    its visual tokens by its own rule, which ``merge_visual`` checks per sample)."""
+
+    def embed(self, token_ids: Tensor) -> Tensor: ...
+
+    def merge_visual(
+        self,
+        input_embeds: Tensor,
+        features: Tensor,
+        text: TextInputs,
+        rows_per_sample: list[int],
+    ) -> Tensor: ...
+
+    def hidden_states(self, input_embeds: Tensor, cu_seqlens: Tensor) -> Tensor: ...
+
+    def loss(
+        self, input_embeds: Tensor, cu_seqlens: Tensor, labels: Tensor
+    ) -> tuple[Tensor, Tensor]: ...
+
+
+class ModelSpec:
+    """What the runtime needs of one model (see the module docstring). Subclasses set
+    ``name``, ``encoder_layers``, ``llm_layers``, ``tokens_per_unit`` and
+    ``visual_newline`` and implement :meth:`build_stage`."""
+
+    name: str
+    encoder_layers: int
+    llm_layers: int
+    tokens_per_unit: int
+    visual_newline: bool | None
+
+    def build_stage(
+        self,
+        info: RankInfo,
+        *,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        tp_group: Any = None,
+        tp_size: int = 1,
+    ) -> nn.Module:
+        """This rank's stage (layers ``info.layer_range`` of ``info.module``)."""
+        raise NotImplementedError
+
+    def num_layers(self, module: str) -> int:
+        """Layers of ``"encoder"`` or ``"llm"`` that a layout splits into stages."""
+        if module not in ("encoder", "llm"):
+            raise ValueError(f"module={module!r} must be 'encoder' or 'llm'")
+        return self.encoder_layers if module == "encoder" else self.llm_layers
+
+
+class ReferenceSpec(ModelSpec):
+    """dflop's reference model (:mod:`dflop.models`) for a :class:`ModelConfig`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self.name = "reference"
+        self.encoder_layers = config.vision.layers
+        self.llm_layers = config.decoder.layers
+        self.tokens_per_unit = config.vision.tokens_per_unit
+        self.visual_newline = config.decoder.image_newline
+
+    def build_stage(
+        self,
+        info: RankInfo,
+        *,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        tp_group: Any = None,
+        tp_size: int = 1,
+    ) -> nn.Module:
+        """The reference stage with the full model's weights for ``seed`` (name-keyed
+        init), sharded over ``tp_group`` when ``tp_size > 1``."""
+        from dflop.models.decoder import DecoderStage
+        from dflop.models.vision import VisionStage
+        from dflop.runtime.tensor_parallel import apply_tensor_parallel
+
+        first, end = info.layer_range
+        kw = {"has_embed": info.is_first_stage, "has_head": info.is_last_stage}
+        config = self.config
+        if info.module == "encoder":
+            stage: nn.Module = VisionStage(
+                config.vision, config.projector, first, end, device=device, dtype=dtype, **kw
+            )
+        else:
+            stage = DecoderStage(config.decoder, first, end, device=device, dtype=dtype, **kw)
+        stage.init_weights(seed)
+        # Every TP rank initialised the same full weights; each keeps its slice.
+        return apply_tensor_parallel(stage, tp_group, tp_size=tp_size)
+
+
+def model_spec(model: ModelSpec | ModelConfig | str) -> ModelSpec:
+    """The spec of ``model``: a spec (returned as is), a reference :class:`ModelConfig`, a
+    reference preset name (``"tiny"``), or ``"hf:PATH"``, a local folder with a Hugging Face
+    ``config.json`` (weights are read from it when present; needs ``dflop[hf]``)."""
+    from dflop.models.config import ModelConfig, model_config
+
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, ModelConfig):
+        return ReferenceSpec(model)
+    if isinstance(model, str) and model.startswith("hf:"):
+        from dflop.models.hf import hf_model_spec
+
+        return hf_model_spec(model[3:])
+    if isinstance(model, str):
+        return ReferenceSpec(model_config(model))
+    raise TypeError(
+        f"model must be a ModelSpec, a ModelConfig, a preset name or 'hf:PATH', got "
+        f"{type(model).__name__}"
+    )

@@ -1,0 +1,290 @@
+"""LLaVA-OneVision from transformers under dflop's runtime (tiny config, CPU, gloo).
+
+The reference is the unmodified ``LlavaOnevisionForConditionalGeneration`` run on each
+sample alone (its own anyres packing, pooling, newline rows and loss); dflop's split model
+(encoder replicas, LLM pipeline stages, samples packed into microbatches) must give the
+same summed loss and the same gradients for every parameter. The weights reach dflop's
+ranks through a checkpoint folder written by ``save_pretrained`` (the stage loader reads
+the original keys), and dflop's own checkpoint writer round-trips through
+``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from dflop.models.hf import hf_model_spec, spec_from_config  # noqa: E402
+from dflop.models.hf.tiny import tiny_llava_onevision_config  # noqa: E402
+from dflop.models.spec import VisualItem  # noqa: E402
+from dflop.runtime import RuntimeLayout, Topology, spawn_local  # noqa: E402
+from dflop.runtime.pipeline import PipelineEngine, build_stage  # noqa: E402
+from dflop.runtime.processed_batch import ProcessedBatch, ProcessedSample  # noqa: E402
+from dflop.runtime.step_data import StepPlan  # noqa: E402
+from dflop.runtime.topology import rank_info  # noqa: E402
+from dflop.scheduler import schedule_from_assignment  # noqa: E402
+from transformers.models.llava_onevision.modeling_llava_onevision import (  # noqa: E402
+    image_size_to_num_patches,
+)
+
+MODEL_SEED, DATA_SEED = 5, 11
+SPAWN_TIMEOUT_S = 120.0
+# Per sample: ("image", (h, w)) anyres single image, ("tiles", n) multi-image,
+# ("video", frames), or None (text-only). Sizes exercise wide, tall, small and large
+# images (the last one is downsampled by anyres_max_4).
+SAMPLES = [
+    ("image", (50, 90)),
+    None,
+    ("image", (120, 40)),
+    ("tiles", 2),
+    ("video", 3),
+    ("image", (20, 20)),
+    None,
+    ("image", (96, 96)),
+]
+TEXT_TOKENS = [9, 12, 7, 10, 8, 6, 15, 5]
+
+
+def _config():
+    config = tiny_llava_onevision_config()
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _hf_model(config):
+    torch.manual_seed(MODEL_SEED)
+    return transformers.LlavaOnevisionForConditionalGeneration(config)
+
+
+def _visual(config, model, kind, arg, rng):
+    """(pixels [U, C, S, S], items, number of LLM visual rows by the HF model's own code,
+    placeholder id)."""
+    side = config.vision_config.image_size
+    if kind == "image":
+        units = image_size_to_num_patches(arg, config.image_grid_pinpoints, side)
+        items = (VisualItem("image", units, *arg),)
+    elif kind == "tiles":
+        units = arg
+        items = tuple(VisualItem("tile", 1) for _ in range(arg))
+    else:
+        units = arg
+        items = (VisualItem("video", arg),)
+    pixels = torch.from_numpy(rng.standard_normal((units, 3, side, side))).float()
+    with torch.no_grad():
+        if kind == "video":
+            out = model.model.get_video_features(pixels[None], return_dict=True)
+            rows = out.pooler_output.shape[1]
+        else:
+            sizes = torch.tensor([list(arg)] if kind == "image" else [[side, side]] * units)
+            px = pixels if kind == "image" else pixels
+            out = model.model.get_image_features(
+                px,
+                sizes,
+                batch_num_images=None if kind == "image" else torch.tensor([units]),
+                return_dict=True,
+            )
+            rows = sum(f.shape[0] for f in out.pooler_output)
+    token = config.video_token_index if kind == "video" else config.image_token_index
+    return pixels, items, rows, token
+
+
+def _samples(config) -> list[ProcessedSample]:
+    model = _hf_model(config)
+    rng = np.random.default_rng(DATA_SEED)
+    vocab = config.text_config.vocab_size - 2  # text ids avoid the placeholder ids
+    placeholders = (config.image_token_index, config.video_token_index)
+    samples = []
+    for spec, text in zip(SAMPLES, TEXT_TOKENS):
+        ids = torch.from_numpy(rng.integers(0, vocab, text)).long()
+        pixels, items, rows, token = None, (), 0, None
+        if spec is not None:
+            pixels, items, rows, token = _visual(config, model, spec[0], spec[1], rng)
+        prompt = text // 2
+        input_ids = torch.cat([ids[:2], torch.full((rows,), token or 0), ids[2:]])[: text + rows]
+        labels = input_ids.clone()
+        labels[: 2 + rows + prompt - 2] = -100  # prompt and placeholders carry no loss
+        samples.append(ProcessedSample(input_ids, labels, pixels, items, placeholders))
+    return samples
+
+
+def _hf_forward(model, config, sample: ProcessedSample):
+    """The unmodified model's mean loss on one sample alone."""
+    kwargs = {}
+    kinds = {item.kind for item in sample.items}
+    if "video" in kinds:
+        kwargs["pixel_values_videos"] = sample.pixel_values[None]
+    elif "image" in kinds:
+        item = sample.items[0]
+        kwargs["pixel_values"] = sample.pixel_values[None]
+        kwargs["image_sizes"] = torch.tensor([[item.height_px, item.width_px]])
+    elif "tile" in kinds:
+        side = config.vision_config.image_size
+        kwargs["pixel_values"] = sample.pixel_values[:, None]
+        kwargs["image_sizes"] = torch.tensor([[side, side]] * sample.units)
+        kwargs["batch_num_images"] = torch.tensor([sample.units])
+    out = model(input_ids=sample.input_ids[None], labels=sample.labels[None], **kwargs)
+    return out.loss
+
+
+def _reference(config, samples):
+    torch.set_num_threads(1)
+    model = _hf_model(config)
+    batch = ProcessedBatch(samples, 16)
+    targets = batch.target_tokens()
+    total = int(targets.sum())
+    loss_sum = 0.0
+    for sample, n in zip(samples, targets):
+        loss = _hf_forward(model, config, sample)
+        (loss * (int(n) / total)).backward()
+        loss_sum += loss.item() * int(n)
+    grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+    return loss_sum, total, grads
+
+
+def _rank_step(rank, world_size, folder, layout_kw, assignment):
+    spec = hf_model_spec(folder)
+    samples = _samples(spec.config)
+    batch = ProcessedBatch(samples, spec.tokens_per_unit)
+    layout = RuntimeLayout.simple(
+        **layout_kw,
+        encoder_layers=spec.encoder_layers,
+        llm_layers=spec.llm_layers,
+        global_batch=len(samples),
+    )
+    shapes = batch.shapes
+    costs = np.stack([shapes.encoder_tokens, shapes.seq_len], axis=1).astype(float)
+    schedule = schedule_from_assignment(
+        costs, assignment, layout.num_microbatches, layout.llm.dp, microbatch_dims=[0]
+    )
+    plan = StepPlan.build(
+        schedule,
+        shapes,
+        layout,
+        batch.target_tokens(),
+        tokens_per_unit=spec.tokens_per_unit,
+        visual_newline=spec.visual_newline,
+    )
+    topology = Topology.create(layout, rank)
+    stage = build_stage(spec, topology.info, seed=MODEL_SEED)
+    result = PipelineEngine(topology, stage, debug=True).run_step(plan, batch)
+    grads = {
+        name: p.grad.numpy().copy() for name, p in stage.named_parameters() if p.grad is not None
+    }
+    return {"loss_sum": result.loss_sum, "targets": result.num_target_tokens, "grads": grads}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llava_ov_tiny")
+    _hf_model(_config()).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    config = _config()
+    return _reference(config, _samples(config))
+
+
+@pytest.mark.parametrize(
+    "layout_kw, assignment, world",
+    [
+        # encoder dp 2 (single samples' units spread over both), LLM pp 2, 3 microbatches.
+        (dict(encoder_dp=2, llm_pp=2, num_microbatches=3), [0, 0, 1, 1, 2, 2, 1, 0], 4),
+        # one encoder stage and one LLM stage, 2 microbatches.
+        (dict(num_microbatches=2), [0, 1, 0, 1, 0, 1, 1, 0], 2),
+    ],
+    ids=["enc_dp2_llm_pp2", "one_stage_each"],
+)
+def test_runtime_matches_transformers(checkpoint, reference, layout_kw, assignment, world):
+    ref_loss, ref_targets, ref_grads = reference
+    results = spawn_local(
+        _rank_step,
+        world,
+        args=(checkpoint, layout_kw, assignment),
+        timeout_s=SPAWN_TIMEOUT_S,
+        num_threads=1,
+    )
+    for r in results:
+        assert r["targets"] == ref_targets
+        assert r["loss_sum"] == pytest.approx(ref_loss, rel=1e-5)
+    merged: dict[str, np.ndarray] = {}
+    for r in results:
+        for name, grad in r["grads"].items():
+            merged[name] = merged[name] + grad if name in merged else grad  # dp replicas
+    # Encoder replicas each hold part of the gradient until the DP all-reduce: after it
+    # every replica has the whole; the merge above summed them, so divide back.
+    replicas = layout_kw.get("encoder_dp", 1)
+    for name, grad in merged.items():
+        if name.startswith("model.vision_tower") or name.startswith("model.multi_modal"):
+            merged[name] = grad / replicas
+    assert set(merged) == set(ref_grads), sorted(set(ref_grads) ^ set(merged))[:4]
+    for name, ref in ref_grads.items():
+        tol = 1e-6 + 1e-4 * float(np.abs(ref).max())
+        diff = float(np.abs(merged[name] - ref).max())
+        assert diff <= tol, f"{name}: max |grad - ref| = {diff:.3g} > {tol:.3g}"
+
+
+def test_packed_samples_do_not_see_each_other(reference):
+    """Two samples packed into one sequence give each one's loss and gradients alone."""
+    config = _config()
+    spec = spec_from_config(config)
+    samples = _samples(config)
+    batch = ProcessedBatch(samples, spec.tokens_per_unit)
+    info = _single_stage_info(spec)
+    stage = build_stage(spec, info, seed=MODEL_SEED)
+
+    def run(ids):
+        stage.zero_grad(set_to_none=True)
+        text = batch.text_inputs(ids)
+        x = stage.embed(text.token_ids)
+        loss, n = stage.loss(x, text.cu_seqlens, text.labels)
+        loss.backward()
+        return loss.item(), {
+            k: p.grad.clone() for k, p in stage.named_parameters() if p.grad is not None
+        }
+
+    together_loss, together = run([1, 6])
+    alone = [run([i]) for i in (1, 6)]
+    assert together_loss == pytest.approx(alone[0][0] + alone[1][0], rel=1e-5)
+    for name, grad in together.items():
+        expected = alone[0][1][name] + alone[1][1][name]
+        assert torch.allclose(grad, expected, rtol=1e-4, atol=1e-6), name
+
+
+def _single_stage_info(spec):
+    layout = RuntimeLayout.simple(
+        encoder_layers=spec.encoder_layers,
+        llm_layers=spec.llm_layers,
+        num_microbatches=1,
+        global_batch=8,
+    )
+    return rank_info(layout, 1)  # the LLM's only rank
+
+
+def test_checkpoint_round_trip(tmp_path, checkpoint):
+    """Stages loaded from a folder, saved by dflop, load with from_pretrained unchanged."""
+    spec = hf_model_spec(checkpoint)
+    layout = RuntimeLayout.simple(
+        encoder_pp=2,
+        llm_pp=2,
+        encoder_layers=spec.encoder_layers,
+        llm_layers=spec.llm_layers,
+        num_microbatches=1,
+        global_batch=1,
+    )
+    state = {}
+    for rank in range(layout.world_size):
+        stage = build_stage(spec, rank_info(layout, rank))
+        state.update(stage.state_dict())
+    spec.save_checkpoint(str(tmp_path / "out"), state)
+    original = transformers.LlavaOnevisionForConditionalGeneration.from_pretrained(checkpoint)
+    reloaded = transformers.LlavaOnevisionForConditionalGeneration.from_pretrained(
+        str(tmp_path / "out")
+    )
+    ours = reloaded.state_dict()
+    for name, value in original.state_dict().items():
+        assert torch.equal(value, ours[name]), name
