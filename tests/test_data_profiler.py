@@ -250,7 +250,7 @@ def test_internvl_family_rules() -> None:
     k = rows.index(1)  # photo 1024x768
     units, tokens = image_shapes("internvl", 1024, 768)
     assert (d.samples.encoder_units[k], d.samples.llm_visual_tokens[k]) == (units[0], tokens[0])
-    assert d.samples.tokens_per_unit[k] == 1024
+    assert d.samples.tokens_per_unit[k] == 1025  # 32 x 32 patches + InternViT's CLS
     k = rows.index(14)  # 8 frames: 256 + 2 LLM tokens each
     assert d.samples.llm_visual_tokens[k] == 8 * 258
 

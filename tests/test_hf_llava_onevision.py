@@ -288,3 +288,53 @@ def test_checkpoint_round_trip(tmp_path, checkpoint):
     ours = reloaded.state_dict()
     for name, value in original.state_dict().items():
         assert torch.equal(value, ours[name]), name
+
+
+@pytest.mark.parametrize("released", [False, True], ids=["tiny", "released_defaults"])
+def test_shape_rules_match_the_model(released):
+    """dflop's anyres/multi-image/video rules, derived from the config, give the units and
+    LLM visual tokens the model's own code gives (random sizes, incl. extreme aspect
+    ratios and images large enough to be downsampled); for the tiny config and for
+    transformers' default config (the released models' SigLIP-384 / 14 px, 6 x 6 grids,
+    anyres_max_9)."""
+    from types import SimpleNamespace
+
+    from dflop.data.families import image_shapes, multi_image_shapes, video_shapes
+    from dflop.models.hf.llava_onevision import family_from_config
+    from transformers.models.llava_onevision.modeling_llava_onevision import (
+        LlavaOnevisionModel,
+    )
+
+    config = transformers.LlavaOnevisionConfig() if released else _config()
+    family = family_from_config(config)
+    if released:  # dflop's built-in family is exactly the released models' rule
+        from dflop.data.families import get_family
+
+        assert family == get_family("llava-ov")
+    holder = SimpleNamespace(config=config)  # what the model's own methods read
+    side = config.vision_config.image_size
+    tile_tokens, newline = family.encoder_tokens_per_tile, torch.zeros(4)
+    rng = np.random.default_rng(0)
+    scale = 12 if released else 1
+    sizes = [(1, 1), (32, 32), (33, 31), (20, 300), (300, 20), (96, 97), (500, 500)]
+    sizes = [(h * scale, w * scale) for h, w in sizes]
+    sizes += [tuple(int(v) for v in rng.integers(1, 400 * scale, 2)) for _ in range(40)]
+    for h, w in sizes:
+        units = image_size_to_num_patches((h, w), config.image_grid_pinpoints, side)
+        packed, _ = LlavaOnevisionModel.pack_image_features(
+            holder,
+            [torch.zeros(units, tile_tokens, 4)],
+            torch.tensor([[h, w]]),
+            newline,
+            config.vision_aspect_ratio,
+        )
+        ours_units, ours_tokens = image_shapes(family, w, h)
+        assert (int(ours_units[0]), int(ours_tokens[0])) == (units, packed[0].shape[0]), (h, w)
+    units, tokens = multi_image_shapes(family, [0, 0, 0], [10, 20, 30], [30, 20, 10], 1)
+    packed, _ = LlavaOnevisionModel.pack_image_features(
+        holder, [torch.zeros(1, tile_tokens, 4)] * 3, torch.tensor([[side, side]] * 3), newline
+    )
+    assert (int(units[0]), int(tokens[0])) == (3, sum(f.shape[0] for f in packed))
+    frames, tokens = video_shapes(family, 5)
+    pooled = LlavaOnevisionModel.apply_pooling(holder, torch.zeros(5, tile_tokens, 4))
+    assert (int(frames[0]), int(tokens[0])) == (5, pooled.shape[0] * pooled.shape[1] + 1)

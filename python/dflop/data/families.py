@@ -31,9 +31,10 @@ Families
 * Single image: tiles of 448 px on the grid ``(cols, rows)`` with ``min_tiles <= cols * rows
   <= max_tiles`` (12) whose aspect ratio is closest to the image's (an exact tie goes to
   the larger grid when the image's area exceeds half of the grid's pixel area), plus a
-  448 px thumbnail when there is more than one tile (:func:`dynamic_tiles`). 1,024 encoder
-  tokens per tile (32 x 32 patches of 14 px), 256 LLM tokens per tile after pixel shuffle,
-  plus ``<img>``/``</img>``.
+  448 px thumbnail when there is more than one tile (:func:`dynamic_tiles`). 1,025 encoder
+  tokens per tile (InternViT encodes a CLS token with the 32 x 32 patches of 14 px and
+  drops it only afterwards), 256 LLM tokens per tile after pixel shuffle, plus
+  ``<img>``/``</img>``.
 * Multi-image: each image is tiled with ``max(1, max_tiles // num_images)`` tiles.
 * Video: at most 32 frames, one 448 px tile (256 LLM tokens) per frame, plus
   ``<img>``/``</img>`` per frame.
@@ -77,7 +78,7 @@ class FamilySpec:
             ``"dynamic"`` (InternVL closest-aspect-ratio tiling + thumbnail).
         tile_px: side of one square tile in pixels (384 for SigLIP-384, 448 for InternViT).
         encoder_tokens_per_tile: tokens the vision encoder runs on per tile (729 = 27^2,
-            1024 = 32^2).
+            1025 = 32^2 + InternViT's CLS token).
         llm_tokens_per_tile: tokens per tile the LLM sees after projection (729; 256 after
             InternVL's pixel shuffle).
         feature_side: anyres only: features per tile side after projection (27).
@@ -97,7 +98,7 @@ class FamilySpec:
             ``max(1, max_tiles // num_images)`` tiles; if False (anyres families) every
             image is exactly one tile.
         max_frames: videos longer than this are uniformly sampled down to it (32).
-        video_encoder_tokens_per_frame: encoder tokens per video frame (729 / 1024).
+        video_encoder_tokens_per_frame: encoder tokens per video frame (729 / 1025).
         video_tokens_per_frame: LLM tokens per frame after pooling (196 = 14^2 after 2x2
             bilinear pooling of 27^2; 256 for InternVL).
         video_extra_tokens: LLM tokens added once per video (LLaVA's newline: 1).
@@ -190,7 +191,7 @@ INTERNVL = FamilySpec(
     name="internvl",
     tiling="dynamic",
     tile_px=448,
-    encoder_tokens_per_tile=1024,
+    encoder_tokens_per_tile=1025,
     llm_tokens_per_tile=256,
     min_tiles=1,
     max_tiles=12,
@@ -198,7 +199,7 @@ INTERNVL = FamilySpec(
     image_extra_tokens=2,
     multi_image_max_tiles_split=True,
     max_frames=32,
-    video_encoder_tokens_per_frame=1024,
+    video_encoder_tokens_per_frame=1025,
     video_tokens_per_frame=256,
     video_extra_tokens=0,
     frame_extra_tokens=2,

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflop.data.families import FamilySpec
 from dflop.models.decoder import IGNORE_INDEX, merge_visual_features, next_token_targets
 from dflop.models.hf.common import (
     StageTree,
@@ -37,10 +38,49 @@ from dflop.models.hf.common import (
 )
 from dflop.models.spec import ModelSpec, VisualItem
 
-__all__ = ["LlavaOnevisionSpec"]
+__all__ = ["LlavaOnevisionSpec", "family_from_config"]
 
 _VISION = "model.vision_tower"
 _TEXT = "model.language_model"
+
+
+def family_from_config(config: Any) -> FamilySpec:
+    """The shape rules (:class:`~dflop.data.families.FamilySpec`) of a LLaVA-OneVision
+    config: tile and feature sizes from its vision config, the anyres grids from
+    ``image_grid_pinpoints`` (which must be every ``r x c`` grid of tiles up to a square
+    maximum, as in the released models), ``anyres_max_N`` from ``vision_aspect_ratio``,
+    2x2-pooled video frames and one newline per video, as the model's code does."""
+    vision = config.vision_config
+    tile = vision.image_size
+    side = tile // vision.patch_size
+    tokens = side * side - int(config.vision_feature_select_strategy == "default")
+    pinpoints = sorted((int(h), int(w)) for h, w in config.image_grid_pinpoints)
+    grid = max(max(h, w) for h, w in pinpoints) // tile
+    full = sorted((tile * r, tile * c) for r in range(1, grid + 1) for c in range(1, grid + 1))
+    if pinpoints != full:
+        raise ValueError(
+            f"image_grid_pinpoints {config.image_grid_pinpoints} are not all grids of "
+            f"{tile} px tiles up to {grid} x {grid}: dflop's anyres rule needs them"
+        )
+    aspect = str(config.vision_aspect_ratio)
+    if not aspect.startswith("anyres_max_") or not aspect[len("anyres_max_") :].isdigit():
+        raise ValueError(f"vision_aspect_ratio={aspect!r}: expected 'anyres_max_<N>'")
+    return FamilySpec(
+        name="llava-ov",
+        tiling="anyres",
+        tile_px=tile,
+        encoder_tokens_per_tile=tokens,
+        llm_tokens_per_tile=tokens,
+        feature_side=side,
+        max_grid=grid,
+        llm_max_crops=int(aspect[len("anyres_max_") :]),
+        downsample_threshold=1.1,
+        newline_tokens_per_row=1,
+        single_tile_newline_tokens=1,
+        video_encoder_tokens_per_frame=tokens,
+        video_tokens_per_frame=((side + 1) // 2) ** 2,
+        video_extra_tokens=1,
+    )
 
 
 class LlavaOnevisionSpec(ModelSpec):
@@ -79,6 +119,7 @@ class LlavaOnevisionSpec(ModelSpec):
         drop_first = config.vision_feature_select_strategy == "default"
         self.tokens_per_unit = side * side - int(drop_first)
         self.visual_newline = None  # the model's own per-sample rule (merge_visual checks)
+        self.family = family_from_config(config)
 
     # ------------------------------------------------------------------ building
 
