@@ -338,3 +338,104 @@ def test_shape_rules_match_the_model(released):
     frames, tokens = video_shapes(family, 5)
     pooled = LlavaOnevisionModel.apply_pooling(holder, torch.zeros(5, tile_tokens, 4))
     assert (int(frames[0]), int(tokens[0])) == (5, pooled.shape[0] * pooled.shape[1] + 1)
+
+
+LLAVA_MINI = "tests/data/llava_mini"
+TRAIN_RECORDS = [0, 5, 9, 10, 12, 13, 17, 18]  # sizes 16 px .. 2480 x 3508, multi-image, text
+
+
+def _real_samples(config):
+    """The shipped real-format records through the model's own image processor."""
+    import json
+    import os
+
+    from dflop.models.hf.records import byte_encoder, llava_onevision_sample
+
+    processor_class = transformers.models.llava_onevision.image_processing_pil_llava_onevision
+    side = config.vision_config.image_size
+    processor = processor_class.LlavaOnevisionImageProcessorPil(
+        size={"height": side, "width": side},
+        crop_size={"height": side, "width": side},
+        image_grid_pinpoints=config.image_grid_pinpoints,
+    )
+    root = os.path.join(os.path.dirname(__file__), "data", "llava_mini")
+    with open(os.path.join(root, "llava_mini.json")) as f:
+        records = json.load(f)
+    encode = byte_encoder(
+        config.text_config.vocab_size, (config.image_token_index, config.video_token_index)
+    )
+    return [
+        llava_onevision_sample(
+            records[i],
+            config=config,
+            image_processor=processor,
+            encode=encode,
+            image_folder=os.path.join(root, "images"),
+            where=f"record {i}",
+        )
+        for i in TRAIN_RECORDS
+    ]
+
+
+def _train_rank(rank, world_size, steps):
+    """A few optimizer steps of the tiny model on the real records; the losses."""
+    spec = spec_from_config(_config())
+    batch = ProcessedBatch(_real_samples(spec.config), spec.tokens_per_unit)
+    layout = RuntimeLayout.simple(
+        encoder_dp=2,
+        num_microbatches=2,
+        encoder_layers=spec.encoder_layers,
+        llm_layers=spec.llm_layers,
+        global_batch=len(batch),
+    )
+    shapes = batch.shapes
+    costs = np.stack([shapes.encoder_tokens, shapes.seq_len], axis=1).astype(float)
+    schedule = schedule_from_assignment(costs, [0, 1, 0, 1, 0, 1, 0, 1], 2, 1, microbatch_dims=[0])
+    plan = StepPlan.build(
+        schedule,
+        shapes,
+        layout,
+        batch.target_tokens(),
+        tokens_per_unit=spec.tokens_per_unit,
+        visual_newline=None,
+    )
+    topology = Topology.create(layout, rank)
+    stage = build_stage(spec, topology.info, seed=MODEL_SEED)
+    engine = PipelineEngine(topology, stage)
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        result = engine.run_step(plan, batch)
+        optimizer.step()
+        losses.append(result.loss)
+    return losses
+
+
+def test_trains_on_real_records():
+    """Real images (16 px to 2480 x 3508, multi-image) through the HF image processor,
+    encoder dp 2: the loss falls over a few steps, and every rank reports the same."""
+    results = spawn_local(_train_rank, 3, args=(6,), timeout_s=SPAWN_TIMEOUT_S, num_threads=1)
+    losses = results[0]
+    assert all(np.allclose(r, losses) for r in results)
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_a_corrupt_image_is_named():
+    import json
+    import os
+
+    from dflop.models.hf.records import byte_encoder, llava_onevision_sample
+
+    config = _config()
+    root = os.path.join(os.path.dirname(__file__), "data", "llava_mini")
+    with open(os.path.join(root, "llava_mini.json")) as f:
+        record = json.load(f)[25]
+    with pytest.raises(ValueError, match=r"record 25: cannot decode .*corrupt\.png"):
+        llava_onevision_sample(
+            record,
+            config=config,
+            image_processor=None,
+            encode=byte_encoder(320, ()),
+            image_folder=os.path.join(root, "images"),
+            where="record 25",
+        )
