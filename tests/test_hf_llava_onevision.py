@@ -144,15 +144,13 @@ def _reference(config, samples):
     return loss_sum, total, grads
 
 
-def _rank_step(rank, world_size, folder, layout_kw, assignment):
-    spec = hf_model_spec(folder)
-    samples = _samples(spec.config)
-    batch = ProcessedBatch(samples, spec.tokens_per_unit)
+def _step(spec, batch, layout_kw, assignment):
+    """(layout, plan) of one step over ``batch``, as every rank derives them."""
     layout = RuntimeLayout.simple(
         **layout_kw,
         encoder_layers=spec.encoder_layers,
         llm_layers=spec.llm_layers,
-        global_batch=len(samples),
+        global_batch=len(batch),
     )
     shapes = batch.shapes
     costs = np.stack([shapes.encoder_tokens, shapes.seq_len], axis=1).astype(float)
@@ -167,6 +165,13 @@ def _rank_step(rank, world_size, folder, layout_kw, assignment):
         tokens_per_unit=spec.tokens_per_unit,
         visual_newline=spec.visual_newline,
     )
+    return layout, plan
+
+
+def _rank_step(rank, world_size, folder, layout_kw, assignment):
+    spec = hf_model_spec(folder)
+    batch = ProcessedBatch(_samples(spec.config), spec.tokens_per_unit)
+    layout, plan = _step(spec, batch, layout_kw, assignment)
     topology = Topology.create(layout, rank)
     stage = build_stage(spec, topology.info, seed=MODEL_SEED)
     result = PipelineEngine(topology, stage, debug=True).run_step(plan, batch)
@@ -381,24 +386,8 @@ def _train_rank(rank, world_size, steps):
     """A few optimizer steps of the tiny model on the real records; the losses."""
     spec = spec_from_config(_config())
     batch = ProcessedBatch(_real_samples(spec.config), spec.tokens_per_unit)
-    layout = RuntimeLayout.simple(
-        encoder_dp=2,
-        num_microbatches=2,
-        encoder_layers=spec.encoder_layers,
-        llm_layers=spec.llm_layers,
-        global_batch=len(batch),
-    )
-    shapes = batch.shapes
-    costs = np.stack([shapes.encoder_tokens, shapes.seq_len], axis=1).astype(float)
-    schedule = schedule_from_assignment(costs, [0, 1, 0, 1, 0, 1, 0, 1], 2, 1, microbatch_dims=[0])
-    plan = StepPlan.build(
-        schedule,
-        shapes,
-        layout,
-        batch.target_tokens(),
-        tokens_per_unit=spec.tokens_per_unit,
-        visual_newline=None,
-    )
+    layout_kw = dict(encoder_dp=2, num_microbatches=2)
+    layout, plan = _step(spec, batch, layout_kw, [0, 1, 0, 1, 0, 1, 0, 1])
     topology = Topology.create(layout, rank)
     stage = build_stage(spec, topology.info, seed=MODEL_SEED)
     engine = PipelineEngine(topology, stage)

@@ -44,6 +44,13 @@ _VISION = "model.vision_tower"
 _TEXT = "model.language_model"
 
 
+def _tokens_per_unit(config: Any) -> int:
+    """Features per unit: the tower's patches (minus the first with the ``default``
+    selection strategy, which drops a CLS position the model assumes)."""
+    side = config.vision_config.image_size // config.vision_config.patch_size
+    return side * side - int(config.vision_feature_select_strategy == "default")
+
+
 def family_from_config(config: Any) -> FamilySpec:
     """The shape rules (:class:`~dflop.data.families.FamilySpec`) of a LLaVA-OneVision
     config: tile and feature sizes from its vision config, the anyres grids from
@@ -53,7 +60,7 @@ def family_from_config(config: Any) -> FamilySpec:
     vision = config.vision_config
     tile = vision.image_size
     side = tile // vision.patch_size
-    tokens = side * side - int(config.vision_feature_select_strategy == "default")
+    tokens = _tokens_per_unit(config)
     pinpoints = sorted((int(h), int(w)) for h, w in config.image_grid_pinpoints)
     grid = max(max(h, w) for h, w in pinpoints) // tile
     full = sorted((tile * r, tile * c) for r in range(1, grid + 1) for c in range(1, grid + 1))
@@ -115,9 +122,7 @@ class LlavaOnevisionSpec(ModelSpec):
         self.name = "llava_onevision"
         self.encoder_layers = used
         self.llm_layers = config.text_config.num_hidden_layers
-        side = vision.image_size // vision.patch_size
-        drop_first = config.vision_feature_select_strategy == "default"
-        self.tokens_per_unit = side * side - int(drop_first)
+        self.tokens_per_unit = _tokens_per_unit(config)
         self.visual_newline = None  # the model's own per-sample rule (merge_visual checks)
         self.family = family_from_config(config)
 
@@ -226,9 +231,7 @@ class LlavaOnevisionEncoderStage(_Stage):
 
     @property
     def tokens_per_unit(self) -> int:
-        vision = self.config.vision_config
-        side = vision.image_size // vision.patch_size
-        return side * side - int(self.config.vision_feature_select_strategy == "default")
+        return _tokens_per_unit(self.config)
 
     @property
     def hidden_size(self) -> int:
@@ -299,9 +302,7 @@ class LlavaOnevisionLLMStage(_Stage):
 
     @property
     def tokens_per_unit(self) -> int:
-        vision = self.config.vision_config
-        side = vision.image_size // vision.patch_size
-        return side * side - int(self.config.vision_feature_select_strategy == "default")
+        return _tokens_per_unit(self.config)
 
     def merge_visual(
         self, input_embeds: Tensor, features: Tensor, text: Any, rows_per_sample: list[int]
