@@ -79,9 +79,8 @@ def _visual(config, model, kind, arg, rng):
             rows = out.pooler_output.shape[1]
         else:
             sizes = torch.tensor([list(arg)] if kind == "image" else [[side, side]] * units)
-            px = pixels if kind == "image" else pixels
             out = model.model.get_image_features(
-                px,
+                pixels,
                 sizes,
                 batch_num_images=None if kind == "image" else torch.tensor([units]),
                 return_dict=True,

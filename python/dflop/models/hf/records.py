@@ -81,7 +81,8 @@ def llava_onevision_sample(
         out = image_processor(images=images, return_tensors="pt")
         if len(images) == 1:
             height, width = (int(v) for v in out["image_sizes"][0])
-            units = int(image_shapes(family, width, height)[0][0])
+            units_a, tokens_a = image_shapes(family, width, height)
+            units = int(units_a[0])
             pixels = out["pixel_values"][0][:units]
             if pixels.shape[0] != units:
                 raise ValueError(
@@ -89,7 +90,7 @@ def llava_onevision_sample(
                     f"{path}, the model's rule {units}: does the processor match config.json?"
                 )
             items = (VisualItem("image", units, height, width),)
-            runs = [int(image_shapes(family, width, height)[1][0])]
+            runs = [int(tokens_a[0])]
         else:  # multi-image: the model keeps each image's first crop, plus a newline
             pixels = out["pixel_values"][:, 0]
             items = tuple(VisualItem("tile", 1) for _ in images)
