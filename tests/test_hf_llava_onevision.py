@@ -348,34 +348,21 @@ LLAVA_MINI = "tests/data/llava_mini"
 TRAIN_RECORDS = [0, 5, 9, 10, 12, 13, 17, 18]  # sizes 16 px .. 2480 x 3508, multi-image, text
 
 
-def _real_samples(config):
+def _real_samples(config, lazy=False):
     """The shipped real-format records through the model's own image processor."""
     import json
     import os
 
-    from dflop.models.hf.records import byte_encoder, llava_onevision_sample
-
-    processor_class = transformers.models.llava_onevision.image_processing_pil_llava_onevision
-    side = config.vision_config.image_size
-    processor = processor_class.LlavaOnevisionImageProcessorPil(
-        size={"height": side, "width": side},
-        crop_size={"height": side, "width": side},
-        image_grid_pinpoints=config.image_grid_pinpoints,
-    )
+    inputs = spec_from_config(config).dataset_inputs()
     root = os.path.join(os.path.dirname(__file__), "data", "llava_mini")
     with open(os.path.join(root, "llava_mini.json")) as f:
         records = json.load(f)
-    encode = byte_encoder(
-        config.text_config.vocab_size, (config.image_token_index, config.video_token_index)
-    )
     return [
-        llava_onevision_sample(
+        inputs.sample(
             records[i],
-            config=config,
-            image_processor=processor,
-            encode=encode,
             image_folder=os.path.join(root, "images"),
             where=f"record {i}",
+            lazy=lazy,
         )
         for i in TRAIN_RECORDS
     ]
@@ -408,22 +395,28 @@ def test_trains_on_real_records():
     assert losses[-1] < 0.8 * losses[0], losses
 
 
-def test_a_corrupt_image_is_named():
+def test_lazy_samples_load_what_eager_ones_hold():
+    """Lazy samples (sizes from headers, pixels on first use) give the eager tensors."""
+    eager = ProcessedBatch(_real_samples(_config()), 16)
+    lazy = ProcessedBatch(_real_samples(_config(), lazy=True), 16)
+    for name in ("encoder_units", "llm_visual_tokens", "text_tokens", "modality"):
+        assert np.array_equal(getattr(lazy.shapes, name), getattr(eager.shapes, name)), name
+    ids = list(range(len(eager)))
+    assert torch.equal(lazy.pixel_values(ids), eager.pixel_values(ids))
+    assert torch.equal(lazy.text_inputs(ids).token_ids, eager.text_inputs(ids).token_ids)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_corrupt_image_is_named(lazy):
     import json
     import os
 
-    from dflop.models.hf.records import byte_encoder, llava_onevision_sample
-
-    config = _config()
     root = os.path.join(os.path.dirname(__file__), "data", "llava_mini")
     with open(os.path.join(root, "llava_mini.json")) as f:
         record = json.load(f)[25]
-    with pytest.raises(ValueError, match=r"record 25: cannot decode .*corrupt\.png"):
-        llava_onevision_sample(
-            record,
-            config=config,
-            image_processor=None,
-            encode=byte_encoder(320, ()),
-            image_folder=os.path.join(root, "images"),
-            where="record 25",
+    inputs = spec_from_config(_config()).dataset_inputs()
+    with pytest.raises(ValueError, match=r"record 25: cannot (decode|read) .*corrupt\.png"):
+        sample = inputs.sample(
+            record, image_folder=os.path.join(root, "images"), where="record 25", lazy=lazy
         )
+        ProcessedBatch([sample], 16).pixel_values([0])

@@ -27,6 +27,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--encoder", default="siglip-400m", help="encoder preset (default siglip-400m)")
     p.add_argument("--llm", default="llm-7b", help="LLM preset (default llm-7b)")
     p.add_argument(
+        "--model",
+        "--preset",
+        dest="model",
+        default=None,
+        help="plan this model instead of --encoder/--llm: hf:PATH (a local Hugging Face "
+        "model folder: its architecture from config.json) or a reference preset; with "
+        "--local, the model trained (default tiny)",
+    )
+    p.add_argument(
         "--shapes", default="synthetic", help="ShapeDistribution JSON/Parquet or 'synthetic'"
     )
     p.add_argument("--gpus", type=int, default=None, help="number of GPUs (or --local)")
@@ -51,7 +60,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "profile); 'dflop train --plan' then runs the plan and compares its prediction.",
     )
     local.add_argument("--local", type=int, default=None, metavar="N", help="local processes")
-    local.add_argument("--preset", default="tiny", help="model preset (local)")
     local.add_argument("--data", default="synthetic", help="synthetic, shapes file or dataset")
     local.add_argument("--image-folder", default=None, help="root of a dataset's image paths")
     local.add_argument("--video-folder", default=None, help="root of a dataset's video paths")
@@ -147,7 +155,12 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--layout forces a layout of local processes: use it with --local N")
     args.global_batch = args.global_batch or 256
 
-    encoder, llm = _configs(args.encoder, args.llm)
+    if args.model is not None:
+        from dflop.models.spec import model_spec
+
+        encoder, llm = model_spec(args.model).architecture()
+    else:
+        encoder, llm = _configs(args.encoder, args.llm)
     model = _performance_model(args.perf, encoder, llm, args.gpu_flops, args.mfu)
     cluster = ClusterSpec(
         num_gpus=args.gpus,
@@ -164,6 +177,7 @@ def run_plan(args: argparse.Namespace) -> int:
         reference=args.reference,
     )
     inputs = {
+        "model": args.model,
         "perf": args.perf if args.perf == "analytic" else os.path.abspath(args.perf),
         "gpu_flops": args.gpu_flops,
         "mfu": args.mfu,
@@ -198,7 +212,7 @@ def _run_local_plan(args: argparse.Namespace) -> int:
     from dflop.train.run import prepare
 
     config = TrainConfig(
-        model=args.preset,
+        model=args.model or "tiny",
         layout=args.layout,
         nproc=args.local,
         num_microbatches=args.num_microbatches,

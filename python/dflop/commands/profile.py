@@ -153,6 +153,13 @@ def register_profile_model(subparsers: argparse._SubParsersAction) -> None:
         default="tiny",
         help="dflop.models decoder preset (tiny, small, llm-0.5b, llm-7b) or 'module:factory'",
     )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="profile this whole model instead of --encoder/--llm: hf:PATH (a local "
+        "Hugging Face model folder; weights from it, else a seeded init) or a reference "
+        "preset (tiny, small+tiny, ...)",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
     p.add_argument("--max-units", type=int, default=None, help="largest encoder microbatch")
@@ -177,9 +184,21 @@ def _factory(spec: str, flag: str):
 
 
 def _build_modules(args: argparse.Namespace, device, dtype):
-    """(vision, decoder): dflop's reference presets (projector sized for the decoder), or
-    modules from users' factories."""
+    """(vision, decoder, image shape, vocabulary, longest sequence): a model's spec
+    (``--model``: its whole encoder and LLM as stages), dflop's reference presets
+    (projector sized for the decoder), or modules from users' factories."""
     from dflop.models import build_model
+
+    if args.model is not None:
+        from dflop.models.spec import model_spec
+
+        spec = model_spec(args.model)
+        built = [
+            spec.whole_module(module, seed=args.seed, device=device, dtype=dtype)
+            for module in ("encoder", "llm")
+        ]
+        vocab = spec.architecture()[1].vocab_size
+        return built[0], built[1], spec.image_shape, vocab, spec.max_seq_len
 
     reference = None
     if ":" not in args.encoder or ":" not in args.llm:
@@ -194,7 +213,9 @@ def _build_modules(args: argparse.Namespace, device, dtype):
         decoder = _factory(args.llm, "--llm")().to(device=device, dtype=dtype)
     else:
         decoder = reference.decoder
-    return vision, decoder
+    config = getattr(decoder, "config", None)
+    max_seq_len = getattr(config, "max_seq_len", None)
+    return vision, decoder, None, None, max_seq_len
 
 
 def run_profile_model(args: argparse.Namespace) -> int:
@@ -214,16 +235,17 @@ def run_profile_model(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype or ("bfloat16" if on_gpu else "float32"), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"--dtype {args.dtype}: not a torch dtype")
-    vision, decoder = _build_modules(args, device, dtype)
+    vision, decoder, image_shape, vocab_size, max_seq_len = _build_modules(args, device, dtype)
     max_units = args.max_units or (64 if on_gpu else 8)
     max_tokens = args.max_tokens or (16384 if on_gpu else 1024)
-    config = getattr(decoder, "config", None)
-    if config is not None:
-        max_tokens = min(max_tokens, config.max_seq_len)
+    if max_seq_len is not None:
+        max_tokens = min(max_tokens, max_seq_len)
     result = profile_model(
         vision,
         decoder,
         device=device,
+        image_shape=image_shape,
+        vocab_size=vocab_size,
         unit_counts=default_unit_counts(max_units),
         seq_len_mixes=default_seq_len_mixes(max_tokens),
         warmup=args.warmup,

@@ -30,7 +30,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--image-folder", default=None, help="root of a dataset's image paths")
     p.add_argument("--video-folder", default=None, help="root of a dataset's video paths")
     p.add_argument("--family", default="llava-ov", help="dataset shape rules")
-    p.add_argument("--preset", default="tiny", help="model preset (tiny, small, small+tiny, ...)")
+    p.add_argument(
+        "--model",
+        "--preset",
+        dest="model",
+        default="tiny",
+        help="reference model preset (tiny, small, small+tiny, ...) or hf:PATH, a local "
+        "Hugging Face model folder (needs --data: a LLaVA-style dataset)",
+    )
     p.add_argument("--nproc", type=int, default=None, help="local processes (default: layout's)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--global-batch", type=int, default=None, help="samples per step")
@@ -63,6 +70,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--scaler", default=None, help="ShapeScaler arguments as JSON")
     p.add_argument("--checkpoint-dir", default=None, help="save here; resume from here")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: at the end)")
+    p.add_argument(
+        "--save-hf",
+        default=None,
+        metavar="DIR",
+        help="hf:PATH models: save the trained model here at the end, in the Hugging Face layout",
+    )
     p.add_argument("--trace", default=None, help="Chrome-trace JSON of the measured timeline")
     p.add_argument("--png", default=None, help="PNG Gantt chart of the measured timeline")
     p.add_argument("--trace-steps", type=int, default=2, help="last steps in the timeline")
@@ -110,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     from dflop.train import TrainConfig
 
     config = TrainConfig(
-        model=args.preset,
+        model=args.model,
         plan=args.plan,
         layout=args.layout,
         nproc=args.nproc,
@@ -128,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         max_growth=args.max_growth,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
+        save_hf=args.save_hf,
         trace=args.trace,
         png=args.png,
         trace_steps=args.trace_steps,

@@ -288,6 +288,40 @@ class ModelConfig:
         return ModelConfig(**parts)
 
 
+def _vision_from(name: str, image_size_px: int) -> VisionConfig:
+    """A reference encoder shaped like ``dflop.data.costs.ENCODER_PRESETS[name]``."""
+    from dflop.data.costs import ENCODER_PRESETS
+
+    e = ENCODER_PRESETS[name]
+    return VisionConfig(
+        image_size_px=image_size_px,
+        patch_size_px=e.patch_px,
+        hidden=e.hidden_size,
+        layers=e.num_layers,
+        heads=e.num_heads,
+        mlp_hidden=e.intermediate_size,
+    )
+
+
+def _decoder_from(name: str) -> DecoderConfig:
+    """A reference decoder shaped like ``dflop.data.costs.LLM_PRESETS[name]`` (Qwen2:
+    biased QKV, rope theta 1e6, 32k positions)."""
+    from dflop.data.costs import LLM_PRESETS
+
+    m = LLM_PRESETS[name]
+    return DecoderConfig(
+        vocab_size=m.vocab_size,
+        hidden=m.hidden_size,
+        layers=m.num_layers,
+        heads=m.num_heads,
+        kv_heads=m.num_kv_heads,
+        mlp_hidden=m.intermediate_size,
+        max_seq_len=32768,
+        rope_theta=1e6,
+        attention_bias=True,
+    )
+
+
 VISION_PRESETS: dict[str, VisionConfig] = {
     "tiny": VisionConfig(
         image_size_px=32, patch_size_px=8, hidden=64, layers=2, heads=4, mlp_hidden=128
@@ -295,10 +329,9 @@ VISION_PRESETS: dict[str, VisionConfig] = {
     "small": VisionConfig(
         image_size_px=64, patch_size_px=8, hidden=128, layers=4, heads=4, mlp_hidden=512
     ),
-    # SigLIP-so400m-patch14-384, as in LLaVA-OneVision: 729 tokens per unit.
-    "siglip-400m": VisionConfig(
-        image_size_px=384, patch_size_px=14, hidden=1152, layers=27, heads=16, mlp_hidden=4304
-    ),
+    # SigLIP-so400m-patch14-384 as LLaVA-OneVision runs it (729 tokens per unit; the
+    # layers up to its feature layer), from the one architecture description.
+    "siglip-400m": _vision_from("siglip-400m", image_size_px=384),
 }
 
 DECODER_PRESETS: dict[str, DecoderConfig] = {
@@ -314,30 +347,9 @@ DECODER_PRESETS: dict[str, DecoderConfig] = {
         mlp_hidden=704,
         max_seq_len=8192,
     ),
-    # Qwen2-0.5B-like (untied head, so ~0.63 B parameters).
-    "llm-0.5b": DecoderConfig(
-        vocab_size=151936,
-        hidden=896,
-        layers=24,
-        heads=14,
-        kv_heads=2,
-        mlp_hidden=4864,
-        max_seq_len=32768,
-        rope_theta=1e6,
-        attention_bias=True,
-    ),
-    # Qwen2-7B-like.
-    "llm-7b": DecoderConfig(
-        vocab_size=152064,
-        hidden=3584,
-        layers=28,
-        heads=28,
-        kv_heads=4,
-        mlp_hidden=18944,
-        max_seq_len=32768,
-        rope_theta=1e6,
-        attention_bias=True,
-    ),
+    # Qwen2-0.5B and Qwen2-7B (untied heads), from the one architecture description.
+    "llm-0.5b": _decoder_from("qwen2-0.5b"),
+    "llm-7b": _decoder_from("llm-7b"),
 }
 
 

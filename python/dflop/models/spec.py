@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor, nn
 
+    from dflop.data.costs import EncoderConfig, LLMConfig
+    from dflop.data.families import FamilySpec
     from dflop.models.config import ModelConfig
     from dflop.runtime.synthetic_batch import TextInputs
     from dflop.runtime.topology import RankInfo
@@ -111,15 +113,23 @@ class LLMStageModule(Protocol):
 
 
 class ModelSpec:
-    """What the runtime needs of one model (see the module docstring). Subclasses set
-    ``name``, ``encoder_layers``, ``llm_layers``, ``tokens_per_unit`` and
-    ``visual_newline`` and implement :meth:`build_stage`."""
+    """What the runtime, the planner and the profiler need of one model (see the module
+    docstring). Subclasses set the attributes below and implement :meth:`build_stage` and
+    :meth:`architecture`."""
 
     name: str
     encoder_layers: int
     llm_layers: int
     tokens_per_unit: int
     visual_newline: bool | None
+    image_shape: tuple[int, int, int]
+    """``(channels, height, width)`` of one visual unit's pixels."""
+    max_seq_len: int
+    """The longest packed sequence the LLM takes (its position limit)."""
+    family: FamilySpec | None = None
+    """The model's own shape rules (a Hugging Face model: units and visual tokens exactly
+    as its code makes them; training data is fed unscaled), or None for a model trained on
+    a data family's shapes scaled onto it (dflop's reference model)."""
 
     def build_stage(
         self,
@@ -134,11 +144,49 @@ class ModelSpec:
         """This rank's stage (layers ``info.layer_range`` of ``info.module``)."""
         raise NotImplementedError
 
+    def architecture(self) -> tuple[EncoderConfig, LLMConfig]:
+        """The one architecture description of the model (layers, widths, heads, KV heads,
+        vocabulary): the analytic cost model, the planner's memory and communication model
+        and the planner core all derive from it."""
+        raise NotImplementedError
+
+    def dataset_inputs(self) -> Any:
+        """For a model with its own shape rules (``family`` set): the converter of
+        LLaVA-format records into its inputs, with ``sample(record, image_folder=,
+        where=, lazy=)`` giving a :class:`~dflop.runtime.processed_batch.ProcessedSample`
+        and ``text_counter()`` the profiler's count of the text it makes."""
+        raise NotImplementedError(
+            f"{type(self).__name__} trains on a data family's shapes scaled onto the model"
+        )
+
     def num_layers(self, module: str) -> int:
         """Layers of ``"encoder"`` or ``"llm"`` that a layout splits into stages."""
         if module not in ("encoder", "llm"):
             raise ValueError(f"module={module!r} must be 'encoder' or 'llm'")
         return self.encoder_layers if module == "encoder" else self.llm_layers
+
+    def whole_module(
+        self,
+        module: str,
+        *,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> nn.Module:
+        """All of ``module`` (``"encoder"`` or ``"llm"``) as one stage, with its embedding
+        and head: what the profiler times (the stage protocols are the profiler's call
+        signatures)."""
+        from dflop.runtime.topology import RuntimeLayout, rank_info
+
+        self.num_layers(module)  # validates the name
+        layout = RuntimeLayout.simple(
+            encoder_layers=self.encoder_layers,
+            llm_layers=self.llm_layers,
+            num_microbatches=1,
+            global_batch=1,
+        )
+        info = rank_info(layout, 0 if module == "encoder" else 1)
+        return self.build_stage(info, seed=seed, device=device, dtype=dtype)
 
 
 class ReferenceSpec(ModelSpec):
@@ -151,6 +199,34 @@ class ReferenceSpec(ModelSpec):
         self.llm_layers = config.decoder.layers
         self.tokens_per_unit = config.vision.tokens_per_unit
         self.visual_newline = config.decoder.image_newline
+        vision = config.vision
+        self.image_shape = (vision.channels, vision.image_size_px, vision.image_size_px)
+        self.max_seq_len = config.decoder.max_seq_len
+
+    def architecture(self) -> tuple[EncoderConfig, LLMConfig]:
+        from dflop.data.costs import EncoderConfig, LLMConfig
+
+        v, p, d = self.config.vision, self.config.projector, self.config.decoder
+        encoder = EncoderConfig(
+            name="vision",
+            hidden_size=v.hidden,
+            num_layers=v.layers,
+            intermediate_size=v.mlp_hidden,
+            num_heads=v.heads,
+            tokens_per_unit=v.tokens_per_unit,
+            patch_px=v.patch_size_px,
+            projector_hidden_size=p.intermediate,
+        )
+        llm = LLMConfig(
+            name="decoder",
+            hidden_size=d.hidden,
+            num_layers=d.layers,
+            intermediate_size=d.mlp_hidden,
+            num_heads=d.heads,
+            num_kv_heads=d.kv_heads,
+            vocab_size=d.vocab_size,
+        )
+        return encoder, llm
 
     def build_stage(
         self,

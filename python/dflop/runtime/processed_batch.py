@@ -10,8 +10,8 @@ counts it really has.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ from torch import Tensor
 from dflop.data.shapes import Modality, SampleShapes
 from dflop.models.decoder import IGNORE_INDEX
 from dflop.models.spec import VisualItem
-from dflop.runtime.synthetic_batch import TextInputs
+from dflop.runtime.synthetic_batch import PackedBatchSource
 
 __all__ = ["ProcessedBatch", "ProcessedSample"]
 
@@ -33,9 +33,10 @@ class ProcessedSample:
         input_ids: LongTensor[T], visual placeholders included.
         labels: LongTensor[T], -100 where there is no loss (placeholders included).
         pixel_values: ``[U, C, H, W]`` (every unit of every item, in item order), or None
-            for a text-only sample.
+            for a text-only sample or one whose pixels ``load`` gives.
         items: the sample's visual items (their units sum to U).
         placeholder_ids: the token ids that mark visual positions.
+        load: makes ``pixel_values`` on first use (decoding only what a rank computes).
     """
 
     input_ids: Tensor
@@ -43,10 +44,15 @@ class ProcessedSample:
     pixel_values: Tensor | None
     items: tuple[VisualItem, ...]
     placeholder_ids: tuple[int, ...]
+    load: Callable[[], Tensor] | None = field(default=None, compare=False, repr=False)
 
     @property
     def units(self) -> int:
         return sum(item.units for item in self.items)
+
+    def pixels(self) -> Tensor | None:
+        """``pixel_values``, loaded now if the sample is lazy."""
+        return self.pixel_values if self.load is None else self.load()
 
     @property
     def placeholder_mask(self) -> Tensor:
@@ -61,8 +67,11 @@ def _modality(items: tuple[VisualItem, ...]) -> int:
     return Modality.MULTI_IMAGE if len(items) > 1 else Modality.IMAGE
 
 
-class ProcessedBatch:
-    """The batch source of a list of :class:`ProcessedSample` (sample ids are positions)."""
+class ProcessedBatch(PackedBatchSource):
+    """The batch source of a list of :class:`ProcessedSample` (sample ids are positions):
+    ``pixel_values`` of an encoder replica's pieces and packed ``text_inputs`` as every
+    batch source gives them (:class:`~dflop.runtime.synthetic_batch.PackedBatchSource`),
+    with each sample's visual items."""
 
     def __init__(self, samples: Sequence[ProcessedSample], tokens_per_unit: int) -> None:
         for i, s in enumerate(samples):
@@ -71,10 +80,10 @@ class ProcessedBatch:
                     f"sample {i}: input_ids and labels must be 1-D of one length, got "
                     f"{tuple(s.input_ids.shape)} and {tuple(s.labels.shape)}"
                 )
-            units = 0 if s.pixel_values is None else int(s.pixel_values.shape[0])
-            if units != s.units:
-                raise ValueError(f"sample {i}: pixel_values has {units} units, its items {s.units}")
+            if s.load is None:
+                _check_units(i, s.pixel_values, s.units)
         self.samples = list(samples)
+        self._pixels: dict[int, Tensor | None] = {}
         self.tokens_per_unit = int(tokens_per_unit)
         visual = [int(s.placeholder_mask.sum()) for s in self.samples]
         lengths = [int(s.input_ids.numel()) for s in self.samples]
@@ -90,58 +99,35 @@ class ProcessedBatch:
     def __len__(self) -> int:
         return len(self.samples)
 
+    def _sample_pixels(self, i: int) -> Tensor | None:
+        if i not in self._pixels:
+            sample = self.samples[i]
+            pixels = sample.pixels()
+            _check_units(i, pixels, sample.units)
+            self._pixels[i] = pixels
+        return self._pixels[i]
+
     def target_tokens(self) -> np.ndarray:
         """(N,) int64: next-token targets of every sample (labels after the first)."""
         return np.array(
             [int((s.labels[1:] != IGNORE_INDEX).sum()) for s in self.samples], dtype=np.int64
         )
 
-    def pixel_values(
-        self,
-        sample_ids: Sequence[int] | np.ndarray,
-        first_unit: Sequence[int] | np.ndarray | None = None,
-        num_units: Sequence[int] | np.ndarray | None = None,
-    ) -> Tensor:
-        """``[U, C, H, W]``: units ``[first_unit[k], first_unit[k] + num_units[k])`` of
-        sample ``sample_ids[k]`` (all of them by default), in order."""
-        ids = [int(i) for i in sample_ids]
-        firsts = [0] * len(ids) if first_unit is None else [int(f) for f in first_unit]
-        counts = (
-            [self.samples[i].units for i in ids]
-            if num_units is None
-            else [int(c) for c in num_units]
-        )
-        parts = []
-        for i, first, count in zip(ids, firsts, counts):
-            sample = self.samples[i]
-            if first < 0 or count < 0 or first + count > sample.units:
-                raise ValueError(
-                    f"sample {i}: units [{first}, {first + count}) are out of its "
-                    f"{sample.units} units"
-                )
-            if count:
-                parts.append(sample.pixel_values[first : first + count])
-        if not parts:
-            reference = next((s.pixel_values for s in self.samples if s.units), None)
-            shape = (0,) if reference is None else (0, *reference.shape[1:])
-            return torch.zeros(shape)
-        return torch.cat(parts)
+    def _render_units(self, sample_id: int, first: int, count: int) -> Tensor:
+        return self._sample_pixels(sample_id)[first : first + count]
 
-    def text_inputs(self, sample_ids: Sequence[int] | np.ndarray) -> TextInputs:
-        """The packed LLM inputs of ``sample_ids`` with their visual items."""
-        samples = [self.samples[int(i)] for i in sample_ids]
-        lengths = [int(s.input_ids.numel()) for s in samples]
-        cu = torch.tensor([0, *np.cumsum(lengths, dtype=np.int64).tolist()], dtype=torch.long)
-        units = torch.tensor([s.units for s in samples], dtype=torch.long)
-        items = tuple(s.items for s in samples)
-        if not samples:
-            empty = torch.zeros(0, dtype=torch.long)
-            return TextInputs(empty, empty.bool(), empty, cu, units, items)
-        return TextInputs(
-            torch.cat([s.input_ids for s in samples]).long(),
-            torch.cat([s.placeholder_mask for s in samples]),
-            torch.cat([s.labels for s in samples]).long(),
-            cu,
-            units,
-            items,
-        )
+    def _no_pixels(self) -> Tensor:
+        return torch.zeros(0)
+
+    def _sample_text(self, sample_id: int) -> tuple[Tensor, Tensor, Tensor]:
+        s = self.samples[sample_id]
+        return s.input_ids.long(), s.placeholder_mask, s.labels.long()
+
+    def _visual_items(self, sample_ids: list[int]) -> tuple:
+        return tuple(self.samples[i].items for i in sample_ids)
+
+
+def _check_units(i: int, pixels: Tensor | None, units: int) -> None:
+    found = 0 if pixels is None else int(pixels.shape[0])
+    if found != units:
+        raise ValueError(f"sample {i}: pixel_values has {found} units, its items {units}")

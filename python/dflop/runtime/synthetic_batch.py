@@ -225,6 +225,15 @@ class PackedBatchSource:
     def _render_units(self, sample_id: int, first: int, count: int) -> Tensor:
         raise NotImplementedError
 
+    def _no_pixels(self) -> Tensor:
+        """The pixels of no unit (an encoder replica with an empty share)."""
+        v = self.config.vision
+        return torch.zeros(0, v.channels, v.image_size_px, v.image_size_px)
+
+    def _visual_items(self, sample_ids: list[int]) -> tuple | None:
+        """Each sample's visual items, for a model with per-sample visual operations."""
+        return None
+
     def pixel_values(
         self,
         sample_ids: np.ndarray | list[int],
@@ -253,8 +262,7 @@ class PackedBatchSource:
             if count:
                 parts.append(self._render_units(i, first, count))
         if not parts:
-            v = self.config.vision
-            return torch.zeros(0, v.channels, v.image_size_px, v.image_size_px)
+            return self._no_pixels()
         return torch.cat(parts)
 
     def text_inputs(self, sample_ids: np.ndarray | list[int]) -> TextInputs:
@@ -264,11 +272,12 @@ class PackedBatchSource:
         lens = [int(tokens.shape[0]) for tokens, _, _ in parts]
         cu = torch.tensor([0, *np.cumsum(lens, dtype=np.int64).tolist()], dtype=torch.long)
         units = torch.tensor([int(self.shapes.encoder_units[i]) for i in ids], dtype=torch.long)
+        items = self._visual_items(ids)
         if not parts:
             empty = torch.zeros(0, dtype=torch.long)
-            return TextInputs(empty, empty.bool(), empty, cu, units)
+            return TextInputs(empty, empty.bool(), empty, cu, units, items)
         tokens, mask, labels = (torch.cat(t) for t in zip(*parts))
-        return TextInputs(tokens, mask, labels, cu, units)
+        return TextInputs(tokens, mask, labels, cu, units, items)
 
     def model_inputs(self, sample_ids: np.ndarray | list[int]) -> dict[str, Tensor]:
         """Keyword arguments of ``MultimodalModel.forward`` for ``sample_ids`` packed."""

@@ -26,8 +26,11 @@ class TrainConfig:
     """Settings of a training run.
 
     Model and layout:
-        model: model preset (``dflop.models.model_config``: ``tiny``, ``small``,
-            ``VISION+DECODER`` such as ``small+tiny``).
+        model: dflop's reference model by preset (``dflop.models.model_config``:
+            ``tiny``, ``small``, ``VISION+DECODER`` such as ``small+tiny``), or
+            ``hf:PATH``: a Hugging Face model in a local folder (``config.json``; its
+            safetensors weights, image processor and tokenizer when present; needs
+            ``dflop[hf]``), trained on a LLaVA-style dataset by its own shape rules.
         plan: a plan JSON from ``dflop plan`` (its best layout is used), or None.
         layout: a manual layout ``"enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1[,m=4]"``, or None.
             With neither, the planner plans for ``nproc`` local processes.
@@ -74,6 +77,8 @@ class TrainConfig:
     Output:
         checkpoint_dir, checkpoint_every: where and how often (steps; 0: only at the end)
             to checkpoint; a run resumes from the latest checkpoint there.
+        save_hf: a Hugging Face model: write the trained model here at the end, in the
+            Hugging Face layout (``from_pretrained`` loads it).
         trace, png: measured timeline files (in ``compare`` mode one per mode, with
             ``-dflop`` / ``-blind`` before the extension).
         trace_steps: how many final steps the timeline shows.
@@ -118,6 +123,7 @@ class TrainConfig:
     schedule_deadline: bool = True
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    save_hf: str | None = None
     trace: str | None = None
     png: str | None = None
     trace_steps: int = 2
@@ -186,9 +192,24 @@ class TrainConfig:
             )
         if not isinstance(self.scaler, dict):
             raise TypeError(f"TrainConfig.scaler must be a dict, got {type(self.scaler).__name__}")
-        from dflop.models import model_config
+        if not isinstance(self.model, str):
+            raise bad("model", "a preset name or 'hf:PATH'")
+        if self.model.startswith("hf:"):
+            folder = self.model[3:]
+            if not os.path.isfile(os.path.join(folder, "config.json")):
+                raise FileNotFoundError(
+                    f"TrainConfig.model={self.model!r}: no config.json in {folder!r} (a local "
+                    "Hugging Face model folder; nothing is downloaded)"
+                )
+        else:
+            from dflop.models import model_config
 
-        model_config(self.model)  # raises ValueError naming the preset
+            model_config(self.model)  # raises ValueError naming the preset
+            if self.save_hf is not None:
+                raise ValueError(
+                    f"TrainConfig.save_hf={self.save_hf!r} needs a Hugging Face model "
+                    "(model='hf:PATH')"
+                )
         if self.mix is not None:
             from dflop.data.synthetic import MixSpec
 

@@ -2,12 +2,20 @@
 
 Step ``k``'s global batch is drawn from the data source with the seed ``(seed, k)``, so
 every rank draws the same batch with no communication, and a resumed run sees the same
-batches as an uninterrupted one. The shapes are then mapped onto the (small) model by a
+batches as an uninterrupted one.
+
+dflop's reference model: the shapes are mapped onto the (small) model by a
 :class:`~dflop.runtime.synthetic_batch.ShapeScaler`. The tensors come from the dataset's
 own files for a LLaVA-style dataset (:class:`~dflop.runtime.dataset_batch.DatasetBatch`:
 each rank decodes only its samples' pixels or tokenises only its samples' text), and are
 synthesised from the shapes for the embedded mix or a saved shape distribution
 (:class:`~dflop.runtime.synthetic_batch.SyntheticBatch`).
+
+A model with its own shape rules (a Hugging Face model, ``ModelSpec.family`` set) trains
+on a dataset's records unscaled, through the model's converter
+(``ModelSpec.dataset_inputs()``): every rank tokenises the batch and reads the image
+headers (the shapes), and decodes and processes only the pixels it computes
+(:class:`~dflop.runtime.processed_batch.ProcessedBatch` of lazy samples).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from dflop.data.shapes import SampleShapes
-from dflop.models.config import ModelConfig
+from dflop.models.spec import ModelSpec, model_spec
 from dflop.runtime.synthetic_batch import ShapeScaler
 
 __all__ = ["ScaledShapes", "StepShapes", "describe_records", "load_distribution"]
@@ -33,19 +41,41 @@ def load_distribution(
     *,
     image_folder: str | None = None,
     video_folder: str | None = None,
+    model: ModelSpec | str | None = None,
 ) -> Any:
     """The sample source of ``data``: None for ``"synthetic"``, a ShapeDistribution for a
     saved one, or a :class:`~dflop.runtime.dataset_batch.RecordSet` (records + their
-    profile) for a LLaVA-style dataset (image / video paths relative to the folders)."""
+    profile) for a LLaVA-style dataset (image / video paths relative to the folders).
+    A ``model`` with its own shape rules profiles the dataset by them and its text
+    converter, and needs a dataset."""
+    spec = None if model is None else model_spec(model)
+    own_rules = spec is not None and spec.family is not None
+    if own_rules and (data == "synthetic" or not data.endswith((".json", *_DATASET_SUFFIXES))):
+        raise ValueError(
+            f"TrainConfig.data={data!r}: the model {spec.name} trains on a LLaVA-style "
+            "dataset (.json/.jsonl/.yaml with its image files), not on synthetic shapes"
+        )
     if data == "synthetic":
         return None
     from dflop.data import ShapeDistribution
     from dflop.runtime.dataset_batch import read_records
 
     def records() -> Any:
+        if own_rules:
+            counter = spec.dataset_inputs().text_counter()
+            return read_records(
+                data,
+                family=spec.family,
+                image_folder=image_folder,
+                video_folder=video_folder,
+                text_counter=counter,
+            )
         return read_records(
             data, family=family, image_folder=image_folder, video_folder=video_folder
         )
+
+    if own_rules:
+        return records()
 
     if data.endswith(_DATASET_SUFFIXES):
         return records()
@@ -82,11 +112,12 @@ def describe_records(records: Any) -> tuple[str, bool]:
 
 
 class StepShapes:
-    """``shapes(step)``: the scaled global batch of ``step`` (same on every rank)."""
+    """``shapes(step)``: the global batch of ``step`` as the model sees it (same on every
+    rank); ``batch(step)``: its batch source."""
 
     def __init__(
         self,
-        model: ModelConfig,
+        model: ModelSpec | str,
         global_batch: int,
         *,
         seed: int = 0,
@@ -97,6 +128,7 @@ class StepShapes:
     ) -> None:
         from dflop.runtime.dataset_batch import RecordSet
 
+        self.spec = model_spec(model)
         self.global_batch = int(global_batch)
         self.seed = int(seed)
         self.records = distribution if isinstance(distribution, RecordSet) else None
@@ -105,11 +137,28 @@ class StepShapes:
         self.distribution = distribution
         self.family = family
         self.mix = mix
+        self.inputs = None
+        self.scaler: ShapeScaler | None = None
+        self._batches: dict[int, Any] = {}
+        if self.spec.family is not None:  # the model's own rules: records as they are
+            if self.records is None:
+                raise ValueError(
+                    f"the model {self.spec.name} needs a dataset's records "
+                    "(load_distribution(..., model=...))"
+                )
+            if scaler:
+                raise ValueError(
+                    f"TrainConfig.scaler: the model {self.spec.name} trains on its own "
+                    "shapes; a scaler applies to dflop's reference model only"
+                )
+            self.inputs = self.spec.dataset_inputs()
+            return
+        config = self.spec.config
         settings = dict(scaler or {})
         if {"unit_divisor", "text_divisor"} <= settings.keys():
-            self.scaler = ShapeScaler.for_model(model, **settings)
+            self.scaler = ShapeScaler.for_model(config, **settings)
         else:  # fit what is not given to the data, keeping its relative sizes
-            self.scaler = ShapeScaler.fitted(model, self._reference(), **settings)
+            self.scaler = ShapeScaler.fitted(config, self._reference(), **settings)
 
     def _reference(self) -> SampleShapes:
         """The data the scaler is fitted to: the dataset's samples, or 4,096 draws."""
@@ -122,7 +171,7 @@ class StepShapes:
         return self.distribution.sample(4096, seed=self.seed)
 
     def raw(self, step: int) -> SampleShapes:
-        """The unscaled shapes of ``step``'s batch."""
+        """The unscaled shapes of ``step``'s batch (as profiled)."""
         seed = _step_seed(self.seed, step)
         if self.distribution is None:
             from dflop.data.synthetic import synthetic_shapes
@@ -131,20 +180,46 @@ class StepShapes:
         return self.distribution.sample(self.global_batch, seed=seed)
 
     def shapes(self, step: int) -> SampleShapes:
-        """``step``'s global batch, conformed to the model."""
+        """``step``'s global batch, conformed to the model (for a model with its own
+        rules: the shapes of its batch source, its exact token counts)."""
+        if self.scaler is None:
+            return self.batch(step, 0).shapes
         return self.scaler.scale(self.raw(step))
 
-    def batch(self, step: int, model: ModelConfig, data_seed: int) -> Any:
+    def batch(self, step: int, data_seed: int) -> Any:
         """``step``'s batch source (its ``.shapes`` equal ``shapes(step)``): the dataset's
         records, or tensors synthesised from the shapes."""
         if self.records is None:
             from dflop.runtime.synthetic_batch import SyntheticBatch
 
-            return SyntheticBatch(self.shapes(step), model, seed=data_seed)
+            return SyntheticBatch(self.shapes(step), self.spec.config, seed=data_seed)
+        records = self.records.draw(self.global_batch, seed=_step_seed(self.seed, step))
+        if self.inputs is not None:
+            return self._processed(step, records)
         from dflop.runtime.dataset_batch import DatasetBatch
 
-        records = self.records.draw(self.global_batch, seed=_step_seed(self.seed, step))
-        return DatasetBatch(records, model, self.scaler, family=self.family)
+        return DatasetBatch(records, self.spec.config, self.scaler, family=self.family)
+
+    def _processed(self, step: int, records: list[Any]) -> Any:
+        """The batch of a model with its own rules (kept for the next few calls: the
+        scheduler asks for the shapes of a step ahead of training it)."""
+        from dflop.runtime.processed_batch import ProcessedBatch
+
+        if step not in self._batches:
+            samples = [
+                self.inputs.sample(
+                    raw.data,
+                    image_folder=raw.image_folder,
+                    video_folder=raw.video_folder,
+                    where=raw.where,
+                    lazy=True,
+                )
+                for raw in records
+            ]
+            self._batches[step] = ProcessedBatch(samples, self.spec.tokens_per_unit)
+            for old in sorted(self._batches)[:-8]:
+                del self._batches[old]
+        return self._batches[step]
 
 
 class ScaledShapes:
@@ -156,6 +231,8 @@ class ScaledShapes:
 
     def sample(self, num_samples: int, seed: int = 0) -> SampleShapes:
         s = self.step_shapes
+        if s.scaler is None:  # the model's own rules: the profile as it is
+            return s.distribution.sample(num_samples, seed=seed)
         if s.distribution is None:
             from dflop.data.synthetic import synthetic_shapes
 

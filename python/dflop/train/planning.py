@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from dflop.models.config import ModelConfig
+from dflop.models.spec import ModelSpec, model_spec
 from dflop.runtime.topology import ModuleLayout, RuntimeLayout, uniform_layer_ranges
 
 __all__ = [
@@ -42,7 +42,7 @@ _LAYOUT_KEYS = {
 
 
 def parse_layout(
-    spec: str, model: ModelConfig, global_batch: int, num_microbatches: int | None = None
+    spec: str, model: ModelSpec | str, global_batch: int, num_microbatches: int | None = None
 ) -> RuntimeLayout:
     """``"enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1[,m=4]"`` as a :class:`RuntimeLayout` with
     uniform layer splits. Missing sizes are 1; ``m`` defaults to ``num_microbatches`` or
@@ -65,10 +65,11 @@ def parse_layout(
     m = values.pop("num_microbatches", None) or num_microbatches
     if m is None:
         m = max(1, min(4, global_batch // llm_dp))
+    spec = model_spec(model)
     return RuntimeLayout.simple(
         **values,
-        encoder_layers=model.vision.layers,
-        llm_layers=model.decoder.layers,
+        encoder_layers=spec.encoder_layers,
+        llm_layers=spec.llm_layers,
         num_microbatches=m,
         global_batch=global_batch,
     )
@@ -76,7 +77,7 @@ def parse_layout(
 
 def layout_from_plan(
     path: str | os.PathLike[str],
-    model: ModelConfig,
+    model: ModelSpec | str,
     global_batch: int | None = None,
     num_microbatches: int | None = None,
 ) -> RuntimeLayout:
@@ -96,9 +97,10 @@ def layout_from_plan(
             "the encoder and the LLM on disjoint ranks"
         )
     modules = {}
+    spec = model_spec(model)
     for name, part, layers in (
-        ("encoder", best.encoder, model.vision.layers),
-        ("llm", best.llm, model.decoder.layers),
+        ("encoder", best.encoder, spec.encoder_layers),
+        ("llm", best.llm, spec.llm_layers),
     ):
         if sum(part.layers_per_stage) != layers:
             raise ValueError(
@@ -114,35 +116,14 @@ def layout_from_plan(
     )
 
 
-def cost_configs(model: ModelConfig) -> tuple[Any, Any]:
-    """(EncoderConfig, LLMConfig) of dflop's reference model, for the planner."""
-    from dflop.data.costs import EncoderConfig, LLMConfig
-
-    v, p, d = model.vision, model.projector, model.decoder
-    encoder = EncoderConfig(
-        name="vision",
-        hidden_size=v.hidden,
-        num_layers=v.layers,
-        intermediate_size=v.mlp_hidden,
-        num_heads=v.heads,
-        tokens_per_unit=v.tokens_per_unit,
-        patch_px=v.patch_size_px,
-        projector_hidden_size=p.intermediate,
-    )
-    llm = LLMConfig(
-        name="decoder",
-        hidden_size=d.hidden,
-        num_layers=d.layers,
-        intermediate_size=d.mlp_hidden,
-        num_heads=d.heads,
-        num_kv_heads=d.kv_heads,
-        vocab_size=d.vocab_size,
-    )
-    return encoder, llm
+def cost_configs(model: ModelSpec | str) -> tuple[Any, Any]:
+    """(EncoderConfig, LLMConfig) of ``model`` for the planner: its spec's one
+    architecture description (:meth:`~dflop.models.spec.ModelSpec.architecture`)."""
+    return model_spec(model).architecture()
 
 
 def quick_profile(
-    model: ModelConfig,
+    model: ModelSpec | str,
     *,
     threads: int = 1,
     seed: int = 0,
@@ -151,8 +132,8 @@ def quick_profile(
     repeats: int = 3,
 ) -> Any:
     """A :class:`~dflop.profiling.PerformanceModel` of ``model`` on this CPU, measured in a
-    few seconds (fewer repeats and shapes than ``dflop profile-model``)."""
-    from dflop.models import build_model
+    few seconds (fewer repeats and shapes than ``dflop profile-model``): its spec's whole
+    encoder and LLM (:meth:`~dflop.models.spec.ModelSpec.whole_module`)."""
     from dflop.profiling import (
         default_seq_len_mixes,
         default_unit_counts,
@@ -160,13 +141,15 @@ def quick_profile(
         profile_model,
     )
 
-    reference = build_model(model, seed=seed)
+    spec = model_spec(model)
     result = profile_model(
-        reference.vision,
-        reference.decoder,
+        spec.whole_module("encoder", seed=seed),
+        spec.whole_module("llm", seed=seed),
         device="cpu",
+        image_shape=spec.image_shape,
+        vocab_size=spec.architecture()[1].vocab_size,
         unit_counts=default_unit_counts(max_units),
-        seq_len_mixes=default_seq_len_mixes(min(max_tokens, model.decoder.max_seq_len)),
+        seq_len_mixes=default_seq_len_mixes(min(max_tokens, spec.max_seq_len)),
         warmup=1,
         repeats=repeats,
         seed=seed,
@@ -206,7 +189,7 @@ def _local_planning(
 
 def evaluate_local(
     cost_model: Any,
-    model: ModelConfig,
+    model: ModelSpec | str,
     layout: RuntimeLayout,
     shapes: Any,
     *,
@@ -252,7 +235,7 @@ class LocalPlan:
 
 def plan_local(
     cost_model: Any,
-    model: ModelConfig,
+    model: ModelSpec | str,
     nproc: int,
     global_batch: int,
     shapes: Any,
@@ -349,12 +332,13 @@ def core_layout(layout: RuntimeLayout) -> dict[str, Any]:
     }
 
 
-def default_layout(model: ModelConfig, nproc: int, global_batch: int, m: int) -> RuntimeLayout:
+def default_layout(model: ModelSpec | str, nproc: int, global_batch: int, m: int) -> RuntimeLayout:
     """Fallback without the planner: one encoder process, the others LLM pipeline stages."""
     llm_pp = nproc - 1
+    spec = model_spec(model)
     return RuntimeLayout(
-        encoder=ModuleLayout(1, 1, 1, uniform_layer_ranges(model.vision.layers, 1)),
-        llm=ModuleLayout(1, llm_pp, 1, uniform_layer_ranges(model.decoder.layers, llm_pp)),
+        encoder=ModuleLayout(1, 1, 1, uniform_layer_ranges(spec.encoder_layers, 1)),
+        llm=ModuleLayout(1, llm_pp, 1, uniform_layer_ranges(spec.llm_layers, llm_pp)),
         num_microbatches=m,
         global_batch=global_batch,
     )

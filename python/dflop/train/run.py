@@ -64,7 +64,7 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
     layout, cluster and, unless ``perf`` is given, the performance model it was made
     with), a manual layout (scored by the planner for the local processes), or the
     planner run for ``nproc`` local processes."""
-    from dflop.models import model_config
+    from dflop.models.spec import model_spec
     from dflop.planner import Plan
     from dflop.runtime.dataset_batch import RecordSet
     from dflop.train.data import ScaledShapes, StepShapes, describe_records, load_distribution
@@ -76,12 +76,13 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
         plan_local,
     )
 
-    model = model_config(config.model)
+    model = model_spec(config.model)
     distribution = load_distribution(
         config.data,
         config.family,
         image_folder=config.image_folder,
         video_folder=config.video_folder,
+        model=model,
     )
     if isinstance(distribution, RecordSet):
         account, poor = describe_records(distribution)

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from dflop.models import model_config
+from dflop.models.spec import model_spec
 from dflop.pipeline_scheduler import PipelineModel
 from dflop.runtime.topology import RuntimeLayout
 from dflop.scheduler import Schedule, data_blind_schedule, schedule_from_assignment
@@ -107,16 +107,16 @@ class Trainer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.is_leader = self.rank == 0
-        self.model_config = model_config(config.model)
+        self.spec = model_spec(config.model)
         self.topology = Topology.create(layout, self.rank, timeout_s=config.timeout_s)
         self.info = self.topology.info
-        self.stage = build_stage(self.model_config, self.info, seed=config.seed, device=self.device)
+        self.stage = build_stage(self.spec, self.info, seed=config.seed, device=self.device)
         self.engine = PipelineEngine(self.topology, self.stage, debug=config.debug)
         self.optimizer = torch.optim.AdamW(
             self.stage.parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
         self.step_shapes = StepShapes(
-            self.model_config,
+            self.spec,
             layout.global_batch,
             seed=config.seed,
             distribution=distribution,
@@ -124,7 +124,6 @@ class Trainer:
             mix=config.mix,
             scaler=config.scaler,
         )
-        self.tokens_per_unit = self.model_config.vision.tokens_per_unit
         self.start_step = 0
         self._resume()
         self.cost_model = None
@@ -156,7 +155,7 @@ class Trainer:
         if isinstance(performance_model, dict):
             performance_model = PerformanceModel.from_dict(performance_model)
         self.cost_model = CostModel(performance_model)
-        encoder, llm = cost_configs(self.model_config)
+        encoder, llm = cost_configs(self.spec)
         self.predictor = StepPredictor(
             ClusterSpec.from_dict(cluster) if cluster else local_cluster(self.world_size),
             encoder,
@@ -370,9 +369,7 @@ class Trainer:
                         f"injected failure on rank {self.rank} at step {step} ({FAULT_ENV})"
                     )
                 wall_start = time.perf_counter()
-                batch = self.step_shapes.batch(
-                    step, self.model_config, _step_seed(config.seed + 1, step)
-                )
+                batch = self.step_shapes.batch(step, _step_seed(config.seed + 1, step))
                 shapes = batch.shapes
                 schedules, encoder_costs = self._broadcast_schedules(step, shapes)
                 audits = {}
@@ -386,8 +383,8 @@ class Trainer:
                         shapes,
                         self.layout,
                         batch.target_tokens(),
-                        tokens_per_unit=self.tokens_per_unit,
-                        visual_newline=self.model_config.decoder.image_newline,
+                        tokens_per_unit=self.spec.tokens_per_unit,
+                        visual_newline=self.spec.visual_newline,
                         encoder_costs=encoder_costs,
                     )
                     results[mode] = self.engine.run_step(plans[mode], batch)
@@ -430,6 +427,8 @@ class Trainer:
                     or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
                 ):
                     self.save_checkpoint(step)
+            if config.save_hf:
+                self.save_hf_checkpoint(config.save_hf)
             if self.scheduler is not None:
                 num_fallbacks_before = self.scheduler.num_fallbacks
         finally:
@@ -494,6 +493,25 @@ class Trainer:
             **self._checkpoint_identity(),
         }
         save_checkpoint(self.config.checkpoint_dir, step, self.rank, state, barrier=dist.barrier)
+
+    def save_hf_checkpoint(self, folder: str) -> None:
+        """Write the model as a Hugging Face checkpoint folder (call on every rank): each
+        stage's first replica writes its own safetensors shard, rank 0 the rest (untrained
+        tensors, the index, ``config.json``)."""
+        import torch.distributed as dist
+
+        info = self.info
+        weight_map: dict[str, str] = {}
+        if info.dp_rank == 0 and info.tp_rank == 0:
+            name = f"model-{info.module}-stage{info.global_stage:03d}.safetensors"
+            weight_map = self.spec.save_shard(folder, name, self.stage.state_dict())
+        gathered: list[Any] | None = [None] * self.world_size if self.is_leader else None
+        dist.gather_object(weight_map, gathered, dst=0)
+        if self.is_leader:
+            merged = {key: name for part in gathered for key, name in part.items()}
+            self.spec.finish_checkpoint(folder, merged, seed=self.config.seed)
+            print(f"saved the model in the Hugging Face layout to {folder}", flush=True)
+        dist.barrier()
 
     # ------------------------------------------------------------------ rank 0 bookkeeping
 

@@ -30,7 +30,8 @@ __all__ = [
     "load_stage_weights",
     "packed_decoder_inputs",
     "require_transformers",
-    "save_checkpoint",
+    "write_index",
+    "write_shard",
 ]
 
 SUPPORTED_TRANSFORMERS = ((5, 0), (6, 0))
@@ -182,6 +183,24 @@ def _param(full: nn.Module, path: str) -> nn.Parameter:
     return getattr(full.get_submodule(owner) if owner else full, name)
 
 
+def local_image_processor(folder: str | None) -> Any:
+    """The image processor saved in ``folder`` (``preprocessor_config.json``), or None."""
+    if folder is None or not os.path.isfile(os.path.join(folder, "preprocessor_config.json")):
+        return None
+    transformers = require_transformers()
+    return transformers.AutoImageProcessor.from_pretrained(folder, local_files_only=True)
+
+
+def local_tokenizer(folder: str | None) -> Any:
+    """The tokenizer saved in ``folder`` (``tokenizer.json`` or ``tokenizer_config.json``),
+    or None."""
+    names = ("tokenizer.json", "tokenizer_config.json")
+    if folder is None or not any(os.path.isfile(os.path.join(folder, n)) for n in names):
+        return None
+    transformers = require_transformers()
+    return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 
@@ -258,23 +277,33 @@ def load_stage_weights(stage: nn.Module, folder: str, keys: dict[str, str]) -> N
                     tensor.copy_(value.to(tensor.dtype))
 
 
-def save_checkpoint(
-    folder: str, model_class: Any, config: Any, state_dict: dict[str, Tensor]
-) -> None:
-    """Write ``state_dict`` (the full model's names, e.g. the union of all stages') as a
-    Hugging Face checkpoint folder: ``config.json`` and safetensors with the original keys,
-    loadable with ``model_class.from_pretrained(folder)``."""
-    with torch.device("meta"):
-        model = model_class(config)
-    expected = set(model.state_dict())
-    missing = sorted(expected - set(state_dict))
-    unknown = sorted(set(state_dict) - expected)
-    if missing or unknown:
-        raise ValueError(
-            f"cannot save a checkpoint: missing {missing[:3]}, unknown {unknown[:3]} "
-            f"(of {len(expected)} tensors)"
-        )
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in state_dict.items()}
-    model.load_state_dict(tensors, assign=True, strict=True)
+def write_shard(folder: str, filename: str, tensors: dict[str, Tensor]) -> dict[str, str]:
+    """Write ``tensors`` (checkpoint keys) to ``folder/filename`` as safetensors; returns
+    their part of the index's ``weight_map``."""
+    from safetensors.torch import save_file
+
     os.makedirs(folder, exist_ok=True)
-    model.save_pretrained(folder)
+    data = {key: t.detach().to("cpu").contiguous() for key, t in tensors.items()}
+    save_file(data, os.path.join(folder, filename), metadata={"format": "pt"})
+    return dict.fromkeys(data, filename)
+
+
+def write_index(folder: str, weight_map: dict[str, str]) -> None:
+    """``model.safetensors.index.json`` over the shards ``weight_map`` names."""
+    from safetensors import safe_open
+
+    total = 0
+    for name in sorted(set(weight_map.values())):
+        with safe_open(os.path.join(folder, name), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                sl = f.get_slice(key)
+                count = 1
+                for dim in sl.get_shape():
+                    count *= int(dim)
+                total += count * _DTYPE_BYTES.get(sl.get_dtype(), 4)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "BOOL": 1}

@@ -34,7 +34,8 @@ from dflop.models.hf.common import (
     materialize,
     packed_decoder_inputs,
     require_transformers,
-    save_checkpoint,
+    write_index,
+    write_shard,
 )
 from dflop.models.spec import ModelSpec, VisualItem
 
@@ -125,6 +126,70 @@ class LlavaOnevisionSpec(ModelSpec):
         self.tokens_per_unit = _tokens_per_unit(config)
         self.visual_newline = None  # the model's own per-sample rule (merge_visual checks)
         self.family = family_from_config(config)
+        self.image_shape = (vision.num_channels, vision.image_size, vision.image_size)
+        self.max_seq_len = int(config.text_config.max_position_embeddings)
+
+    def architecture(self) -> tuple[Any, Any]:
+        """SigLIP (the layers up to ``vision_feature_layer``) with the 2-layer projector,
+        and the Qwen2 decoder, from the config."""
+        from dflop.data.costs import EncoderConfig, LLMConfig
+
+        vision, text = self.config.vision_config, self.config.text_config
+        encoder = EncoderConfig(
+            name=f"{self.name}.vision",
+            hidden_size=vision.hidden_size,
+            num_layers=self.encoder_layers,
+            intermediate_size=vision.intermediate_size,
+            num_heads=vision.num_attention_heads,
+            tokens_per_unit=self.tokens_per_unit,
+            patch_px=vision.patch_size,
+            projector_hidden_size=text.hidden_size,
+            default_family="llava-ov",
+        )
+        head_dim = getattr(text, "head_dim", None)
+        llm = LLMConfig(
+            name=f"{self.name}.text",
+            hidden_size=text.hidden_size,
+            num_layers=self.llm_layers,
+            intermediate_size=text.intermediate_size,
+            num_heads=text.num_attention_heads,
+            num_kv_heads=text.num_key_value_heads,
+            vocab_size=text.vocab_size,
+            head_dim=None
+            if head_dim in (None, text.hidden_size // text.num_attention_heads)
+            else int(head_dim),
+        )
+        return encoder, llm
+
+    def dataset_inputs(self) -> Any:
+        """The converter of LLaVA-format records for this model: the checkpoint folder's
+        image processor (``preprocessor_config.json``) and tokenizer when it has them;
+        else a processor built from the config (tile size, grids; the processor class's
+        default normalisation) and :func:`~dflop.models.hf.records.byte_encoder`."""
+        from dflop.models.hf.common import local_image_processor, local_tokenizer
+        from dflop.models.hf.records import LlavaOnevisionRecords, byte_encoder
+
+        processor = local_image_processor(self.checkpoint_dir)
+        if processor is None:
+            module = require_transformers().models.llava_onevision
+            side = self.config.vision_config.image_size
+            processor = module.image_processing_pil_llava_onevision.LlavaOnevisionImageProcessorPil(
+                size={"height": side, "width": side},
+                crop_size={"height": side, "width": side},
+                image_grid_pinpoints=self.config.image_grid_pinpoints,
+            )
+        tokenizer = local_tokenizer(self.checkpoint_dir)
+        if tokenizer is not None:
+
+            def encode(text: str) -> list[int]:
+                return tokenizer.encode(text, add_special_tokens=False)
+
+        else:
+            encode = byte_encoder(
+                self.config.text_config.vocab_size,
+                (int(self.config.image_token_index), int(self.config.video_token_index)),
+            )
+        return LlavaOnevisionRecords(self.config, processor, encode)
 
     # ------------------------------------------------------------------ building
 
@@ -185,26 +250,49 @@ class LlavaOnevisionSpec(ModelSpec):
         stage = cls(self.config, tree, first, end, info.is_first_stage, info.is_last_stage)
         return stage.to(device=device, dtype=dtype)
 
-    def save_checkpoint(self, folder: str, state_dict: dict[str, Tensor], seed: int = 0) -> None:
-        """Write the full model's ``state_dict`` (all stages' together) as a Hugging Face
-        checkpoint folder. Tensors that no stage holds (the tower's layers past
-        ``vision_feature_layer`` and its post-layernorm, which never reach the loss) are
-        written as they started: from ``checkpoint_dir``, else the init for ``seed``."""
+    def save_shard(
+        self, folder: str, filename: str, state_dict: dict[str, Tensor]
+    ) -> dict[str, str]:
+        """Write a part of the model's ``state_dict`` (e.g. one stage's) to
+        ``folder/filename`` under the checkpoint's keys; returns its ``weight_map``."""
         with torch.device("meta"):
-            expected = set(self.model_class(self.config).state_dict())
-        untrained = sorted(expected - set(state_dict))
-        if untrained:
+            keys = checkpoint_keys(self.model_class(self.config))
+        unknown = sorted(set(state_dict) - set(keys))
+        if unknown:
+            raise ValueError(f"cannot save {unknown[0]!r}: the model has no such tensor")
+        return write_shard(folder, filename, {keys[n]: t for n, t in state_dict.items()})
+
+    def finish_checkpoint(self, folder: str, weight_map: dict[str, str], seed: int = 0) -> None:
+        """Complete a checkpoint whose trained tensors :meth:`save_shard` wrote: the
+        tensors no stage holds (the tower's layers past ``vision_feature_layer`` and its
+        post-layernorm, which never reach the loss) as they started (from
+        ``checkpoint_dir``, else the init for ``seed``), the index and ``config.json``."""
+        with torch.device("meta"):
+            meta = self.model_class(self.config)
+        keys = checkpoint_keys(meta)
+        missing = sorted(name for name, key in keys.items() if key not in weight_map)
+        if missing:
             from_checkpoint = self.checkpoint_dir is not None and has_weights(self.checkpoint_dir)
             full = self._full_model(seed, meta=from_checkpoint)
+            tree = carve(full, missing)
             if from_checkpoint:
-                tree = carve(full, untrained)
                 materialize(full, tree)
-                load_stage_weights(tree, self.checkpoint_dir, checkpoint_keys(full))
-                start = tree.state_dict()
-            else:
-                start = full.state_dict()
-            state_dict = {**{name: start[name] for name in untrained}, **state_dict}
-        save_checkpoint(folder, self.model_class, self.config, state_dict)
+                load_stage_weights(tree, self.checkpoint_dir, keys)
+            start = tree.state_dict()
+            weight_map = {
+                **weight_map,
+                **self.save_shard(folder, "model-untrained.safetensors", start),
+            }
+        write_index(folder, weight_map)
+        self.config.save_pretrained(folder)
+
+    def save_checkpoint(self, folder: str, state_dict: dict[str, Tensor], seed: int = 0) -> None:
+        """Write the full model's ``state_dict`` (all stages' together) as a Hugging Face
+        checkpoint folder (loadable with ``from_pretrained``); see
+        :meth:`finish_checkpoint` for the tensors it lacks."""
+        self.finish_checkpoint(
+            folder, self.save_shard(folder, "model-00000.safetensors", state_dict), seed
+        )
 
 
 class _Stage(nn.Module):

@@ -1,14 +1,28 @@
 """LLaVA-format records as inputs of a Hugging Face model: the images through the model's
 own image processor, the visual placeholders counted by the model's shape rule.
 
-:func:`llava_onevision_sample` turns one record (``{"image": ..., "conversations": [...]}``)
-into a :class:`~dflop.runtime.processed_batch.ProcessedSample`: single images become the
+:class:`LlavaOnevisionRecords` turns one record (``{"image": ..., "conversations": [...]}``)
+into a :class:`~dflop.runtime.processed_batch.ProcessedSample`. Single images become the
 processor's base image + anyres crops (an ``"image"`` item with the original size), each
-image of a multi-image record one tile (the model keeps the first crop of each), and the
-text ``<image>`` markers become runs of the image token as long as the model's packing
-makes them (:func:`dflop.models.hf.llava_onevision.family_from_config`; the LLM stage checks
-the count against the model's own code at run time). Labels are the ``gpt`` turns' tokens.
-Video records are not handled yet (``ValueError``).
+image of a multi-image record one tile (the model keeps the first crop of each); the text
+``<image>`` markers become runs of the image token as long as the model's packing makes
+them (:func:`dflop.models.hf.llava_onevision.family_from_config`; the LLM stage checks the
+count against the model's own code at run time). Labels are the ``gpt`` turns' tokens.
+
+The token ids and placeholder runs need only the image sizes (read from the file headers
+by Pillow, the size the decoded image will have), so every rank knows every sample's
+shape cheaply; the pixels are decoded and processed only when a rank asks for them
+(``lazy=True``), so an encoder rank processes only its own share.
+
+Videos are read from a folder of frame images (sorted by name) or the record's
+``frames`` list of paths (dflop decodes no video files); more frames than the family's
+``max_frames`` are sampled uniformly (``round(linspace(0, n - 1, max_frames))``). Each
+frame goes through the image processor's base view (the frame resized to the tile, the
+model's normalisation), which is what the model's video processor does to a frame; the
+placeholder run is the model's pooled tokens per frame plus one newline.
+
+Text: each turn's text is encoded as is (the tokenizer's ``encode`` without special
+tokens, or :func:`byte_encoder` for tiny test models); no chat template is applied.
 """
 
 from __future__ import annotations
@@ -17,14 +31,18 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
+from torch import Tensor
 
-from dflop.data.families import image_shapes
+from dflop.data.families import image_shapes, video_shapes
+from dflop.data.image_header import FRAME_FILE_EXTENSIONS
+from dflop.data.text_tokens import TextTokenCounter
 from dflop.models.decoder import IGNORE_INDEX
 from dflop.models.spec import VisualItem
 from dflop.runtime.processed_batch import ProcessedSample
 
-__all__ = ["byte_encoder", "llava_onevision_sample"]
+__all__ = ["LlavaOnevisionRecords", "byte_encoder"]
 
 _ANSWER_ROLES = ("gpt", "assistant")
 
@@ -44,84 +62,184 @@ def _image_paths(record: dict[str, Any], image_folder: str, where: str) -> list[
     image = record.get("image")
     if image is None:
         return []
-    names = [image] if isinstance(image, str) else list(image)
-    if not all(isinstance(n, str) for n in names):
-        raise ValueError(f"{where}: 'image' must be a path or a list of paths")
+    names = [image] if isinstance(image, str) else image
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{where}: 'image' must be a path or a non-empty list of paths")
     return [os.path.join(image_folder, n) for n in names]
 
 
-def llava_onevision_sample(
-    record: dict[str, Any],
-    *,
-    config: Any,
-    image_processor: Any,
-    encode: Callable[[str], list[int]],
-    image_folder: str = "",
-    where: str = "record",
-) -> ProcessedSample:
-    """One LLaVA-format record as LLaVA-OneVision inputs (see the module docstring).
-    ``encode`` maps text to token ids (a tokenizer's, or :func:`byte_encoder`)."""
+def _frame_paths(record: dict[str, Any], video_folder: str, where: str) -> list[str]:
+    """A video's frame files: the ``frames`` list, else the images of its frames folder."""
+    frames = record.get("frames")
+    if isinstance(frames, list) and frames and all(isinstance(f, str) for f in frames):
+        return [os.path.join(video_folder, f) for f in frames]
+    video = record.get("video")
+    if not isinstance(video, str) or not video:
+        raise ValueError(f"{where}: 'video' must be a frames folder path, got {video!r:.80}")
+    folder = os.path.join(video_folder, video)
+    if not os.path.isdir(folder):
+        raise ValueError(
+            f"{where}: {folder!r} is not a frames folder (dflop decodes no video files: "
+            "extract its frames to a folder, or list them in 'frames')"
+        )
+    names = sorted(n for n in os.listdir(folder) if n.lower().endswith(FRAME_FILE_EXTENSIONS))
+    if not names:
+        raise ValueError(f"{where}: frames folder {folder!r} holds no image files")
+    return [os.path.join(folder, n) for n in names]
+
+
+def _open_rgb(path: str, where: str) -> Any:
     from PIL import Image
 
-    from dflop.models.hf.llava_onevision import family_from_config
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{where}: cannot decode {path}: {err}") from err
 
-    if "video" in record:
-        raise ValueError(f"{where}: video records are not supported by this converter yet")
-    family = family_from_config(config)
-    paths = _image_paths(record, image_folder, where)
-    images = []
-    for path in paths:
-        try:
-            with Image.open(path) as im:
-                images.append(im.convert("RGB"))
-        except (OSError, ValueError) as err:
-            raise ValueError(f"{where}: cannot decode {path}: {err}") from err
-    pixels, items, runs = None, (), []
-    if images:
-        out = image_processor(images=images, return_tensors="pt")
-        if len(images) == 1:
-            height, width = (int(v) for v in out["image_sizes"][0])
+
+def _header_size(path: str, where: str) -> tuple[int, int]:
+    """(height, width) of the decoded image, from its header (Pillow opens lazily)."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            width, height = im.size
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{where}: cannot read {path}: {err}") from err
+    return int(height), int(width)
+
+
+class LlavaOnevisionRecords:
+    """LLaVA-format records as inputs of one LLaVA-OneVision model (see the module
+    docstring).
+
+    Args:
+        config: the model's ``LlavaOnevisionConfig``.
+        image_processor: the model's image processor (e.g. ``AutoImageProcessor`` of the
+            checkpoint folder).
+        encode: text to token ids (a tokenizer's ``encode``, or :func:`byte_encoder`).
+    """
+
+    def __init__(
+        self, config: Any, image_processor: Any, encode: Callable[[str], list[int]]
+    ) -> None:
+        from dflop.models.hf.llava_onevision import family_from_config
+
+        self.config = config
+        self.image_processor = image_processor
+        self.encode = encode
+        self.family = family_from_config(config)
+        self.image_token = int(config.image_token_index)
+        self.placeholder_ids = (self.image_token, int(config.video_token_index))
+
+    def text_counter(self) -> TextTokenCounter:
+        """Counts a record's text tokens as :meth:`sample` lays them out (for profiling a
+        dataset under this model: no template tokens)."""
+        return TextTokenCounter(
+            "model-encoder",
+            lambda text: len(self.encode(text)),
+            tokens_per_turn=0,
+            tokens_per_conversation=0,
+        )
+
+    def sample(
+        self,
+        record: dict[str, Any],
+        *,
+        image_folder: str = "",
+        video_folder: str | None = None,
+        where: str = "record",
+        lazy: bool = False,
+    ) -> ProcessedSample:
+        """One record as model inputs (paths relative to the folders; the video folder
+        defaults to the image folder). ``lazy``: the pixels are decoded and processed on
+        first use (``ProcessedSample.pixels()``), the sizes come from the headers now."""
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        if "video" in record:
+            if "image" in record:
+                raise ValueError(f"{where}: a record has 'image' or 'video', not both")
+            videos = image_folder if video_folder is None else video_folder
+            paths, items, runs = self._video(_frame_paths(record, videos, where))
+            marker = "<video>"
+        else:
+            paths = _image_paths(record, image_folder, where)
+            items, runs = self._images(paths, where)
+            marker = "<image>"
+        ids, labels = self._tokens(record, runs, marker, where)
+
+        def load() -> Tensor:
+            return self._pixels(paths, items, where)
+
+        return ProcessedSample(
+            torch.tensor(ids, dtype=torch.long),
+            torch.tensor(labels, dtype=torch.long),
+            None if not paths or lazy else load(),
+            items,
+            self.placeholder_ids,
+            load=load if paths and lazy else None,
+        )
+
+    def _video(self, frames: list[str]) -> tuple[list[str], tuple[VisualItem, ...], list[int]]:
+        """(sampled frame paths, the video item, its placeholder run)."""
+        units_a, tokens_a = video_shapes(self.family, len(frames))
+        picks = np.round(np.linspace(0, len(frames) - 1, int(units_a[0]))).astype(int)
+        return [frames[k] for k in picks], (VisualItem("video", len(picks)),), [int(tokens_a[0])]
+
+    def _images(self, paths: list[str], where: str) -> tuple[tuple[VisualItem, ...], list[int]]:
+        """(the images' items, their placeholder runs)."""
+        family = self.family
+        if len(paths) == 1:
+            height, width = _header_size(paths[0], where)
             units_a, tokens_a = image_shapes(family, width, height)
-            units = int(units_a[0])
-            pixels = out["pixel_values"][0][:units]
-            if pixels.shape[0] != units:
-                raise ValueError(
-                    f"{where}: the image processor made {pixels.shape[0]} crops of "
-                    f"{path}, the model's rule {units}: does the processor match config.json?"
-                )
-            items = (VisualItem("image", units, height, width),)
-            runs = [int(tokens_a[0])]
-        else:  # multi-image: the model keeps each image's first crop, plus a newline
-            pixels = out["pixel_values"][:, 0]
-            items = tuple(VisualItem("tile", 1) for _ in images)
-            runs = [family.llm_tokens_per_tile + family.single_tile_newline_tokens] * len(images)
-    image_token = int(config.image_token_index)
-    turns = record.get("conversations") or []
-    if not isinstance(turns, list) or not turns:
-        raise ValueError(f"{where}: 'conversations' must be a non-empty list of turns")
-    texts = [str(turn.get("value", "")) for turn in turns]
-    markers = sum(text.count("<image>") for text in texts)
-    # Image k goes at the k-th marker when the counts agree, else all of them at the first
-    # marker (or before the first turn's text without one), as dflop's DatasetBatch does.
-    groups = [[run] for run in runs] if markers == len(runs) else [runs] if runs else []
-    if runs and markers == 0:
-        texts[0] = "<image>" + texts[0]
-    ids: list[int] = []
-    labels: list[int] = []
-    for turn, text in zip(turns, texts):
-        answer = turn.get("from") in _ANSWER_ROLES
-        for p, piece in enumerate(text.split("<image>")):
-            if p > 0 and groups:
-                run = sum(groups.pop(0))
-                ids += [image_token] * run
-                labels += [IGNORE_INDEX] * run
-            tokens = encode(piece)
-            ids += tokens
-            labels += tokens if answer else [IGNORE_INDEX] * len(tokens)
-    return ProcessedSample(
-        torch.tensor(ids, dtype=torch.long),
-        torch.tensor(labels, dtype=torch.long),
-        pixels,
-        items,
-        (image_token, int(config.video_token_index)),
-    )
+            return (VisualItem("image", int(units_a[0]), height, width),), [int(tokens_a[0])]
+        # multi-image: the model keeps each image's first crop, plus a newline
+        run = family.llm_tokens_per_tile + family.single_tile_newline_tokens
+        return tuple(VisualItem("tile", 1) for _ in paths), [run] * len(paths)
+
+    def _pixels(self, paths: list[str], items: tuple[VisualItem, ...], where: str) -> Tensor:
+        images = [_open_rgb(path, where) for path in paths]
+        out = self.image_processor(images=images, return_tensors="pt")
+        if len(images) > 1 or items[0].kind == "video":  # the base view of each
+            return out["pixel_values"][:, 0]
+        item = items[0]
+        size = tuple(int(v) for v in out["image_sizes"][0])
+        if size != (item.height_px, item.width_px):
+            raise ValueError(
+                f"{where}: {paths[0]} decodes to {size[0]} x {size[1]} px, its header says "
+                f"{item.height_px} x {item.width_px}"
+            )
+        pixels = out["pixel_values"][0][: item.units]
+        if pixels.shape[0] != item.units:
+            raise ValueError(
+                f"{where}: the image processor made {pixels.shape[0]} crops of {paths[0]}, "
+                f"the model's rule {item.units}: does the processor match config.json?"
+            )
+        return pixels
+
+    def _tokens(self, record: dict[str, Any], runs: list[int], marker: str, where: str):
+        turns = record.get("conversations")
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, dict) for t in turns):
+            raise ValueError(f"{where}: 'conversations' must be a non-empty list of turns")
+        texts = [str(turn.get("value", "")) for turn in turns]
+        markers = sum(text.count(marker) for text in texts)
+        # Image k goes at the k-th marker when the counts agree, else all of them at the
+        # first marker (or before the first turn's text without one), as DatasetBatch does.
+        groups = [[run] for run in runs] if markers == len(runs) else [runs] if runs else []
+        if runs and markers == 0:
+            texts[0] = marker + texts[0]
+        token = self.image_token if marker == "<image>" else self.placeholder_ids[1]
+        ids: list[int] = []
+        labels: list[int] = []
+        for turn, text in zip(turns, texts):
+            answer = turn.get("from") in _ANSWER_ROLES
+            for p, piece in enumerate(text.split(marker)):
+                if p > 0 and groups:
+                    run = sum(groups.pop(0))
+                    ids += [token] * run
+                    labels += [IGNORE_INDEX] * run
+                tokens = list(self.encode(piece))
+                ids += tokens
+                labels += tokens if answer else [IGNORE_INDEX] * len(tokens)
+        return ids, labels

@@ -8,7 +8,7 @@ from typing import Any
 
 from dflop.models.hf.common import require_transformers
 
-__all__ = ["tiny_llava_onevision_config"]
+__all__ = ["save_tiny_llava_onevision", "tiny_llava_onevision_config"]
 
 
 def tiny_llava_onevision_config(
@@ -55,3 +55,30 @@ def tiny_llava_onevision_config(
         vision_aspect_ratio=f"anyres_max_{max_crops}",
         tie_word_embeddings=False,
     )
+
+
+def save_tiny_llava_onevision(
+    folder: str, *, seed: int = 0, weights: bool = True, **sizes: Any
+) -> str:
+    """A local model folder of :func:`tiny_llava_onevision_config` (``sizes`` passed on):
+    ``config.json``, the image processor's ``preprocessor_config.json`` (32 px tiles, the
+    config's grids) and, with ``weights``, safetensors of the model built after
+    ``torch.manual_seed(seed)``. Train it with ``dflop train --model hf:FOLDER``."""
+    import torch
+
+    transformers = require_transformers()
+    config = tiny_llava_onevision_config(**sizes)
+    side = config.vision_config.image_size
+    module = transformers.models.llava_onevision.image_processing_pil_llava_onevision
+    processor = module.LlavaOnevisionImageProcessorPil(
+        size={"height": side, "width": side},
+        crop_size={"height": side, "width": side},
+        image_grid_pinpoints=config.image_grid_pinpoints,
+    )
+    processor.save_pretrained(folder)
+    if weights:
+        torch.manual_seed(seed)
+        transformers.LlavaOnevisionForConditionalGeneration(config).save_pretrained(folder)
+    else:
+        config.save_pretrained(folder)
+    return folder
