@@ -201,10 +201,13 @@ class StepShapes:
         return DatasetBatch(records, self.spec.config, self.scaler, family=self.family)
 
     def _processed(self, step: int, records: list[Any]) -> Any:
-        """The batch of a model with its own rules (kept for the next few calls: the
-        scheduler asks for the shapes of a step ahead of training it)."""
+        """The batch of a model with its own rules, kept from the scheduler's look at a
+        step ahead until the step trains; the batches of earlier steps (and the pixels
+        they decoded) are dropped."""
         from dflop.runtime.processed_batch import ProcessedBatch
 
+        for old in [s for s in self._batches if s < step]:
+            del self._batches[old]
         if step not in self._batches:
             samples = [
                 self.inputs.sample(
@@ -217,8 +220,6 @@ class StepShapes:
                 for raw in records
             ]
             self._batches[step] = ProcessedBatch(samples, self.spec.tokens_per_unit)
-            for old in sorted(self._batches)[:-8]:
-                del self._batches[old]
         return self._batches[step]
 
 
