@@ -76,8 +76,11 @@ class VisualItem:
 class EncoderStageModule(Protocol):
     """A pipeline stage of the vision encoder (see the module docstring)."""
 
-    tokens_per_unit: int
-    """Feature rows per visual unit, between encoder stages and over the bridge."""
+    tokens_per_unit: int | None
+    """Feature rows per visual unit, between encoder stages and over the bridge; None for a
+    patch-sequence encoder (Qwen-VL): units of any size, pixels one row per patch, called
+    as ``forward(x, unit_grid)`` with the ``[U, 3]`` (t, h, w) patch grid of each unit,
+    activations ``[tokens, hidden_size]`` between stages."""
     hidden_size: int
     """Width of the hidden states between encoder stages."""
     output_size: int

@@ -106,6 +106,19 @@ class BatchSource(Protocol):
         ...
 
 
+def unit_grid(batch: Any, share: EncoderShare) -> Tensor:
+    """``[U, 3]`` (t, h, w) patch grid of each unit of an encoder share (a patch-sequence
+    encoder's batch source gives them: ``batch.unit_grid(ids, first_unit, num_units)``)."""
+    source = getattr(batch, "batch", batch)  # the prefetching wrapper's source
+    get = getattr(source, "unit_grid", None)
+    if get is None:
+        raise TypeError(
+            f"{type(source).__name__} has no unit_grid(): a patch-sequence encoder "
+            "(tokens_per_unit=None) needs each unit's patch grid"
+        )
+    return get(share.sample_ids, share.first_unit, share.num_units)
+
+
 @dataclass(frozen=True)
 class ActionTiming:
     """One executed action; times in seconds from the start of the step."""
@@ -426,17 +439,19 @@ class PipelineEngine:
             if self.bridge is not None:
                 self._bridge_send_features(mb, self._empty_rows())
             return state, None
+        patches = self.stage.tokens_per_unit is None  # a patch-sequence encoder
         if self.info.is_first_stage:
             x = batch.pixel_values(share)
-            if x.shape[0] != share.units:
+            rows, what = (share.tokens, "patch rows") if patches else (share.units, "units")
+            if x.shape[0] != rows:
                 raise ValueError(
-                    f"microbatch {mb.index}: the batch source gave {x.shape[0]} units for "
-                    f"{share.units} in the StepPlan"
+                    f"microbatch {mb.index}: the batch source gave {x.shape[0]} {what} for "
+                    f"{rows} in the StepPlan"
                 )
         else:
             x = state.stage_input = self._received(True, mb)
         start = self.clock.mark()
-        state.output = self.stage(x)
+        state.output = self.stage(x, unit_grid(batch, share)) if patches else self.stage(x)
         if self.info.is_last_stage:  # projected features [rows, llm hidden]: over the bridge
             if self.bridge is not None:  # TP rank 0 (the other TP ranks hold the same rows)
                 self._bridge_send_features(mb, state.output.detach())
@@ -592,7 +607,11 @@ class PipelineEngine:
             if share.is_empty or (is_forward and info.is_first_stage):
                 return None
             stage = self.stage
-            shape: tuple[int, ...] = (share.units, stage.tokens_per_unit, stage.hidden_size)
+            shape: tuple[int, ...] = (
+                (share.tokens, stage.hidden_size)
+                if stage.tokens_per_unit is None
+                else (share.units, stage.tokens_per_unit, stage.hidden_size)
+            )
         else:
             share = mb.llm[info.dp_rank]
             if is_forward and info.is_first_stage:

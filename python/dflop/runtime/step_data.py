@@ -26,6 +26,7 @@ Order conventions (shared with :mod:`dflop.runtime.routing`):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,9 +60,14 @@ class EncoderShare:
     """Units of each piece."""
     units: int
     """Visual units: pixels ``[units, C, H, W]``; stage-to-stage activations
-    ``[units, tokens_per_unit, vision hidden]``."""
+    ``[units, tokens_per_unit, vision hidden]`` (fixed tokens per unit)."""
     feature_rows: int
-    """Rows of projected features sent over the bridge: ``units * tokens_per_unit``."""
+    """Rows of projected features sent over the bridge: ``units * tokens_per_unit``, or
+    the pieces' encoder tokens divided by the model's token merge."""
+    tokens: int = 0
+    """Encoder tokens of the pieces (``sum(units x tokens per unit of the sample)``); with
+    variable tokens per unit, the pixels are ``[tokens, patch values]`` (one row per
+    patch) and the stage-to-stage activations ``[tokens, vision hidden]``."""
 
     @property
     def is_empty(self) -> bool:
@@ -128,11 +134,15 @@ class StepPlan:
     num_target_tokens: int
     """Target tokens of the whole global batch: every rank divides its loss sums by it,
     so the gradients summed over microbatches and DP replicas are those of the mean loss."""
-    tokens_per_unit: int
+    tokens_per_unit: int | None
+    """The model's fixed encoder tokens per unit, or None: every unit its own
+    (``unit_tokens`` of :meth:`build`: a patch-sequence encoder's units differ in size)."""
     visual_newline: bool | None = False
     """The LLM's first stage appends the model's ``image_newline`` row after each visual
     sample's features (``DecoderConfig.image_newline``); None for a model that counts its
     visual tokens by its own per-sample rule (``ModelSpec.visual_newline``)."""
+    token_merge: int = 1
+    """Encoder tokens per feature row sent over the bridge (Qwen-VL's 2 x 2 merger: 4)."""
 
     @property
     def num_microbatches(self) -> int:
@@ -146,9 +156,11 @@ class StepPlan:
         layout: RuntimeLayout,
         target_tokens: np.ndarray,
         *,
-        tokens_per_unit: int,
+        tokens_per_unit: int | None,
         visual_newline: bool | None = False,
         encoder_costs: np.ndarray | None = None,
+        unit_tokens: Sequence[Sequence[int]] | None = None,
+        token_merge: int = 1,
     ) -> StepPlan:
         """The plan of one step.
 
@@ -161,7 +173,10 @@ class StepPlan:
             layout: the runtime layout (encoder and LLM parallel sizes).
             target_tokens: (N,) target tokens of every sample (e.g.
                 ``SyntheticBatch.target_tokens()``).
-            tokens_per_unit: the model's encoder tokens per visual unit.
+            tokens_per_unit: the model's encoder tokens per visual unit, or None: every
+                unit's own, from ``unit_tokens`` (a patch-sequence encoder such as
+                Qwen-VL's, whose units are images / frame pairs of any size; its pixels
+                are one row per token).
             visual_newline: the model's ``DecoderConfig.image_newline`` (its spec's
                 ``visual_newline``); None: the model has its own per-sample rule for
                 ``llm_visual_tokens`` (e.g. LLaVA-OneVision's unpadding), which its LLM
@@ -169,12 +184,16 @@ class StepPlan:
             encoder_costs: (N,) encoder cost of each sample, which the split balances
                 over the encoder replicas (the cost model's, as the planner uses);
                 default: its encoder tokens. Every rank must pass the same values.
+            unit_tokens: with ``tokens_per_unit=None``: per sample, the encoder tokens of
+                each of its units (``encoder_units[i]`` entries).
+            token_merge: encoder tokens per feature row over the bridge (>= 1, dividing
+                every unit's tokens).
         """
         _check_inputs(schedule, shapes, layout, target_tokens, tokens_per_unit, visual_newline)
         units = shapes.encoder_units.astype(np.int64)
-        rows = units * tokens_per_unit
+        offsets = _unit_offsets(shapes, tokens_per_unit, unit_tokens, token_merge)
         if encoder_costs is None:
-            costs = rows.astype(np.float64)
+            costs = np.array([o[-1] for o in offsets], dtype=np.float64)
         else:
             costs = np.asarray(encoder_costs, dtype=np.float64)
             if costs.shape != (len(shapes),):
@@ -185,11 +204,48 @@ class StepPlan:
         seq_lens = shapes.seq_len.astype(np.int64)
         targets = np.asarray(target_tokens, dtype=np.int64)
         microbatches = tuple(
-            _microbatch_plan(j, schedule, layout, units, tokens_per_unit, seq_lens, targets, costs)
+            _microbatch_plan(
+                j, schedule, layout, units, offsets, token_merge, seq_lens, targets, costs
+            )
             for j in range(schedule.num_microbatches)
         )
         newline = None if visual_newline is None else bool(visual_newline)
-        return cls(microbatches, int(targets.sum()), int(tokens_per_unit), newline)
+        fixed = None if tokens_per_unit is None else int(tokens_per_unit)
+        return cls(microbatches, int(targets.sum()), fixed, newline, int(token_merge))
+
+
+def _unit_offsets(
+    shapes: SampleShapes,
+    tokens_per_unit: int | None,
+    unit_tokens: Sequence[Sequence[int]] | None,
+    merge: int,
+) -> list[np.ndarray]:
+    """Per sample, the encoder-token offset of each unit boundary (``units + 1`` entries
+    from 0): a piece of units ``[f, f + n)`` has ``o[f + n] - o[f]`` tokens."""
+    if isinstance(merge, bool) or not isinstance(merge, (int, np.integer)) or merge < 1:
+        raise ValueError(f"token_merge={merge!r} must be an integer >= 1")
+    units = shapes.encoder_units.astype(np.int64)
+    if tokens_per_unit is not None:
+        if unit_tokens is not None:
+            raise ValueError("unit_tokens is for tokens_per_unit=None: give one of them")
+        if tokens_per_unit % merge:
+            raise ValueError(f"tokens_per_unit={tokens_per_unit} must be a multiple of {merge=}")
+        return [np.arange(u + 1, dtype=np.int64) * int(tokens_per_unit) for u in units]
+    if unit_tokens is None or len(unit_tokens) != len(shapes):
+        raise ValueError(
+            "tokens_per_unit=None needs unit_tokens: one list of unit token counts per sample "
+            f"({len(shapes)})"
+        )
+    offsets = []
+    for i, (u, tokens) in enumerate(zip(units, unit_tokens)):
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size != u or (tokens < merge).any() or (tokens % merge).any():
+            raise ValueError(
+                f"sample {i}: unit_tokens {tokens.tolist()} must hold encoder_units={u} "
+                f"positive multiples of token_merge={merge}"
+            )
+        offsets.append(np.concatenate(([0], np.cumsum(tokens))))
+    return offsets
 
 
 def _check_inputs(
@@ -197,7 +253,7 @@ def _check_inputs(
     shapes: SampleShapes,
     layout: RuntimeLayout,
     target_tokens: np.ndarray,
-    tokens_per_unit: int,
+    tokens_per_unit: int | None,
     visual_newline: bool | None,
 ) -> None:
     if schedule.num_samples != len(shapes) or len(target_tokens) != len(shapes):
@@ -216,6 +272,8 @@ def _check_inputs(
         )
     if visual_newline is None:
         return
+    if tokens_per_unit is None:
+        raise ValueError("visual_newline must be None with per-sample tokens per unit")
     units = shapes.encoder_units.astype(np.int64)
     expected = units * tokens_per_unit + (units > 0) * int(visual_newline)
     bad = np.flatnonzero(shapes.llm_visual_tokens != expected)
@@ -234,12 +292,13 @@ def _microbatch_plan(
     schedule: Schedule,
     layout: RuntimeLayout,
     units: np.ndarray,
-    tokens_per_unit: int,
+    offsets: list[np.ndarray],
+    token_merge: int,
     seq_lens: np.ndarray,
     targets: np.ndarray,
     encoder_costs: np.ndarray,
 ) -> MicrobatchPlan:
-    rows = units * tokens_per_unit
+    rows = np.array([o[-1] for o in offsets], dtype=np.int64) // token_merge
     llm_bins = schedule.microbatches  # bins of replica r: llm_bins(r)[j]
     llm = tuple(
         _llm_share(np.asarray(llm_bins(r)[j]), rows, seq_lens, targets)
@@ -258,15 +317,22 @@ def _microbatch_plan(
         units[visual_ids], encoder_costs[visual_ids], layout.encoder.dp, sample_ids=visual_ids
     )
     piece_llm_replica = llm_replica[np.searchsorted(visual_ids, split.sample_ids)]
+    piece_tokens = np.array(
+        [
+            offsets[i][f + n] - offsets[i][f]
+            for i, f, n in zip(split.sample_ids, split.first_unit, split.num_units)
+        ],
+        dtype=np.int64,
+    )
     routing = plan_routing(
         split.replica,
         piece_llm_replica,
-        split.num_units * tokens_per_unit,
+        piece_tokens // token_merge,
         num_src=layout.encoder.dp,
         num_dst=layout.llm.dp,
     )
     encoder = tuple(
-        _encoder_share(np.asarray(routing.send_order[e]), split, tokens_per_unit)
+        _encoder_share(np.asarray(routing.send_order[e]), split, piece_tokens, token_merge)
         for e in range(layout.encoder.dp)
     )
     return MicrobatchPlan(
@@ -281,15 +347,19 @@ def _microbatch_plan(
     )
 
 
-def _encoder_share(piece_ids: np.ndarray, split: UnitSplit, tokens_per_unit: int) -> EncoderShare:
+def _encoder_share(
+    piece_ids: np.ndarray, split: UnitSplit, piece_tokens: np.ndarray, token_merge: int
+) -> EncoderShare:
     num_units = split.num_units[piece_ids]
+    tokens = int(piece_tokens[piece_ids].sum())
     return EncoderShare(
         piece_ids=_frozen(piece_ids),
         sample_ids=_frozen(split.sample_ids[piece_ids]),
         first_unit=_frozen(split.first_unit[piece_ids]),
         num_units=_frozen(num_units),
         units=int(num_units.sum()),
-        feature_rows=int(num_units.sum()) * tokens_per_unit,
+        feature_rows=tokens // token_merge,
+        tokens=tokens,
     )
 
 

@@ -20,24 +20,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from dflop.data.families import FamilySpec
-from dflop.models.decoder import IGNORE_INDEX, merge_visual_features, next_token_targets
-from dflop.models.hf.common import (
-    StageTree,
-    carve,
-    checkpoint_keys,
-    has_weights,
-    load_stage_weights,
-    materialize,
-    packed_decoder_inputs,
-    require_transformers,
-    write_index,
-    write_shard,
-)
-from dflop.models.spec import ModelSpec, VisualItem
+from dflop.models.hf.base import HFSpec, HFStage, decoder_architecture
+from dflop.models.hf.common import require_transformers
+from dflop.models.spec import VisualItem
 
 __all__ = ["LlavaOnevisionSpec", "family_from_config"]
 
@@ -91,7 +79,7 @@ def family_from_config(config: Any) -> FamilySpec:
     )
 
 
-class LlavaOnevisionSpec(ModelSpec):
+class LlavaOnevisionSpec(HFSpec):
     """A LLaVA-OneVision model from its ``LlavaOnevisionConfig`` (random init for a seed)
     or a local checkpoint folder (``checkpoint_dir``, safetensors in the HF layout)."""
 
@@ -127,12 +115,14 @@ class LlavaOnevisionSpec(ModelSpec):
         self.visual_newline = None  # the model's own per-sample rule (merge_visual checks)
         self.family = family_from_config(config)
         self.image_shape = (vision.num_channels, vision.image_size, vision.image_size)
+        self.encoder_stage = LlavaOnevisionEncoderStage
+        self.llm_stage = LlavaOnevisionLLMStage
         self.max_seq_len = int(config.text_config.max_position_embeddings)
 
     def architecture(self) -> tuple[Any, Any]:
         """SigLIP (the layers up to ``vision_feature_layer``) with the 2-layer projector,
         and the Qwen2 decoder, from the config."""
-        from dflop.data.costs import EncoderConfig, LLMConfig
+        from dflop.data.costs import EncoderConfig
 
         vision, text = self.config.vision_config, self.config.text_config
         encoder = EncoderConfig(
@@ -146,19 +136,7 @@ class LlavaOnevisionSpec(ModelSpec):
             projector_hidden_size=text.hidden_size,
             default_family="llava-ov",
         )
-        head_dim = getattr(text, "head_dim", None)
-        llm = LLMConfig(
-            name=f"{self.name}.text",
-            hidden_size=text.hidden_size,
-            num_layers=self.llm_layers,
-            intermediate_size=text.intermediate_size,
-            num_heads=text.num_attention_heads,
-            num_kv_heads=text.num_key_value_heads,
-            vocab_size=text.vocab_size,
-            head_dim=None
-            if head_dim in (None, text.hidden_size // text.num_attention_heads)
-            else int(head_dim),
-        )
+        llm = decoder_architecture(f"{self.name}.text", text, self.llm_layers)
         return encoder, llm
 
     def dataset_inputs(self) -> Any:
@@ -193,13 +171,6 @@ class LlavaOnevisionSpec(ModelSpec):
 
     # ------------------------------------------------------------------ building
 
-    def _full_model(self, seed: int, meta: bool) -> nn.Module:
-        if meta:
-            with torch.device("meta"):
-                return self.model_class(self.config)
-        torch.manual_seed(seed)
-        return self.model_class(self.config)
-
     def stage_paths(self, module: str, first: int, end: int, first_stage: bool, last: bool):
         """The full model's paths (modules or parameters) a stage holds."""
         if module == "encoder":
@@ -211,109 +182,8 @@ class LlavaOnevisionSpec(ModelSpec):
         paths.append(f"{_TEXT}.rotary_emb")
         return paths + ([f"{_TEXT}.norm", "lm_head"] if last else [])
 
-    def build_stage(
-        self,
-        info: Any,
-        *,
-        seed: int = 0,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        tp_group: Any = None,
-        tp_size: int = 1,
-    ) -> nn.Module:
-        """This rank's stage: from ``checkpoint_dir`` when it holds weights (only this
-        stage's tensors are read), else the weights of the full model built for ``seed``
-        (``torch.manual_seed(seed)`` then the transformers constructor: identical on every
-        rank)."""
-        if tp_size != 1:
-            raise ValueError(
-                f"tensor parallelism (tp={tp_size}) is not supported for Hugging Face models "
-                "yet: use a layout with encoder_tp=1 and llm_tp=1"
-            )
-        tied = bool(getattr(self.config, "tie_word_embeddings", False))
-        if tied and info.module == "llm" and info.is_first_stage != info.is_last_stage:
-            raise ValueError(
-                "tie_word_embeddings=True with the LLM split over pipeline stages is not "
-                "supported yet: use llm_pp=1"
-            )
-        first, end = info.layer_range
-        from_checkpoint = self.checkpoint_dir is not None and has_weights(self.checkpoint_dir)
-        full = self._full_model(seed, meta=from_checkpoint)
-        paths = self.stage_paths(info.module, first, end, info.is_first_stage, info.is_last_stage)
-        tree = carve(full, paths)
-        if from_checkpoint:
-            keys = checkpoint_keys(full)
-            materialize(full, tree)
-            load_stage_weights(tree, self.checkpoint_dir, keys)
-        del full
-        cls = LlavaOnevisionEncoderStage if info.module == "encoder" else LlavaOnevisionLLMStage
-        stage = cls(self.config, tree, first, end, info.is_first_stage, info.is_last_stage)
-        return stage.to(device=device, dtype=dtype)
 
-    def save_shard(
-        self, folder: str, filename: str, state_dict: dict[str, Tensor]
-    ) -> dict[str, str]:
-        """Write a part of the model's ``state_dict`` (e.g. one stage's) to
-        ``folder/filename`` under the checkpoint's keys; returns its ``weight_map``."""
-        with torch.device("meta"):
-            keys = checkpoint_keys(self.model_class(self.config))
-        unknown = sorted(set(state_dict) - set(keys))
-        if unknown:
-            raise ValueError(f"cannot save {unknown[0]!r}: the model has no such tensor")
-        return write_shard(folder, filename, {keys[n]: t for n, t in state_dict.items()})
-
-    def finish_checkpoint(self, folder: str, weight_map: dict[str, str], seed: int = 0) -> None:
-        """Complete a checkpoint whose trained tensors :meth:`save_shard` wrote: the
-        tensors no stage holds (the tower's layers past ``vision_feature_layer`` and its
-        post-layernorm, which never reach the loss) as they started (from
-        ``checkpoint_dir``, else the init for ``seed``), the index and ``config.json``."""
-        with torch.device("meta"):
-            meta = self.model_class(self.config)
-        keys = checkpoint_keys(meta)
-        missing = sorted(name for name, key in keys.items() if key not in weight_map)
-        if missing:
-            from_checkpoint = self.checkpoint_dir is not None and has_weights(self.checkpoint_dir)
-            full = self._full_model(seed, meta=from_checkpoint)
-            tree = carve(full, missing)
-            if from_checkpoint:
-                materialize(full, tree)
-                load_stage_weights(tree, self.checkpoint_dir, keys)
-            start = tree.state_dict()
-            weight_map = {
-                **weight_map,
-                **self.save_shard(folder, "model-untrained.safetensors", start),
-            }
-        write_index(folder, weight_map)
-        self.config.save_pretrained(folder)
-
-    def save_checkpoint(self, folder: str, state_dict: dict[str, Tensor], seed: int = 0) -> None:
-        """Write the full model's ``state_dict`` (all stages' together) as a Hugging Face
-        checkpoint folder (loadable with ``from_pretrained``); see
-        :meth:`finish_checkpoint` for the tensors it lacks."""
-        self.finish_checkpoint(
-            folder, self.save_shard(folder, "model-00000.safetensors", state_dict), seed
-        )
-
-
-class _Stage(nn.Module):
-    def __init__(
-        self, config: Any, tree: StageTree, first: int, end: int, first_stage: bool, last: bool
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.first_layer, self.end_layer = first, end
-        self.has_embed, self.has_head = first_stage, last
-        # The tree's children ("model", "lm_head") become this module's, so that
-        # state_dict() keys are the full model's.
-        for name, child in tree.named_children():
-            self.add_module(name, child)
-
-    def _layers(self, root: str) -> list[nn.Module]:
-        layers = self.get_submodule(f"{root}.layers") if self.end_layer > self.first_layer else None
-        return [getattr(layers, str(i)) for i in range(self.first_layer, self.end_layer)]
-
-
-class LlavaOnevisionEncoderStage(_Stage):
+class LlavaOnevisionEncoderStage(HFStage):
     """SigLIP layers ``[first, end)``; pixels in on the first stage, projected features
     ``[U * tokens_per_unit, text hidden]`` out on the last."""
 
@@ -342,21 +212,12 @@ class LlavaOnevisionEncoderStage(_Stage):
         return self.get_submodule("model.multi_modal_projector")(x).flatten(0, 1)
 
 
-class LlavaOnevisionLLMStage(_Stage):
+class LlavaOnevisionLLMStage(HFStage):
     """Qwen2 decoder layers ``[first, end)`` over packed samples; token embedding, the
     model's per-sample visual operations and ``image_newline`` on the first stage, final
     norm and head on the last."""
 
     visual_newline = None
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.text_config.hidden_size
-
-    def embed(self, token_ids: Tensor) -> Tensor:
-        if not self.has_embed:
-            raise ValueError("this LLM stage has no token embedding (not the first stage)")
-        return self.get_submodule(f"{_TEXT}.embed_tokens")(token_ids)
 
     def visual_rows(self, features: Tensor, items: tuple[VisualItem, ...]) -> Tensor:
         """One sample's LLM visual rows from its units' projected features ``[sum units *
@@ -392,68 +253,5 @@ class LlavaOnevisionLLMStage(_Stage):
     def tokens_per_unit(self) -> int:
         return _tokens_per_unit(self.config)
 
-    def merge_visual(
-        self, input_embeds: Tensor, features: Tensor, text: Any, rows_per_sample: list[int]
-    ) -> Tensor:
-        if text.visual_items is None:
-            raise ValueError(
-                "LLaVA-OneVision needs each sample's visual items (TextInputs.visual_items) "
-                "for its per-sample operations"
-            )
-        mask = text.image_token_mask
-        cu = text.cu_seqlens.tolist()
-        counts = torch.cat((mask.new_zeros(1, dtype=torch.long), mask.long().cumsum(0)))
-        parts = []
-        for k, (rows, sample) in enumerate(zip(features.split(rows_per_sample), zip(cu, cu[1:]))):
-            if rows.shape[0] == 0:
-                continue
-            visual = self.visual_rows(rows, text.visual_items[k])
-            placeholders = int(counts[sample[1]] - counts[sample[0]])
-            if placeholders != visual.shape[0]:
-                raise ValueError(
-                    f"packed sample {k} has {placeholders} visual placeholder tokens but "
-                    f"the model makes {visual.shape[0]} visual rows from its items "
-                    f"{text.visual_items[k]}: the placeholders must follow the model's rule"
-                )
-            parts.append(visual)
-        if not parts:
-            return input_embeds
-        return merge_visual_features(input_embeds, mask, torch.cat(parts))
-
-    def hidden_states(self, input_embeds: Tensor, cu_seqlens: Tensor) -> Tensor:
-        tokens = input_embeds.shape[0]
-        text_config = self.config.text_config
-        positions, mask, kwargs = packed_decoder_inputs(
-            text_config, cu_seqlens, tokens, input_embeds.device
-        )
-        h = input_embeds[None]
-        rotary = self.get_submodule(f"{_TEXT}.rotary_emb")
-        position_embeddings = rotary(h, positions)
-        for layer in self._layers(_TEXT):
-            h = layer(
-                h,
-                attention_mask=mask,
-                position_ids=positions,
-                position_embeddings=position_embeddings,
-                **kwargs,
-            )
-            h = h[0] if isinstance(h, tuple) else h
-        return h[0]
-
     def forward(self, input_embeds: Tensor, cu_seqlens: Tensor) -> Tensor:
         return self.hidden_states(input_embeds, cu_seqlens)
-
-    def loss(
-        self, input_embeds: Tensor, cu_seqlens: Tensor, labels: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """Next-token cross-entropy within each packed sample, summed (float32 logits, as
-        transformers' loss), and the number of targets."""
-        if not self.has_head:
-            raise ValueError("this LLM stage has no head (not the last stage)")
-        x = self.hidden_states(input_embeds, cu_seqlens)
-        targets = next_token_targets(labels.to(x.device), cu_seqlens.to(x.device))
-        keep = targets != IGNORE_INDEX
-        hidden = self.get_submodule(f"{_TEXT}.norm")(x[keep])
-        logits = self.get_submodule("lm_head")(hidden)
-        sum_loss = F.cross_entropy(logits.float(), targets[keep], reduction="sum")
-        return sum_loss, keep.sum()

@@ -1,0 +1,275 @@
+"""What every Hugging Face family's spec and stages share: building a rank's stage from a
+seeded init or a checkpoint folder, writing checkpoints in the Hugging Face layout, the
+architecture description of a decoder, and the packed LLM computations (layers over
+samples packed into one sequence, the summed next-token loss).
+
+A family subclasses :class:`HFSpec` (``stage_paths``, the stage classes, its
+architecture) and :class:`HFStage` for its stages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflop.models.decoder import IGNORE_INDEX, merge_visual_features, next_token_targets
+from dflop.models.hf.common import (
+    StageTree,
+    carve,
+    checkpoint_keys,
+    has_weights,
+    load_stage_weights,
+    materialize,
+    packed_decoder_inputs,
+    write_index,
+    write_shard,
+)
+from dflop.models.spec import ModelSpec
+
+__all__ = ["HFSpec", "HFStage", "decoder_architecture"]
+
+
+def decoder_architecture(name: str, text: Any, num_layers: int) -> Any:
+    """The :class:`~dflop.data.costs.LLMConfig` of a transformers decoder config."""
+    from dflop.data.costs import LLMConfig
+
+    head_dim = getattr(text, "head_dim", None)
+    default = text.hidden_size // text.num_attention_heads
+    return LLMConfig(
+        name=name,
+        hidden_size=text.hidden_size,
+        num_layers=num_layers,
+        intermediate_size=text.intermediate_size,
+        num_heads=text.num_attention_heads,
+        num_kv_heads=text.num_key_value_heads,
+        vocab_size=text.vocab_size,
+        head_dim=None if head_dim in (None, default) else int(head_dim),
+    )
+
+
+class HFSpec(ModelSpec):
+    """A transformers model class + config (random init for a seed) or a local checkpoint
+    folder (``checkpoint_dir``, safetensors in the Hugging Face layout). Subclasses set
+    ``model_class``, ``config``, the :class:`~dflop.models.spec.ModelSpec` attributes,
+    ``encoder_stage`` / ``llm_stage`` (their :class:`HFStage` classes) and implement
+    :meth:`stage_paths`."""
+
+    model_class: Any
+    config: Any
+    checkpoint_dir: str | None = None
+    encoder_stage: type[HFStage]
+    llm_stage: type[HFStage]
+
+    def stage_paths(
+        self, module: str, first: int, end: int, first_stage: bool, last: bool
+    ) -> list[str]:
+        """The full model's paths (modules or parameters) a stage holds."""
+        raise NotImplementedError
+
+    def _full_model(self, seed: int, meta: bool) -> nn.Module:
+        if meta:
+            with torch.device("meta"):
+                return self.model_class(self.config)
+        torch.manual_seed(seed)
+        return self.model_class(self.config)
+
+    def _from_checkpoint(self) -> bool:
+        return self.checkpoint_dir is not None and has_weights(self.checkpoint_dir)
+
+    def build_stage(
+        self,
+        info: Any,
+        *,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        tp_group: Any = None,
+        tp_size: int = 1,
+    ) -> nn.Module:
+        """This rank's stage: from ``checkpoint_dir`` when it holds weights (only this
+        stage's tensors are read), else the weights of the full model built for ``seed``
+        (``torch.manual_seed(seed)`` then the transformers constructor: identical on every
+        rank)."""
+        if tp_size != 1:
+            raise ValueError(
+                f"tensor parallelism (tp={tp_size}) is not supported for Hugging Face models "
+                "yet: use a layout with encoder_tp=1 and llm_tp=1"
+            )
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        if tied and info.module == "llm" and info.is_first_stage != info.is_last_stage:
+            raise ValueError(
+                "tie_word_embeddings=True with the LLM split over pipeline stages is not "
+                "supported yet: use llm_pp=1"
+            )
+        first, end = info.layer_range
+        from_checkpoint = self._from_checkpoint()
+        full = self._full_model(seed, meta=from_checkpoint)
+        paths = self.stage_paths(info.module, first, end, info.is_first_stage, info.is_last_stage)
+        tree = carve(full, paths)
+        if from_checkpoint:
+            materialize(full, tree)
+            load_stage_weights(tree, self.checkpoint_dir, checkpoint_keys(full))
+        del full
+        cls = self.encoder_stage if info.module == "encoder" else self.llm_stage
+        stage = cls(self.config, tree, first, end, info.is_first_stage, info.is_last_stage)
+        return stage.to(device=device, dtype=dtype)
+
+    def save_shard(
+        self, folder: str, filename: str, state_dict: dict[str, Tensor]
+    ) -> dict[str, str]:
+        """Write a part of the model's ``state_dict`` (e.g. one stage's) to
+        ``folder/filename`` under the checkpoint's keys; returns its ``weight_map``."""
+        with torch.device("meta"):
+            keys = checkpoint_keys(self.model_class(self.config))
+        unknown = sorted(set(state_dict) - set(keys))
+        if unknown:
+            raise ValueError(f"cannot save {unknown[0]!r}: the model has no such tensor")
+        return write_shard(folder, filename, {keys[n]: t for n, t in state_dict.items()})
+
+    def finish_checkpoint(self, folder: str, weight_map: dict[str, str], seed: int = 0) -> None:
+        """Complete a checkpoint whose trained tensors :meth:`save_shard` wrote: the
+        tensors no stage holds (e.g. a vision tower's layers past its feature layer, which
+        never reach the loss) as they started (from ``checkpoint_dir``, else the init for
+        ``seed``), the index and ``config.json``."""
+        with torch.device("meta"):
+            keys = checkpoint_keys(self.model_class(self.config))
+        missing = sorted(name for name, key in keys.items() if key not in weight_map)
+        if missing:
+            from_checkpoint = self._from_checkpoint()
+            full = self._full_model(seed, meta=from_checkpoint)
+            tree = carve(full, missing)
+            if from_checkpoint:
+                materialize(full, tree)
+                load_stage_weights(tree, self.checkpoint_dir, keys)
+            start = tree.state_dict()
+            weight_map = {
+                **weight_map,
+                **self.save_shard(folder, "model-untrained.safetensors", start),
+            }
+        write_index(folder, weight_map)
+        self.config.save_pretrained(folder)
+
+    def save_checkpoint(self, folder: str, state_dict: dict[str, Tensor], seed: int = 0) -> None:
+        """Write the full model's ``state_dict`` (all stages' together) as a Hugging Face
+        checkpoint folder (loadable with ``from_pretrained``); see
+        :meth:`finish_checkpoint` for the tensors it lacks."""
+        self.finish_checkpoint(
+            folder, self.save_shard(folder, "model-00000.safetensors", state_dict), seed
+        )
+
+
+class HFStage(nn.Module):
+    """A pipeline stage holding a :class:`~dflop.models.hf.common.StageTree` (the full
+    model's paths, so ``state_dict()`` keys are the full model's), layers
+    ``[first, end)``."""
+
+    def __init__(
+        self, config: Any, tree: StageTree, first: int, end: int, first_stage: bool, last: bool
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.first_layer, self.end_layer = first, end
+        self.has_embed, self.has_head = first_stage, last
+        for name, child in tree.named_children():
+            self.add_module(name, child)
+
+    def _layers(self, root: str) -> list[nn.Module]:
+        layers = self.get_submodule(f"{root}.layers") if self.end_layer > self.first_layer else None
+        return [getattr(layers, str(i)) for i in range(self.first_layer, self.end_layer)]
+
+    # ------------------------------------------------------------- packed decoder stages
+
+    text_root: str = "model.language_model"
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.text_config.hidden_size
+
+    def embed(self, token_ids: Tensor) -> Tensor:
+        if not self.has_embed:
+            raise ValueError("this LLM stage has no token embedding (not the first stage)")
+        return self.get_submodule(f"{self.text_root}.embed_tokens")(token_ids)
+
+    def visual_rows(self, features: Tensor, items: tuple[Any, ...]) -> Tensor:
+        """One sample's LLM visual rows from its units' features (default: as they are;
+        a model with per-sample visual operations overrides it)."""
+        return features
+
+    def merge_visual(
+        self, input_embeds: Tensor, features: Tensor, text: Any, rows_per_sample: list[int]
+    ) -> Tensor:
+        """Each packed sample's visual rows (:meth:`visual_rows` of its features) into its
+        placeholder positions, checking that the sample has as many placeholders."""
+        if text.visual_items is None:
+            raise ValueError(
+                f"{type(self).__name__} needs each sample's visual items "
+                "(TextInputs.visual_items) for its per-sample operations"
+            )
+        mask = text.image_token_mask
+        cu = text.cu_seqlens.tolist()
+        counts = torch.cat((mask.new_zeros(1, dtype=torch.long), mask.long().cumsum(0)))
+        parts = []
+        for k, (rows, sample) in enumerate(zip(features.split(rows_per_sample), zip(cu, cu[1:]))):
+            if rows.shape[0] == 0:
+                continue
+            visual = self.visual_rows(rows, text.visual_items[k])
+            placeholders = int(counts[sample[1]] - counts[sample[0]])
+            if placeholders != visual.shape[0]:
+                raise ValueError(
+                    f"packed sample {k} has {placeholders} visual placeholder tokens but "
+                    f"the model makes {visual.shape[0]} visual rows from its items "
+                    f"{text.visual_items[k]}: the placeholders must follow the model's rule"
+                )
+            parts.append(visual)
+        if not parts:
+            return input_embeds
+        return merge_visual_features(input_embeds, mask, torch.cat(parts))
+
+    def _rotary_positions(self, packed: Tensor, position_ids: Tensor | None) -> Tensor:
+        """The positions the rotary embedding takes (default: the packed 1-D ones)."""
+        return packed
+
+    def hidden_states(
+        self, input_embeds: Tensor, cu_seqlens: Tensor, position_ids: Tensor | None = None
+    ) -> Tensor:
+        """The decoder layers over samples packed into one sequence: positions restart
+        per sample (or the model's ``position_ids``), no attention across samples."""
+        tokens = input_embeds.shape[0]
+        packed, mask, kwargs = packed_decoder_inputs(
+            self.config.text_config, cu_seqlens, tokens, input_embeds.device
+        )
+        h = input_embeds[None]
+        rotary = self.get_submodule(f"{self.text_root}.rotary_emb")
+        position_embeddings = rotary(h, self._rotary_positions(packed, position_ids))
+        for layer in self._layers(self.text_root):
+            h = layer(
+                h,
+                attention_mask=mask,
+                position_ids=packed,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
+            h = h[0] if isinstance(h, tuple) else h
+        return h[0]
+
+    def loss(
+        self,
+        input_embeds: Tensor,
+        cu_seqlens: Tensor,
+        labels: Tensor,
+        position_ids: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Next-token cross-entropy within each packed sample, summed (float32 logits, as
+        transformers' loss), and the number of targets."""
+        if not self.has_head:
+            raise ValueError("this LLM stage has no head (not the last stage)")
+        x = self.hidden_states(input_embeds, cu_seqlens, position_ids)
+        targets = next_token_targets(labels.to(x.device), cu_seqlens.to(x.device))
+        keep = targets != IGNORE_INDEX
+        hidden = self.get_submodule(f"{self.text_root}.norm")(x[keep])
+        logits = self.get_submodule("lm_head")(hidden)
+        sum_loss = F.cross_entropy(logits.float(), targets[keep], reduction="sum")
+        return sum_loss, keep.sum()
