@@ -15,7 +15,10 @@ pipeline engine calls only what they declare:
 - :class:`LLMStageModule`: ``embed`` and ``merge_visual`` on the first stage (the per-sample
   visual operations of the model, e.g. LLaVA-OneVision's unpadding and newline rows, run
   there, where all of a sample's units have arrived), ``hidden_states`` on every stage and
-  ``loss`` (summed next-token cross-entropy within each packed sample) on the last.
+  ``loss`` (summed next-token cross-entropy within each packed sample) on the last. A
+  stage with a ``position_ids(text)`` method (Qwen-VL's multimodal rotary positions) gets
+  them from the tokens on every stage, passed to ``hidden_states`` and ``loss`` as
+  ``position_ids=``.
 """
 
 from __future__ import annotations
@@ -54,12 +57,16 @@ class VisualItem:
         units: encoder units of the item (tiles or frames).
         height_px, width_px: the original image size (what the model's unpadding uses);
             0 when the model does not need it.
+        grid_thw: a patch-sequence encoder's (Qwen-VL) grid of the item in patches:
+            ``t`` units (an image 1, a video one per temporal patch) of ``h x w``
+            patches each; None for fixed-size units.
     """
 
     kind: str
     units: int
     height_px: int = 0
     width_px: int = 0
+    grid_thw: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("image", "tile", "video"):
@@ -70,6 +77,21 @@ class VisualItem:
             raise ValueError(
                 f"VisualItem size {self.height_px}x{self.width_px} must not be negative"
             )
+        if self.grid_thw is not None:
+            grid = tuple(int(v) for v in self.grid_thw)
+            if len(grid) != 3 or min(grid) < 1 or grid[0] != self.units:
+                raise ValueError(
+                    f"VisualItem.grid_thw={self.grid_thw!r} must be 3 positive sizes with "
+                    f"t = units ({self.units})"
+                )
+            object.__setattr__(self, "grid_thw", grid)
+
+    @property
+    def unit_tokens(self) -> int:
+        """Encoder tokens (patches) of each unit of a gridded item."""
+        if self.grid_thw is None:
+            raise ValueError("a VisualItem without grid_thw has the model's fixed unit size")
+        return self.grid_thw[1] * self.grid_thw[2]
 
 
 @runtime_checkable
@@ -125,10 +147,13 @@ class ModelSpec:
     llm_layers: int
     tokens_per_unit: int
     visual_newline: bool | None
-    image_shape: tuple[int, int, int]
-    """``(channels, height, width)`` of one visual unit's pixels."""
+    image_shape: tuple[int, int, int] | None
+    """``(channels, height, width)`` of one visual unit's pixels (None for a patch-sequence
+    encoder, whose units have no fixed size)."""
     max_seq_len: int
     """The longest packed sequence the LLM takes (its position limit)."""
+    token_merge: int = 1
+    """Encoder tokens per feature row sent to the LLM (Qwen-VL's 2 x 2 merger: 4)."""
     family: FamilySpec | None = None
     """The model's own shape rules (a Hugging Face model: units and visual tokens exactly
     as its code makes them; training data is fed unscaled), or None for a model trained on

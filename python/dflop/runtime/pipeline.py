@@ -330,6 +330,9 @@ class PipelineEngine:
         self.device = torch.device(device) if device is not None else param.device
         self.dtype = param.dtype
         self.is_encoder = info.module == "encoder"
+        self._token_positions = not self.is_encoder and callable(
+            getattr(stage, "position_ids", None)
+        )
         self.bridge: BridgeCommunicator | None = None
         if info.is_bridge_sender or info.is_bridge_receiver:
             hidden = stage.output_size if self.is_encoder else stage.hidden_size
@@ -475,10 +478,17 @@ class PipelineEngine:
         if share.is_empty:  # an empty bin: nothing to run
             return state, None
         text = None
-        if self.info.is_first_stage or self.info.is_last_stage:
+        if self.info.is_first_stage or self.info.is_last_stage or self._token_positions:
             text = batch.text_inputs(share.sample_ids)
             self._check_text(mb, share.cu_seqlens, text)
         cu_seqlens = torch.from_numpy(np.array(share.cu_seqlens)).to(self.device)
+        # A model whose rotary positions come from the tokens (Qwen-VL's mRoPE) gets them
+        # on every stage.
+        extra = (
+            {"position_ids": self.stage.position_ids(text).to(self.device)}
+            if self._token_positions
+            else {}
+        )
         if self.info.is_first_stage:
             start = self.clock.mark()
             x = self.stage.embed(text.token_ids.to(self.device))
@@ -493,11 +503,11 @@ class PipelineEngine:
             x = state.stage_input = self._received(True, mb)
             start = self.clock.mark()
         if not self.info.is_last_stage:
-            state.output = self.stage.hidden_states(x, cu_seqlens)
+            state.output = self.stage.hidden_states(x, cu_seqlens, **extra)
             self._send(state.output.detach(), self.info.next_rank, mb.index, kind=0)
             return state, start
         labels = text.labels.masked_fill(text.image_token_mask, IGNORE_INDEX).to(self.device)
-        sum_loss, num_targets = self.stage.loss(x, cu_seqlens, labels)
+        sum_loss, num_targets = self.stage.loss(x, cu_seqlens, labels, **extra)
         if self.debug and int(num_targets) != share.target_tokens:
             raise ShapeMismatchError(
                 f"rank {self.info.rank}, microbatch {mb.index}: {int(num_targets)} target "
@@ -565,14 +575,15 @@ class PipelineEngine:
 
     def _input_shares(self, plan: StepPlan) -> tuple[list[EncoderShare], list[LLMShare]]:
         """The microbatch shares this rank reads from the batch source: pixels of its
-        pieces on the first encoder stage, tokens and labels on first and last LLM stages."""
+        pieces on the first encoder stage, tokens and labels on first and last LLM stages
+        (and on every LLM stage of a model whose positions come from the tokens)."""
         info = self.info
         if self.is_encoder:
             if not info.is_first_stage:
                 return [], []
             shares = [mb.encoder[info.dp_rank] for mb in plan.microbatches]
             return [s for s in shares if not s.is_empty], []
-        if not (info.is_first_stage or info.is_last_stage):
+        if not (info.is_first_stage or info.is_last_stage or self._token_positions):
             return [], []
         shares = [mb.llm[info.dp_rank] for mb in plan.microbatches]
         return [], [s for s in shares if not s.is_empty]

@@ -50,6 +50,15 @@ class ProcessedSample:
     def units(self) -> int:
         return sum(item.units for item in self.items)
 
+    def unit_pixel_rows(self) -> list[int]:
+        """Rows of ``pixel_values`` per unit: 1 (an image ``[C, H, W]``), or the patches of
+        a gridded unit (a patch-sequence encoder's pixels are one row per patch)."""
+        return [
+            1 if item.grid_thw is None else item.unit_tokens
+            for item in self.items
+            for _ in range(item.units)
+        ]
+
     def pixels(self) -> Tensor | None:
         """``pixel_values``, loaded now if the sample is lazy."""
         return self.pixel_values if self.load is None else self.load()
@@ -73,7 +82,7 @@ class ProcessedBatch(PackedBatchSource):
     batch source gives them (:class:`~dflop.runtime.synthetic_batch.PackedBatchSource`),
     with each sample's visual items."""
 
-    def __init__(self, samples: Sequence[ProcessedSample], tokens_per_unit: int) -> None:
+    def __init__(self, samples: Sequence[ProcessedSample], tokens_per_unit: int | None) -> None:
         for i, s in enumerate(samples):
             if s.input_ids.dim() != 1 or s.labels.shape != s.input_ids.shape:
                 raise ValueError(
@@ -81,16 +90,22 @@ class ProcessedBatch(PackedBatchSource):
                     f"{tuple(s.input_ids.shape)} and {tuple(s.labels.shape)}"
                 )
             if s.load is None:
-                _check_units(i, s.pixel_values, s.units)
+                _check_units(i, s.pixel_values, s)
         self.samples = list(samples)
         self._pixels: dict[int, Tensor | None] = {}
-        self.tokens_per_unit = int(tokens_per_unit)
+        self._pixel_offsets = [np.cumsum([0, *s.unit_pixel_rows()]) for s in self.samples]
+        self.tokens_per_unit = None if tokens_per_unit is None else int(tokens_per_unit)
         visual = [int(s.placeholder_mask.sum()) for s in self.samples]
         lengths = [int(s.input_ids.numel()) for s in self.samples]
         units = np.array([s.units for s in self.samples], dtype=np.int64)
+        if self.tokens_per_unit is None:  # each unit its own size: the mean per sample
+            totals = np.array([sum(t) for t in self.unit_tokens()], dtype=np.int64)
+            per_unit = np.round(totals / np.maximum(units, 1)).astype(np.int64)
+        else:
+            per_unit = np.full(len(units), self.tokens_per_unit, dtype=np.int64)
         self.shapes = SampleShapes(
             encoder_units=units,
-            tokens_per_unit=np.where(units > 0, self.tokens_per_unit, 0).astype(np.int64),
+            tokens_per_unit=np.where(units > 0, per_unit, 0).astype(np.int64),
             llm_visual_tokens=np.array(visual, dtype=np.int64),
             text_tokens=np.array(lengths, dtype=np.int64) - np.array(visual, dtype=np.int64),
             modality=np.array([_modality(s.items) for s in self.samples], dtype=np.int8),
@@ -103,7 +118,7 @@ class ProcessedBatch(PackedBatchSource):
         if i not in self._pixels:
             sample = self.samples[i]
             pixels = sample.pixels()
-            _check_units(i, pixels, sample.units)
+            _check_units(i, pixels, sample)
             self._pixels[i] = pixels
         return self._pixels[i]
 
@@ -113,8 +128,38 @@ class ProcessedBatch(PackedBatchSource):
             [int((s.labels[1:] != IGNORE_INDEX).sum()) for s in self.samples], dtype=np.int64
         )
 
+    def unit_tokens(self) -> list[list[int]]:
+        """Per sample, the encoder tokens of each unit (gridded items: ``h x w``; a model
+        with fixed units: ``tokens_per_unit`` each), for ``StepPlan.build``."""
+        return [
+            [
+                self.tokens_per_unit if item.grid_thw is None else item.unit_tokens
+                for item in s.items
+                for _ in range(item.units)
+            ]
+            for s in self.samples
+        ]
+
+    def unit_grid(
+        self,
+        sample_ids: Sequence[int] | np.ndarray,
+        first_unit: Sequence[int] | np.ndarray,
+        num_units: Sequence[int] | np.ndarray,
+    ) -> Tensor:
+        """``[U, 3]`` long: the (1, h, w) patch grid of each unit of the pieces."""
+        rows = []
+        for i, first, count in zip(sample_ids, first_unit, num_units):
+            grids = [
+                (1, *item.grid_thw[1:])
+                for item in self.samples[int(i)].items
+                for _ in range(item.units)
+            ]
+            rows += grids[int(first) : int(first) + int(count)]
+        return torch.tensor(rows, dtype=torch.long).reshape(-1, 3)
+
     def _render_units(self, sample_id: int, first: int, count: int) -> Tensor:
-        return self._sample_pixels(sample_id)[first : first + count]
+        offsets = self._pixel_offsets[sample_id]
+        return self._sample_pixels(sample_id)[offsets[first] : offsets[first + count]]
 
     def _no_pixels(self) -> Tensor:
         return torch.zeros(0)
@@ -127,7 +172,11 @@ class ProcessedBatch(PackedBatchSource):
         return tuple(self.samples[i].items for i in sample_ids)
 
 
-def _check_units(i: int, pixels: Tensor | None, units: int) -> None:
+def _check_units(i: int, pixels: Tensor | None, sample: ProcessedSample) -> None:
     found = 0 if pixels is None else int(pixels.shape[0])
-    if found != units:
-        raise ValueError(f"sample {i}: pixel_values has {found} units, its items {units}")
+    expected = sum(sample.unit_pixel_rows())
+    if found != expected:
+        raise ValueError(
+            f"sample {i}: pixel_values has {found} rows, its items' {sample.units} units "
+            f"need {expected}"
+        )

@@ -3,7 +3,7 @@
 ``model_spec("hf:PATH")`` (or :func:`hf_model_spec`) reads ``PATH/config.json`` and returns
 the family's :class:`~dflop.models.spec.ModelSpec`; the weights come from ``PATH``'s
 safetensors when present, else from a random init for the run's seed. Nothing is ever
-downloaded. Families: LLaVA-OneVision (``llava_onevision``).
+downloaded. Families: LLaVA-OneVision (``llava_onevision``), Qwen2-VL (``qwen2_vl``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dflop.models.spec import ModelSpec
 
 __all__ = ["HF_FAMILIES", "hf_model_spec", "spec_from_config"]
 
-HF_FAMILIES = ("llava_onevision",)
+HF_FAMILIES = ("llava_onevision", "qwen2_vl")
 """``config.model_type`` values dflop has an adapter for."""
 
 
@@ -25,6 +25,10 @@ def spec_from_config(config: Any, checkpoint_dir: str | None = None) -> ModelSpe
         from dflop.models.hf.llava_onevision import LlavaOnevisionSpec
 
         return LlavaOnevisionSpec(config, checkpoint_dir)
+    if model_type == "qwen2_vl":
+        from dflop.models.hf.qwen2_vl import Qwen2VLSpec
+
+        return Qwen2VLSpec(config, checkpoint_dir)
     raise ValueError(
         f"config.model_type={model_type!r} has no dflop adapter; supported: "
         f"{', '.join(HF_FAMILIES)}"

@@ -8,7 +8,7 @@ from typing import Any
 
 from dflop.models.hf.common import require_transformers
 
-__all__ = ["save_tiny_llava_onevision", "tiny_llava_onevision_config"]
+__all__ = ["save_tiny_llava_onevision", "tiny_llava_onevision_config", "tiny_qwen2_vl_config"]
 
 
 def tiny_llava_onevision_config(
@@ -82,3 +82,47 @@ def save_tiny_llava_onevision(
     else:
         config.save_pretrained(folder)
     return folder
+
+
+def tiny_qwen2_vl_config(
+    *, vision_layers: int = 2, text_layers: int = 2, vocab_size: int = 320
+) -> Any:
+    """A ``Qwen2VLConfig``: vision tower of 4 px patches (2 frames deep), width 32, 2 x 2
+    merger; Qwen2 decoder (hidden 64, 4 heads, 2 KV heads, mRoPE sections 2/3/3); the
+    image, video, vision-start and vision-end token ids are the last four of the
+    vocabulary."""
+    transformers = require_transformers()
+    return transformers.Qwen2VLConfig(
+        vision_config={
+            "depth": vision_layers,
+            "embed_dim": 32,
+            "hidden_size": 64,
+            "mlp_ratio": 2,
+            "num_heads": 2,
+            "in_channels": 3,
+            "patch_size": 4,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        text_config={
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": text_layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": vocab_size,
+            "max_position_embeddings": 8192,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 3, 3],
+            },
+        },
+        image_token_id=vocab_size - 4,
+        video_token_id=vocab_size - 3,
+        vision_start_token_id=vocab_size - 2,
+        vision_end_token_id=vocab_size - 1,
+        tie_word_embeddings=False,
+    )

@@ -1,0 +1,189 @@
+"""Qwen2-VL (``Qwen2VLForConditionalGeneration``) under dflop's runtime.
+
+A patch-sequence encoder: a visual *unit* is one temporal slice of an item (an image, or
+one temporal patch of 2 frames of a video) of ``h x w`` patches, of any size. The vision
+tower attends within each slice only (transformers' ``get_vision_attention_seqlens``
+per ``t``) and its rotary positions depend only on the slice's ``(h, w)``, so encoding a
+unit alone gives what the whole tower gives, and the runtime may split a sample's units
+over encoder replicas. Pixels are one row per patch (``C x temporal x patch x patch``
+values, as the Qwen2-VL processor makes them); encoder stages pass ``[patches, embed_dim]``;
+the last one runs the 2 x 2 patch merger, so every 4 patches send one feature row to the
+LLM (``token_merge = 4``).
+
+LLM stages run the Qwen2 decoder over packed samples with the model's 3-D multimodal
+rotary positions (mRoPE), computed per sample by the model's own ``get_rope_index`` from
+its tokens and its items' grids and concatenated, so positions restart per sample; no
+attention crosses samples. The first LLM stage scatters each sample's merged features
+into its placeholder positions, checking their count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dflop.models.hf.base import HFSpec, HFStage, decoder_architecture
+from dflop.models.hf.common import require_transformers
+
+__all__ = ["Qwen2VLSpec"]
+
+_VISION = "model.visual"
+_TEXT = "model.language_model"
+
+
+class Qwen2VLSpec(HFSpec):
+    """A Qwen2-VL model from its ``Qwen2VLConfig`` (random init for a seed) or a local
+    checkpoint folder (``checkpoint_dir``, safetensors in the HF layout)."""
+
+    def __init__(self, config: Any, checkpoint_dir: str | None = None) -> None:
+        transformers = require_transformers()
+        if getattr(config, "model_type", None) != "qwen2_vl":
+            raise ValueError(
+                f"config.model_type={getattr(config, 'model_type', None)!r}: expected 'qwen2_vl'"
+            )
+        self.model_class = transformers.Qwen2VLForConditionalGeneration
+        if config._attn_implementation is None:
+            config._attn_implementation = "sdpa"
+        vision, text = config.vision_config, config.text_config
+        self.config = config
+        self.checkpoint_dir = checkpoint_dir
+        self.name = "qwen2_vl"
+        self.encoder_layers = int(vision.depth)
+        self.llm_layers = int(text.num_hidden_layers)
+        self.tokens_per_unit = None  # units of any size
+        self.token_merge = int(vision.spatial_merge_size) ** 2
+        self.visual_newline = None
+        self.image_shape = None
+        self.max_seq_len = int(text.max_position_embeddings)
+        self.encoder_stage = Qwen2VLEncoderStage
+        self.llm_stage = Qwen2VLLLMStage
+
+    def architecture(self) -> tuple[Any, Any]:
+        """The vision tower (``embed_dim`` wide, ``mlp_ratio`` MLP) with its patch merger
+        (reads 4 patches of ``embed_dim``, one token per 4), and the Qwen2 decoder.
+        ``tokens_per_unit`` is a 448 x 448 image's 1,024 patches (informational: costs
+        use each sample's own)."""
+        from dflop.data.costs import EncoderConfig
+
+        vision, text = self.config.vision_config, self.config.text_config
+        merged = vision.embed_dim * self.token_merge
+        encoder = EncoderConfig(
+            name=f"{self.name}.vision",
+            hidden_size=vision.embed_dim,
+            num_layers=self.encoder_layers,
+            intermediate_size=int(vision.embed_dim * vision.mlp_ratio),
+            num_heads=vision.num_heads,
+            tokens_per_unit=(448 // vision.patch_size) ** 2,
+            patch_px=vision.patch_size,
+            projector_input_size=merged,
+            projector_token_ratio=1.0 / self.token_merge,
+            projector_hidden_size=merged,
+            default_family="llava-ov",
+        )
+        return encoder, decoder_architecture(f"{self.name}.text", text, self.llm_layers)
+
+    def stage_paths(
+        self, module: str, first: int, end: int, first_stage: bool, last: bool
+    ) -> list[str]:
+        if module == "encoder":
+            paths = [f"{_VISION}.patch_embed"] if first_stage else []
+            paths += [f"{_VISION}.rotary_pos_emb"]
+            paths += [f"{_VISION}.blocks.{i}" for i in range(first, end)]
+            return paths + ([f"{_VISION}.merger"] if last else [])
+        paths = [f"{_TEXT}.embed_tokens"] if first_stage else []
+        paths += [f"{_TEXT}.layers.{i}" for i in range(first, end)]
+        paths.append(f"{_TEXT}.rotary_emb")
+        return paths + ([f"{_TEXT}.norm", "lm_head"] if last else [])
+
+
+class Qwen2VLEncoderStage(HFStage):
+    """Vision blocks ``[first, end)`` over units of any size: patch rows in on the first
+    stage, merged features ``[patches / 4, text hidden]`` out on the last."""
+
+    tokens_per_unit = None
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.vision_config.embed_dim
+
+    @property
+    def output_size(self) -> int:
+        return self.config.text_config.hidden_size
+
+    def forward(self, x: Tensor, unit_grid: Tensor) -> Tensor:
+        from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids
+
+        vision = self.config.vision_config
+        grid = unit_grid.to(device=x.device, dtype=torch.long)
+        if self.has_embed:
+            x = self.get_submodule(f"{_VISION}.patch_embed")(x)
+        positions = get_vision_position_ids(grid, vision.spatial_merge_size)
+        cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, vision)
+        rotary = self.get_submodule(f"{_VISION}.rotary_pos_emb")
+        position_embeddings = rotary(x, positions)
+        blocks = (
+            self.get_submodule(f"{_VISION}.blocks") if self.end_layer > self.first_layer else None
+        )
+        for i in range(self.first_layer, self.end_layer):
+            x = getattr(blocks, str(i))(
+                x,
+                cu_seqlens=cu_seqlens,
+                max_seqlen=max_seqlen,
+                position_embeddings=position_embeddings,
+            )
+        if not self.has_head:
+            return x
+        return self.get_submodule(f"{_VISION}.merger")(x)
+
+
+class Qwen2VLLLMStage(HFStage):
+    """Qwen2 decoder layers ``[first, end)`` over packed samples with per-sample mRoPE
+    positions; token embedding and the visual scatter on the first stage, final norm and
+    head on the last."""
+
+    visual_newline = None
+
+    def position_ids(self, text: Any) -> Tensor:
+        """``[3, T]``: each packed sample's mRoPE positions by the model's own
+        ``get_rope_index`` (text positions restart per sample; an image's tokens take
+        (t, h, w) positions after the text before it)."""
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
+
+        if text.visual_items is None:
+            raise ValueError("Qwen2-VL needs each sample's visual items (their grids)")
+        image_id, video_id = self.config.image_token_id, self.config.video_token_id
+        cu = text.cu_seqlens.tolist()
+        parts = []
+        for k, (start, end) in enumerate(zip(cu, cu[1:])):
+            ids = text.token_ids[start:end][None]
+            kinds = (ids == image_id).int() + 2 * (ids == video_id).int()
+            items = text.visual_items[k]
+            grids = {
+                kind: torch.tensor([item.grid_thw for item in items if item.kind == name])
+                for kind, name in ((1, "image"), (2, "video"))
+            }
+            pos, _ = Qwen2VLModel.get_rope_index(
+                self,
+                ids,
+                kinds,
+                image_grid_thw=grids[1].reshape(-1, 3) if len(grids[1]) else None,
+                video_grid_thw=grids[2].reshape(-1, 3) if len(grids[2]) else None,
+            )
+            parts.append(pos[:, 0])
+        return torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
+
+    def get_vision_position_ids(self, *args: Any, **kwargs: Any) -> Tensor:
+        # get_rope_index calls it on the model; it uses nothing of the model.
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
+
+        return Qwen2VLModel.get_vision_position_ids(self, *args, **kwargs)
+
+    def _rotary_positions(self, packed: Tensor, position_ids: Tensor | None) -> Tensor:
+        if position_ids is None:
+            raise ValueError("Qwen2-VL's decoder needs its mRoPE position_ids")
+        return position_ids.to(packed.device)[:, None, :]
+
+    def forward(self, input_embeds: Tensor, cu_seqlens: Tensor) -> Tensor:
+        return self.hidden_states(input_embeds, cu_seqlens)

@@ -1,0 +1,207 @@
+"""Qwen2-VL from transformers under dflop's runtime (tiny config, CPU, gloo).
+
+Units of any size: each image is one unit of ``h x w`` patches, a video one unit per
+temporal patch; the encoder replicas split samples' units, the 2 x 2 merger sends one
+feature row per 4 patches, and the LLM stages run with each sample's own 3-D mRoPE
+positions. The reference is the unmodified ``Qwen2VLForConditionalGeneration`` run on
+each sample alone; dflop's split model must give the same summed loss and gradients.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from dflop.models.hf import spec_from_config  # noqa: E402
+from dflop.models.hf.tiny import tiny_qwen2_vl_config  # noqa: E402
+from dflop.models.spec import VisualItem  # noqa: E402
+from dflop.runtime import RuntimeLayout, Topology, spawn_local  # noqa: E402
+from dflop.runtime.pipeline import PipelineEngine, build_stage  # noqa: E402
+from dflop.runtime.processed_batch import ProcessedBatch, ProcessedSample  # noqa: E402
+from dflop.runtime.step_data import StepPlan  # noqa: E402
+from dflop.scheduler import schedule_from_assignment  # noqa: E402
+
+MODEL_SEED, DATA_SEED = 7, 13
+SPAWN_TIMEOUT_S = 120.0
+# Per sample: a list of ("image", (h, w)) / ("video", (t, h, w)) items in patches, or
+# None (text-only). Multi-image samples have images of different sizes.
+SAMPLES = [
+    [("image", (4, 6))],
+    None,
+    [("image", (8, 4))],
+    [("image", (2, 2)), ("image", (4, 4))],
+    [("video", (2, 4, 4))],
+    [("image", (2, 2))],
+    None,
+    [("image", (6, 6))],
+]
+TEXT_TOKENS = [9, 12, 7, 10, 8, 6, 15, 5]
+
+
+def _config():
+    config = tiny_qwen2_vl_config()
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _hf_model(config):
+    torch.manual_seed(MODEL_SEED)
+    return transformers.Qwen2VLForConditionalGeneration(config)
+
+
+def _samples(config) -> list[ProcessedSample]:
+    """Samples with text, then each item as <vision_start> placeholders <vision_end>,
+    then more text; pixels one row per patch."""
+    rng = np.random.default_rng(DATA_SEED)
+    vision = config.vision_config
+    row = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    merge = vision.spatial_merge_size**2
+    vocab = config.text_config.vocab_size - 4  # text ids avoid the special ids
+    samples = []
+    for spec, text in zip(SAMPLES, TEXT_TOKENS):
+        ids = rng.integers(0, vocab, text).tolist()
+        input_ids, pixels, items = ids[:2], [], []
+        for kind, size in spec or []:
+            grid = (1, *size) if kind == "image" else size
+            patches = grid[0] * grid[1] * grid[2]
+            token = config.image_token_id if kind == "image" else config.video_token_id
+            input_ids += [config.vision_start_token_id, *[token] * (patches // merge)]
+            input_ids += [config.vision_end_token_id]
+            pixels.append(torch.from_numpy(rng.standard_normal((patches, row))).float())
+            items.append(VisualItem(kind, grid[0], grid_thw=grid))
+        prompt = len(input_ids) + text // 2 - 2
+        input_ids += ids[2:]
+        labels = torch.tensor(input_ids)
+        labels[:prompt] = -100
+        samples.append(
+            ProcessedSample(
+                torch.tensor(input_ids),
+                labels,
+                torch.cat(pixels) if pixels else None,
+                tuple(items),
+                (config.image_token_id, config.video_token_id),
+            )
+        )
+    return samples
+
+
+def _hf_forward(model, config, sample: ProcessedSample):
+    """The unmodified model's mean loss on one sample alone."""
+    kwargs = {}
+    rows = np.cumsum([0, *[i.grid_thw[0] * i.unit_tokens for i in sample.items]])
+    for kind, pixels_key, grid_key in (
+        ("image", "pixel_values", "image_grid_thw"),
+        ("video", "pixel_values_videos", "video_grid_thw"),
+    ):
+        picks = [k for k, item in enumerate(sample.items) if item.kind == kind]
+        if picks:
+            kwargs[pixels_key] = torch.cat(
+                [sample.pixel_values[rows[k] : rows[k + 1]] for k in picks]
+            )
+            kwargs[grid_key] = torch.tensor([sample.items[k].grid_thw for k in picks])
+    ids = sample.input_ids[None]
+    kinds = (ids == config.image_token_id).int() + 2 * (ids == config.video_token_id).int()
+    out = model(input_ids=ids, labels=sample.labels[None], mm_token_type_ids=kinds, **kwargs)
+    return out.loss
+
+
+def _reference(config, samples):
+    torch.set_num_threads(1)
+    model = _hf_model(config)
+    targets = ProcessedBatch(samples, None).target_tokens()
+    total = int(targets.sum())
+    loss_sum = 0.0
+    for sample, n in zip(samples, targets):
+        loss = _hf_forward(model, config, sample)
+        (loss * (int(n) / total)).backward()
+        loss_sum += loss.item() * int(n)
+    grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+    return loss_sum, grads
+
+
+def _rank_step(rank, world_size, layout_kw, assignment):
+    spec = spec_from_config(_config())
+    batch = ProcessedBatch(_samples(spec.config), None)
+    layout = RuntimeLayout.simple(
+        **layout_kw,
+        encoder_layers=spec.encoder_layers,
+        llm_layers=spec.llm_layers,
+        global_batch=len(batch),
+    )
+    shapes = batch.shapes
+    costs = np.stack([shapes.encoder_tokens, shapes.seq_len], axis=1).astype(float)
+    schedule = schedule_from_assignment(
+        costs, assignment, layout.num_microbatches, layout.llm.dp, microbatch_dims=[0]
+    )
+    plan = StepPlan.build(
+        schedule,
+        shapes,
+        layout,
+        batch.target_tokens(),
+        tokens_per_unit=None,
+        visual_newline=None,
+        unit_tokens=batch.unit_tokens(),
+        token_merge=spec.token_merge,
+    )
+    topology = Topology.create(layout, rank)
+    stage = build_stage(spec, topology.info, seed=MODEL_SEED)
+    result = PipelineEngine(topology, stage, debug=True).run_step(plan, batch)
+    grads = {
+        name: p.grad.numpy().copy() for name, p in stage.named_parameters() if p.grad is not None
+    }
+    return {"loss_sum": result.loss_sum, "grads": grads}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    config = _config()
+    return _reference(config, _samples(config))
+
+
+@pytest.mark.parametrize(
+    "layout_kw, assignment, world",
+    [
+        # encoder dp 2 (a multi-image sample's and the video's units spread over both),
+        # LLM pp 2, 3 microbatches.
+        (dict(encoder_dp=2, llm_pp=2, num_microbatches=3), [0, 0, 1, 1, 2, 2, 1, 0], 4),
+        (dict(num_microbatches=2), [0, 1, 0, 1, 0, 1, 0, 1], 2),
+    ],
+    ids=["enc_dp2_llm_pp2", "one_stage_each"],
+)
+def test_runtime_matches_transformers(reference, layout_kw, assignment, world):
+    loss_sum, grads = reference
+    results = spawn_local(
+        _rank_step, world, args=(layout_kw, assignment), timeout_s=SPAWN_TIMEOUT_S, num_threads=1
+    )
+    for r in results:  # every rank reports the step's loss
+        assert r["loss_sum"] == pytest.approx(loss_sum, rel=1e-5)
+    # After the DP all-reduce every replica holds the whole gradient of what it holds.
+    held = set()
+    for r in results:
+        for name, grad in r["grads"].items():
+            held.add(name)
+            tol = 1e-6 + 1e-4 * float(np.abs(grads[name]).max())
+            diff = float(np.abs(grad - grads[name]).max())
+            assert diff <= tol, f"{name}: max |grad - ref| = {diff:.3g} > {tol:.3g}"
+    assert held == set(grads), sorted(held ^ set(grads))[:4]
+
+
+def test_a_unit_alone_encodes_as_in_the_whole_tower():
+    """The premise of splitting units: a video's temporal patches and the images of a
+    multi-image sample, encoded one unit at a time, give the whole tower's features."""
+    config = _config()
+    model = _hf_model(config)
+    spec = spec_from_config(config)
+    stage = spec.whole_module("encoder", seed=MODEL_SEED)
+    sample = _samples(config)[4]  # the video: 2 units of 4 x 4 patches
+    grid = torch.tensor([sample.items[0].grid_thw])
+    with torch.no_grad():
+        whole = model.model.get_video_features(sample.pixel_values, grid).pooler_output[0]
+        units = torch.tensor([[1, 4, 4], [1, 4, 4]])
+        ours = torch.cat(
+            [stage(sample.pixel_values[k * 16 : (k + 1) * 16], units[k : k + 1]) for k in (0, 1)]
+        )
+    torch.testing.assert_close(ours, whole, rtol=1e-5, atol=1e-6)
