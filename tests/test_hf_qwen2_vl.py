@@ -1,10 +1,12 @@
-"""Qwen2-VL from transformers under dflop's runtime (tiny config, CPU, gloo).
+"""Qwen2-VL and Qwen2.5-VL from transformers under dflop's runtime (tiny configs, CPU,
+gloo).
 
 Units of any size: each image is one unit of ``h x w`` patches, a video one unit per
 temporal patch; the encoder replicas split samples' units, the 2 x 2 merger sends one
 feature row per 4 patches, and the LLM stages run with each sample's own 3-D mRoPE
-positions. The reference is the unmodified ``Qwen2VLForConditionalGeneration`` run on
-each sample alone; dflop's split model must give the same summed loss and gradients.
+positions (Qwen2.5-VL: window attention in the tower). The reference is the unmodified
+transformers model run on each sample alone; dflop's split model must give the same
+summed loss and gradients.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from dflop.models.hf import spec_from_config  # noqa: E402
-from dflop.models.hf.tiny import tiny_qwen2_vl_config  # noqa: E402
+from dflop.models.hf.tiny import tiny_qwen2_5_vl_config, tiny_qwen2_vl_config  # noqa: E402
 from dflop.models.spec import VisualItem  # noqa: E402
 from dflop.runtime import RuntimeLayout, Topology, spawn_local  # noqa: E402
 from dflop.runtime.pipeline import PipelineEngine, build_stage  # noqa: E402
@@ -41,15 +43,21 @@ SAMPLES = [
 TEXT_TOKENS = [9, 12, 7, 10, 8, 6, 15, 5]
 
 
-def _config():
-    config = tiny_qwen2_vl_config()
+FAMILIES = {
+    "qwen2_vl": (tiny_qwen2_vl_config, "Qwen2VLForConditionalGeneration"),
+    "qwen2_5_vl": (tiny_qwen2_5_vl_config, "Qwen2_5_VLForConditionalGeneration"),
+}
+
+
+def _config(family):
+    config = FAMILIES[family][0]()
     config._attn_implementation = "sdpa"
     return config
 
 
 def _hf_model(config):
     torch.manual_seed(MODEL_SEED)
-    return transformers.Qwen2VLForConditionalGeneration(config)
+    return getattr(transformers, FAMILIES[config.model_type][1])(config)
 
 
 def _samples(config) -> list[ProcessedSample]:
@@ -122,8 +130,8 @@ def _reference(config, samples):
     return loss_sum, grads
 
 
-def _rank_step(rank, world_size, layout_kw, assignment):
-    spec = spec_from_config(_config())
+def _rank_step(rank, world_size, family, layout_kw, assignment):
+    spec = spec_from_config(_config(family))
     batch = ProcessedBatch(_samples(spec.config), None)
     layout = RuntimeLayout.simple(
         **layout_kw,
@@ -155,10 +163,10 @@ def _rank_step(rank, world_size, layout_kw, assignment):
     return {"loss_sum": result.loss_sum, "grads": grads}
 
 
-@pytest.fixture(scope="module")
-def reference():
-    config = _config()
-    return _reference(config, _samples(config))
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def reference(request):
+    config = _config(request.param)
+    return request.param, _reference(config, _samples(config))
 
 
 @pytest.mark.parametrize(
@@ -172,9 +180,13 @@ def reference():
     ids=["enc_dp2_llm_pp2", "one_stage_each"],
 )
 def test_runtime_matches_transformers(reference, layout_kw, assignment, world):
-    loss_sum, grads = reference
+    family, (loss_sum, grads) = reference
     results = spawn_local(
-        _rank_step, world, args=(layout_kw, assignment), timeout_s=SPAWN_TIMEOUT_S, num_threads=1
+        _rank_step,
+        world,
+        args=(family, layout_kw, assignment),
+        timeout_s=SPAWN_TIMEOUT_S,
+        num_threads=1,
     )
     for r in results:  # every rank reports the step's loss
         assert r["loss_sum"] == pytest.approx(loss_sum, rel=1e-5)
@@ -189,10 +201,11 @@ def test_runtime_matches_transformers(reference, layout_kw, assignment, world):
     assert held == set(grads), sorted(held ^ set(grads))[:4]
 
 
-def test_a_unit_alone_encodes_as_in_the_whole_tower():
-    """The premise of splitting units: a video's temporal patches and the images of a
-    multi-image sample, encoded one unit at a time, give the whole tower's features."""
-    config = _config()
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_unit_alone_encodes_as_in_the_whole_tower(family):
+    """The premise of splitting units: a video's temporal patches, encoded one unit at a
+    time, give the whole tower's features (windows included)."""
+    config = _config(family)
     model = _hf_model(config)
     spec = spec_from_config(config)
     stage = spec.whole_module("encoder", seed=MODEL_SEED)

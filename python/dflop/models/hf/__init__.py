@@ -3,7 +3,7 @@
 ``model_spec("hf:PATH")`` (or :func:`hf_model_spec`) reads ``PATH/config.json`` and returns
 the family's :class:`~dflop.models.spec.ModelSpec`; the weights come from ``PATH``'s
 safetensors when present, else from a random init for the run's seed. Nothing is ever
-downloaded. Families: LLaVA-OneVision (``llava_onevision``), Qwen2-VL (``qwen2_vl``).
+downloaded. Families: LLaVA-OneVision (``llava_onevision``), Qwen2-VL (``qwen2_vl``), Qwen2.5-VL (``qwen2_5_vl``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dflop.models.spec import ModelSpec
 
 __all__ = ["HF_FAMILIES", "hf_model_spec", "spec_from_config"]
 
-HF_FAMILIES = ("llava_onevision", "qwen2_vl")
+HF_FAMILIES = ("llava_onevision", "qwen2_vl", "qwen2_5_vl")
 """``config.model_type`` values dflop has an adapter for."""
 
 
@@ -29,6 +29,10 @@ def spec_from_config(config: Any, checkpoint_dir: str | None = None) -> ModelSpe
         from dflop.models.hf.qwen2_vl import Qwen2VLSpec
 
         return Qwen2VLSpec(config, checkpoint_dir)
+    if model_type == "qwen2_5_vl":
+        from dflop.models.hf.qwen2_vl import Qwen25VLSpec
+
+        return Qwen25VLSpec(config, checkpoint_dir)
     raise ValueError(
         f"config.model_type={model_type!r} has no dflop adapter; supported: "
         f"{', '.join(HF_FAMILIES)}"

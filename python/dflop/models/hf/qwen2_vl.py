@@ -1,4 +1,5 @@
-"""Qwen2-VL (``Qwen2VLForConditionalGeneration``) under dflop's runtime.
+"""Qwen2-VL and Qwen2.5-VL (``Qwen2VLForConditionalGeneration``,
+``Qwen2_5_VLForConditionalGeneration``) under dflop's runtime.
 
 A patch-sequence encoder: a visual *unit* is one temporal slice of an item (an image, or
 one temporal patch of 2 frames of a video) of ``h x w`` patches, of any size. The vision
@@ -15,6 +16,12 @@ rotary positions (mRoPE), computed per sample by the model's own ``get_rope_inde
 its tokens and its items' grids and concatenated, so positions restart per sample; no
 attention crosses samples. The first LLM stage scatters each sample's merged features
 into its placeholder positions, checking their count.
+
+Qwen2.5-VL adds window attention to the tower: the patches are reordered into windows
+(per temporal slice, so still per unit) after the patch embedding, most blocks attend
+within a window and ``fullatt_block_indexes`` within the whole slice, and the merged
+features are put back in patch order after the merger. A video's temporal positions use
+one second per temporal patch (``second_per_grid_ts`` is not carried yet).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from torch import Tensor
 from dflop.models.hf.base import HFSpec, HFStage, decoder_architecture
 from dflop.models.hf.common import require_transformers
 
-__all__ = ["Qwen2VLSpec"]
+__all__ = ["Qwen25VLSpec", "Qwen2VLSpec"]
 
 _VISION = "model.visual"
 _TEXT = "model.language_model"
@@ -37,19 +44,23 @@ class Qwen2VLSpec(HFSpec):
     """A Qwen2-VL model from its ``Qwen2VLConfig`` (random init for a seed) or a local
     checkpoint folder (``checkpoint_dir``, safetensors in the HF layout)."""
 
+    model_type = "qwen2_vl"
+    model_class_name = "Qwen2VLForConditionalGeneration"
+
     def __init__(self, config: Any, checkpoint_dir: str | None = None) -> None:
         transformers = require_transformers()
-        if getattr(config, "model_type", None) != "qwen2_vl":
+        if getattr(config, "model_type", None) != self.model_type:
             raise ValueError(
-                f"config.model_type={getattr(config, 'model_type', None)!r}: expected 'qwen2_vl'"
+                f"config.model_type={getattr(config, 'model_type', None)!r}: expected "
+                f"{self.model_type!r}"
             )
-        self.model_class = transformers.Qwen2VLForConditionalGeneration
+        self.model_class = getattr(transformers, self.model_class_name)
         if config._attn_implementation is None:
             config._attn_implementation = "sdpa"
         vision, text = config.vision_config, config.text_config
         self.config = config
         self.checkpoint_dir = checkpoint_dir
-        self.name = "qwen2_vl"
+        self.name = self.model_type
         self.encoder_layers = int(vision.depth)
         self.llm_layers = int(text.num_hidden_layers)
         self.tokens_per_unit = None  # units of any size
@@ -68,12 +79,13 @@ class Qwen2VLSpec(HFSpec):
         from dflop.data.costs import EncoderConfig
 
         vision, text = self.config.vision_config, self.config.text_config
-        merged = vision.embed_dim * self.token_merge
+        width, mlp = self._vision_width_and_mlp()
+        merged = width * self.token_merge
         encoder = EncoderConfig(
             name=f"{self.name}.vision",
-            hidden_size=vision.embed_dim,
+            hidden_size=width,
             num_layers=self.encoder_layers,
-            intermediate_size=int(vision.embed_dim * vision.mlp_ratio),
+            intermediate_size=mlp,
             num_heads=vision.num_heads,
             tokens_per_unit=(448 // vision.patch_size) ** 2,
             patch_px=vision.patch_size,
@@ -83,6 +95,11 @@ class Qwen2VLSpec(HFSpec):
             default_family="llava-ov",
         )
         return encoder, decoder_architecture(f"{self.name}.text", text, self.llm_layers)
+
+    def _vision_width_and_mlp(self) -> tuple[int, int]:
+        """(tower width, MLP width as a 2-matrix MLP of the same parameters)."""
+        vision = self.config.vision_config
+        return vision.embed_dim, int(vision.embed_dim * vision.mlp_ratio)
 
     def stage_paths(
         self, module: str, first: int, end: int, first_stage: bool, last: bool
@@ -107,6 +124,12 @@ class Qwen2VLEncoderStage(HFStage):
     @property
     def hidden_size(self) -> int:
         return self.config.vision_config.embed_dim
+
+    def _blocks(self) -> list[Any]:
+        if self.end_layer == self.first_layer:
+            return []
+        blocks = self.get_submodule(f"{_VISION}.blocks")
+        return [getattr(blocks, str(i)) for i in range(self.first_layer, self.end_layer)]
 
     @property
     def output_size(self) -> int:
@@ -144,13 +167,13 @@ class Qwen2VLLLMStage(HFStage):
     head on the last."""
 
     visual_newline = None
+    model_class_name = "Qwen2VLModel"
 
     def position_ids(self, text: Any) -> Tensor:
         """``[3, T]``: each packed sample's mRoPE positions by the model's own
         ``get_rope_index`` (text positions restart per sample; an image's tokens take
         (t, h, w) positions after the text before it)."""
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
-
+        model = getattr(require_transformers(), self.model_class_name)
         if text.visual_items is None:
             raise ValueError("Qwen2-VL needs each sample's visual items (their grids)")
         image_id, video_id = self.config.image_token_id, self.config.video_token_id
@@ -164,7 +187,7 @@ class Qwen2VLLLMStage(HFStage):
                 kind: torch.tensor([item.grid_thw for item in items if item.kind == name])
                 for kind, name in ((1, "image"), (2, "video"))
             }
-            pos, _ = Qwen2VLModel.get_rope_index(
+            pos, _ = model.get_rope_index(
                 self,
                 ids,
                 kinds,
@@ -176,9 +199,8 @@ class Qwen2VLLLMStage(HFStage):
 
     def get_vision_position_ids(self, *args: Any, **kwargs: Any) -> Tensor:
         # get_rope_index calls it on the model; it uses nothing of the model.
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
-
-        return Qwen2VLModel.get_vision_position_ids(self, *args, **kwargs)
+        model = getattr(require_transformers(), self.model_class_name)
+        return model.get_vision_position_ids(self, *args, **kwargs)
 
     def _rotary_positions(self, packed: Tensor, position_ids: Tensor | None) -> Tensor:
         if position_ids is None:
@@ -187,3 +209,80 @@ class Qwen2VLLLMStage(HFStage):
 
     def forward(self, input_embeds: Tensor, cu_seqlens: Tensor) -> Tensor:
         return self.hidden_states(input_embeds, cu_seqlens)
+
+
+# ----------------------------------------------------------------------- Qwen2.5-VL
+
+
+class Qwen25VLEncoderStage(Qwen2VLEncoderStage):
+    """Qwen2.5-VL's tower: window attention (see the module docstring)."""
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.vision_config.hidden_size
+
+    def forward(self, x: Tensor, unit_grid: Tensor) -> Tensor:
+        from transformers.utils.generic import get_max_seqlen
+        from transformers.vision_utils import (
+            get_vision_attention_seqlens,
+            get_vision_position_ids,
+            get_vision_window_index,
+        )
+
+        vision = self.config.vision_config
+        merge = vision.spatial_merge_size
+        grid = unit_grid.to(device=x.device, dtype=torch.long)
+        positions = get_vision_position_ids(grid, merge)
+        cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, vision)
+        window_index, cu_window = get_vision_window_index(
+            grid,
+            spatial_merge_size=merge,
+            window_size=vision.window_size,
+            patch_size=vision.patch_size,
+        )
+        window_index = window_index.to(x.device)
+        cu_window = cu_window.to(x.device)
+        max_window = get_max_seqlen(cu_window, vision, kwargs={}, kwarg_name="max_window_seqlen")
+
+        def windowed(t: Tensor) -> Tensor:  # patch order -> window order
+            return t.reshape(t.shape[0] // merge**2, merge**2, -1)[window_index].reshape(
+                t.shape[0], -1
+            )
+
+        if self.has_embed:  # later stages receive the window order
+            x = windowed(self.get_submodule(f"{_VISION}.patch_embed")(x))
+        rotary = self.get_submodule(f"{_VISION}.rotary_pos_emb")
+        position_embeddings = tuple(windowed(f) for f in rotary(x, positions))
+        full = set(vision.fullatt_block_indexes)
+        for i, block in zip(range(self.first_layer, self.end_layer), self._blocks()):
+            x = block(
+                x,
+                cu_seqlens=cu_seqlens if i in full else cu_window,
+                max_seqlen=max_seqlen if i in full else max_window,
+                position_embeddings=position_embeddings,
+            )
+        if not self.has_head:
+            return x
+        merged = self.get_submodule(f"{_VISION}.merger")(x)
+        return merged[torch.argsort(window_index)]
+
+
+class Qwen25VLLLMStage(Qwen2VLLLMStage):
+    model_class_name = "Qwen2_5_VLModel"
+
+
+class Qwen25VLSpec(Qwen2VLSpec):
+    """A Qwen2.5-VL model (``Qwen2_5_VLConfig``), as :class:`Qwen2VLSpec`."""
+
+    model_type = "qwen2_5_vl"
+    model_class_name = "Qwen2_5_VLForConditionalGeneration"
+
+    def __init__(self, config: Any, checkpoint_dir: str | None = None) -> None:
+        super().__init__(config, checkpoint_dir)
+        self.encoder_stage = Qwen25VLEncoderStage
+        self.llm_stage = Qwen25VLLLMStage
+
+    def _vision_width_and_mlp(self) -> tuple[int, int]:
+        # A SwiGLU MLP (3 matrices) counted as a 2-matrix MLP of the same parameters.
+        vision = self.config.vision_config
+        return vision.hidden_size, vision.intermediate_size * 3 // 2

@@ -8,7 +8,12 @@ from typing import Any
 
 from dflop.models.hf.common import require_transformers
 
-__all__ = ["save_tiny_llava_onevision", "tiny_llava_onevision_config", "tiny_qwen2_vl_config"]
+__all__ = [
+    "save_tiny_llava_onevision",
+    "tiny_llava_onevision_config",
+    "tiny_qwen2_5_vl_config",
+    "tiny_qwen2_vl_config",
+]
 
 
 def tiny_llava_onevision_config(
@@ -84,6 +89,61 @@ def save_tiny_llava_onevision(
     return folder
 
 
+def _qwen_text(vocab_size: int, text_layers: int) -> dict[str, Any]:
+    return {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": text_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 8192,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [2, 3, 3],
+        },
+    }
+
+
+def _qwen_ids(vocab_size: int) -> dict[str, Any]:
+    return {
+        "image_token_id": vocab_size - 4,
+        "video_token_id": vocab_size - 3,
+        "vision_start_token_id": vocab_size - 2,
+        "vision_end_token_id": vocab_size - 1,
+        "tie_word_embeddings": False,
+    }
+
+
+def tiny_qwen2_5_vl_config(
+    *, vision_layers: int = 2, text_layers: int = 2, vocab_size: int = 320
+) -> Any:
+    """A ``Qwen2_5_VLConfig`` like :func:`tiny_qwen2_vl_config`, with a SwiGLU tower of
+    width 32 and window attention: windows of 16 px (2 x 2 merged tokens), the last
+    block attending over the whole unit."""
+    transformers = require_transformers()
+    return transformers.Qwen2_5_VLConfig(
+        vision_config={
+            "depth": vision_layers,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "out_hidden_size": 64,
+            "num_heads": 2,
+            "in_channels": 3,
+            "patch_size": 4,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 16,
+            "fullatt_block_indexes": [vision_layers - 1],
+        },
+        text_config=_qwen_text(vocab_size, text_layers),
+        **_qwen_ids(vocab_size),
+    )
+
+
 def tiny_qwen2_vl_config(
     *, vision_layers: int = 2, text_layers: int = 2, vocab_size: int = 320
 ) -> Any:
@@ -104,25 +164,6 @@ def tiny_qwen2_vl_config(
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
         },
-        text_config={
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": text_layers,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "vocab_size": vocab_size,
-            "max_position_embeddings": 8192,
-            "bos_token_id": 0,
-            "eos_token_id": 1,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [2, 3, 3],
-            },
-        },
-        image_token_id=vocab_size - 4,
-        video_token_id=vocab_size - 3,
-        vision_start_token_id=vocab_size - 2,
-        vision_end_token_id=vocab_size - 1,
-        tie_word_embeddings=False,
+        text_config=_qwen_text(vocab_size, text_layers),
+        **_qwen_ids(vocab_size),
     )
