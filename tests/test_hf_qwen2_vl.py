@@ -218,3 +218,90 @@ def test_a_unit_alone_encodes_as_in_the_whole_tower(family):
             [stage(sample.pixel_values[k * 16 : (k + 1) * 16], units[k : k + 1]) for k in (0, 1)]
         )
     torch.testing.assert_close(ours, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_native_rule_matches_the_processor():
+    """dflop's native (Qwen-VL) shape rule gives the processor's own resize for random
+    sizes (extreme aspect ratios included), and the patch grids of the shipped real images
+    through the model's processor."""
+    import json
+    import os
+
+    from dflop.data.families import QWEN2_VL, native_grid
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    rng = np.random.default_rng(0)
+    sizes = [(int(w), int(h)) for w, h in rng.integers(8, 6000, size=(2000, 2))]
+    sizes += [(16, 3000), (3000, 16), (1, 150), (28, 28)]
+    for w, h in sizes:
+        if max(w, h) / min(w, h) > 200:
+            continue  # the processor refuses these
+        rows, cols = native_grid(QWEN2_VL, w, h)
+        expected = smart_resize(h, w, factor=28, min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
+        assert (int(rows[0]) * 14, int(cols[0]) * 14) == expected, (w, h)
+    # The tiny model's records: grids from headers equal the processor's on the pixels.
+    spec = spec_from_config(_config("qwen2_vl"))
+    inputs = spec.dataset_inputs()
+    root = os.path.join(os.path.dirname(__file__), "data", "llava_mini")
+    with open(os.path.join(root, "llava_mini.json")) as f:
+        records = json.load(f)
+    samples = [
+        inputs.sample(records[i], image_folder=os.path.join(root, "images"), lazy=True)
+        for i in (0, 5, 9, 10, 13)
+    ]
+    batch = ProcessedBatch(samples, None)
+    pixels = batch.pixel_values(list(range(len(samples))))  # checks the grids
+    assert pixels.shape[0] == sum(sum(t) for t in batch.unit_tokens())
+    merge = spec.token_merge
+    for sample in samples:
+        wrap = 2 * len(sample.items)  # vision start and end
+        expected = sum(item.unit_tokens // merge for item in sample.items)
+        assert int(sample.placeholder_mask.sum()) == expected
+        assert int((sample.labels == -100).sum()) >= expected + wrap
+
+
+def test_a_corrupt_image_is_named_and_videos_are_refused():
+    import json
+    import os
+
+    inputs = spec_from_config(_config("qwen2_vl")).dataset_inputs()
+    root = os.path.join(os.path.dirname(__file__), "data", "llava_mini")
+    with open(os.path.join(root, "llava_mini.json")) as f:
+        records = json.load(f)
+    with pytest.raises(ValueError, match=r"record 25: cannot read .*corrupt\.png"):
+        inputs.sample(records[25], image_folder=os.path.join(root, "images"), where="record 25")
+    video = next(r for r in records if "video" in r)
+    assert inputs.unsupported(video) == "video_unsupported"
+    with pytest.raises(ValueError, match="video records are not supported"):
+        inputs.sample(video)
+
+
+def test_encoder_costs_scale_with_tokens():
+    """A patch-sequence encoder's cost model prices encoder tokens: two units of 512
+    patches cost what one of 1,024 does, and the setting survives JSON."""
+    from dataclasses import replace
+
+    from dflop.data.shapes import SampleShapes
+    from dflop.profiling import CostModel, PerformanceModel
+    from dflop.profiling.perf_model import EncoderTimeCoefficients, LLMTimeCoefficients
+
+    perf = PerformanceModel(
+        encoder=EncoderTimeCoefficients(per_unit_s=0.01, constant_s=0.001),
+        llm=LLMTimeCoefficients(per_token_s=1e-5, per_token_sq_s=0.0, constant_s=0.0),
+        tokens_per_unit=1024,
+        encoder_per_token=True,
+    )
+    shapes = SampleShapes(
+        encoder_units=np.array([2, 1, 1]),
+        tokens_per_unit=np.array([512, 1024, 256]),
+        llm_visual_tokens=np.array([256, 256, 64]),
+        text_tokens=np.array([10, 10, 10]),
+        modality=np.array([2, 1, 1], dtype=np.int8),
+    )
+    costs = CostModel(perf).costs(shapes)[:, 0]
+    np.testing.assert_allclose(costs, [0.01, 0.01, 0.0025])
+    assert PerformanceModel.from_dict(perf.to_dict()).encoder_per_token
+    per_unit = CostModel(replace(perf, encoder_per_token=False)).costs(shapes)[:, 0]
+    np.testing.assert_allclose(per_unit, [0.02, 0.01, 0.01])
+    with pytest.raises(ValueError, match="encoder_per_token needs"):
+        replace(perf, tokens_per_unit=0)

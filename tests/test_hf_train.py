@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from dflop.models.hf.tiny import save_tiny_llava_onevision  # noqa: E402
+from dflop.models.hf.tiny import save_tiny_llava_onevision, save_tiny_qwen_vl  # noqa: E402
 from dflop.models.spec import model_spec  # noqa: E402
 from test_train import run_cli  # noqa: E402
 
@@ -27,16 +27,43 @@ def tiny_folder(tmp_path_factory) -> str:
     return save_tiny_llava_onevision(str(tmp_path_factory.mktemp("tiny_ov")), seed=3)
 
 
-def _state(folder: str) -> dict:
-    model = transformers.LlavaOnevisionForConditionalGeneration.from_pretrained(folder)
-    return model.state_dict()
+@pytest.fixture(scope="module")
+def tiny_qwen_folder(tmp_path_factory) -> str:
+    return save_tiny_qwen_vl(str(tmp_path_factory.mktemp("tiny_qwen")), seed=3)
 
 
-def test_train_cli_on_real_records(tmp_path, tiny_folder):
-    """The tiny LLaVA-OneVision trains under 'dflop train' on the real-format records
-    (anyres images up to 2480 x 3508, multi-image, video frames, text-only) with the
-    encoder and an LLM pipeline of 2 stages; the loss falls, and the saved Hugging Face
-    folder loads with from_pretrained: trained tensors moved, untrained ones kept."""
+# Per family: the model class, a tensor that never reaches the loss (kept as saved), or
+# None, and tensors that must train (the encoder's first layer, the projector, the head).
+FAMILIES = {
+    "llava_onevision": (
+        "LlavaOnevisionForConditionalGeneration",
+        "model.vision_tower.post_layernorm.weight",
+        ("model.vision_tower.encoder.layers.0.", "model.multi_modal_projector.linear_1.weight"),
+    ),
+    "qwen2_vl": (
+        "Qwen2VLForConditionalGeneration",
+        None,
+        ("model.visual.blocks.0.", "model.visual.merger.mlp.0.weight"),
+    ),
+}
+
+
+def _state(folder: str, family: str) -> dict:
+    cls = getattr(transformers, FAMILIES[family][0])
+    return cls.from_pretrained(folder).state_dict()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_train_cli_on_real_records(tmp_path, family, request):
+    """A tiny model of each family trains under 'dflop train' on the real-format records
+    (LLaVA-OneVision: anyres images up to 2480 x 3508, multi-image, video frames,
+    text-only; Qwen2-VL: images of any size as native patch grids, the videos skipped and
+    counted) with the encoder and an LLM pipeline of 2 stages; the loss falls, and the
+    saved Hugging Face folder loads with from_pretrained: trained tensors moved, untrained
+    ones kept."""
+    tiny_folder = request.getfixturevalue(
+        "tiny_folder" if family == "llava_onevision" else "tiny_qwen_folder"
+    )
     out, metrics = tmp_path / "trained", tmp_path / "metrics.json"
     result = run_cli(
         "train",
@@ -68,12 +95,15 @@ def test_train_cli_on_real_records(tmp_path, tiny_folder):
     losses = [step["loss"] for step in json.loads(metrics.read_text())["steps"]]
     assert len(losses) == 8 and all(np.isfinite(losses))
     assert np.mean(losses[-2:]) < 0.85 * np.mean(losses[:2]), losses
-    before, after = _state(tiny_folder), _state(str(out))
+    if family == "qwen2_vl":
+        assert "video_unsupported: 2" in result.stdout  # skipped and said
+    before, after = _state(tiny_folder, family), _state(str(out), family)
     assert before.keys() == after.keys()
     moved = {k for k in before if not torch.equal(before[k], after[k])}
-    assert "model.vision_tower.post_layernorm.weight" not in moved  # never reaches the loss
-    assert "lm_head.weight" in moved and "model.multi_modal_projector.linear_1.weight" in moved
-    assert any(k.startswith("model.vision_tower.encoder.layers.0.") for k in moved)
+    _, untrained, trained = FAMILIES[family]
+    assert untrained is None or untrained not in moved  # never reaches the loss
+    assert "lm_head.weight" in moved and trained[1] in moved
+    assert any(k.startswith(trained[0]) for k in moved)
 
 
 def test_train_rejects_synthetic_data_and_scaler(tiny_folder):

@@ -193,12 +193,13 @@ def _build_modules(args: argparse.Namespace, device, dtype):
         from dflop.models.spec import model_spec
 
         spec = model_spec(args.model)
-        built = [
-            spec.whole_module(module, seed=args.seed, device=device, dtype=dtype)
-            for module in ("encoder", "llm")
-        ]
+        encoder, image_shape, unit_tokens = spec.profiled_encoder(
+            seed=args.seed, device=device, dtype=dtype
+        )
+        llm = spec.whole_module("llm", seed=args.seed, device=device, dtype=dtype)
         vocab = spec.architecture()[1].vocab_size
-        return built[0], built[1], spec.image_shape, vocab, spec.max_seq_len
+        args.unit_tokens = unit_tokens
+        return encoder, llm, image_shape, vocab, spec.max_seq_len
 
     reference = None
     if ":" not in args.encoder or ":" not in args.llm:
@@ -253,7 +254,10 @@ def run_profile_model(args: argparse.Namespace) -> int:
         seed=args.seed,
         num_threads=None if on_gpu else args.threads,
     )
+    from dflop.train.planning import per_token
+
     perf = fit_performance_model(result, holdout_fraction=0.25, seed=args.seed)
+    perf = per_token(perf, getattr(args, "unit_tokens", None))
     perf.save(args.output)
     print(perf.summary())
     print(f"\nwrote {args.output}")

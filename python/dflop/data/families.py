@@ -60,11 +60,13 @@ __all__ = [
     "get_family",
     "image_shapes",
     "multi_image_shapes",
+    "native_grid",
+    "native_patches",
     "shapes_from_descriptors",
     "video_shapes",
 ]
 
-_TILINGS = ("anyres", "dynamic")
+_TILINGS = ("anyres", "dynamic", "native")
 _DEDUPE_MIN_IMAGES = 256
 
 
@@ -74,8 +76,11 @@ class FamilySpec:
 
     Attributes:
         name: registry name (``get_family(name)``).
-        tiling: ``"anyres"`` (LLaVA-NeXT/OneVision grid of crops + base image) or
-            ``"dynamic"`` (InternVL closest-aspect-ratio tiling + thumbnail).
+        tiling: ``"anyres"`` (LLaVA-NeXT/OneVision grid of crops + base image),
+            ``"dynamic"`` (InternVL closest-aspect-ratio tiling + thumbnail) or
+            ``"native"`` (Qwen-VL: the image resized to multiples of ``patch_px x
+            merge_size`` within ``[min_pixels, max_pixels]``, one unit of all its patches;
+            a video one unit per ``temporal_patch`` frames).
         tile_px: side of one square tile in pixels (384 for SigLIP-384, 448 for InternViT).
         encoder_tokens_per_tile: tokens the vision encoder runs on per tile (729 = 27^2,
             1025 = 32^2 + InternViT's CLS token).
@@ -103,6 +108,11 @@ class FamilySpec:
             bilinear pooling of 27^2; 256 for InternVL).
         video_extra_tokens: LLM tokens added once per video (LLaVA's newline: 1).
         frame_extra_tokens: LLM tokens added per frame (InternVL's ``<img>``/``</img>``: 2).
+        patch_px, merge_size, min_pixels, max_pixels, temporal_patch: native only: the
+            patch side, the merger's side (``merge_size^2`` patches per LLM token), the
+            resize bounds and the frames per video unit. A native video's units are
+            costed at the nominal ``video_encoder_tokens_per_frame`` patches each
+            (dflop reads no frame sizes of videos).
     """
 
     name: str
@@ -126,6 +136,11 @@ class FamilySpec:
     video_tokens_per_frame: int = 196
     video_extra_tokens: int = 0
     frame_extra_tokens: int = 0
+    patch_px: int = 14
+    merge_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    temporal_patch: int = 2
 
     def __post_init__(self) -> None:
         if self.tiling not in _TILINGS:
@@ -144,6 +159,11 @@ class FamilySpec:
             "max_frames",
             "video_encoder_tokens_per_frame",
             "video_tokens_per_frame",
+            "patch_px",
+            "merge_size",
+            "min_pixels",
+            "max_pixels",
+            "temporal_patch",
         )
         for f in fields(self):
             value = getattr(self, f.name)
@@ -205,7 +225,25 @@ INTERNVL = FamilySpec(
     frame_extra_tokens=2,
 )
 
-FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (LLAVA_OV, INTERNVL)}
+QWEN2_VL = FamilySpec(
+    name="qwen2-vl",
+    tiling="native",
+    tile_px=448,  # nominal: a 448 x 448 image is 32 x 32 patches
+    encoder_tokens_per_tile=1024,
+    llm_tokens_per_tile=256,
+    image_extra_tokens=2,  # <|vision_start|> ... <|vision_end|>
+    max_frames=32,
+    video_encoder_tokens_per_frame=1024,
+    video_tokens_per_frame=256,
+    video_extra_tokens=2,
+    patch_px=14,
+    merge_size=2,
+    min_pixels=56 * 56,
+    max_pixels=28 * 28 * 1280,
+    temporal_patch=2,
+)
+
+FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (LLAVA_OV, INTERNVL, QWEN2_VL)}
 """Registry of the built-in families, by name."""
 
 
@@ -458,6 +496,34 @@ def dynamic_tiles(
 # --------------------------------------------------------------------------- per modality
 
 
+def native_grid(
+    spec: FamilySpec | str, width_px: object, height_px: object
+) -> tuple[np.ndarray, np.ndarray]:
+    """Native (Qwen-VL) images: ``(rows, cols)`` of patches after the processor's resize
+    (``smart_resize``: each side rounded to a multiple of ``patch_px * merge_size``, then
+    the area scaled into ``[min_pixels, max_pixels]`` keeping the aspect ratio)."""
+    spec = get_family(spec)
+    w, h = _as_sizes(width_px, height_px)
+    factor = spec.patch_px * spec.merge_size
+    h_bar = np.round(h / factor) * factor
+    w_bar = np.round(w / factor) * factor
+    big = h_bar * w_bar > spec.max_pixels
+    small = ~big & (h_bar * w_bar < spec.min_pixels)
+    beta = np.sqrt(h * w / spec.max_pixels)
+    h_bar = np.where(big, np.maximum(factor, np.floor(h / beta / factor) * factor), h_bar)
+    w_bar = np.where(big, np.maximum(factor, np.floor(w / beta / factor) * factor), w_bar)
+    beta = np.sqrt(spec.min_pixels / (h * w))
+    h_bar = np.where(small, np.ceil(h * beta / factor) * factor, h_bar)
+    w_bar = np.where(small, np.ceil(w * beta / factor) * factor, w_bar)
+    return (h_bar // spec.patch_px).astype(np.int64), (w_bar // spec.patch_px).astype(np.int64)
+
+
+def native_patches(spec: FamilySpec | str, width_px: object, height_px: object) -> np.ndarray:
+    """Native (Qwen-VL) images: patches (encoder tokens) of each image."""
+    rows, cols = native_grid(spec, width_px, height_px)
+    return rows * cols
+
+
 def image_shapes(
     spec: FamilySpec | str,
     width_px: object,
@@ -476,6 +542,10 @@ def image_shapes(
         ``(encoder_units, llm_visual_tokens)``, (N,) int64 each.
     """
     spec = get_family(spec)
+    if spec.tiling == "native":
+        patches = native_patches(spec, width_px, height_px)
+        tokens = patches // spec.merge_size**2 + spec.image_extra_tokens
+        return np.ones_like(patches), tokens
     if spec.tiling == "anyres":
         w, h = _as_sizes(width_px, height_px)
         inverse = None
@@ -538,6 +608,10 @@ def multi_image_shapes(
             f"image_sample_index[{i}]={idx[i]} is out of range [0, num_samples={num_samples})"
         )
     count = np.bincount(idx, minlength=num_samples).astype(np.int64)
+    if spec.tiling == "native":
+        _, tokens_k = image_shapes(spec, w, h)
+        tokens = np.bincount(idx, weights=tokens_k, minlength=num_samples).astype(np.int64)
+        return count, tokens
     if not spec.multi_image_max_tiles_split:
         per_image_tokens = (
             spec.llm_tokens_per_tile + spec.single_tile_newline_tokens + spec.image_extra_tokens
@@ -561,6 +635,9 @@ def video_shapes(spec: FamilySpec | str, num_frames: object) -> tuple[np.ndarray
     """
     spec = get_family(spec)
     frames = np.minimum(_as_int_array("num_frames", num_frames, 1), spec.max_frames)
+    if spec.tiling == "native":  # one unit per temporal patch, at the nominal frame size
+        units = -(-frames // spec.temporal_patch)
+        return units, units * spec.video_tokens_per_frame + spec.video_extra_tokens
     tokens = (
         frames * (spec.video_tokens_per_frame + spec.frame_extra_tokens) + spec.video_extra_tokens
     )
@@ -656,6 +733,10 @@ def shapes_from_descriptors(
             units[is_multi] = m_units[is_multi]
             tokens[is_multi] = m_tokens[is_multi]
         per_unit[is_single | is_multi] = spec.encoder_tokens_per_tile
+        if spec.tiling == "native":  # each image's own patches (the mean of a sample's)
+            patches = np.bincount(idx, weights=native_patches(spec, w, h), minlength=n)
+            has = count > 0
+            per_unit[has] = np.round(patches[has] / count[has]).astype(np.int64)
 
     is_video = mod == Modality.VIDEO
     if is_video.any():

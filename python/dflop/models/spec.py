@@ -187,6 +187,20 @@ class ModelSpec:
             f"{type(self).__name__} trains on a data family's shapes scaled onto the model"
         )
 
+    def profiled_encoder(
+        self,
+        *,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> tuple[nn.Module, tuple[int, int, int], int | None]:
+        """What the profiler times as the encoder: ``(module, pixel shape of one unit,
+        encoder tokens of a profiled unit or None)``. A model with fixed units gives its
+        whole encoder and ``None``; a patch-sequence encoder a module running units of a
+        nominal size, whose time the cost model scales by each sample's tokens."""
+        module = self.whole_module("encoder", seed=seed, device=device, dtype=dtype)
+        return module, self.image_shape, None
+
     def num_layers(self, module: str) -> int:
         """Layers of ``"encoder"`` or ``"llm"`` that a layout splits into stages."""
         if module not in ("encoder", "llm"):

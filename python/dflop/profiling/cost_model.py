@@ -181,9 +181,12 @@ def _check_shapes(name: str, shapes: Any) -> SampleShapes:
     return shapes
 
 
-def _microbatch_features(shapes: SampleShapes) -> tuple[np.ndarray, np.ndarray]:
-    """(encoder features [units, 1 if units else 0], LLM features [tokens, sum sq, 1 if tokens])."""
-    units = float(np.sum(shapes.encoder_units, dtype=np.float64))
+def _microbatch_features(
+    shapes: SampleShapes, model: PerformanceModel
+) -> tuple[np.ndarray, np.ndarray]:
+    """(encoder features [units, 1 if units else 0], LLM features [tokens, sum sq, 1 if
+    tokens]); units as the profiled units they equal."""
+    units = float(np.sum(model.encoder_unit_equivalents(shapes)))
     seq = np.asarray(shapes.seq_len, dtype=np.float64)
     tokens = float(seq.sum())
     sum_sq = float(np.dot(seq, seq))
@@ -269,7 +272,7 @@ class CostModel:
         """
         shapes = _check_shapes("shapes", shapes)
         enc, llm = self._coefficients
-        units = np.asarray(shapes.encoder_units, dtype=np.float64)
+        units = self._prior.encoder_unit_equivalents(shapes)
         seq = np.asarray(shapes.seq_len, dtype=np.float64)
         out = np.empty((len(shapes), 2), dtype=np.float64)
         out[:, 0] = enc[0] * units
@@ -279,7 +282,7 @@ class CostModel:
     def predict_microbatch(self, shapes_in_microbatch: SampleShapes) -> tuple[float, float]:
         """(encoder_s, llm_s) of one microbatch, constants included."""
         shapes = _check_shapes("shapes_in_microbatch", shapes_in_microbatch)
-        enc_x, llm_x = _microbatch_features(shapes)
+        enc_x, llm_x = _microbatch_features(shapes, self._prior)
         enc, llm = self._coefficients
         return float(enc_x @ enc), float(llm_x @ llm)
 
@@ -327,7 +330,7 @@ class CostModel:
             raise ValueError(
                 f"measured_times[{i}, {c}] must be a finite time >= 0 (or nan), got {times[i, c]!r}"
             )
-        rows = [_microbatch_features(s) for s in shapes_list]
+        rows = [_microbatch_features(s, self._prior) for s in shapes_list]
         residuals = np.full((len(shapes_list), 2), np.nan)
         counts = {"accepted": [0, 0], "down": [0, 0], "rejected": [0, 0]}
         with self._lock:

@@ -356,6 +356,11 @@ class PerformanceModel:
         tensor_parallel_size: tp degree the coefficients were measured at.
         tokens_per_unit: encoder tokens per visual unit the encoder was profiled with
             (0 if unknown).
+        encoder_per_token: the encoder's units differ in size (a patch-sequence encoder,
+            Qwen-VL): its time is per ``tokens_per_unit`` encoder tokens, so a sample's
+            encoder cost counts ``encoder_units x its tokens_per_unit / tokens_per_unit``
+            profiled units (the attention within a unit, quadratic in its size, is
+            taken as linear).
         encoder_fit, llm_fit: fit quality (held-out error).
         metadata: free-form JSON-able description: hardware (device name, CPU/GPU),
             torch version, dtype, model configs, dflop version, date, ...
@@ -367,6 +372,7 @@ class PerformanceModel:
     llm_memory: MemoryCoefficients = field(default_factory=lambda: MemoryCoefficients(0, 0))
     tensor_parallel_size: int = 1
     tokens_per_unit: int = 0
+    encoder_per_token: bool = False
     encoder_fit: FitReport = field(default_factory=FitReport.empty)
     llm_fit: FitReport = field(default_factory=FitReport.empty)
     metadata: Mapping[str, Any] = field(default_factory=dict)
@@ -394,6 +400,19 @@ class PerformanceModel:
             raise ValueError(
                 f"PerformanceModel.tokens_per_unit must be >= 0, got {self.tokens_per_unit}"
             )
+        if self.encoder_per_token and int(self.tokens_per_unit) < 1:
+            raise ValueError(
+                "PerformanceModel.encoder_per_token needs the profiled tokens_per_unit (>= 1)"
+            )
+
+    def encoder_unit_equivalents(self, shapes: Any) -> np.ndarray:
+        """(N,) float64: the profiled units each sample's encoder work equals: its units,
+        or with ``encoder_per_token`` its encoder tokens over the profiled unit's."""
+        units = np.asarray(shapes.encoder_units, dtype=np.float64)
+        if not self.encoder_per_token:
+            return units
+        tokens = units * np.asarray(shapes.tokens_per_unit, dtype=np.float64)
+        return tokens / float(self.tokens_per_unit)
 
     # -- predictions (microbatch level) ------------------------------------------------
 
@@ -427,6 +446,7 @@ class PerformanceModel:
             llm_memory=self.llm_memory,
             tensor_parallel_size=self.tensor_parallel_size,
             tokens_per_unit=self.tokens_per_unit,
+            encoder_per_token=self.encoder_per_token,
             encoder_fit=self.encoder_fit,
             llm_fit=self.llm_fit,
             metadata=dict(self.metadata),
@@ -450,6 +470,7 @@ class PerformanceModel:
             "llm_memory": asdict(self.llm_memory),
             "tensor_parallel_size": int(self.tensor_parallel_size),
             "tokens_per_unit": int(self.tokens_per_unit),
+            "encoder_per_token": bool(self.encoder_per_token),
             "encoder_fit": report(self.encoder_fit),
             "llm_fit": report(self.llm_fit),
             "metadata": _jsonable(dict(self.metadata)),
@@ -493,6 +514,7 @@ class PerformanceModel:
             llm_memory=section("llm_memory", MemoryCoefficients),
             tensor_parallel_size=int(data.get("tensor_parallel_size", 1)),
             tokens_per_unit=int(data.get("tokens_per_unit", 0)),
+            encoder_per_token=bool(data.get("encoder_per_token", False)),
             encoder_fit=report("encoder_fit"),
             llm_fit=report("llm_fit"),
             metadata=dict(data.get("metadata") or {}),

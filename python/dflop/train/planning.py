@@ -142,11 +142,12 @@ def quick_profile(
     )
 
     spec = model_spec(model)
+    encoder, image_shape, unit_tokens = spec.profiled_encoder(seed=seed)
     result = profile_model(
-        spec.whole_module("encoder", seed=seed),
+        encoder,
         spec.whole_module("llm", seed=seed),
         device="cpu",
-        image_shape=spec.image_shape,
+        image_shape=image_shape,
         vocab_size=spec.architecture()[1].vocab_size,
         unit_counts=default_unit_counts(max_units),
         seq_len_mixes=default_seq_len_mixes(min(max_tokens, spec.max_seq_len)),
@@ -156,7 +157,17 @@ def quick_profile(
         num_threads=threads,
         measure_memory=False,
     )
-    return fit_performance_model(result, seed=seed)
+    return per_token(fit_performance_model(result, seed=seed), unit_tokens)
+
+
+def per_token(perf: Any, unit_tokens: int | None) -> Any:
+    """``perf`` of a patch-sequence encoder profiled on units of ``unit_tokens`` tokens:
+    its encoder time is per that many tokens (None: unchanged)."""
+    from dataclasses import replace
+
+    if unit_tokens is None:
+        return perf
+    return replace(perf, tokens_per_unit=int(unit_tokens), encoder_per_token=True)
 
 
 @dataclass(frozen=True)

@@ -386,6 +386,10 @@ class Trainer:
                         tokens_per_unit=self.spec.tokens_per_unit,
                         visual_newline=self.spec.visual_newline,
                         encoder_costs=encoder_costs,
+                        unit_tokens=(
+                            batch.unit_tokens() if self.spec.tokens_per_unit is None else None
+                        ),
+                        token_merge=self.spec.token_merge,
                     )
                     results[mode] = self.engine.run_step(plans[mode], batch)
                 grad_norm = self._clip_gradients()

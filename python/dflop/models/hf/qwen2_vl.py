@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from dflop.models.hf.base import HFSpec, HFStage, decoder_architecture
 from dflop.models.hf.common import require_transformers
@@ -70,6 +70,96 @@ class Qwen2VLSpec(HFSpec):
         self.max_seq_len = int(text.max_position_embeddings)
         self.encoder_stage = Qwen2VLEncoderStage
         self.llm_stage = Qwen2VLLLMStage
+        self._processor = None
+        self.family = self._family()
+
+    def image_processor(self) -> Any:
+        """The checkpoint folder's image processor, else the processor class's defaults
+        for the config's patch, merge and temporal sizes."""
+        from dflop.models.hf.common import local_image_processor
+
+        if self._processor is None:
+            processor = local_image_processor(self.checkpoint_dir)
+            if processor is None:
+                vision = self.config.vision_config
+                module = require_transformers().models.qwen2_vl.image_processing_pil_qwen2_vl
+                processor = module.Qwen2VLImageProcessorPil(
+                    patch_size=vision.patch_size,
+                    merge_size=vision.spatial_merge_size,
+                    temporal_patch_size=vision.temporal_patch_size,
+                )
+            self._processor = processor
+        return self._processor
+
+    def _family(self) -> Any:
+        """The shape rules of this model and its processor (``tiling="native"``): patch
+        and merge sizes from the config, the resize bounds from the processor."""
+        from dataclasses import replace
+
+        from dflop.data.families import QWEN2_VL
+
+        vision = self.config.vision_config
+        processor = self.image_processor()
+        for name, value in (
+            ("patch_size", vision.patch_size),
+            ("merge_size", vision.spatial_merge_size),
+            ("temporal_patch_size", vision.temporal_patch_size),
+        ):
+            if int(getattr(processor, name)) != int(value):
+                raise ValueError(
+                    f"the image processor's {name}={getattr(processor, name)} differs from "
+                    f"the model's {value}"
+                )
+        return replace(
+            QWEN2_VL,
+            name=self.model_type,
+            patch_px=int(vision.patch_size),
+            merge_size=int(vision.spatial_merge_size),
+            temporal_patch=int(vision.temporal_patch_size),
+            min_pixels=int(processor.size["shortest_edge"]),
+            max_pixels=int(processor.size["longest_edge"]),
+        )
+
+    def profiled_encoder(
+        self,
+        *,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> tuple[nn.Module, tuple[int, int, int], int | None]:
+        """The whole tower on units of a nominal square grid (the family's tile, at most
+        the processor's largest image): pixels ``[U, 1, patches, patch values]``."""
+        family = self.family
+        side_px = min(family.tile_px, int(family.max_pixels**0.5))
+        merge = family.merge_size
+        side = max(merge, side_px // family.patch_px // merge * merge)
+        tower = self.whole_module("encoder", seed=seed, device=device, dtype=dtype)
+        vision = self.config.vision_config
+        values = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        return _NominalUnits(tower, side), (1, side * side, values), side * side
+
+    def dataset_inputs(self) -> Any:
+        """The converter of LLaVA-format records for this model: its image processor and
+        the folder's tokenizer (else :func:`~dflop.models.hf.records.byte_encoder`)."""
+        from dflop.models.hf.common import local_tokenizer
+        from dflop.models.hf.records import QwenVLRecords, byte_encoder
+
+        tokenizer = local_tokenizer(self.checkpoint_dir)
+        if tokenizer is not None:
+
+            def encode(text: str) -> list[int]:
+                return tokenizer.encode(text, add_special_tokens=False)
+
+        else:
+            config = self.config
+            reserved = (
+                config.image_token_id,
+                config.video_token_id,
+                config.vision_start_token_id,
+                config.vision_end_token_id,
+            )
+            encode = byte_encoder(config.text_config.vocab_size, tuple(int(r) for r in reserved))
+        return QwenVLRecords(self.config, self.image_processor(), encode, self.family)
 
     def architecture(self) -> tuple[Any, Any]:
         """The vision tower (``embed_dim`` wide, ``mlp_ratio`` MLP) with its patch merger
@@ -113,6 +203,21 @@ class Qwen2VLSpec(HFSpec):
         paths += [f"{_TEXT}.layers.{i}" for i in range(first, end)]
         paths.append(f"{_TEXT}.rotary_emb")
         return paths + ([f"{_TEXT}.norm", "lm_head"] if last else [])
+
+
+class _NominalUnits(nn.Module):
+    """A patch-sequence tower called as a fixed-unit encoder (what the profiler times):
+    ``[U, 1, side^2, patch values]`` in, merged features out."""
+
+    def __init__(self, tower: nn.Module, side: int) -> None:
+        super().__init__()
+        self.tower = tower
+        self.side = side
+
+    def forward(self, pixels: Tensor) -> Tensor:
+        units = pixels.shape[0]
+        grid = torch.tensor([[1, self.side, self.side]] * units, device=pixels.device)
+        return self.tower(pixels.reshape(-1, pixels.shape[-1]), grid)
 
 
 class Qwen2VLEncoderStage(HFStage):
@@ -203,8 +308,8 @@ class Qwen2VLLLMStage(HFStage):
         return model.get_vision_position_ids(self, *args, **kwargs)
 
     def _rotary_positions(self, packed: Tensor, position_ids: Tensor | None) -> Tensor:
-        if position_ids is None:
-            raise ValueError("Qwen2-VL's decoder needs its mRoPE position_ids")
+        if position_ids is None:  # text only (e.g. profiling): the three axes agree
+            return packed[None].expand(3, -1, -1)
         return position_ids.to(packed.device)[:, None, :]
 
     def forward(self, input_embeds: Tensor, cu_seqlens: Tensor) -> Tensor:

@@ -42,7 +42,7 @@ from dflop.models.decoder import IGNORE_INDEX
 from dflop.models.spec import VisualItem
 from dflop.runtime.processed_batch import ProcessedSample
 
-__all__ = ["LlavaOnevisionRecords", "byte_encoder"]
+__all__ = ["LlavaOnevisionRecords", "QwenVLRecords", "RecordInputs", "byte_encoder"]
 
 _ANSWER_ROLES = ("gpt", "assistant")
 
@@ -110,7 +110,93 @@ def _header_size(path: str, where: str) -> tuple[int, int]:
     return int(height), int(width)
 
 
-class LlavaOnevisionRecords:
+class RecordInputs:
+    """What the record converters share: the text layout and the token counter.
+    Subclasses set ``family``, ``placeholder_ids`` and implement :meth:`sample`."""
+
+    family: Any
+    placeholder_ids: tuple[int, ...]
+
+    def __init__(
+        self, config: Any, image_processor: Any, encode: Callable[[str], list[int]]
+    ) -> None:
+        self.config = config
+        self.image_processor = image_processor
+        self.encode = encode
+
+    def unsupported(self, record: Any) -> str | None:
+        """Why this converter cannot take ``record`` (a skip reason), or None."""
+        return None
+
+    def sample(
+        self,
+        record: dict[str, Any],
+        *,
+        image_folder: str = "",
+        video_folder: str | None = None,
+        where: str = "record",
+        lazy: bool = False,
+    ) -> ProcessedSample:
+        raise NotImplementedError
+
+    def _sample(
+        self,
+        ids_labels: tuple[list[int], list[int]],
+        load: Callable[[], Tensor] | None,
+        items: tuple[VisualItem, ...],
+        lazy: bool,
+    ) -> ProcessedSample:
+        ids, labels = ids_labels
+        return ProcessedSample(
+            torch.tensor(ids, dtype=torch.long),
+            torch.tensor(labels, dtype=torch.long),
+            None if load is None or lazy else load(),
+            items,
+            self.placeholder_ids,
+            load=load if load is not None and lazy else None,
+        )
+
+    def _tokens(
+        self, record: dict[str, Any], runs: list[list[int]], marker: str, where: str
+    ) -> tuple[list[int], list[int]]:
+        """Token ids and labels: each turn's text encoded, each item's ``runs`` entry (its
+        placeholder ids) at its marker."""
+        turns = record.get("conversations")
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, dict) for t in turns):
+            raise ValueError(f"{where}: 'conversations' must be a non-empty list of turns")
+        texts = [str(turn.get("value", "")) for turn in turns]
+        markers = sum(text.count(marker) for text in texts)
+        # Image k goes at the k-th marker when the counts agree, else all of them at the
+        # first marker (or before the first turn's text without one), as DatasetBatch does.
+        groups = [[run] for run in runs] if markers == len(runs) else [runs] if runs else []
+        if runs and markers == 0:
+            texts[0] = marker + texts[0]
+        ids: list[int] = []
+        labels: list[int] = []
+        for turn, text in zip(turns, texts):
+            answer = turn.get("from") in _ANSWER_ROLES
+            for p, piece in enumerate(text.split(marker)):
+                if p > 0 and groups:
+                    run = [t for item in groups.pop(0) for t in item]
+                    ids += run
+                    labels += [IGNORE_INDEX] * len(run)
+                tokens = list(self.encode(piece))
+                ids += tokens
+                labels += tokens if answer else [IGNORE_INDEX] * len(tokens)
+        return ids, labels
+
+    def text_counter(self) -> TextTokenCounter:
+        """Counts a record's text tokens as :meth:`sample` lays them out (for profiling a
+        dataset under this model: no template tokens)."""
+        return TextTokenCounter(
+            "model-encoder",
+            lambda text: len(self.encode(text)),
+            tokens_per_turn=0,
+            tokens_per_conversation=0,
+        )
+
+
+class LlavaOnevisionRecords(RecordInputs):
     """LLaVA-format records as inputs of one LLaVA-OneVision model (see the module
     docstring).
 
@@ -126,22 +212,10 @@ class LlavaOnevisionRecords:
     ) -> None:
         from dflop.models.hf.llava_onevision import family_from_config
 
-        self.config = config
-        self.image_processor = image_processor
-        self.encode = encode
+        super().__init__(config, image_processor, encode)
         self.family = family_from_config(config)
         self.image_token = int(config.image_token_index)
         self.placeholder_ids = (self.image_token, int(config.video_token_index))
-
-    def text_counter(self) -> TextTokenCounter:
-        """Counts a record's text tokens as :meth:`sample` lays them out (for profiling a
-        dataset under this model: no template tokens)."""
-        return TextTokenCounter(
-            "model-encoder",
-            lambda text: len(self.encode(text)),
-            tokens_per_turn=0,
-            tokens_per_conversation=0,
-        )
 
     def sample(
         self,
@@ -162,24 +236,17 @@ class LlavaOnevisionRecords:
                 raise ValueError(f"{where}: a record has 'image' or 'video', not both")
             videos = image_folder if video_folder is None else video_folder
             paths, items, runs = self._video(_frame_paths(record, videos, where))
-            marker = "<video>"
+            marker, token = "<video>", self.placeholder_ids[1]
         else:
             paths = _image_paths(record, image_folder, where)
             items, runs = self._images(paths, where)
-            marker = "<image>"
-        ids, labels = self._tokens(record, runs, marker, where)
+            marker, token = "<image>", self.image_token
+        tokens = self._tokens(record, [[token] * run for run in runs], marker, where)
 
         def load() -> Tensor:
             return self._pixels(paths, items, where)
 
-        return ProcessedSample(
-            torch.tensor(ids, dtype=torch.long),
-            torch.tensor(labels, dtype=torch.long),
-            None if not paths or lazy else load(),
-            items,
-            self.placeholder_ids,
-            load=load if paths and lazy else None,
-        )
+        return self._sample(tokens, load if paths else None, items, lazy)
 
     def _video(self, frames: list[str]) -> tuple[list[str], tuple[VisualItem, ...], list[int]]:
         """(sampled frame paths, the video item, its placeholder run)."""
@@ -218,28 +285,63 @@ class LlavaOnevisionRecords:
             )
         return pixels
 
-    def _tokens(self, record: dict[str, Any], runs: list[int], marker: str, where: str):
-        turns = record.get("conversations")
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, dict) for t in turns):
-            raise ValueError(f"{where}: 'conversations' must be a non-empty list of turns")
-        texts = [str(turn.get("value", "")) for turn in turns]
-        markers = sum(text.count(marker) for text in texts)
-        # Image k goes at the k-th marker when the counts agree, else all of them at the
-        # first marker (or before the first turn's text without one), as DatasetBatch does.
-        groups = [[run] for run in runs] if markers == len(runs) else [runs] if runs else []
-        if runs and markers == 0:
-            texts[0] = marker + texts[0]
-        token = self.image_token if marker == "<image>" else self.placeholder_ids[1]
-        ids: list[int] = []
-        labels: list[int] = []
-        for turn, text in zip(turns, texts):
-            answer = turn.get("from") in _ANSWER_ROLES
-            for p, piece in enumerate(text.split(marker)):
-                if p > 0 and groups:
-                    run = sum(groups.pop(0))
-                    ids += [token] * run
-                    labels += [IGNORE_INDEX] * run
-                tokens = list(self.encode(piece))
-                ids += tokens
-                labels += tokens if answer else [IGNORE_INDEX] * len(tokens)
-        return ids, labels
+
+class QwenVLRecords(RecordInputs):
+    """LLaVA-format records as inputs of one Qwen2-VL / Qwen2.5-VL model: each image
+    resized by the model's processor (``smart_resize``: the family's ``native_grid``,
+    computed from the header size) and cut into patches; at its ``<image>`` marker
+    ``<|vision_start|>``, one image token per ``merge_size^2`` patches,
+    ``<|vision_end|>``. Video records are not handled yet (:meth:`unsupported`)."""
+
+    def __init__(
+        self, config: Any, image_processor: Any, encode: Callable[[str], list[int]], family: Any
+    ) -> None:
+        super().__init__(config, image_processor, encode)
+        self.family = family
+        self.placeholder_ids = (int(config.image_token_id), int(config.video_token_id))
+        self.wrap = (int(config.vision_start_token_id), int(config.vision_end_token_id))
+
+    def unsupported(self, record: Any) -> str | None:
+        return "video_unsupported" if isinstance(record, dict) and "video" in record else None
+
+    def sample(
+        self,
+        record: dict[str, Any],
+        *,
+        image_folder: str = "",
+        video_folder: str | None = None,
+        where: str = "record",
+        lazy: bool = False,
+    ) -> ProcessedSample:
+        """One record as model inputs (image paths relative to ``image_folder``).
+        ``lazy``: the pixels are processed on first use; the grids come from the headers."""
+        from dflop.data.families import native_grid
+
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        if self.unsupported(record):
+            raise ValueError(f"{where}: video records are not supported for Qwen-VL yet")
+        paths = _image_paths(record, image_folder, where)
+        items, runs = [], []
+        merge = self.family.merge_size**2
+        start, end = self.wrap
+        for path in paths:
+            height, width = _header_size(path, where)
+            rows, cols = (int(a[0]) for a in native_grid(self.family, width, height))
+            items.append(VisualItem("image", 1, height, width, grid_thw=(1, rows, cols)))
+            runs.append([start, *[self.placeholder_ids[0]] * (rows * cols // merge), end])
+        items = tuple(items)
+        tokens = self._tokens(record, runs, "<image>", where)
+
+        def load() -> Tensor:
+            images = [_open_rgb(path, where) for path in paths]
+            out = self.image_processor(images=images, return_tensors="pt")
+            grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"]]
+            if grids != [item.grid_thw for item in items]:
+                raise ValueError(
+                    f"{where}: the image processor made patch grids {grids}, the model's "
+                    f"rule {[item.grid_thw for item in items]}: does the processor match?"
+                )
+            return out["pixel_values"]
+
+        return self._sample(tokens, load if paths else None, items, lazy)

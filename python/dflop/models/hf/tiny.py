@@ -167,3 +167,36 @@ def tiny_qwen2_vl_config(
         text_config=_qwen_text(vocab_size, text_layers),
         **_qwen_ids(vocab_size),
     )
+
+
+def save_tiny_qwen_vl(
+    folder: str, *, family: str = "qwen2_vl", seed: int = 0, weights: bool = True
+) -> str:
+    """A local model folder of :func:`tiny_qwen2_vl_config` (``family="qwen2_5_vl"``:
+    :func:`tiny_qwen2_5_vl_config`): ``config.json``, an image processor of the model's
+    patch sizes whose resize bounds keep images between 16 x 16 and 128 x 128 pixels
+    (at most 1,024 patches, for CPU runs) and, with ``weights``, safetensors of the model
+    built after ``torch.manual_seed(seed)``."""
+    import torch
+
+    transformers = require_transformers()
+    make, cls = {
+        "qwen2_vl": (tiny_qwen2_vl_config, "Qwen2VLForConditionalGeneration"),
+        "qwen2_5_vl": (tiny_qwen2_5_vl_config, "Qwen2_5_VLForConditionalGeneration"),
+    }[family]
+    config = make()
+    vision = config.vision_config
+    module = transformers.models.qwen2_vl.image_processing_pil_qwen2_vl
+    module.Qwen2VLImageProcessorPil(
+        patch_size=vision.patch_size,
+        merge_size=vision.spatial_merge_size,
+        temporal_patch_size=vision.temporal_patch_size,
+        min_pixels=16 * 16,
+        max_pixels=128 * 128,
+    ).save_pretrained(folder)
+    if weights:
+        torch.manual_seed(seed)
+        getattr(transformers, cls)(config).save_pretrained(folder)
+    else:
+        config.save_pretrained(folder)
+    return folder
