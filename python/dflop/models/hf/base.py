@@ -236,23 +236,43 @@ class HFStage(nn.Module):
         self, input_embeds: Tensor, cu_seqlens: Tensor, position_ids: Tensor | None = None
     ) -> Tensor:
         """The decoder layers over samples packed into one sequence: positions restart
-        per sample (or the model's ``position_ids``), no attention across samples."""
+        per sample (or the model's ``position_ids``), no attention across samples. Flash
+        attention runs the packed sequence with its varlen boundaries; other
+        implementations run each layer's attention per sample (causal within it), so
+        attention costs ``sum(seq^2)`` as the cost model prices it, not ``(sum seq)^2``."""
         tokens = input_embeds.shape[0]
-        packed, mask, kwargs = packed_decoder_inputs(
+        packed, flash = packed_decoder_inputs(
             self.config.text_config, cu_seqlens, tokens, input_embeds.device
         )
         h = input_embeds[None]
         rotary = self.get_submodule(f"{self.text_root}.rotary_emb")
-        position_embeddings = rotary(h, self._rotary_positions(packed, position_ids))
-        for layer in self._layers(self.text_root):
-            h = layer(
-                h,
-                attention_mask=mask,
-                position_ids=packed,
-                position_embeddings=position_embeddings,
-                **kwargs,
-            )
-            h = h[0] if isinstance(h, tuple) else h
+        cos, sin = rotary(h, self._rotary_positions(packed, position_ids))
+        layers = self._layers(self.text_root)
+        if flash is not None:  # one varlen call over the packed samples
+            for layer in layers:
+                h = _out(layer(h, position_ids=packed, position_embeddings=(cos, sin), **flash))
+            return h[0]
+        impl = str(getattr(self.config.text_config, "_attn_implementation", None) or "sdpa")
+        bounds = list(zip(cu_seqlens.tolist(), cu_seqlens.tolist()[1:]))
+        for layer in layers:
+            parts = []
+            for start, end in bounds:
+                length = end - start
+                causal = None  # SDPA: is_causal within the sample
+                if impl != "sdpa":
+                    causal = torch.ones(length, length, dtype=torch.bool, device=h.device)
+                    causal = causal.tril()[None, None]
+                parts.append(
+                    _out(
+                        layer(
+                            h[:, start:end],
+                            attention_mask=causal,
+                            position_ids=packed[:, start:end],
+                            position_embeddings=(cos[..., start:end, :], sin[..., start:end, :]),
+                        )
+                    )
+                )
+            h = torch.cat(parts, dim=1) if parts else h
         return h[0]
 
     def loss(
@@ -273,3 +293,8 @@ class HFStage(nn.Module):
         logits = self.get_submodule("lm_head")(hidden)
         sum_loss = F.cross_entropy(logits.float(), targets[keep], reduction="sum")
         return sum_loss, keep.sum()
+
+
+def _out(result: Any) -> Tensor:
+    """A decoder layer's hidden states (some versions return a tuple)."""
+    return result[0] if isinstance(result, tuple) else result

@@ -1,5 +1,5 @@
 """What every Hugging Face adapter shares: the ``transformers`` import, local configs,
-packed attention over samples, stage trees under the model's own parameter names, and
+packed samples (restarting positions, flash varlen boundaries), stage trees under the model's own parameter names, and
 checkpoints in the Hugging Face layout (safetensors with the original keys).
 
 Stages keep the full model's module paths (``model.language_model.layers.3.mlp...``), so a
@@ -23,7 +23,6 @@ from dflop.models.decoder import packed_positions
 __all__ = [
     "SUPPORTED_TRANSFORMERS",
     "StageTree",
-    "block_causal_mask",
     "checkpoint_keys",
     "load_config",
     "materialize",
@@ -69,43 +68,27 @@ def load_config(path: str) -> Any:
 # --------------------------------------------------------------------------- packing
 
 
-def block_causal_mask(cu_seqlens: Tensor, total_tokens: int, device: torch.device) -> Tensor:
-    """``[1, 1, T, T]`` bool: position q may attend to k when both lie in the same packed
-    sample and ``k <= q`` (True = attend), for SDPA / eager attention."""
-    cu = cu_seqlens.to(device)
-    lens = cu[1:] - cu[:-1]
-    sample = torch.repeat_interleave(torch.arange(lens.numel(), device=device), lens)
-    if sample.numel() != total_tokens:
-        raise ValueError(
-            f"cu_seqlens covers {sample.numel()} positions, the hidden states {total_tokens}"
-        )
-    index = torch.arange(total_tokens, device=device)
-    same = sample[:, None] == sample[None, :]
-    return (same & (index[None, :] <= index[:, None]))[None, None]
-
-
 def packed_decoder_inputs(
     config: Any, cu_seqlens: Tensor, total_tokens: int, device: torch.device
-) -> tuple[Tensor, Tensor | None, dict[str, Any]]:
-    """``(position_ids [1, T], attention_mask, attention kwargs)`` for HF decoder layers over
-    samples packed into one sequence: positions restart at every sample and no position
-    attends across samples. Flash attention (``_attn_implementation`` starting with
-    ``flash``) gets the varlen boundaries (``cu_seq_lens_q/k``, ``max_length_q/k``) and no
-    mask; every other implementation a block-diagonal causal mask."""
+) -> tuple[Tensor, dict[str, Any] | None]:
+    """``(position_ids [1, T], flash kwargs)`` for HF decoder layers over samples packed
+    into one sequence: positions restart at every sample. Flash attention
+    (``_attn_implementation`` starting with ``flash``) gets the varlen boundaries
+    (``cu_seq_lens_q/k``, ``max_length_q/k``); other implementations None (the caller
+    runs attention per sample)."""
     cu = cu_seqlens.to(device=device, dtype=torch.long)
     positions = packed_positions(cu, total_tokens)[None]
     impl = str(getattr(config, "_attn_implementation", None) or "sdpa")
-    if impl.startswith("flash"):
-        max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-        cu32 = cu.to(torch.int32)
-        kwargs = {
-            "cu_seq_lens_q": cu32,
-            "cu_seq_lens_k": cu32,
-            "max_length_q": max_len,
-            "max_length_k": max_len,
-        }
-        return positions, None, kwargs
-    return positions, block_causal_mask(cu, total_tokens, device), {}
+    if not impl.startswith("flash"):
+        return positions, None
+    max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    cu32 = cu.to(torch.int32)
+    return positions, {
+        "cu_seq_lens_q": cu32,
+        "cu_seq_lens_k": cu32,
+        "max_length_q": max_len,
+        "max_length_k": max_len,
+    }
 
 
 # --------------------------------------------------------------------------- stage trees
