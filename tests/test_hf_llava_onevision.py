@@ -420,3 +420,55 @@ def test_a_corrupt_image_is_named(lazy):
             record, image_folder=os.path.join(root, "images"), where="record 25", lazy=lazy
         )
         ProcessedBatch([sample], 16).pixel_values([0])
+
+
+def _tied_config():
+    config = _config()
+    config.tie_word_embeddings = True
+    config.text_config.tie_word_embeddings = True
+    return config
+
+
+def test_tied_embeddings_over_pipeline_stages(tmp_path):
+    """A head tied to the token embedding (LLaVA-OneVision 0.5B ties them), the LLM split
+    over 2 stages, loaded from a checkpoint that stores the tied weight once: both copies
+    get the tied parameter's whole gradient (the transformers model's), and the saved
+    checkpoint stores it once and loads with from_pretrained."""
+    config = _tied_config()
+    folder = str(tmp_path / "tied")
+    _hf_model(config).save_pretrained(folder)
+    ref_loss, _, ref_grads = _reference(config, _samples(config))
+    layout_kw = dict(llm_pp=2, num_microbatches=2)
+    results = spawn_local(
+        _rank_step,
+        3,
+        args=(folder, layout_kw, [0, 1, 0, 1, 0, 1, 0, 1]),
+        timeout_s=SPAWN_TIMEOUT_S,
+        num_threads=1,
+    )
+    assert results[0]["loss_sum"] == pytest.approx(ref_loss, rel=1e-5)
+    embed = "model.language_model.embed_tokens.weight"
+    first, last = results[1]["grads"], results[2]["grads"]
+    tol = 1e-6 + 1e-4 * float(np.abs(ref_grads[embed]).max())
+    assert float(np.abs(first[embed] - ref_grads[embed]).max()) <= tol
+    assert float(np.abs(last["lm_head.weight"] - ref_grads[embed]).max()) <= tol
+    # Saved once; from_pretrained re-ties it.
+    spec = hf_model_spec(folder)
+    layout = RuntimeLayout.simple(
+        llm_pp=2,
+        encoder_layers=spec.encoder_layers,
+        llm_layers=spec.llm_layers,
+        num_microbatches=1,
+        global_batch=1,
+    )
+    state = {}
+    for rank in range(layout.world_size):
+        state.update(build_stage(spec, rank_info(layout, rank)).state_dict())
+    spec.save_checkpoint(str(tmp_path / "out"), state)
+    reloaded = transformers.LlavaOnevisionForConditionalGeneration.from_pretrained(
+        str(tmp_path / "out")
+    )
+    original = transformers.LlavaOnevisionForConditionalGeneration.from_pretrained(folder)
+    assert reloaded.lm_head.weight is reloaded.model.language_model.embed_tokens.weight
+    for name, value in original.state_dict().items():
+        assert torch.equal(value, reloaded.state_dict()[name]), name

@@ -399,6 +399,7 @@ class PipelineEngine:
             stamps.append((FORWARD if is_forward else BACKWARD, j, arrive, start, clock.mark()))
         self._wait_sends()
         self._all_reduce_grads()
+        self._sum_tied_grads()
         loss_sum = self._global_loss_sum()
         end = clock.mark()
         if clock.cuda:
@@ -707,6 +708,19 @@ class PipelineEngine:
             n = g.numel()
             g.copy_(flat[offset : offset + n].view_as(g))
             offset += n
+
+    def _sum_tied_grads(self) -> None:
+        """A head tied to the token embedding lives on the first and the last LLM stage:
+        sum the two copies' gradients so both take the same step (the gradient of the
+        one tied parameter)."""
+        tied = getattr(self.stage, "tied_parameter", None)
+        param = tied() if callable(tied) else None
+        group = self.topology.embedding_group
+        if param is None or group is None:
+            return
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(param.grad, group=group)
 
     def _global_loss_sum(self) -> float:
         """The global batch's loss sum on every rank (only last LLM stages contribute)."""

@@ -360,6 +360,10 @@ class Topology:
         dp_ranks, tp_ranks: the global ranks of this rank's DP and TP groups.
         bridge_ranks: all bridge ranks (the same on every rank).
         timeout_s: the groups' collective timeout.
+        embedding_group: on the first and last LLM stage of a pipeline of >= 2 stages,
+            the group of those two ranks (same replica and TP index): a model whose
+            head is tied to its token embedding sums the two copies' gradients over it.
+            None elsewhere.
     """
 
     layout: RuntimeLayout
@@ -371,6 +375,7 @@ class Topology:
     tp_ranks: tuple[int, ...]
     bridge_ranks: tuple[int, ...]
     timeout_s: float
+    embedding_group: Any = None
 
     @property
     def rank(self) -> int:
@@ -385,7 +390,7 @@ class Topology:
         torch.distributed requires every rank to call ``new_group`` for every group, in the
         same order, even for groups it is not a member of, so this creates them all in a
         fixed order (encoder DP groups, encoder TP groups, LLM DP groups, LLM TP groups, the
-        bridge group) and keeps this rank's. ``rank`` defaults to the default group's rank
+        bridge group, the LLM's embedding groups) and keeps this rank's. ``rank`` defaults to the default group's rank
         and must equal it; the world size must equal ``layout.world_size``.
         """
         import torch.distributed as dist
@@ -421,6 +426,7 @@ class Topology:
         bridge = list(layout.bridge_ranks)
         create_all("bridge", [bridge])
         bridge_group = mine["bridge"][0] if "bridge" in mine else None
+        create_all("embedding", _embedding_groups(layout))
         return cls(
             layout=layout,
             info=info,
@@ -431,4 +437,19 @@ class Topology:
             tp_ranks=mine["tp"][1],
             bridge_ranks=tuple(bridge),
             timeout_s=timeout_s,
+            embedding_group=mine["embedding"][0] if "embedding" in mine else None,
         )
+
+
+def _embedding_groups(layout: RuntimeLayout) -> list[list[int]]:
+    """[first LLM stage rank, last LLM stage rank] per LLM replica and TP index (none for a
+    one-stage LLM)."""
+    llm = layout.llm
+    if llm.pp < 2:
+        return []
+    first = layout.first_rank("llm")
+    return [
+        [first + d * llm.tp * llm.pp + t, first + d * llm.tp * llm.pp + (llm.pp - 1) * llm.tp + t]
+        for d in range(llm.dp)
+        for t in range(llm.tp)
+    ]

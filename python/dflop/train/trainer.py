@@ -464,13 +464,18 @@ class Trainer:
         gradients are scaled down to ``grad_clip_norm`` if it is exceeded. Each parameter
         counts once: sharded (TP) gradients by their local shards, replicated ones on TP
         rank 0 only, and only DP replica 0 of each module (replicas hold equal gradients
-        after the DP all-reduce)."""
+        after the DP all-reduce; a head tied to the embedding counts on the first LLM
+        stage only)."""
         import torch
         import torch.distributed as dist
 
         from dflop.runtime.tensor_parallel import grad_sq_sum
 
         share = grad_sq_sum(self.stage, include_replicated=self.info.tp_rank == 0)
+        tied = getattr(self.stage, "tied_parameter", None)
+        tied = tied() if callable(tied) else None
+        if tied is not None and tied.grad is not None and self.info.is_last_stage:
+            share = share - tied.grad.detach().double().pow(2).sum().to(share.device)
         share = share.to(self.device if dist.get_backend() == "nccl" else "cpu")
         if self.info.dp_rank != 0:
             share.zero_()

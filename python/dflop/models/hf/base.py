@@ -24,6 +24,7 @@ from dflop.models.hf.common import (
     load_stage_weights,
     materialize,
     packed_decoder_inputs,
+    tied_names,
     write_index,
     write_shard,
 )
@@ -98,12 +99,6 @@ class HFSpec(ModelSpec):
                 f"tensor parallelism (tp={tp_size}) is not supported for Hugging Face models "
                 "yet: use a layout with encoder_tp=1 and llm_tp=1"
             )
-        tied = bool(getattr(self.config, "tie_word_embeddings", False))
-        if tied and info.module == "llm" and info.is_first_stage != info.is_last_stage:
-            raise ValueError(
-                "tie_word_embeddings=True with the LLM split over pipeline stages is not "
-                "supported yet: use llm_pp=1"
-            )
         first, end = info.layer_range
         from_checkpoint = self._from_checkpoint()
         full = self._full_model(seed, meta=from_checkpoint)
@@ -123,11 +118,14 @@ class HFSpec(ModelSpec):
         """Write a part of the model's ``state_dict`` (e.g. one stage's) to
         ``folder/filename`` under the checkpoint's keys; returns its ``weight_map``."""
         with torch.device("meta"):
-            keys = checkpoint_keys(self.model_class(self.config))
+            model = self.model_class(self.config)
+        keys = checkpoint_keys(model)
         unknown = sorted(set(state_dict) - set(keys))
         if unknown:
             raise ValueError(f"cannot save {unknown[0]!r}: the model has no such tensor")
-        return write_shard(folder, filename, {keys[n]: t for n, t in state_dict.items()})
+        tied = set(tied_names(model))  # saved once, under the embedding's key
+        tensors = {keys[n]: t for n, t in state_dict.items() if n not in tied}
+        return write_shard(folder, filename, tensors)
 
     def finish_checkpoint(self, folder: str, weight_map: dict[str, str], seed: int = 0) -> None:
         """Complete a checkpoint whose trained tensors :meth:`save_shard` wrote: the
@@ -179,6 +177,18 @@ class HFStage(nn.Module):
     def _layers(self, root: str) -> list[nn.Module]:
         layers = self.get_submodule(f"{root}.layers") if self.end_layer > self.first_layer else None
         return [getattr(layers, str(i)) for i in range(self.first_layer, self.end_layer)]
+
+    def tied_parameter(self) -> nn.Parameter | None:
+        """With ``tie_word_embeddings`` and the LLM over >= 2 stages: this stage's copy of
+        the tied weight (the token embedding on the first stage, the head on the last),
+        whose gradient the engine sums with the other copy's; else None."""
+        if not getattr(self.config, "tie_word_embeddings", False):
+            return None
+        if self.has_embed and not self.has_head:
+            return self.get_parameter(f"{self.text_root}.embed_tokens.weight")
+        if self.has_head and not self.has_embed:
+            return self.get_parameter("lm_head.weight")
+        return None
 
     # ------------------------------------------------------------- packed decoder stages
 

@@ -205,7 +205,26 @@ def checkpoint_keys(model: nn.Module) -> dict[str, str]:
                 "way dflop's stage loader does not support"
             )
         mapping[name] = key
+    # A tied weight is saved once, under its source's key (the head under the embedding).
+    for target, source in tied_pairs(model).items():
+        if source in mapping:
+            mapping[target] = mapping[source]
     return mapping
+
+
+def tied_pairs(model: nn.Module) -> dict[str, str]:
+    """``{tied parameter: the parameter it is tied to}`` of a model whose config ties
+    them (transformers' ``_tied_weights_keys``), else empty."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "tie_word_embeddings", False):
+        return {}
+    pairs = getattr(model, "_tied_weights_keys", None) or {}
+    return dict(pairs) if isinstance(pairs, dict) else {}
+
+
+def tied_names(model: nn.Module) -> list[str]:
+    """The parameters saved under another's key (:func:`tied_pairs`' targets)."""
+    return list(tied_pairs(model))
 
 
 def _checkpoint_files(folder: str) -> dict[str, str]:
