@@ -24,8 +24,10 @@ from dflop.runtime import RuntimeLayout, Topology, spawn_local  # noqa: E402
 from dflop.runtime.pipeline import PipelineEngine, build_stage  # noqa: E402
 from dflop.runtime.processed_batch import ProcessedBatch, ProcessedSample  # noqa: E402
 from dflop.runtime.step_data import StepPlan  # noqa: E402
+from dflop.runtime.tensor_parallel import full_tensor  # noqa: E402
 from dflop.runtime.topology import rank_info  # noqa: E402
 from dflop.scheduler import schedule_from_assignment  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers.models.llava_onevision.modeling_llava_onevision import (  # noqa: E402
     image_size_to_num_patches,
 )
@@ -172,12 +174,27 @@ def _rank_step(rank, world_size, folder, layout_kw, assignment):
     batch = ProcessedBatch(_samples(spec.config), spec.tokens_per_unit)
     layout, plan = _step(spec, batch, layout_kw, assignment)
     topology = Topology.create(layout, rank)
-    stage = build_stage(spec, topology.info, seed=MODEL_SEED)
+    stage = build_stage(
+        spec,
+        topology.info,
+        seed=MODEL_SEED,
+        tp_group=topology.tp_group,
+        tp_size=layout.module(topology.info.module).tp,
+    )
     result = PipelineEngine(topology, stage, debug=True).run_step(plan, batch)
     grads = {
-        name: p.grad.numpy().copy() for name, p in stage.named_parameters() if p.grad is not None
+        # full_tensor: a TP-sharded gradient all-gathered (every TP rank calls it in order)
+        name: full_tensor(p.grad).numpy().copy()
+        for name, p in stage.named_parameters()
+        if p.grad is not None
     }
-    return {"loss_sum": result.loss_sum, "targets": result.num_target_tokens, "grads": grads}
+    sharded = sum(isinstance(p, DTensor) for p in stage.parameters())
+    return {
+        "loss_sum": result.loss_sum,
+        "targets": result.num_target_tokens,
+        "grads": grads,
+        "sharded": sharded,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -200,8 +217,10 @@ def reference():
         (dict(encoder_dp=2, llm_pp=2, num_microbatches=3), [0, 0, 1, 1, 2, 2, 1, 0], 4),
         # one encoder stage and one LLM stage, 2 microbatches.
         (dict(num_microbatches=2), [0, 1, 0, 1, 0, 1, 1, 0], 2),
+        # tensor parallelism: encoder and LLM each over 2 TP ranks.
+        (dict(encoder_tp=2, llm_tp=2, num_microbatches=2), [0, 1, 0, 1, 0, 1, 1, 0], 4),
     ],
-    ids=["enc_dp2_llm_pp2", "one_stage_each"],
+    ids=["enc_dp2_llm_pp2", "one_stage_each", "enc_tp2_llm_tp2"],
 )
 def test_runtime_matches_transformers(checkpoint, reference, layout_kw, assignment, world):
     ref_loss, ref_targets, ref_grads = reference
@@ -215,21 +234,19 @@ def test_runtime_matches_transformers(checkpoint, reference, layout_kw, assignme
     for r in results:
         assert r["targets"] == ref_targets
         assert r["loss_sum"] == pytest.approx(ref_loss, rel=1e-5)
-    merged: dict[str, np.ndarray] = {}
+    # After the DP all-reduce (and with TP, gathered) every rank holds the whole
+    # gradient of each parameter it holds.
+    held = set()
     for r in results:
         for name, grad in r["grads"].items():
-            merged[name] = merged[name] + grad if name in merged else grad  # dp replicas
-    # Encoder replicas each hold part of the gradient until the DP all-reduce: after it
-    # every replica has the whole; the merge above summed them, so divide back.
-    replicas = layout_kw.get("encoder_dp", 1)
-    for name, grad in merged.items():
-        if name.startswith("model.vision_tower") or name.startswith("model.multi_modal"):
-            merged[name] = grad / replicas
-    assert set(merged) == set(ref_grads), sorted(set(ref_grads) ^ set(merged))[:4]
-    for name, ref in ref_grads.items():
-        tol = 1e-6 + 1e-4 * float(np.abs(ref).max())
-        diff = float(np.abs(merged[name] - ref).max())
-        assert diff <= tol, f"{name}: max |grad - ref| = {diff:.3g} > {tol:.3g}"
+            held.add(name)
+            tol = 1e-6 + 1e-4 * float(np.abs(ref_grads[name]).max())
+            diff = float(np.abs(grad - ref_grads[name]).max())
+            assert diff <= tol, f"{name}: max |grad - ref| = {diff:.3g} > {tol:.3g}"
+    # With tensor parallelism every rank holds sharded parameters, else none.
+    tp = layout_kw.get("encoder_tp", 1) > 1
+    assert all((r["sharded"] > 0) == tp for r in results), [r["sharded"] for r in results]
+    assert held == set(ref_grads), sorted(held ^ set(ref_grads))[:4]
 
 
 def test_packed_samples_do_not_see_each_other(reference):

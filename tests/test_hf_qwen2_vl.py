@@ -24,7 +24,9 @@ from dflop.runtime import RuntimeLayout, Topology, spawn_local  # noqa: E402
 from dflop.runtime.pipeline import PipelineEngine, build_stage  # noqa: E402
 from dflop.runtime.processed_batch import ProcessedBatch, ProcessedSample  # noqa: E402
 from dflop.runtime.step_data import StepPlan  # noqa: E402
+from dflop.runtime.tensor_parallel import full_tensor  # noqa: E402
 from dflop.scheduler import schedule_from_assignment  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 MODEL_SEED, DATA_SEED = 7, 13
 SPAWN_TIMEOUT_S = 120.0
@@ -155,12 +157,22 @@ def _rank_step(rank, world_size, family, layout_kw, assignment):
         token_merge=spec.token_merge,
     )
     topology = Topology.create(layout, rank)
-    stage = build_stage(spec, topology.info, seed=MODEL_SEED)
+    stage = build_stage(
+        spec,
+        topology.info,
+        seed=MODEL_SEED,
+        tp_group=topology.tp_group,
+        tp_size=layout.module(topology.info.module).tp,
+    )
     result = PipelineEngine(topology, stage, debug=True).run_step(plan, batch)
     grads = {
-        name: p.grad.numpy().copy() for name, p in stage.named_parameters() if p.grad is not None
+        # full_tensor: a TP-sharded gradient all-gathered (every TP rank calls it in order)
+        name: full_tensor(p.grad).numpy().copy()
+        for name, p in stage.named_parameters()
+        if p.grad is not None
     }
-    return {"loss_sum": result.loss_sum, "grads": grads}
+    sharded = sum(isinstance(p, DTensor) for p in stage.parameters())
+    return {"loss_sum": result.loss_sum, "grads": grads, "sharded": sharded}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -176,8 +188,9 @@ def reference(request):
         # LLM pp 2, 3 microbatches.
         (dict(encoder_dp=2, llm_pp=2, num_microbatches=3), [0, 0, 1, 1, 2, 2, 1, 0], 4),
         (dict(num_microbatches=2), [0, 1, 0, 1, 0, 1, 0, 1], 2),
+        (dict(encoder_tp=2, llm_tp=2, num_microbatches=2), [0, 1, 0, 1, 0, 1, 0, 1], 4),
     ],
-    ids=["enc_dp2_llm_pp2", "one_stage_each"],
+    ids=["enc_dp2_llm_pp2", "one_stage_each", "enc_tp2_llm_tp2"],
 )
 def test_runtime_matches_transformers(reference, layout_kw, assignment, world):
     family, (loss_sum, grads) = reference
@@ -198,6 +211,9 @@ def test_runtime_matches_transformers(reference, layout_kw, assignment, world):
             tol = 1e-6 + 1e-4 * float(np.abs(grads[name]).max())
             diff = float(np.abs(grad - grads[name]).max())
             assert diff <= tol, f"{name}: max |grad - ref| = {diff:.3g} > {tol:.3g}"
+    # With tensor parallelism every rank holds sharded parameters, else none.
+    tp = layout_kw.get("encoder_tp", 1) > 1
+    assert all((r["sharded"] > 0) == tp for r in results), [r["sharded"] for r in results]
     assert held == set(grads), sorted(held ^ set(grads))[:4]
 
 

@@ -400,6 +400,39 @@ class DecoderStage(nn.Module):
         """Deterministic init keyed by ``decoder.<name>`` (see ``dflop.models.init``)."""
         init_weights(self, seed, prefix="decoder.")
 
+    # Tensor parallelism (dflop.runtime.tensor_parallel), Megatron-style.
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """Submodule name -> ``"colwise"`` / ``"rowwise"``: attention q/k/v column- and
+        ``o_proj`` row-parallel, ``gate_proj`` / ``up_proj`` column- and ``down_proj``
+        row-parallel; embeddings, norms and the head replicated."""
+        plan: dict[str, str] = {}
+        for i in self.layers:
+            base = f"layers.{i}"
+            for name in ("q_proj", "k_proj", "v_proj"):
+                plan[f"{base}.self_attn.{name}"] = "colwise"
+            plan[f"{base}.self_attn.o_proj"] = "rowwise"
+            for name in ("gate_proj", "up_proj"):
+                plan[f"{base}.mlp.{name}"] = "colwise"
+            plan[f"{base}.mlp.down_proj"] = "rowwise"
+        return plan
+
+    def tensor_parallel_sizes(self) -> list[tuple[str, int]]:
+        """The config fields the tensor-parallel size must divide."""
+        c = self.config
+        return [
+            ("DecoderConfig.heads", c.heads),
+            ("DecoderConfig.kv_heads", c.kv_heads),
+            ("DecoderConfig.mlp_hidden", c.mlp_hidden),
+        ]
+
+    def use_local_heads(self, tp_size: int) -> None:
+        """Each block's attention over its TP rank's heads (a contiguous run of query heads
+        and their key/value heads, so grouped-query pairs stay on one rank)."""
+        for block in self.layers.values():
+            block.self_attn.heads = self.config.heads // tp_size
+            block.self_attn.kv_heads = self.config.kv_heads // tp_size
+
 
 class Decoder(DecoderStage):
     """The whole decoder: ``embed(token_ids[T]) -> [T, hidden]``,

@@ -89,7 +89,8 @@ class VisionAttention(nn.Module):
 
         q, k, v = (split_heads(p(x)) for p in (self.q_proj, self.k_proj, self.v_proj))
         out = F.scaled_dot_product_attention(q, k, v)
-        return self.out_proj(out.transpose(1, 2).reshape(units, tokens, hidden))
+        # -1: the local width when the projections are sharded over tensor parallelism
+        return self.out_proj(out.transpose(1, 2).reshape(units, tokens, -1))
 
 
 class VisionMLP(nn.Module):
@@ -271,6 +272,38 @@ class VisionStage(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Deterministic init keyed by ``vision.<name>`` (see ``dflop.models.init``)."""
         init_weights(self, seed, prefix="vision.")
+
+    # Tensor parallelism (dflop.runtime.tensor_parallel), Megatron-style.
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """Submodule name -> ``"colwise"`` / ``"rowwise"``: attention q/k/v column- and
+        ``out_proj`` row-parallel, ``fc1`` / ``fc2`` the same, the projector's
+        ``linear_1`` / ``linear_2`` on the head stage; the rest replicated."""
+        plan: dict[str, str] = {}
+        for i in self.encoder.blocks:
+            base = f"encoder.blocks.{i}"
+            for name in ("q_proj", "k_proj", "v_proj"):
+                plan[f"{base}.self_attn.{name}"] = "colwise"
+            plan[f"{base}.self_attn.out_proj"] = "rowwise"
+            plan[f"{base}.mlp.fc1"] = "colwise"
+            plan[f"{base}.mlp.fc2"] = "rowwise"
+        if self.projector is not None:
+            plan["projector.linear_1"] = "colwise"
+            plan["projector.linear_2"] = "rowwise"
+        return plan
+
+    def tensor_parallel_sizes(self) -> list[tuple[str, int]]:
+        """The config fields the tensor-parallel size must divide."""
+        v, p = self.vision_config, self.projector_config
+        sizes = [("VisionConfig.heads", v.heads), ("VisionConfig.mlp_hidden", v.mlp_hidden)]
+        if self.projector is not None:
+            sizes.append(("ProjectorConfig.intermediate", p.intermediate))
+        return sizes
+
+    def use_local_heads(self, tp_size: int) -> None:
+        """Each block's attention over its TP rank's ``heads / tp_size`` heads."""
+        for block in self.encoder.blocks.values():
+            block.self_attn.heads = self.vision_config.heads // tp_size
 
 
 class VisionTower(VisionStage):

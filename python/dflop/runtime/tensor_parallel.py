@@ -1,16 +1,20 @@
 """Tensor parallelism of a pipeline stage through torch's own tensor-parallel API.
 
-:func:`apply_tensor_parallel` shards a ``VisionStage`` or ``DecoderStage`` Megatron-style
-with ``torch.distributed.tensor.parallel.parallelize_module``:
+:func:`apply_tensor_parallel` shards any stage that declares its plan, Megatron-style,
+with ``torch.distributed.tensor.parallel.parallelize_module``. A stage declares:
 
-- attention: ``q_proj`` / ``k_proj`` / ``v_proj`` column-parallel (each TP rank holds a
-  contiguous run of ``heads / tp`` query heads and ``kv_heads / tp`` key/value heads, so
-  grouped-query attention pairs every local query head with its own local kv head),
-  ``o_proj`` / ``out_proj`` row-parallel;
-- MLP: ``gate_proj`` / ``up_proj`` (decoder) or ``fc1`` (encoder) column-parallel,
-  ``down_proj`` / ``fc2`` row-parallel; the projector's ``linear_1`` / ``linear_2`` the same;
-- replicated: embeddings, norms, the patch convolution, the decoder's ``image_newline``
-  and output head.
+- ``tensor_parallel_plan() -> {submodule name: "colwise" | "rowwise"}``: typically
+  attention q/k/v column-parallel and the output projection row-parallel, the MLP's
+  first layer(s) column- and last layer row-parallel; every module not named stays
+  replicated (embeddings, norms, heads);
+- ``tensor_parallel_sizes() -> [(config field, value)]``: what the TP size must divide
+  (heads, KV heads, MLP widths), so an error names the field;
+- optionally ``use_local_heads(tp_size)``: set attention head counts to the local ones.
+
+dflop's ``VisionStage`` / ``DecoderStage`` and the Hugging Face stages
+(:mod:`dflop.models.hf`) declare theirs; column-parallel q/k/v of a contiguous run of
+``heads / tp`` query heads and ``kv_heads / tp`` key/value heads pair every local query
+head with its own key/value head.
 
 Every block's input and output stay replicated, plain tensors (no sequence parallelism):
 per block, the forward does one all-reduce after each row-parallel layer and the backward
@@ -29,13 +33,6 @@ then works) and compute the gradient norm with :func:`grad_sq_sum`.
 Backends: on torch 2.13 this runs on CPU with gloo (gloo has every collective DTensor
 uses here: all_reduce, all_gather, reduce_scatter, broadcast, scatter) and on GPUs with
 NCCL; the tests run it on gloo.
-
-Head counts: the attention modules reshape q/k/v by their ``heads`` / ``kv_heads``
-attributes. After sharding those attributes hold the LOCAL counts (``heads / tp``); the
-decoder's attention needs nothing else. The vision attention reshapes its output with the
-full hidden size, so its blocks get a :class:`LocalHeadsVisionAttention` (the same
-``q_proj`` ... ``out_proj`` submodules, so parameter names do not change) whose forward
-reshapes with the local width.
 """
 
 from __future__ import annotations
@@ -43,14 +40,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflop.models.decoder import DecoderAttention, DecoderStage
-from dflop.models.vision import VisionAttention, VisionStage
-
 __all__ = [
-    "LocalHeadsVisionAttention",
     "apply_tensor_parallel",
     "check_tensor_parallel",
     "full_tensor",
@@ -71,35 +63,25 @@ def _check_tp_size(tp_size: Any) -> int:
     return tp_size
 
 
-def check_tensor_parallel(stage: VisionStage | DecoderStage, tp_size: int) -> None:
+def _declared(stage: Any, method: str) -> Any:
+    fn = getattr(stage, method, None)
+    if not callable(fn):
+        raise TypeError(
+            f"{type(stage).__name__} declares no tensor-parallel plan (its "
+            "tensor_parallel_plan() and tensor_parallel_sizes())"
+        )
+    return fn()
+
+
+def check_tensor_parallel(stage: nn.Module, tp_size: int) -> None:
     """Raise ``ValueError`` naming the config field that ``tp_size`` does not divide.
 
-    Attention heads (and the decoder's ``kv_heads``) must split evenly over the TP ranks,
-    and so must the MLP widths (Megatron's rule; it keeps every rank's shard the same
-    shape). Pure: no torch.distributed.
+    Attention heads (and KV heads) must split evenly over the TP ranks, and so must the
+    MLP widths (Megatron's rule; it keeps every rank's shard the same shape). Pure: no
+    torch.distributed.
     """
     tp = _check_tp_size(tp_size)
-    fields: list[tuple[str, int]]
-    if isinstance(stage, VisionStage):
-        v, p = stage.vision_config, stage.projector_config
-        fields = [
-            ("VisionConfig.heads", v.heads),
-            ("VisionConfig.mlp_hidden", v.mlp_hidden),
-        ]
-        if stage.projector is not None:
-            fields.append(("ProjectorConfig.intermediate", p.intermediate))
-    elif isinstance(stage, DecoderStage):
-        c = stage.config
-        fields = [
-            ("DecoderConfig.heads", c.heads),
-            ("DecoderConfig.kv_heads", c.kv_heads),
-            ("DecoderConfig.mlp_hidden", c.mlp_hidden),
-        ]
-    else:
-        raise TypeError(
-            f"stage must be a VisionStage or a DecoderStage, got {type(stage).__name__}"
-        )
-    for name, value in fields:
+    for name, value in _declared(stage, "tensor_parallel_sizes"):
         if value % tp != 0:
             raise ValueError(
                 f"{name}={value} is not divisible by the tensor-parallel size tp={tp}; "
@@ -107,65 +89,15 @@ def check_tensor_parallel(stage: VisionStage | DecoderStage, tp_size: int) -> No
             )
 
 
-def tensor_parallel_plan(stage: VisionStage | DecoderStage) -> dict[str, str]:
-    """The sharding plan: fully qualified submodule name -> ``"colwise"`` / ``"rowwise"``.
-
-    Names are relative to ``stage`` (``layers.3.self_attn.q_proj``,
-    ``encoder.blocks.0.mlp.fc1``, ``projector.linear_2`` ...); every module not named
-    stays replicated. Pure: no torch.distributed.
-    """
-    plan: dict[str, str] = {}
-    if isinstance(stage, VisionStage):
-        for i in stage.encoder.blocks:
-            base = f"encoder.blocks.{i}"
-            for name in ("q_proj", "k_proj", "v_proj"):
-                plan[f"{base}.self_attn.{name}"] = COLWISE
-            plan[f"{base}.self_attn.out_proj"] = ROWWISE
-            plan[f"{base}.mlp.fc1"] = COLWISE
-            plan[f"{base}.mlp.fc2"] = ROWWISE
-        if stage.projector is not None:
-            plan["projector.linear_1"] = COLWISE
-            plan["projector.linear_2"] = ROWWISE
-    elif isinstance(stage, DecoderStage):
-        for i in stage.layers:
-            base = f"layers.{i}"
-            for name in ("q_proj", "k_proj", "v_proj"):
-                plan[f"{base}.self_attn.{name}"] = COLWISE
-            plan[f"{base}.self_attn.o_proj"] = ROWWISE
-            for name in ("gate_proj", "up_proj"):
-                plan[f"{base}.mlp.{name}"] = COLWISE
-            plan[f"{base}.mlp.down_proj"] = ROWWISE
-    else:
-        raise TypeError(
-            f"stage must be a VisionStage or a DecoderStage, got {type(stage).__name__}"
-        )
+def tensor_parallel_plan(stage: nn.Module) -> dict[str, str]:
+    """The stage's sharding plan: fully qualified submodule name -> ``"colwise"`` /
+    ``"rowwise"`` (names relative to ``stage``); every module not named stays replicated.
+    Pure: no torch.distributed."""
+    plan = dict(_declared(stage, "tensor_parallel_plan"))
+    bad = sorted(kind for kind in set(plan.values()) if kind not in (COLWISE, ROWWISE))
+    if bad:
+        raise ValueError(f"tensor-parallel plan kind {bad[0]!r} is not 'colwise' or 'rowwise'")
     return plan
-
-
-class LocalHeadsVisionAttention(nn.Module):
-    """``VisionAttention`` over this TP rank's heads: the same ``q_proj`` / ``k_proj`` /
-    ``v_proj`` / ``out_proj`` modules (so the same parameter names), ``heads`` = the local
-    head count, and an output reshape to the local width instead of the full hidden size.
-    (With ``reshape(units, tokens, -1)`` in ``VisionAttention.forward`` this class would
-    not be needed.)"""
-
-    def __init__(self, source: VisionAttention, local_heads: int) -> None:
-        super().__init__()
-        self.heads = local_heads
-        self.q_proj = source.q_proj
-        self.k_proj = source.k_proj
-        self.v_proj = source.v_proj
-        self.out_proj = source.out_proj
-
-    def forward(self, x: Tensor) -> Tensor:
-        units, tokens, _ = x.shape
-
-        def split_heads(t: Tensor) -> Tensor:  # [U, N, local D] -> [U, heads, N, d]
-            return t.view(units, tokens, self.heads, -1).transpose(1, 2)
-
-        q, k, v = (split_heads(p(x)) for p in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v)
-        return self.out_proj(out.transpose(1, 2).reshape(units, tokens, -1))
 
 
 def tp_device_mesh(tp_mesh_or_group: Any, device_type: str) -> Any:
@@ -183,9 +115,7 @@ def tp_device_mesh(tp_mesh_or_group: Any, device_type: str) -> Any:
     return DeviceMesh.from_group(tp_mesh_or_group, device_type)
 
 
-def apply_tensor_parallel(
-    stage: VisionStage | DecoderStage, tp_mesh_or_group: Any, *, tp_size: int
-) -> VisionStage | DecoderStage:
+def apply_tensor_parallel(stage: nn.Module, tp_mesh_or_group: Any, *, tp_size: int) -> nn.Module:
     """Shard ``stage`` over the TP ranks of ``tp_mesh_or_group``, in place; returns it.
 
     Call it on every rank of the TP group, after the weights are initialised (the same
@@ -217,17 +147,9 @@ def apply_tensor_parallel(
             f"{device_type!r}: move the stage to its device before sharding it"
         )
 
-    # Local head counts (the attention modules reshape by these attributes).
-    if isinstance(stage, VisionStage):
-        local_heads = stage.vision_config.heads // tp_size
-        for block in stage.encoder.blocks.values():
-            block.self_attn = LocalHeadsVisionAttention(block.self_attn, local_heads)
-    else:
-        for block in stage.layers.values():
-            attn: DecoderAttention = block.self_attn
-            attn.heads = stage.config.heads // tp_size
-            attn.kv_heads = stage.config.kv_heads // tp_size
-
+    local_heads = getattr(stage, "use_local_heads", None)
+    if callable(local_heads):  # attention modules that reshape by a head count
+        local_heads(tp_size)
     styles = {COLWISE: ColwiseParallel, ROWWISE: RowwiseParallel}
     plan = {name: styles[kind]() for name, kind in tensor_parallel_plan(stage).items()}
     if plan:
@@ -275,8 +197,9 @@ def optimizer_param_groups(module: nn.Module) -> list[dict[str, Any]]:
 def grad_sq_sum(module: nn.Module, *, include_replicated: bool) -> Tensor:
     """This rank's share of the squared gradient norm (float64, 0-dim, no communication).
 
-    Sharded (``DTensor``) gradients contribute their local shard; plain (replicated)
-    gradients contribute only if ``include_replicated`` -- pass ``tp_rank == 0`` so that
+    Sharded (``DTensor`` with a ``Shard`` placement) gradients contribute their local
+    shard; replicated ones (plain tensors, and ``DTensor`` s placed ``Replicate``, such as
+    a row-parallel layer's bias) contribute only if ``include_replicated`` -- pass ``tp_rank == 0`` so that
     summing the result over a TP group counts every parameter exactly once. For a whole
     pipeline's norm: contribute on DP replica 0 only (replicas hold the same gradients
     after the DP all-reduce), all-reduce the sum over all ranks, take the square root.
@@ -287,7 +210,10 @@ def grad_sq_sum(module: nn.Module, *, include_replicated: bool) -> Tensor:
     for p in module.parameters():
         if p.grad is None:
             continue
-        if isinstance(p.grad, DTensor) or include_replicated:
+        # A DTensor gradient may be replicated too (a row-parallel layer's bias): only
+        # a sharded one is split over the TP ranks.
+        sharded = isinstance(p.grad, DTensor) and any(pl.is_shard() for pl in p.grad.placements)
+        if sharded or include_replicated:
             g = local_tensor(p.grad).detach()
             total = total.to(g.device) + g.double().pow(2).sum()
     return total

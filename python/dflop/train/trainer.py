@@ -99,6 +99,7 @@ class Trainer:
         import torch.distributed as dist
 
         from dflop.runtime.pipeline import PipelineEngine, build_stage
+        from dflop.runtime.tensor_parallel import optimizer_param_groups
         from dflop.runtime.topology import Topology
 
         self.config = config
@@ -110,10 +111,21 @@ class Trainer:
         self.spec = model_spec(config.model)
         self.topology = Topology.create(layout, self.rank, timeout_s=config.timeout_s)
         self.info = self.topology.info
-        self.stage = build_stage(self.spec, self.info, seed=config.seed, device=self.device)
+        # Tensor-parallel layouts shard the stage over its TP group (each rank keeps its
+        # slice of the same full weights).
+        self.stage = build_stage(
+            self.spec,
+            self.info,
+            seed=config.seed,
+            device=self.device,
+            tp_group=self.topology.tp_group,
+            tp_size=layout.module(self.info.module).tp,
+        )
         self.engine = PipelineEngine(self.topology, self.stage, debug=config.debug)
+        # Sharded (DTensor) and replicated parameters in separate groups: torch's
+        # multi-tensor kernels refuse a mixed list.
         self.optimizer = torch.optim.AdamW(
-            self.stage.parameters(), lr=config.lr, weight_decay=config.weight_decay
+            optimizer_param_groups(self.stage), lr=config.lr, weight_decay=config.weight_decay
         )
         self.step_shapes = StepShapes(
             self.spec,
@@ -505,15 +517,19 @@ class Trainer:
 
     def save_hf_checkpoint(self, folder: str) -> None:
         """Write the model as a Hugging Face checkpoint folder (call on every rank): each
-        stage's first replica writes its own safetensors shard, rank 0 the rest (untrained
-        tensors, the index, ``config.json``)."""
+        stage's first replica writes its own safetensors file (its TP ranks gather the
+        shards first), rank 0 the rest (untrained tensors, the index, ``config.json``)."""
         import torch.distributed as dist
+
+        from dflop.runtime.tensor_parallel import full_tensor
 
         info = self.info
         weight_map: dict[str, str] = {}
-        if info.dp_rank == 0 and info.tp_rank == 0:
-            name = f"model-{info.module}-stage{info.global_stage:03d}.safetensors"
-            weight_map = self.spec.save_shard(folder, name, self.stage.state_dict())
+        if info.dp_rank == 0:  # every TP rank gathers the shards (a collective), one writes
+            state = {k: full_tensor(v) for k, v in self.stage.state_dict().items()}
+            if info.tp_rank == 0:
+                name = f"model-{info.module}-stage{info.global_stage:03d}.safetensors"
+                weight_map = self.spec.save_shard(folder, name, state)
         gathered: list[Any] | None = [None] * self.world_size if self.is_leader else None
         dist.gather_object(weight_map, gathered, dst=0)
         if self.is_leader:

@@ -29,6 +29,7 @@ from dflop.models.hf.common import (
     write_shard,
 )
 from dflop.models.spec import ModelSpec
+from dflop.runtime.tensor_parallel import apply_tensor_parallel
 
 __all__ = ["HFSpec", "HFStage", "decoder_architecture"]
 
@@ -94,11 +95,6 @@ class HFSpec(ModelSpec):
         stage's tensors are read), else the weights of the full model built for ``seed``
         (``torch.manual_seed(seed)`` then the transformers constructor: identical on every
         rank)."""
-        if tp_size != 1:
-            raise ValueError(
-                f"tensor parallelism (tp={tp_size}) is not supported for Hugging Face models "
-                "yet: use a layout with encoder_tp=1 and llm_tp=1"
-            )
         first, end = info.layer_range
         from_checkpoint = self._from_checkpoint()
         full = self._full_model(seed, meta=from_checkpoint)
@@ -110,7 +106,9 @@ class HFSpec(ModelSpec):
         del full
         cls = self.encoder_stage if info.module == "encoder" else self.llm_stage
         stage = cls(self.config, tree, first, end, info.is_first_stage, info.is_last_stage)
-        return stage.to(device=device, dtype=dtype)
+        stage = stage.to(device=device, dtype=dtype)
+        # Every TP rank built the same full weights; each keeps its slice.
+        return apply_tensor_parallel(stage, tp_group, tp_size=tp_size)
 
     def save_shard(
         self, folder: str, filename: str, state_dict: dict[str, Tensor]
@@ -190,9 +188,37 @@ class HFStage(nn.Module):
             return self.get_parameter("lm_head.weight")
         return None
 
+    # ---------------------------------------------------------- tensor parallelism
+
+    def _linear_plan(self, prefix: str, colwise: tuple[str, ...], rowwise: tuple[str, ...]):
+        plan = {f"{prefix}.{name}": "colwise" for name in colwise}
+        plan.update({f"{prefix}.{name}": "rowwise" for name in rowwise})
+        return plan
+
     # ------------------------------------------------------------- packed decoder stages
 
     text_root: str = "model.language_model"
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """A Qwen2 decoder's layers (the LLM stages of every family here): q/k/v and
+        gate/up column-, o_proj and down_proj row-parallel (the attention infers its
+        local heads from the shard widths)."""
+        plan: dict[str, str] = {}
+        for i in range(self.first_layer, self.end_layer):
+            base = f"{self.text_root}.layers.{i}"
+            plan.update(
+                self._linear_plan(f"{base}.self_attn", ("q_proj", "k_proj", "v_proj"), ("o_proj",))
+            )
+            plan.update(self._linear_plan(f"{base}.mlp", ("gate_proj", "up_proj"), ("down_proj",)))
+        return plan
+
+    def tensor_parallel_sizes(self) -> list[tuple[str, int]]:
+        text = self.config.text_config
+        return [
+            ("text_config.num_attention_heads", text.num_attention_heads),
+            ("text_config.num_key_value_heads", text.num_key_value_heads),
+            ("text_config.intermediate_size", text.intermediate_size),
+        ]
 
     @property
     def hidden_size(self) -> int:

@@ -199,6 +199,31 @@ class LlavaOnevisionEncoderStage(HFStage):
     def output_size(self) -> int:
         return self.config.text_config.hidden_size
 
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """SigLIP: q/k/v and fc1 column-, out_proj and fc2 row-parallel; the projector's
+        linear_1 column- and linear_2 row-parallel on the last stage."""
+        plan: dict[str, str] = {}
+        for i in range(self.first_layer, self.end_layer):
+            base = f"{_VISION}.encoder.layers.{i}"
+            qkv = ("q_proj", "k_proj", "v_proj")
+            plan.update(self._linear_plan(f"{base}.self_attn", qkv, ("out_proj",)))
+            plan.update(self._linear_plan(f"{base}.mlp", ("fc1",), ("fc2",)))
+        if self.has_head:
+            plan.update(
+                self._linear_plan("model.multi_modal_projector", ("linear_1",), ("linear_2",))
+            )
+        return plan
+
+    def tensor_parallel_sizes(self) -> list[tuple[str, int]]:
+        vision = self.config.vision_config
+        sizes = [
+            ("vision_config.num_attention_heads", vision.num_attention_heads),
+            ("vision_config.intermediate_size", vision.intermediate_size),
+        ]
+        if self.has_head:
+            sizes.append(("text_config.hidden_size", self.config.text_config.hidden_size))
+        return sizes
+
     def forward(self, x: Tensor) -> Tensor:
         if self.has_embed:
             x = self.get_submodule(f"{_VISION}.embeddings")(x)

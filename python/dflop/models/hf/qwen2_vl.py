@@ -230,6 +230,36 @@ class Qwen2VLEncoderStage(HFStage):
     def hidden_size(self) -> int:
         return self.config.vision_config.embed_dim
 
+    mlp_linears: tuple[tuple[str, ...], tuple[str, ...]] = (("fc1",), ("fc2",))
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """The blocks' MLPs (column-, then row-parallel) and the merger's MLP; the
+        attention stays replicated (its fused ``qkv`` projection interleaves q, k and v,
+        which a column split would mix)."""
+        colwise, rowwise = self.mlp_linears
+        plan: dict[str, str] = {}
+        for i in range(self.first_layer, self.end_layer):
+            plan.update(self._linear_plan(f"{_VISION}.blocks.{i}.mlp", colwise, rowwise))
+        if self.has_head:
+            plan.update(self._linear_plan(f"{_VISION}.merger.mlp", ("0",), ("2",)))
+        return plan
+
+    def tensor_parallel_sizes(self) -> list[tuple[str, int]]:
+        vision = self.config.vision_config
+        mlp = (
+            self.get_submodule(f"{_VISION}.blocks.{self.first_layer}.mlp")
+            if (self.end_layer > self.first_layer)
+            else None
+        )
+        sizes = []
+        if mlp is not None:
+            first = getattr(mlp, self.mlp_linears[0][0])
+            sizes.append(("vision MLP width", int(first.out_features)))
+        if self.has_head:
+            merged = self.hidden_size * vision.spatial_merge_size**2
+            sizes.append(("vision merger width", int(merged)))
+        return sizes
+
     def _blocks(self) -> list[Any]:
         if self.end_layer == self.first_layer:
             return []
@@ -321,6 +351,8 @@ class Qwen2VLLLMStage(HFStage):
 
 class Qwen25VLEncoderStage(Qwen2VLEncoderStage):
     """Qwen2.5-VL's tower: window attention (see the module docstring)."""
+
+    mlp_linears = (("gate_proj", "up_proj"), ("down_proj",))
 
     @property
     def hidden_size(self) -> int:
