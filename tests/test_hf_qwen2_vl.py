@@ -276,7 +276,7 @@ def test_native_rule_matches_the_processor():
         assert int((sample.labels == -100).sum()) >= expected + wrap
 
 
-def test_a_corrupt_image_is_named_and_videos_are_refused():
+def test_a_corrupt_image_is_named():
     import json
     import os
 
@@ -286,10 +286,50 @@ def test_a_corrupt_image_is_named_and_videos_are_refused():
         records = json.load(f)
     with pytest.raises(ValueError, match=r"record 25: cannot read .*corrupt\.png"):
         inputs.sample(records[25], image_folder=os.path.join(root, "images"), where="record 25")
-    video = next(r for r in records if "video" in r)
-    assert inputs.unsupported(video) == "video_unsupported"
-    with pytest.raises(ValueError, match="video records are not supported"):
-        inputs.sample(video)
+
+
+def test_video_frames_become_temporal_patches(tmp_path):
+    """A frames folder: frames sampled and padded to pairs, each pair one unit whose
+    patch rows hold the two frames' own patches in the [C, 2, P, P] layout of the video
+    processor, the placeholders one per 4 patches inside vision start/end."""
+    import json
+    import os
+
+    from dflop.models.hf.tiny import save_tiny_qwen_vl
+
+    spec = spec_from_config(_config("qwen2_vl"))
+    folder = save_tiny_qwen_vl(str(tmp_path / "q"), weights=False)
+    spec = type(spec)(spec.config, folder)
+    inputs = spec.dataset_inputs()
+    root = os.path.join(os.path.dirname(__file__), "data", "llava_mini")
+    with open(os.path.join(root, "llava_mini.json")) as f:
+        records = json.load(f)
+    record = next(r for r in records if r.get("video") == "clip_frames")
+    videos = os.path.join(root, "videos")
+    sample = inputs.sample(record, video_folder=videos, lazy=True)
+    (item,) = sample.items
+    frames = sorted(
+        n for n in os.listdir(os.path.join(videos, "clip_frames")) if n.endswith(".jpg")
+    )
+    assert item.kind == "video" and item.units == (len(frames) + 1) // 2
+    t, rows, cols = item.grid_thw
+    assert rows * cols <= 64 * 64 // 16  # within the folder's video bounds
+    assert int(sample.placeholder_mask.sum()) == t * rows * cols // spec.token_merge
+    pixels = ProcessedBatch([sample], None).pixel_values([0])
+    vision = spec.config.vision_config
+    p, c = vision.patch_size, vision.in_channels
+    assert pixels.shape == (t * rows * cols, c * 2 * p * p)
+    from PIL import Image
+
+    first = [Image.open(os.path.join(videos, "clip_frames", n)).convert("RGB") for n in frames[:2]]
+    alone = inputs.frame_processor(images=first, return_tensors="pt")["pixel_values"]
+    alone = alone.view(2, rows * cols, c, 2, p, p)[:, :, :, 0]
+    unit0 = pixels[: rows * cols].view(rows * cols, c, 2, p, p)
+    assert torch.equal(unit0[:, :, 0], alone[0]) and torch.equal(unit0[:, :, 1], alone[1])
+    # An odd count repeats the last frame; a long video is sampled down to max_frames.
+    assert inputs._frames(list("abcde")) == list("abcdee")
+    long = inputs._frames([f"f{k}" for k in range(100)])
+    assert len(long) == 32 and long[0] == "f0" and long[-1] == "f99"
 
 
 def test_encoder_costs_scale_with_tokens():

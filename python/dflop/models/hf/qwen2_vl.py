@@ -159,7 +159,25 @@ class Qwen2VLSpec(HFSpec):
                 config.vision_end_token_id,
             )
             encode = byte_encoder(config.text_config.vocab_size, tuple(int(r) for r in reserved))
-        return QwenVLRecords(self.config, self.image_processor(), encode, self.family)
+        return QwenVLRecords(
+            self.config, self.image_processor(), encode, self.family, self.video_pixels()
+        )
+
+    def video_pixels(self) -> tuple[int, int]:
+        """(min, max) pixels of a video frame: the folder's video processor config
+        (``video_preprocessor_config.json``, its ``size``), else Qwen2-VL's video
+        processor defaults (128 x 28 x 28 to 768 x 28 x 28)."""
+        import json
+        import os
+
+        if self.checkpoint_dir is not None:
+            path = os.path.join(self.checkpoint_dir, "video_preprocessor_config.json")
+            if os.path.isfile(path):
+                with open(path) as f:
+                    size = json.load(f).get("size") or {}
+                if "shortest_edge" in size and "longest_edge" in size:
+                    return int(size["shortest_edge"]), int(size["longest_edge"])
+        return 128 * 28 * 28, 768 * 28 * 28
 
     def architecture(self) -> tuple[Any, Any]:
         """The vision tower (``embed_dim`` wide, ``mlp_ratio`` MLP) with its patch merger

@@ -175,7 +175,8 @@ def save_tiny_qwen_vl(
     """A local model folder of :func:`tiny_qwen2_vl_config` (``family="qwen2_5_vl"``:
     :func:`tiny_qwen2_5_vl_config`): ``config.json``, an image processor of the model's
     patch sizes whose resize bounds keep images between 16 x 16 and 128 x 128 pixels
-    (at most 1,024 patches, for CPU runs) and, with ``weights``, safetensors of the model
+    (at most 1,024 patches, for CPU runs), video frames within 16 x 16 and 64 x 64
+    pixels, and, with ``weights``, safetensors of the model
     built after ``torch.manual_seed(seed)``."""
     import torch
 
@@ -194,6 +195,12 @@ def save_tiny_qwen_vl(
         min_pixels=16 * 16,
         max_pixels=128 * 128,
     ).save_pretrained(folder)
+    # The video processor's frame bounds (its class needs torchvision: written as JSON).
+    import json
+    import os
+
+    with open(os.path.join(folder, "video_preprocessor_config.json"), "w") as f:
+        json.dump({"size": {"shortest_edge": 16 * 16, "longest_edge": 64 * 64}}, f)
     if weights:
         torch.manual_seed(seed)
         getattr(transformers, cls)(config).save_pretrained(folder)
