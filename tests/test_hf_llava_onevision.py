@@ -489,3 +489,54 @@ def test_tied_embeddings_over_pipeline_stages(tmp_path):
     assert reloaded.lm_head.weight is reloaded.model.language_model.embed_tokens.weight
     for name, value in original.state_dict().items():
         assert torch.equal(value, reloaded.state_dict()[name]), name
+
+
+def _chatml_tokenizer(folder, texts):
+    """A small BPE tokenizer with ChatML's special tokens, saved like a checkpoint's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=250, special_tokens=specials))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    fast.add_special_tokens({"additional_special_tokens": specials[1:]})
+    fast.save_pretrained(folder)
+    return fast
+
+
+def test_records_follow_the_chat_template(tmp_path):
+    """With a checkpoint tokenizer that has ChatML's tokens, a record is laid out as the
+    chat template: the system turn, each turn inside <|im_start|>role ... <|im_end|>, the
+    image placeholders in the user turn; the answer and its end of turn are the labels."""
+    import json
+    import os
+
+    from dflop.models.hf.tiny import save_tiny_llava_onevision
+
+    root = os.path.join(os.path.dirname(__file__), "data", "llava_mini")
+    with open(os.path.join(root, "llava_mini.json")) as f:
+        records = json.load(f)
+    folder = save_tiny_llava_onevision(str(tmp_path / "ov"), weights=False)
+    texts = [t["value"] for r in records for t in r.get("conversations") or [] if "value" in t]
+    tokenizer = _chatml_tokenizer(folder, texts)
+    inputs = hf_model_spec(folder).dataset_inputs()
+    assert inputs.template is not None
+    record = records[0]
+    sample = inputs.sample(record, image_folder=os.path.join(root, "images"))
+    ids, labels = sample.input_ids.tolist(), sample.labels.tolist()
+    start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    system = list(inputs.template.system)
+    assert ids[: len(system)] == system and ids.count(start) == 1 + len(record["conversations"])
+    assert ids.count(end) == ids.count(start)
+    image = ids.index(inputs.config.image_token_index)
+    user = inputs.template.header("human")
+    assert ids[len(system) : len(system) + len(user)] == list(user) and image > len(system)
+    answer = record["conversations"][-1]["value"]
+    target = [t for t in labels if t != -100]
+    encoded = tokenizer.encode(answer, add_special_tokens=False)
+    assert target == encoded + list(inputs.template.footer)
+    # The profiler's count of the record's text tokens matches the layout.
+    counted = inputs.text_counter()([t["value"] for t in record["conversations"]])
+    text_tokens = len(ids) - int(sample.placeholder_mask.sum())
+    assert abs(counted - text_tokens) <= 2

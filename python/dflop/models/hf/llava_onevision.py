@@ -145,7 +145,7 @@ class LlavaOnevisionSpec(HFSpec):
         else a processor built from the config (tile size, grids; the processor class's
         default normalisation) and :func:`~dflop.models.hf.records.byte_encoder`."""
         from dflop.models.hf.common import local_image_processor, local_tokenizer
-        from dflop.models.hf.records import LlavaOnevisionRecords, byte_encoder
+        from dflop.models.hf.records import ChatTemplate, LlavaOnevisionRecords, byte_encoder
 
         processor = local_image_processor(self.checkpoint_dir)
         if processor is None:
@@ -157,7 +157,9 @@ class LlavaOnevisionSpec(HFSpec):
                 image_grid_pinpoints=self.config.image_grid_pinpoints,
             )
         tokenizer = local_tokenizer(self.checkpoint_dir)
+        template = None
         if tokenizer is not None:
+            template = ChatTemplate.for_tokenizer(tokenizer)
 
             def encode(text: str) -> list[int]:
                 return tokenizer.encode(text, add_special_tokens=False)
@@ -167,7 +169,7 @@ class LlavaOnevisionSpec(HFSpec):
                 self.config.text_config.vocab_size,
                 (int(self.config.image_token_index), int(self.config.video_token_index)),
             )
-        return LlavaOnevisionRecords(self.config, processor, encode)
+        return LlavaOnevisionRecords(self.config, processor, encode, template)
 
     # ------------------------------------------------------------------ building
 

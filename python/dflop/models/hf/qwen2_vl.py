@@ -142,10 +142,12 @@ class Qwen2VLSpec(HFSpec):
         """The converter of LLaVA-format records for this model: its image processor and
         the folder's tokenizer (else :func:`~dflop.models.hf.records.byte_encoder`)."""
         from dflop.models.hf.common import local_tokenizer
-        from dflop.models.hf.records import QwenVLRecords, byte_encoder
+        from dflop.models.hf.records import ChatTemplate, QwenVLRecords, byte_encoder
 
         tokenizer = local_tokenizer(self.checkpoint_dir)
+        template = None
         if tokenizer is not None:
+            template = ChatTemplate.for_tokenizer(tokenizer)
 
             def encode(text: str) -> list[int]:
                 return tokenizer.encode(text, add_special_tokens=False)
@@ -160,7 +162,7 @@ class Qwen2VLSpec(HFSpec):
             )
             encode = byte_encoder(config.text_config.vocab_size, tuple(int(r) for r in reserved))
         return QwenVLRecords(
-            self.config, self.image_processor(), encode, self.family, self.video_pixels()
+            self.config, self.image_processor(), encode, self.family, self.video_pixels(), template
         )
 
     def video_pixels(self) -> tuple[int, int]:

@@ -21,15 +21,18 @@ frame goes through the image processor's base view (the frame resized to the til
 model's normalisation), which is what the model's video processor does to a frame; the
 placeholder run is the model's pooled tokens per frame plus one newline.
 
-Text: each turn's text is encoded as is (the tokenizer's ``encode`` without special
-tokens, or :func:`byte_encoder` for tiny test models); no chat template is applied.
+Text: with a tokenizer that has ChatML's ``<|im_start|>`` / ``<|im_end|>`` tokens (the
+Qwen2-based LLaVA-OneVision and Qwen2-VL), the conversation is laid out as their chat
+template does (:class:`ChatTemplate`: a system turn, then ``<|im_start|>role\n text
+<|im_end|>\n`` per turn; the answers' text and their ``<|im_end|>\n`` are the labels).
+Otherwise (:func:`byte_encoder` for tiny test models) each turn's text is encoded as is.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -43,9 +46,54 @@ from dflop.models.decoder import IGNORE_INDEX
 from dflop.models.spec import VisualItem
 from dflop.runtime.processed_batch import ProcessedSample
 
-__all__ = ["LlavaOnevisionRecords", "QwenVLRecords", "RecordInputs", "byte_encoder"]
+__all__ = [
+    "ChatTemplate",
+    "LlavaOnevisionRecords",
+    "QwenVLRecords",
+    "RecordInputs",
+    "byte_encoder",
+]
 
 _ANSWER_ROLES = ("gpt", "assistant")
+_CHAT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """ChatML token ids (the chat template of Qwen2-based models): a system turn first
+    (unless the conversation has its own), then every turn as ``header(role)``, its text,
+    ``footer``."""
+
+    system: tuple[int, ...]
+    headers: dict[str, tuple[int, ...]]
+    footer: tuple[int, ...]
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, system_prompt: str = DEFAULT_SYSTEM_PROMPT):
+        """The template of a tokenizer with ``<|im_start|>`` and ``<|im_end|>`` as single
+        tokens, else None."""
+        unknown = getattr(tokenizer, "unk_token_id", None)
+        for token in ("<|im_start|>", "<|im_end|>"):
+            found = tokenizer.convert_tokens_to_ids(token)
+            if found is None or found == unknown:
+                return None
+
+        def ids(text: str) -> tuple[int, ...]:
+            return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+        return cls(
+            system=ids(f"<|im_start|>system\n{system_prompt}<|im_end|>\n"),
+            headers={
+                role: ids(f"<|im_start|>{role}\n") for role in ("system", "user", "assistant")
+            },
+            footer=ids("<|im_end|>\n"),
+        )
+
+    def header(self, speaker: str) -> tuple[int, ...]:
+        """The header of a LLaVA speaker (``human``/``gpt``; ``system``; others as user)."""
+        role = "system" if speaker == "system" else _CHAT_ROLES.get(speaker, "user")
+        return self.headers[role]
 
 
 def byte_encoder(vocab_size: int, reserved: tuple[int, ...]) -> Callable[[str], list[int]]:
@@ -119,11 +167,16 @@ class RecordInputs:
     placeholder_ids: tuple[int, ...]
 
     def __init__(
-        self, config: Any, image_processor: Any, encode: Callable[[str], list[int]]
+        self,
+        config: Any,
+        image_processor: Any,
+        encode: Callable[[str], list[int]],
+        template: ChatTemplate | None = None,
     ) -> None:
         self.config = config
         self.image_processor = image_processor
         self.encode = encode
+        self.template = template
 
     def unsupported(self, record: Any) -> str | None:
         """Why this converter cannot take ``record`` (a skip reason), or None."""
@@ -172,10 +225,18 @@ class RecordInputs:
         groups = [[run] for run in runs] if markers == len(runs) else [runs] if runs else []
         if runs and markers == 0:
             texts[0] = marker + texts[0]
+        template = self.template
         ids: list[int] = []
         labels: list[int] = []
+        if template is not None and turns[0].get("from") != "system":
+            ids += template.system
+            labels += [IGNORE_INDEX] * len(template.system)
         for turn, text in zip(turns, texts):
             answer = turn.get("from") in _ANSWER_ROLES
+            if template is not None:
+                header = template.header(str(turn.get("from")))
+                ids += header
+                labels += [IGNORE_INDEX] * len(header)
             for p, piece in enumerate(text.split(marker)):
                 if p > 0 and groups:
                     run = [t for item in groups.pop(0) for t in item]
@@ -184,16 +245,24 @@ class RecordInputs:
                 tokens = list(self.encode(piece))
                 ids += tokens
                 labels += tokens if answer else [IGNORE_INDEX] * len(tokens)
+            if template is not None:  # an answer's end of turn is a target too
+                ids += template.footer
+                labels += list(template.footer) if answer else [IGNORE_INDEX] * len(template.footer)
         return ids, labels
 
     def text_counter(self) -> TextTokenCounter:
-        """Counts a record's text tokens as :meth:`sample` lays them out (for profiling a
-        dataset under this model: no template tokens)."""
+        """Counts a record's text tokens as :meth:`sample` lays them out, for profiling a
+        dataset under this model (the template's tokens per turn: its headers' mean)."""
+        per_turn = per_conversation = 0
+        if self.template is not None:
+            headers = [len(h) for h in self.template.headers.values()]
+            per_turn = round(sum(headers) / len(headers)) + len(self.template.footer)
+            per_conversation = len(self.template.system)
         return TextTokenCounter(
             "model-encoder",
             lambda text: len(self.encode(text)),
-            tokens_per_turn=0,
-            tokens_per_conversation=0,
+            tokens_per_turn=per_turn,
+            tokens_per_conversation=per_conversation,
         )
 
 
@@ -209,11 +278,15 @@ class LlavaOnevisionRecords(RecordInputs):
     """
 
     def __init__(
-        self, config: Any, image_processor: Any, encode: Callable[[str], list[int]]
+        self,
+        config: Any,
+        image_processor: Any,
+        encode: Callable[[str], list[int]],
+        template: ChatTemplate | None = None,
     ) -> None:
         from dflop.models.hf.llava_onevision import family_from_config
 
-        super().__init__(config, image_processor, encode)
+        super().__init__(config, image_processor, encode, template)
         self.family = family_from_config(config)
         self.image_token = int(config.image_token_index)
         self.placeholder_ids = (self.image_token, int(config.video_token_index))
@@ -311,10 +384,11 @@ class QwenVLRecords(RecordInputs):
         encode: Callable[[str], list[int]],
         family: Any,
         video_pixels: tuple[int, int],
+        template: ChatTemplate | None = None,
     ) -> None:
         import copy
 
-        super().__init__(config, image_processor, encode)
+        super().__init__(config, image_processor, encode, template)
         self.family = family
         self.placeholder_ids = (int(config.image_token_id), int(config.video_token_id))
         self.wrap = (int(config.vision_start_token_id), int(config.vision_end_token_id))
