@@ -62,15 +62,13 @@ def load_distribution(
 
     def records() -> Any:
         if own_rules:
-            inputs = spec.dataset_inputs()
-            found = read_records(
+            return read_records(
                 data,
                 family=spec.family,
                 image_folder=image_folder,
                 video_folder=video_folder,
-                text_counter=inputs.text_counter(),
+                text_counter=spec.dataset_inputs().text_counter(),
             )
-            return _supported(found, inputs, spec.name)
         return read_records(
             data, family=family, image_folder=image_folder, video_folder=video_folder
         )
@@ -110,42 +108,6 @@ def describe_records(records: Any) -> tuple[str, bool]:
             "(default: the dataset file's folder)"
         )
     return "\n".join(lines), skipped > usable or (usable > 0 and visual == 0)
-
-
-def _supported(records: Any, inputs: Any, model_name: str) -> Any:
-    """``records`` without those the model's converter cannot take (counted and
-    exemplified as skipped, by the converter's reason)."""
-    from dataclasses import replace
-
-    from dflop.runtime.dataset_batch import RecordSet
-
-    keep, skipped, examples = [], dict(records.distribution.skipped), []
-    for k, raw in enumerate(records.records):
-        reason = inputs.unsupported(raw.data)
-        if reason is None:
-            keep.append(k)
-            continue
-        if skipped.get(reason, 0) < 5:
-            examples.append(
-                {
-                    "reason": reason,
-                    "file": raw.source,
-                    "index": raw.index,
-                    "line": raw.line,
-                    "message": f"{model_name} cannot take this record yet",
-                }
-            )
-        skipped[reason] = skipped.get(reason, 0) + 1
-    if len(keep) == len(records.records):
-        return records
-    dist = records.distribution
-    kept = replace(
-        dist,
-        samples=dist.samples.take(np.array(keep, dtype=np.int64)),
-        skipped=skipped,
-        skipped_examples=[*dist.skipped_examples, *examples],
-    )
-    return RecordSet([records.records[k] for k in keep], kept)
 
 
 class StepShapes:

@@ -71,6 +71,24 @@ class HFSpec(ModelSpec):
         """The full model's paths (modules or parameters) a stage holds."""
         raise NotImplementedError
 
+    def text_encoding(self, reserved: tuple[int, ...]) -> tuple[Any, Any]:
+        """``(encode, chat template)`` of the records' text: the checkpoint folder's
+        tokenizer (with its ChatML template when it has the tokens), else
+        :func:`~dflop.models.hf.records.byte_encoder` over the vocabulary minus
+        ``reserved`` (the visual token ids) and no template."""
+        from dflop.models.hf.common import local_tokenizer
+        from dflop.models.hf.records import ChatTemplate, byte_encoder
+
+        tokenizer = local_tokenizer(self.checkpoint_dir)
+        if tokenizer is None:
+            vocab = self.config.text_config.vocab_size
+            return byte_encoder(vocab, tuple(int(r) for r in reserved)), None
+
+        def encode(text: str) -> list[int]:
+            return tokenizer.encode(text, add_special_tokens=False)
+
+        return encode, ChatTemplate.for_tokenizer(tokenizer)
+
     def _full_model(self, seed: int, meta: bool) -> nn.Module:
         if meta:
             with torch.device("meta"):

@@ -139,13 +139,11 @@ class LlavaOnevisionSpec(HFSpec):
         llm = decoder_architecture(f"{self.name}.text", text, self.llm_layers)
         return encoder, llm
 
-    def dataset_inputs(self) -> Any:
-        """The converter of LLaVA-format records for this model: the checkpoint folder's
-        image processor (``preprocessor_config.json``) and tokenizer when it has them;
-        else a processor built from the config (tile size, grids; the processor class's
-        default normalisation) and :func:`~dflop.models.hf.records.byte_encoder`."""
-        from dflop.models.hf.common import local_image_processor, local_tokenizer
-        from dflop.models.hf.records import ChatTemplate, LlavaOnevisionRecords, byte_encoder
+    def image_processor(self) -> Any:
+        """The checkpoint folder's image processor (``preprocessor_config.json``), else
+        one built from the config (tile size, grids; the processor class's default
+        normalisation)."""
+        from dflop.models.hf.common import local_image_processor
 
         processor = local_image_processor(self.checkpoint_dir)
         if processor is None:
@@ -156,19 +154,20 @@ class LlavaOnevisionSpec(HFSpec):
                 crop_size={"height": side, "width": side},
                 image_grid_pinpoints=self.config.image_grid_pinpoints,
             )
-        tokenizer = local_tokenizer(self.checkpoint_dir)
-        template = None
-        if tokenizer is not None:
-            template = ChatTemplate.for_tokenizer(tokenizer)
+        return processor
 
-            def encode(text: str) -> list[int]:
-                return tokenizer.encode(text, add_special_tokens=False)
+    def dataset_inputs(self) -> Any:
+        """The converter of LLaVA-format records for this model: the checkpoint folder's
+        image processor (``preprocessor_config.json``) and tokenizer when it has them;
+        else a processor built from the config (tile size, grids; the processor class's
+        default normalisation) and :func:`~dflop.models.hf.records.byte_encoder`."""
+        from dflop.models.hf.records import LlavaOnevisionRecords
 
-        else:
-            encode = byte_encoder(
-                self.config.text_config.vocab_size,
-                (int(self.config.image_token_index), int(self.config.video_token_index)),
-            )
+        processor = self.image_processor()
+        config = self.config
+        encode, template = self.text_encoding(
+            (int(config.image_token_index), int(config.video_token_index))
+        )
         return LlavaOnevisionRecords(self.config, processor, encode, template)
 
     # ------------------------------------------------------------------ building

@@ -141,26 +141,17 @@ class Qwen2VLSpec(HFSpec):
     def dataset_inputs(self) -> Any:
         """The converter of LLaVA-format records for this model: its image processor and
         the folder's tokenizer (else :func:`~dflop.models.hf.records.byte_encoder`)."""
-        from dflop.models.hf.common import local_tokenizer
-        from dflop.models.hf.records import ChatTemplate, QwenVLRecords, byte_encoder
+        from dflop.models.hf.records import QwenVLRecords
 
-        tokenizer = local_tokenizer(self.checkpoint_dir)
-        template = None
-        if tokenizer is not None:
-            template = ChatTemplate.for_tokenizer(tokenizer)
-
-            def encode(text: str) -> list[int]:
-                return tokenizer.encode(text, add_special_tokens=False)
-
-        else:
-            config = self.config
-            reserved = (
+        config = self.config
+        encode, template = self.text_encoding(
+            (
                 config.image_token_id,
                 config.video_token_id,
                 config.vision_start_token_id,
                 config.vision_end_token_id,
             )
-            encode = byte_encoder(config.text_config.vocab_size, tuple(int(r) for r in reserved))
+        )
         return QwenVLRecords(
             self.config, self.image_processor(), encode, self.family, self.video_pixels(), template
         )

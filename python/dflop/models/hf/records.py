@@ -178,10 +178,6 @@ class RecordInputs:
         self.encode = encode
         self.template = template
 
-    def unsupported(self, record: Any) -> str | None:
-        """Why this converter cannot take ``record`` (a skip reason), or None."""
-        return None
-
     def sample(
         self,
         record: dict[str, Any],

@@ -71,16 +71,11 @@ def save_tiny_llava_onevision(
     ``torch.manual_seed(seed)``. Train it with ``dflop train --model hf:FOLDER``."""
     import torch
 
+    from dflop.models.hf.llava_onevision import LlavaOnevisionSpec
+
     transformers = require_transformers()
     config = tiny_llava_onevision_config(**sizes)
-    side = config.vision_config.image_size
-    module = transformers.models.llava_onevision.image_processing_pil_llava_onevision
-    processor = module.LlavaOnevisionImageProcessorPil(
-        size={"height": side, "width": side},
-        crop_size={"height": side, "width": side},
-        image_grid_pinpoints=config.image_grid_pinpoints,
-    )
-    processor.save_pretrained(folder)
+    LlavaOnevisionSpec(config).image_processor().save_pretrained(folder)
     if weights:
         torch.manual_seed(seed)
         transformers.LlavaOnevisionForConditionalGeneration(config).save_pretrained(folder)
