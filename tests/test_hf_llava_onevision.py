@@ -23,11 +23,15 @@ from dflop.models.spec import VisualItem  # noqa: E402
 from dflop.runtime import RuntimeLayout, Topology, spawn_local  # noqa: E402
 from dflop.runtime.pipeline import PipelineEngine, build_stage  # noqa: E402
 from dflop.runtime.processed_batch import ProcessedBatch, ProcessedSample  # noqa: E402
-from dflop.runtime.step_data import StepPlan  # noqa: E402
-from dflop.runtime.tensor_parallel import full_tensor  # noqa: E402
 from dflop.runtime.topology import rank_info  # noqa: E402
-from dflop.scheduler import schedule_from_assignment  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
+from hf_harness import (  # noqa: E402
+    LAYOUT_IDS,
+    LAYOUTS,
+    assert_matches,
+    reference_step,
+    run_rank_step,
+    step_plan,
+)
 from transformers.models.llava_onevision.modeling_llava_onevision import (  # noqa: E402
     image_size_to_num_patches,
 )
@@ -131,70 +135,18 @@ def _hf_forward(model, config, sample: ProcessedSample):
 
 
 def _reference(config, samples):
-    torch.set_num_threads(1)
     model = _hf_model(config)
-    batch = ProcessedBatch(samples, 16)
-    targets = batch.target_tokens()
-    total = int(targets.sum())
-    loss_sum = 0.0
-    for sample, n in zip(samples, targets):
-        loss = _hf_forward(model, config, sample)
-        (loss * (int(n) / total)).backward()
-        loss_sum += loss.item() * int(n)
-    grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
-    return loss_sum, total, grads
-
-
-def _step(spec, batch, layout_kw, assignment):
-    """(layout, plan) of one step over ``batch``, as every rank derives them."""
-    layout = RuntimeLayout.simple(
-        **layout_kw,
-        encoder_layers=spec.encoder_layers,
-        llm_layers=spec.llm_layers,
-        global_batch=len(batch),
+    targets = ProcessedBatch(samples, 16).target_tokens()
+    loss_sum, grads = reference_step(
+        model, samples, targets, lambda m, sample: _hf_forward(m, config, sample)
     )
-    shapes = batch.shapes
-    costs = np.stack([shapes.encoder_tokens, shapes.seq_len], axis=1).astype(float)
-    schedule = schedule_from_assignment(
-        costs, assignment, layout.num_microbatches, layout.llm.dp, microbatch_dims=[0]
-    )
-    plan = StepPlan.build(
-        schedule,
-        shapes,
-        layout,
-        batch.target_tokens(),
-        tokens_per_unit=spec.tokens_per_unit,
-        visual_newline=spec.visual_newline,
-    )
-    return layout, plan
+    return loss_sum, int(targets.sum()), grads
 
 
 def _rank_step(rank, world_size, folder, layout_kw, assignment):
     spec = hf_model_spec(folder)
     batch = ProcessedBatch(_samples(spec.config), spec.tokens_per_unit)
-    layout, plan = _step(spec, batch, layout_kw, assignment)
-    topology = Topology.create(layout, rank)
-    stage = build_stage(
-        spec,
-        topology.info,
-        seed=MODEL_SEED,
-        tp_group=topology.tp_group,
-        tp_size=layout.module(topology.info.module).tp,
-    )
-    result = PipelineEngine(topology, stage, debug=True).run_step(plan, batch)
-    grads = {
-        # full_tensor: a TP-sharded gradient all-gathered (every TP rank calls it in order)
-        name: full_tensor(p.grad).numpy().copy()
-        for name, p in stage.named_parameters()
-        if p.grad is not None
-    }
-    sharded = sum(isinstance(p, DTensor) for p in stage.parameters())
-    return {
-        "loss_sum": result.loss_sum,
-        "targets": result.num_target_tokens,
-        "grads": grads,
-        "sharded": sharded,
-    }
+    return run_rank_step(rank, spec, batch, layout_kw, assignment, MODEL_SEED)
 
 
 @pytest.fixture(scope="module")
@@ -210,18 +162,7 @@ def reference():
     return _reference(config, _samples(config))
 
 
-@pytest.mark.parametrize(
-    "layout_kw, assignment, world",
-    [
-        # encoder dp 2 (single samples' units spread over both), LLM pp 2, 3 microbatches.
-        (dict(encoder_dp=2, llm_pp=2, num_microbatches=3), [0, 0, 1, 1, 2, 2, 1, 0], 4),
-        # one encoder stage and one LLM stage, 2 microbatches.
-        (dict(num_microbatches=2), [0, 1, 0, 1, 0, 1, 1, 0], 2),
-        # tensor parallelism: encoder and LLM each over 2 TP ranks.
-        (dict(encoder_tp=2, llm_tp=2, num_microbatches=2), [0, 1, 0, 1, 0, 1, 1, 0], 4),
-    ],
-    ids=["enc_dp2_llm_pp2", "one_stage_each", "enc_tp2_llm_tp2"],
-)
+@pytest.mark.parametrize("layout_kw, assignment, world", LAYOUTS, ids=LAYOUT_IDS)
 def test_runtime_matches_transformers(checkpoint, reference, layout_kw, assignment, world):
     ref_loss, ref_targets, ref_grads = reference
     results = spawn_local(
@@ -231,22 +172,8 @@ def test_runtime_matches_transformers(checkpoint, reference, layout_kw, assignme
         timeout_s=SPAWN_TIMEOUT_S,
         num_threads=1,
     )
-    for r in results:
-        assert r["targets"] == ref_targets
-        assert r["loss_sum"] == pytest.approx(ref_loss, rel=1e-5)
-    # After the DP all-reduce (and with TP, gathered) every rank holds the whole
-    # gradient of each parameter it holds.
-    held = set()
-    for r in results:
-        for name, grad in r["grads"].items():
-            held.add(name)
-            tol = 1e-6 + 1e-4 * float(np.abs(ref_grads[name]).max())
-            diff = float(np.abs(grad - ref_grads[name]).max())
-            assert diff <= tol, f"{name}: max |grad - ref| = {diff:.3g} > {tol:.3g}"
-    # With tensor parallelism every rank holds sharded parameters, else none.
-    tp = layout_kw.get("encoder_tp", 1) > 1
-    assert all((r["sharded"] > 0) == tp for r in results), [r["sharded"] for r in results]
-    assert held == set(ref_grads), sorted(held ^ set(ref_grads))[:4]
+    assert all(r["targets"] == ref_targets for r in results)
+    assert_matches(results, ref_loss, ref_grads, layout_kw)
 
 
 def test_packed_samples_do_not_see_each_other(reference):
@@ -390,7 +317,7 @@ def _train_rank(rank, world_size, steps):
     spec = spec_from_config(_config())
     batch = ProcessedBatch(_real_samples(spec.config), spec.tokens_per_unit)
     layout_kw = dict(encoder_dp=2, num_microbatches=2)
-    layout, plan = _step(spec, batch, layout_kw, [0, 1, 0, 1, 0, 1, 0, 1])
+    layout, plan = step_plan(spec, batch, layout_kw, [0, 1, 0, 1, 0, 1, 0, 1])
     topology = Topology.create(layout, rank)
     stage = build_stage(spec, topology.info, seed=MODEL_SEED)
     engine = PipelineEngine(topology, stage)

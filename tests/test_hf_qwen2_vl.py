@@ -20,13 +20,9 @@ transformers = pytest.importorskip("transformers")
 from dflop.models.hf import spec_from_config  # noqa: E402
 from dflop.models.hf.tiny import tiny_qwen2_5_vl_config, tiny_qwen2_vl_config  # noqa: E402
 from dflop.models.spec import VisualItem  # noqa: E402
-from dflop.runtime import RuntimeLayout, Topology, spawn_local  # noqa: E402
-from dflop.runtime.pipeline import PipelineEngine, build_stage  # noqa: E402
+from dflop.runtime import spawn_local  # noqa: E402
 from dflop.runtime.processed_batch import ProcessedBatch, ProcessedSample  # noqa: E402
-from dflop.runtime.step_data import StepPlan  # noqa: E402
-from dflop.runtime.tensor_parallel import full_tensor  # noqa: E402
-from dflop.scheduler import schedule_from_assignment  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
+from hf_harness import LAYOUT_IDS, LAYOUTS, assert_matches, reference_step, run_rank_step  # noqa: E402
 
 MODEL_SEED, DATA_SEED = 7, 13
 SPAWN_TIMEOUT_S = 120.0
@@ -119,60 +115,15 @@ def _hf_forward(model, config, sample: ProcessedSample):
 
 
 def _reference(config, samples):
-    torch.set_num_threads(1)
     model = _hf_model(config)
     targets = ProcessedBatch(samples, None).target_tokens()
-    total = int(targets.sum())
-    loss_sum = 0.0
-    for sample, n in zip(samples, targets):
-        loss = _hf_forward(model, config, sample)
-        (loss * (int(n) / total)).backward()
-        loss_sum += loss.item() * int(n)
-    grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
-    return loss_sum, grads
+    return reference_step(model, samples, targets, lambda m, s: _hf_forward(m, config, s))
 
 
 def _rank_step(rank, world_size, family, layout_kw, assignment):
     spec = spec_from_config(_config(family))
     batch = ProcessedBatch(_samples(spec.config), None)
-    layout = RuntimeLayout.simple(
-        **layout_kw,
-        encoder_layers=spec.encoder_layers,
-        llm_layers=spec.llm_layers,
-        global_batch=len(batch),
-    )
-    shapes = batch.shapes
-    costs = np.stack([shapes.encoder_tokens, shapes.seq_len], axis=1).astype(float)
-    schedule = schedule_from_assignment(
-        costs, assignment, layout.num_microbatches, layout.llm.dp, microbatch_dims=[0]
-    )
-    plan = StepPlan.build(
-        schedule,
-        shapes,
-        layout,
-        batch.target_tokens(),
-        tokens_per_unit=None,
-        visual_newline=None,
-        unit_tokens=batch.unit_tokens(),
-        token_merge=spec.token_merge,
-    )
-    topology = Topology.create(layout, rank)
-    stage = build_stage(
-        spec,
-        topology.info,
-        seed=MODEL_SEED,
-        tp_group=topology.tp_group,
-        tp_size=layout.module(topology.info.module).tp,
-    )
-    result = PipelineEngine(topology, stage, debug=True).run_step(plan, batch)
-    grads = {
-        # full_tensor: a TP-sharded gradient all-gathered (every TP rank calls it in order)
-        name: full_tensor(p.grad).numpy().copy()
-        for name, p in stage.named_parameters()
-        if p.grad is not None
-    }
-    sharded = sum(isinstance(p, DTensor) for p in stage.parameters())
-    return {"loss_sum": result.loss_sum, "grads": grads, "sharded": sharded}
+    return run_rank_step(rank, spec, batch, layout_kw, assignment, MODEL_SEED)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -181,17 +132,7 @@ def reference(request):
     return request.param, _reference(config, _samples(config))
 
 
-@pytest.mark.parametrize(
-    "layout_kw, assignment, world",
-    [
-        # encoder dp 2 (a multi-image sample's and the video's units spread over both),
-        # LLM pp 2, 3 microbatches.
-        (dict(encoder_dp=2, llm_pp=2, num_microbatches=3), [0, 0, 1, 1, 2, 2, 1, 0], 4),
-        (dict(num_microbatches=2), [0, 1, 0, 1, 0, 1, 0, 1], 2),
-        (dict(encoder_tp=2, llm_tp=2, num_microbatches=2), [0, 1, 0, 1, 0, 1, 0, 1], 4),
-    ],
-    ids=["enc_dp2_llm_pp2", "one_stage_each", "enc_tp2_llm_tp2"],
-)
+@pytest.mark.parametrize("layout_kw, assignment, world", LAYOUTS, ids=LAYOUT_IDS)
 def test_runtime_matches_transformers(reference, layout_kw, assignment, world):
     family, (loss_sum, grads) = reference
     results = spawn_local(
@@ -201,20 +142,7 @@ def test_runtime_matches_transformers(reference, layout_kw, assignment, world):
         timeout_s=SPAWN_TIMEOUT_S,
         num_threads=1,
     )
-    for r in results:  # every rank reports the step's loss
-        assert r["loss_sum"] == pytest.approx(loss_sum, rel=1e-5)
-    # After the DP all-reduce every replica holds the whole gradient of what it holds.
-    held = set()
-    for r in results:
-        for name, grad in r["grads"].items():
-            held.add(name)
-            tol = 1e-6 + 1e-4 * float(np.abs(grads[name]).max())
-            diff = float(np.abs(grad - grads[name]).max())
-            assert diff <= tol, f"{name}: max |grad - ref| = {diff:.3g} > {tol:.3g}"
-    # With tensor parallelism every rank holds sharded parameters, else none.
-    tp = layout_kw.get("encoder_tp", 1) > 1
-    assert all((r["sharded"] > 0) == tp for r in results), [r["sharded"] for r in results]
-    assert held == set(grads), sorted(held ^ set(grads))[:4]
+    assert_matches(results, loss_sum, grads, layout_kw)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

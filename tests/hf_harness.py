@@ -1,0 +1,108 @@
+"""What the Hugging Face equivalence tests share: one pipelined step of a spec under
+dflop's runtime on one rank, and the comparison with the transformers model's gradients."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from dflop.runtime import RuntimeLayout, Topology
+from dflop.runtime.pipeline import PipelineEngine, build_stage
+from dflop.runtime.step_data import StepPlan
+from dflop.runtime.tensor_parallel import full_tensor
+from dflop.scheduler import schedule_from_assignment
+from torch.distributed.tensor import DTensor
+
+
+def step_plan(spec, batch, layout_kw, assignment):
+    """(layout, plan) of one step over ``batch`` with the given LLM bins, as every rank
+    derives them."""
+    layout = RuntimeLayout.simple(
+        **layout_kw,
+        encoder_layers=spec.encoder_layers,
+        llm_layers=spec.llm_layers,
+        global_batch=len(batch),
+    )
+    shapes = batch.shapes
+    costs = np.stack([shapes.encoder_tokens, shapes.seq_len], axis=1).astype(float)
+    schedule = schedule_from_assignment(
+        costs, assignment, layout.num_microbatches, layout.llm.dp, microbatch_dims=[0]
+    )
+    variable = spec.tokens_per_unit is None
+    plan = StepPlan.build(
+        schedule,
+        shapes,
+        layout,
+        batch.target_tokens(),
+        tokens_per_unit=spec.tokens_per_unit,
+        visual_newline=spec.visual_newline,
+        unit_tokens=batch.unit_tokens() if variable else None,
+        token_merge=spec.token_merge,
+    )
+    return layout, plan
+
+
+def run_rank_step(rank, spec, batch, layout_kw, assignment, seed):
+    """This rank's stage runs one step; its loss, targets, gradients (TP shards gathered:
+    every TP rank calls it in the same order) and how many parameters are sharded."""
+    layout, plan = step_plan(spec, batch, layout_kw, assignment)
+    topology = Topology.create(layout, rank)
+    info = topology.info
+    stage = build_stage(
+        spec, info, seed=seed, tp_group=topology.tp_group, tp_size=layout.module(info.module).tp
+    )
+    result = PipelineEngine(topology, stage, debug=True).run_step(plan, batch)
+    grads = {
+        name: full_tensor(p.grad).numpy().copy()
+        for name, p in stage.named_parameters()
+        if p.grad is not None
+    }
+    return {
+        "loss_sum": result.loss_sum,
+        "targets": result.num_target_tokens,
+        "grads": grads,
+        "sharded": sum(isinstance(p, DTensor) for p in stage.parameters()),
+    }
+
+
+def reference_step(model, samples, targets, forward):
+    """The transformers model on each sample alone (``forward(model, sample)`` -> mean
+    loss), weighted into the gradient of the batch's mean loss: (loss sum, gradients)."""
+    torch.set_num_threads(1)
+    total = int(np.sum(targets))
+    loss_sum = 0.0
+    for sample, n in zip(samples, targets):
+        loss = forward(model, sample)
+        (loss * (int(n) / total)).backward()
+        loss_sum += loss.item() * int(n)
+    grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+    return loss_sum, grads
+
+
+def assert_matches(results, ref_loss, ref_grads, layout_kw):
+    """Every rank reports the step's loss; after the DP all-reduce (and with TP,
+    gathered) every rank holds the whole gradient of each parameter it holds; all
+    parameters are held; with tensor parallelism every rank holds shards, else none."""
+    for r in results:
+        assert r["loss_sum"] == pytest.approx(ref_loss, rel=1e-5)
+    held = set()
+    for r in results:
+        for name, grad in r["grads"].items():
+            held.add(name)
+            tol = 1e-6 + 1e-4 * float(np.abs(ref_grads[name]).max())
+            diff = float(np.abs(grad - ref_grads[name]).max())
+            assert diff <= tol, f"{name}: max |grad - ref| = {diff:.3g} > {tol:.3g}"
+    assert held == set(ref_grads), sorted(held ^ set(ref_grads))[:4]
+    tp = layout_kw.get("encoder_tp", 1) > 1
+    assert all((r["sharded"] > 0) == tp for r in results), [r["sharded"] for r in results]
+
+
+LAYOUTS = [
+    # encoder dp 2 (samples' units spread over both replicas), LLM pp 2, 3 microbatches.
+    (dict(encoder_dp=2, llm_pp=2, num_microbatches=3), [0, 0, 1, 1, 2, 2, 1, 0], 4),
+    # one encoder stage and one LLM stage, 2 microbatches.
+    (dict(num_microbatches=2), [0, 1, 0, 1, 0, 1, 1, 0], 2),
+    # tensor parallelism: encoder and LLM each over 2 TP ranks.
+    (dict(encoder_tp=2, llm_tp=2, num_microbatches=2), [0, 1, 0, 1, 0, 1, 1, 0], 4),
+]
+LAYOUT_IDS = ["enc_dp2_llm_pp2", "one_stage_each", "enc_tp2_llm_tp2"]
