@@ -254,6 +254,21 @@ def test_video_frames_become_temporal_patches(tmp_path):
     alone = alone.view(2, rows * cols, c, 2, p, p)[:, :, :, 0]
     unit0 = pixels[: rows * cols].view(rows * cols, c, 2, p, p)
     assert torch.equal(unit0[:, :, 0], alone[0]) and torch.equal(unit0[:, :, 1], alone[1])
+    # The profile (what the planner samples) has the converter's units and tokens.
+    from dflop.runtime.dataset_batch import read_records
+
+    found = read_records(
+        os.path.join(root, "llava_mini.json"),
+        family=spec.family,
+        image_folder=os.path.join(root, "images"),
+        video_folder=videos,
+        text_counter=inputs.text_counter(),
+    )
+    k = next(i for i, r in enumerate(found.records) if r.data.get("video") == "clip_frames")
+    shapes = found.distribution.samples
+    assert int(shapes.encoder_units[k]) == t
+    assert int(shapes.tokens_per_unit[k]) == rows * cols
+    assert int(shapes.llm_visual_tokens[k]) == int(sample.placeholder_mask.sum()) + 2
     # An odd count repeats the last frame; a long video is sampled down to max_frames.
     assert inputs._frames(list("abcde")) == list("abcdee")
     long = inputs._frames([f"f{k}" for k in range(100)])

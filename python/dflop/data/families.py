@@ -62,6 +62,7 @@ __all__ = [
     "multi_image_shapes",
     "native_grid",
     "native_patches",
+    "native_video_patches",
     "shapes_from_descriptors",
     "video_shapes",
 ]
@@ -110,9 +111,11 @@ class FamilySpec:
         frame_extra_tokens: LLM tokens added per frame (InternVL's ``<img>``/``</img>``: 2).
         patch_px, merge_size, min_pixels, max_pixels, temporal_patch: native only: the
             patch side, the merger's side (``merge_size^2`` patches per LLM token), the
-            resize bounds and the frames per video unit. A native video's units are
-            costed at the nominal ``video_encoder_tokens_per_frame`` patches each
-            (dflop reads no frame sizes of videos).
+            image resize bounds and the frames per video unit.
+        video_min_pixels, video_max_pixels: native only: a video frame's resize bounds
+            (Qwen2-VL's video processor: 128 x 28^2 to 768 x 28^2). A video whose first
+            frame's size is known (frames as image files) is patched at that size within
+            these bounds; otherwise at the nominal ``video_encoder_tokens_per_frame``.
     """
 
     name: str
@@ -141,6 +144,8 @@ class FamilySpec:
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
     temporal_patch: int = 2
+    video_min_pixels: int = 128 * 28 * 28
+    video_max_pixels: int = 768 * 28 * 28
 
     def __post_init__(self) -> None:
         if self.tiling not in _TILINGS:
@@ -164,6 +169,8 @@ class FamilySpec:
             "min_pixels",
             "max_pixels",
             "temporal_patch",
+            "video_min_pixels",
+            "video_max_pixels",
         )
         for f in fields(self):
             value = getattr(self, f.name)
@@ -497,22 +504,28 @@ def dynamic_tiles(
 
 
 def native_grid(
-    spec: FamilySpec | str, width_px: object, height_px: object
+    spec: FamilySpec | str, width_px: object, height_px: object, *, video: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Native (Qwen-VL) images: ``(rows, cols)`` of patches after the processor's resize
-    (``smart_resize``: each side rounded to a multiple of ``patch_px * merge_size``, then
-    the area scaled into ``[min_pixels, max_pixels]`` keeping the aspect ratio)."""
+    """Native (Qwen-VL) images (``video``: video frames): ``(rows, cols)`` of patches after
+    the processor's resize (``smart_resize``: each side rounded to a multiple of
+    ``patch_px * merge_size``, then the area scaled into ``[min_pixels, max_pixels]``, or
+    the video bounds, keeping the aspect ratio)."""
     spec = get_family(spec)
     w, h = _as_sizes(width_px, height_px)
+    low, high = (
+        (spec.video_min_pixels, spec.video_max_pixels)
+        if video
+        else (spec.min_pixels, spec.max_pixels)
+    )
     factor = spec.patch_px * spec.merge_size
     h_bar = np.round(h / factor) * factor
     w_bar = np.round(w / factor) * factor
-    big = h_bar * w_bar > spec.max_pixels
-    small = ~big & (h_bar * w_bar < spec.min_pixels)
-    beta = np.sqrt(h * w / spec.max_pixels)
+    big = h_bar * w_bar > high
+    small = ~big & (h_bar * w_bar < low)
+    beta = np.sqrt(h * w / high)
     h_bar = np.where(big, np.maximum(factor, np.floor(h / beta / factor) * factor), h_bar)
     w_bar = np.where(big, np.maximum(factor, np.floor(w / beta / factor) * factor), w_bar)
-    beta = np.sqrt(spec.min_pixels / (h * w))
+    beta = np.sqrt(low / (h * w))
     h_bar = np.where(small, np.ceil(h * beta / factor) * factor, h_bar)
     w_bar = np.where(small, np.ceil(w * beta / factor) * factor, w_bar)
     return (h_bar // spec.patch_px).astype(np.int64), (w_bar // spec.patch_px).astype(np.int64)
@@ -624,20 +637,46 @@ def multi_image_shapes(
     return units, tokens
 
 
-def video_shapes(spec: FamilySpec | str, num_frames: object) -> tuple[np.ndarray, np.ndarray]:
+def native_video_patches(spec: FamilySpec | str, width_px: object, height_px: object) -> np.ndarray:
+    """Native (Qwen-VL) videos: patches per unit (temporal patch) of frames of these sizes
+    (0 x 0: unknown, the nominal ``video_encoder_tokens_per_frame``)."""
+    spec = get_family(spec)
+    w = np.atleast_1d(np.asarray(width_px, dtype=np.float64))
+    h = np.atleast_1d(np.asarray(height_px, dtype=np.float64))
+    known = (w > 0) & (h > 0)
+    patches = np.full(w.shape, spec.video_encoder_tokens_per_frame, dtype=np.int64)
+    if known.any():
+        rows, cols = native_grid(spec, w[known], h[known], video=True)
+        patches[known] = rows * cols
+    return patches
+
+
+def video_shapes(
+    spec: FamilySpec | str,
+    num_frames: object,
+    frame_width_px: object | None = None,
+    frame_height_px: object | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Encoder units (sampled frames) and LLM visual tokens of videos.
 
     ``num_frames`` is the number of frames available (after the sampling fps); videos with
-    more than ``spec.max_frames`` are uniformly sampled down to ``max_frames``.
+    more than ``spec.max_frames`` are uniformly sampled down to ``max_frames``. Native
+    families: one unit per ``temporal_patch`` frames (the last padded), patched at the
+    frame size when given (:func:`native_video_patches`).
 
     Returns:
         ``(encoder_units, llm_visual_tokens)``, (N,) int64 each.
     """
     spec = get_family(spec)
     frames = np.minimum(_as_int_array("num_frames", num_frames, 1), spec.max_frames)
-    if spec.tiling == "native":  # one unit per temporal patch, at the nominal frame size
+    if spec.tiling == "native":
         units = -(-frames // spec.temporal_patch)
-        return units, units * spec.video_tokens_per_frame + spec.video_extra_tokens
+        if frame_width_px is None or frame_height_px is None:
+            per_unit = np.full(frames.shape, spec.video_tokens_per_frame, dtype=np.int64)
+        else:
+            patches = native_video_patches(spec, frame_width_px, frame_height_px)
+            per_unit = patches // spec.merge_size**2
+        return units, units * per_unit + spec.video_extra_tokens
     tokens = (
         frames * (spec.video_tokens_per_frame + spec.frame_extra_tokens) + spec.video_extra_tokens
     )
@@ -653,6 +692,8 @@ def shapes_from_descriptors(
     image_width_px: object | None = None,
     image_height_px: object | None = None,
     video_num_frames: object | None = None,
+    video_frame_width_px: object | None = None,
+    video_frame_height_px: object | None = None,
 ) -> SampleShapes:
     """Shapes of N samples from raw descriptors, by the family's rules.
 
@@ -665,6 +706,8 @@ def shapes_from_descriptors(
             exactly one image, ``MULTI_IMAGE`` samples at least one, others none.
         video_num_frames: (N,) frames available per sample; read for ``VIDEO`` samples only
             (must be >= 1 there).
+        video_frame_width_px, video_frame_height_px: (N,) a video's frame size (0 when
+            unknown); native families patch the frames at it.
 
     Returns:
         :class:`SampleShapes` with ``tokens_per_unit`` 0 for text-only samples.
@@ -748,10 +791,17 @@ def shapes_from_descriptors(
         # Validate with global indices; only video samples' entries matter.
         checked = _as_int_array("video_num_frames", np.where(is_video, frames, 1), 1)
         vid = np.flatnonzero(is_video)
-        v_units, v_tokens = video_shapes(spec, checked[vid])
+        sizes = (video_frame_width_px, video_frame_height_px)
+        if spec.tiling == "native" and all(v is not None for v in sizes):
+            fw = np.atleast_1d(np.asarray(video_frame_width_px, dtype=np.float64))[vid]
+            fh = np.atleast_1d(np.asarray(video_frame_height_px, dtype=np.float64))[vid]
+            v_units, v_tokens = video_shapes(spec, checked[vid], fw, fh)
+            per_unit[vid] = native_video_patches(spec, fw, fh)
+        else:
+            v_units, v_tokens = video_shapes(spec, checked[vid])
+            per_unit[vid] = spec.video_encoder_tokens_per_frame
         units[vid] = v_units
         tokens[vid] = v_tokens
-        per_unit[vid] = spec.video_encoder_tokens_per_frame
 
     return SampleShapes(
         encoder_units=units,

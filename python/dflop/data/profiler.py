@@ -51,7 +51,12 @@ from dflop.data.dataset import (
 )
 from dflop.data.distribution import ShapeDistribution
 from dflop.data.families import FamilySpec, get_family, shapes_from_descriptors
-from dflop.data.image_header import ImageHeaderError, count_frame_files, read_image_size
+from dflop.data.image_header import (
+    FRAME_FILE_EXTENSIONS,
+    ImageHeaderError,
+    count_frame_files,
+    read_image_size,
+)
 from dflop.data.shapes import Modality, SampleShapes
 from dflop.data.text_tokens import TextTokenCounter, make_text_counter
 
@@ -111,12 +116,15 @@ class SampleDescriptor:
         image_sizes_px: ``(width_px, height_px)`` of each image (empty unless an image
             modality).
         num_frames: frames available (video only; 1 otherwise).
+        frame_size_px: ``(width_px, height_px)`` of a video's first frame when its frames
+            are image files (a frames folder or a ``frames`` list), else None.
     """
 
     modality: int
     text_tokens: int
     image_sizes_px: tuple[tuple[int, int], ...] = ()
     num_frames: int = 1
+    frame_size_px: tuple[int, int] | None = None
 
 
 # --------------------------------------------------------------------------- describe
@@ -270,6 +278,18 @@ def _video_frames(data: dict[str, Any], video: Any, folder: str) -> int:
     raise SampleError("missing_video", f"video {path!r} does not exist")
 
 
+def _first_frame(data: dict[str, Any], video: Any, folder: str) -> str | None:
+    """The path of a video's first frame image (``frames`` list or frames folder)."""
+    frames = data.get("frames")
+    if isinstance(frames, list) and frames and isinstance(frames[0], str):
+        return os.path.join(folder, frames[0])
+    path = os.path.join(folder, video) if isinstance(video, str) and video else None
+    if path is None or not os.path.isdir(path):
+        return None
+    names = sorted(n for n in os.listdir(path) if n.lower().endswith(FRAME_FILE_EXTENSIONS))
+    return os.path.join(path, names[0]) if names else None
+
+
 def describe_sample(
     raw: RawSample, count_text: TextTokenCounter, images: _ImageSizeCache | None = None
 ) -> SampleDescriptor:
@@ -296,7 +316,11 @@ def describe_sample(
         raise SampleError("image_and_video", "a sample may have 'image' or 'video', not both")
     if video is not None:
         frames = _video_frames(data, video, raw.video_folder)
-        return SampleDescriptor(Modality.VIDEO, text_tokens, num_frames=frames)
+        first = _first_frame(data, video, raw.video_folder)
+        size = None
+        if first is not None:
+            size = (images if images is not None else _ImageSizeCache()).size(first)
+        return SampleDescriptor(Modality.VIDEO, text_tokens, num_frames=frames, frame_size_px=size)
     if image is None:
         return SampleDescriptor(Modality.TEXT, text_tokens)
     paths = [image] if isinstance(image, str) else image
@@ -321,6 +345,8 @@ class _Chunk:
     modality: list[int] = field(default_factory=list)
     text_tokens: list[int] = field(default_factory=list)
     num_frames: list[int] = field(default_factory=list)
+    frame_width_px: list[int] = field(default_factory=list)
+    frame_height_px: list[int] = field(default_factory=list)
     image_owner: list[int] = field(default_factory=list)
     image_width_px: list[int] = field(default_factory=list)
     image_height_px: list[int] = field(default_factory=list)
@@ -330,6 +356,9 @@ class _Chunk:
         self.modality.append(d.modality)
         self.text_tokens.append(d.text_tokens)
         self.num_frames.append(d.num_frames)
+        w, h = d.frame_size_px or (0, 0)
+        self.frame_width_px.append(w)
+        self.frame_height_px.append(h)
         for w, h in d.image_sizes_px:
             self.image_owner.append(owner)
             self.image_width_px.append(w)
@@ -347,6 +376,8 @@ class _Chunk:
             image_width_px=np.asarray(self.image_width_px, dtype=np.float64),
             image_height_px=np.asarray(self.image_height_px, dtype=np.float64),
             video_num_frames=np.asarray(self.num_frames, dtype=np.int64),
+            video_frame_width_px=np.asarray(self.frame_width_px, dtype=np.float64),
+            video_frame_height_px=np.asarray(self.frame_height_px, dtype=np.float64),
         )
 
 

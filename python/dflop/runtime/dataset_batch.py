@@ -714,6 +714,12 @@ def _shapes(spec: FamilySpec, descriptors: list[SampleDescriptor]) -> SampleShap
         image_width_px=np.array([s[0] for s in sizes], dtype=np.float64),
         image_height_px=np.array([s[1] for s in sizes], dtype=np.float64),
         video_num_frames=np.array([d.num_frames for d in descriptors], dtype=np.int64),
+        video_frame_width_px=np.array(
+            [(d.frame_size_px or (0, 0))[0] for d in descriptors], dtype=np.float64
+        ),
+        video_frame_height_px=np.array(
+            [(d.frame_size_px or (0, 0))[1] for d in descriptors], dtype=np.float64
+        ),
     )
 
 

@@ -118,6 +118,8 @@ class Qwen2VLSpec(HFSpec):
             temporal_patch=int(vision.temporal_patch_size),
             min_pixels=int(processor.size["shortest_edge"]),
             max_pixels=int(processor.size["longest_edge"]),
+            video_min_pixels=self.video_pixels()[0],
+            video_max_pixels=self.video_pixels()[1],
         )
 
     def profiled_encoder(
@@ -152,9 +154,7 @@ class Qwen2VLSpec(HFSpec):
                 config.vision_end_token_id,
             )
         )
-        return QwenVLRecords(
-            self.config, self.image_processor(), encode, self.family, self.video_pixels(), template
-        )
+        return QwenVLRecords(self.config, self.image_processor(), encode, self.family, template)
 
     def video_pixels(self) -> tuple[int, int]:
         """(min, max) pixels of a video frame: the folder's video processor config

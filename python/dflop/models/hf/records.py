@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -366,7 +366,7 @@ class QwenVLRecords(RecordInputs):
 
     Videos (a frames folder or a ``frames`` list; at most the family's ``max_frames``,
     sampled uniformly, the last repeated to an even count as the video processor pads):
-    every frame resized within the video bounds (``video_pixels``) to the first frame's
+    every frame resized within the family's video bounds to the first frame's
     grid, cut into patches by the image processor, and two consecutive frames joined into
     one temporal patch (the ``C x 2 x P x P`` layout of Qwen2-VL's video processor), so a
     video of ``n`` frames is ``n / 2`` units; ``<|vision_start|>``, one video token per
@@ -379,7 +379,6 @@ class QwenVLRecords(RecordInputs):
         image_processor: Any,
         encode: Callable[[str], list[int]],
         family: Any,
-        video_pixels: tuple[int, int],
         template: ChatTemplate | None = None,
     ) -> None:
         import copy
@@ -388,13 +387,10 @@ class QwenVLRecords(RecordInputs):
         self.family = family
         self.placeholder_ids = (int(config.image_token_id), int(config.video_token_id))
         self.wrap = (int(config.vision_start_token_id), int(config.vision_end_token_id))
-        self.video_family = replace(
-            family, min_pixels=int(video_pixels[0]), max_pixels=int(video_pixels[1])
-        )
-        self.frame_processor = copy.deepcopy(image_processor)
+        self.frame_processor = copy.deepcopy(image_processor)  # frames: the video bounds
         self.frame_processor.size = {
-            "shortest_edge": int(video_pixels[0]),
-            "longest_edge": int(video_pixels[1]),
+            "shortest_edge": int(family.video_min_pixels),
+            "longest_edge": int(family.video_max_pixels),
         }
 
     def sample(
@@ -465,7 +461,7 @@ class QwenVLRecords(RecordInputs):
         from dflop.data.families import native_grid
 
         height, width = _header_size(frames[0], where)
-        rows, cols = (int(a[0]) for a in native_grid(self.video_family, width, height))
+        rows, cols = (int(a[0]) for a in native_grid(self.family, width, height, video=True))
         units = len(frames) // self.family.temporal_patch
         return VisualItem("video", units, height, width, grid_thw=(units, rows, cols))
 
