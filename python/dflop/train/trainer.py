@@ -49,7 +49,7 @@ from dflop.train.metrics import (
     timeline_records,
 )
 
-__all__ = ["FAULT_ENV", "TrainReport", "Trainer"]
+__all__ = ["FAULT_ENV", "NonFiniteError", "TrainReport", "Trainer"]
 
 FAULT_ENV = "DFLOP_FAULT_INJECT"
 """``"RANK:STEP"``: that rank raises at the start of that step (to test failure handling)."""
@@ -190,19 +190,30 @@ class Trainer:
             self._submit(step)
 
     def _resume(self) -> None:
-        from dflop.train.checkpoint import latest_checkpoint, load_checkpoint
+        """Load the checkpoint to resume from: rank 0 chooses it (the step ``latest``
+        names when it verifies, else the newest intact one, saying so) and tells every
+        rank, so all resume from the same step."""
+        import torch.distributed as dist
+
+        from dflop.train.checkpoint import find_checkpoint, load_checkpoint
 
         if not self.config.checkpoint_dir:
             return
-        folder = latest_checkpoint(self.config.checkpoint_dir)
-        if folder is None:
+        choice: list[Any] = [None]
+        if self.is_leader:
+            found = find_checkpoint(
+                self.config.checkpoint_dir, self.world_size, log=lambda m: print(m, flush=True)
+            )
+            choice = [None if found is None else str(found)]
+        dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
             return
-        state = load_checkpoint(folder, self.rank, self._checkpoint_identity())
+        state = load_checkpoint(choice[0], self.rank, self._checkpoint_identity())
         self.stage.load_state_dict(state["stage"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.start_step = int(state["step"]) + 1
         if self.is_leader:
-            print(f"resumed from {folder} (step {self.start_step} next)", flush=True)
+            print(f"resumed from {choice[0]} (step {self.start_step} next)", flush=True)
 
     def _checkpoint_identity(self) -> dict[str, Any]:
         return {
@@ -405,6 +416,7 @@ class Trainer:
                     )
                     results[mode] = self.engine.run_step(plans[mode], batch)
                 grad_norm = self._clip_gradients()
+                _check_finite(step, {m: r.loss for m, r in results.items()}, grad_norm)
                 self.optimizer.step()
                 gathered: list[Any] | None = [None] * self.world_size if self.is_leader else None
                 dist.gather_object(self._record(results), gathered, dst=0)
@@ -513,7 +525,14 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             **self._checkpoint_identity(),
         }
-        save_checkpoint(self.config.checkpoint_dir, step, self.rank, state, barrier=dist.barrier)
+        save_checkpoint(
+            self.config.checkpoint_dir,
+            step,
+            self.rank,
+            state,
+            barrier=dist.barrier,
+            world_size=self.world_size,
+        )
 
     def save_hf_checkpoint(self, folder: str) -> None:
         """Write the model as a Hugging Face checkpoint folder (call on every rank): each
@@ -599,6 +618,25 @@ def _lay_out(steps: collections.deque) -> list[dict[str, Any]]:
         events.extend(timeline_records(records, offset_s))
         offset_s += step_time_s
     return events
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient norm is not finite: the run stops before the update."""
+
+
+def _check_finite(step: int, losses: dict[str, float], grad_norm: float) -> None:
+    """Stop (every rank: the loss and the norm are global) before a non-finite update
+    reaches the weights or a checkpoint."""
+    bad = {f"loss ({mode})": v for mode, v in losses.items() if not math.isfinite(v)}
+    if not math.isfinite(grad_norm):
+        bad["gradient norm"] = grad_norm
+    if bad:
+        found = ", ".join(f"{name} {value}" for name, value in bad.items())
+        raise NonFiniteError(
+            f"step {step}: {found} is not finite; stopped before the update (the weights and "
+            "checkpoints are those of the previous step): lower --lr, keep --grad-clip, or "
+            "check the data"
+        )
 
 
 def _fault_step(rank: int) -> int | None:

@@ -1,0 +1,146 @@
+"""Training survives damaged, missing and hostile checkpoints and stops on a non-finite
+step; every test runs the real 'dflop train' command with real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dflop.train.checkpoint import verify_checkpoint  # noqa: E402
+from test_train import run_cli  # noqa: E402
+
+LAYOUT = "enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1,m=2"
+
+
+def _train(tmp_path: Path, *extra: str):
+    metrics = tmp_path / f"m-{len(list(tmp_path.iterdir()))}.json"
+    result = run_cli(
+        "train",
+        "--schedule",
+        "blind",  # no cost model: no timing in the loss
+        "--layout",
+        LAYOUT,
+        "--global-batch",
+        "8",
+        "--quiet",
+        "--json",
+        str(metrics),
+        *extra,
+    )
+    report = json.loads(metrics.read_text()) if metrics.exists() else None
+    return result, report
+
+
+def _losses(report) -> dict[int, float]:
+    return {s["step"]: s["loss"] for s in report["steps"]}
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """6 uninterrupted steps: what every resumed run must reproduce."""
+    result, report = _train(tmp_path_factory.mktemp("full"), "--steps", "6")
+    assert result.returncode == 0, result.stderr
+    return _losses(report)
+
+
+def _checkpointed(tmp_path: Path, steps: int = 4) -> Path:
+    ckpt = tmp_path / "ckpt"
+    result, _ = _train(
+        tmp_path, "--steps", str(steps), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"
+    )
+    assert result.returncode == 0, result.stderr
+    assert (ckpt / "latest").read_text().strip() == f"step-{steps - 1:06d}"
+    return ckpt
+
+
+def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, full_run):
+    """64 random bytes in a rank's file of the latest step: the resume says so and
+    continues from the step before, reproducing the uninterrupted run."""
+    ckpt = _checkpointed(tmp_path)
+    victim = ckpt / "step-000003" / "rank-00001.pt"
+    data = bytearray(victim.read_bytes())
+    offset = len(data) // 2
+    data[offset : offset + 64] = np.random.default_rng(0).bytes(64)
+    victim.write_bytes(bytes(data))
+    assert "damaged" in verify_checkpoint(ckpt / "step-000003", 2)
+    result, report = _train(tmp_path, "--steps", "6", "--checkpoint-dir", str(ckpt))
+    assert result.returncode == 0, result.stderr
+    assert "does not match its checksum" in result.stdout
+    assert "resuming from step-000002" in result.stdout
+    losses = _losses(report)
+    assert sorted(losses) == [3, 4, 5]
+    for step, loss in losses.items():
+        assert loss == pytest.approx(full_run[step], rel=1e-5)
+
+
+def test_latest_naming_a_missing_step_is_said_and_the_newest_intact_one_used(tmp_path):
+    ckpt = _checkpointed(tmp_path)
+    for path in (ckpt / "step-000003").iterdir():
+        path.unlink()
+    (ckpt / "step-000003").rmdir()
+    result, report = _train(tmp_path, "--steps", "5", "--checkpoint-dir", str(ckpt))
+    assert result.returncode == 0, result.stderr
+    assert "'latest' names step-000003" in result.stdout and "does not exist" in result.stdout
+    assert sorted(_losses(report)) == [3, 4]
+
+
+def test_a_non_finite_step_stops_the_run_before_the_update(tmp_path):
+    """--lr 1e12 --grad-clip 0 diverges: the run stops with a clear message and a
+    non-zero exit, and the last checkpoint holds the finite weights of the step before."""
+    ckpt = tmp_path / "ckpt"
+    result, _ = _train(
+        tmp_path,
+        "--steps",
+        "8",
+        "--lr",
+        "1e12",
+        "--grad-clip",
+        "0",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "1",
+    )
+    assert result.returncode != 0
+    assert "is not finite; stopped before the update" in result.stderr
+    latest = ckpt / (ckpt / "latest").read_text().strip()
+    assert verify_checkpoint(latest, 2) is None
+    for rank in (0, 1):
+        state = torch.load(latest / f"rank-{rank:05d}.pt", weights_only=True)
+        assert all(torch.isfinite(t).all() for t in state["stage"].values())
+
+
+class _Payload:
+    """Unpickling this runs code: what a hostile checkpoint would do."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
+    """A rank file crafted to run code when unpickled (with a matching checksum): the
+    resume refuses to load it and the code never runs."""
+    import hashlib
+
+    ckpt = _checkpointed(tmp_path, steps=2)
+    marker = tmp_path / "pwned"
+    for rank in (0, 1):
+        path = ckpt / "step-000001" / f"rank-{rank:05d}.pt"
+        state = {"step": 1, "stage": _Payload(str(marker))}
+        torch.save(state, path, pickle_module=pickle)
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        path.with_name(path.name + ".sha256").write_text(digest)
+    result, _ = _train(tmp_path, "--steps", "3", "--checkpoint-dir", str(ckpt))
+    assert result.returncode != 0
+    assert "refusing to load it" in result.stderr
+    assert not marker.exists()
