@@ -144,3 +144,23 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
     assert result.returncode != 0
     assert "refusing to load it" in result.stderr
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nproc", "999"], "exceed this machine's limit"),
+        (["--layout", "enc_dp=1,llm_pp=1000,m=2"], "llm_pp=1000 pipeline stages"),
+        (["--layout", "enc_dp=64,llm_dp=64,m=1", "--global-batch", "64"], "128 local processes"),
+        (["--json", "nodir/m.json"], "does not exist"),
+        (["--checkpoint-dir", __file__], "is a file; give a folder"),
+        (["--trace", os.path.dirname(__file__)], "is a folder; give a file path"),
+    ],
+    ids=["nproc", "stages", "layout_procs", "json", "checkpoint_dir", "trace"],
+)
+def test_bad_runs_are_refused_before_any_process_starts(tmp_path, args, message):
+    """One line, exit code 2, nothing started or written (a few seconds at most)."""
+    result = run_cli("train", "--schedule", "blind", "--steps", "40", *args, timeout_s=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "step" not in result.stdout

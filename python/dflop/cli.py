@@ -29,7 +29,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as error:
+    except (
+        ValueError,
+        TypeError,
+        FileNotFoundError,
+        ImportError,
+        PermissionError,
+        IsADirectoryError,
+        NotADirectoryError,
+    ) as error:
         # Bad input: one clear line, no traceback.
         print(f"dflop {args.command}: error: {error}", file=sys.stderr)
         return 2

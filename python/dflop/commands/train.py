@@ -80,6 +80,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--png", default=None, help="PNG Gantt chart of the measured timeline")
     p.add_argument("--trace-steps", type=int, default=2, help="last steps in the timeline")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="start more local processes than this machine's limit (4 per core, 512 MiB each)",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout (s)")
     p.add_argument("--debug", action="store_true", help="shape headers on every message")
     p.add_argument("--quiet", action="store_true", help="no per-step lines")
@@ -121,7 +126,9 @@ def data_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from dflop.train import TrainConfig
+    from dflop.train.config import check_output_path
 
+    check_output_path("--json", args.json)  # before training, not after it
     config = TrainConfig(
         model=args.model,
         plan=args.plan,
@@ -148,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         log_every=0 if args.quiet else 1,
         debug=args.debug,
         device=args.device,
+        oversubscribe=args.oversubscribe,
         timeout_s=args.timeout,
         calibrate_steps=args.calibrate_steps,
     )

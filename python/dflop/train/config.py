@@ -12,7 +12,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SCHEDULE_MODES", "TrainConfig"]
+__all__ = [
+    "SCHEDULE_MODES",
+    "TrainConfig",
+    "check_local_processes",
+    "check_output_path",
+    "local_process_limit",
+]
 
 SCHEDULE_MODES: tuple[str, ...] = ("dflop", "blind", "compare")
 """``dflop``: every step balanced by ``dflop.schedule()`` (computed one step ahead);
@@ -88,6 +94,8 @@ class TrainConfig:
 
     Runtime:
         device: ``auto`` (CUDA if available), ``cpu`` or ``cuda``.
+        oversubscribe: allow more local processes than :func:`local_process_limit` (by
+            default a run that would start more is refused before any process starts).
         timeout_s: limit of every collective: a rank waiting longer on a peer fails.
         run_timeout_s: limit of a whole local run (None: none beyond the collectives').
         threads: torch threads per process (None: cores // processes).
@@ -131,6 +139,7 @@ class TrainConfig:
     progress: bool = True
     debug: bool = False
     device: str = "auto"
+    oversubscribe: bool = False
     timeout_s: float = 300.0
     run_timeout_s: float | None = None
     threads: int | None = None
@@ -210,6 +219,15 @@ class TrainConfig:
                     f"TrainConfig.save_hf={self.save_hf!r} needs a Hugging Face model "
                     "(model='hf:PATH')"
                 )
+        for name, kind in (
+            ("trace", "file"),
+            ("png", "file"),
+            ("checkpoint_dir", "folder"),
+            ("save_hf", "folder"),
+        ):
+            check_output_path(f"TrainConfig.{name}", getattr(self, name), kind)
+        if self.nproc is not None:
+            check_local_processes(self.nproc, self.oversubscribe)
         if self.mix is not None:
             from dflop.data.synthetic import MixSpec
 
@@ -234,3 +252,49 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def check_output_path(what: str, path: str | None, kind: str = "file") -> None:
+    """Fail now, not after training, if ``path`` cannot be written: a file's folder must
+    exist and be writable and the path must not be a folder; a folder must not be a file
+    and its (nearest existing) parent must be writable."""
+    if path is None:
+        return
+    if kind == "file":
+        if os.path.isdir(path):
+            raise ValueError(f"{what}={path!r} is a folder; give a file path")
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise FileNotFoundError(f"{what}={path!r}: the folder {parent!r} does not exist")
+    else:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"{what}={path!r} is a file; give a folder")
+        parent = os.path.abspath(path)
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK):
+        raise PermissionError(f"{what}={path!r}: {parent!r} is not writable")
+
+
+def local_process_limit() -> int:
+    """The most local processes a run starts without ``oversubscribe``: 4 per CPU core,
+    and no more than the host's memory holds at 512 MiB each."""
+    cores = os.cpu_count() or 1
+    limit = 4 * cores
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        limit = min(limit, max(2, int(memory // (512 * 2**20))))
+    except (ValueError, OSError, AttributeError):
+        pass
+    return max(2, limit)
+
+
+def check_local_processes(count: int, oversubscribe: bool = False) -> None:
+    """Refuse to start more local processes than :func:`local_process_limit` unless
+    ``oversubscribe``."""
+    limit = local_process_limit()
+    if count > limit and not oversubscribe:
+        raise ValueError(
+            f"{count} local processes exceed this machine's limit of {limit} (4 per core, "
+            "512 MiB each): use a smaller layout, or pass --oversubscribe to start them anyway"
+        )

@@ -65,11 +65,20 @@ def parse_layout(
     m = values.pop("num_microbatches", None) or num_microbatches
     if m is None:
         m = max(1, min(4, global_batch // llm_dp))
-    spec = model_spec(model)
+    layers = model_spec(model)
+    for key, module, count in (
+        ("enc_pp", "encoder_pp", layers.encoder_layers),
+        ("llm_pp", "llm_pp", layers.llm_layers),
+    ):
+        if values.get(module, 1) > count:
+            raise ValueError(
+                f"layout {spec!r}: {key}={values[module]} pipeline stages for a module of "
+                f"{count} layers (at most {count})"
+            )
     return RuntimeLayout.simple(
         **values,
-        encoder_layers=spec.encoder_layers,
-        llm_layers=spec.llm_layers,
+        encoder_layers=layers.encoder_layers,
+        llm_layers=layers.llm_layers,
         num_microbatches=m,
         global_batch=global_batch,
     )

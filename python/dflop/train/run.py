@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from dflop.runtime.topology import RuntimeLayout
-from dflop.train.config import TrainConfig
+from dflop.train.config import TrainConfig, check_local_processes
 from dflop.train.metrics import ModeSummary, summarise
 
 __all__ = ["Prepared", "calibrate", "prepare", "print_summary", "run_training", "write_timelines"]
@@ -360,6 +360,7 @@ def run_training(
         prepared = prepare(config, log)
     layout = prepared.layout
     world_size = layout.world_size
+    check_local_processes(world_size, config.oversubscribe)
     device_kind = _device_kind(config, world_size)
     log(
         f"{prepared.description}: encoder tp={layout.encoder.tp} pp={layout.encoder.pp} "
