@@ -164,3 +164,71 @@ def test_bad_runs_are_refused_before_any_process_starts(tmp_path, args, message)
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert "step" not in result.stdout
+
+
+def _start_long_run(tmp_path: Path, ckpt: Path):
+    import shutil
+    import subprocess
+    import sys
+
+    executable = shutil.which("dflop")
+    command = [executable] if executable else [sys.executable, "-m", "dflop.cli"]
+    args = ["train", "--schedule", "blind", "--layout", LAYOUT, "--global-batch", "8"]
+    args += ["--steps", "100000", "--quiet", "--checkpoint-dir", str(ckpt)]
+    args += ["--checkpoint-every", "20"]
+    proc = subprocess.Popen(
+        [*command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    import time
+
+    deadline = time.monotonic() + 120
+    while not (ckpt / "latest").exists():  # training is under way
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no checkpoint within 120 s"
+        time.sleep(0.2)
+    return proc
+
+
+def _settled(ckpt: Path, wait_s: float = 3.0) -> str:
+    """``latest`` after ``wait_s`` more seconds, asserting it did not move meanwhile (no
+    rank is left training and checkpointing)."""
+    import time
+
+    before = (ckpt / "latest").read_text()
+    steps = sorted(p.name for p in ckpt.glob("step-*"))
+    time.sleep(wait_s)
+    assert (ckpt / "latest").read_text() == before
+    assert sorted(p.name for p in ckpt.glob("step-*")) == steps
+    return before.strip()
+
+
+def test_sigterm_stops_cleanly_with_a_final_checkpoint(tmp_path):
+    """A scheduler's SIGTERM to the launcher: the ranks stop after the same step, save a
+    verified checkpoint there, exit; the launcher exits 143; resuming continues."""
+    import signal
+
+    ckpt = tmp_path / "ckpt"
+    proc = _start_long_run(tmp_path, ckpt)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM after step" in err
+    stopped = int(err.split("after step ")[1].split(";")[0])
+    latest = _settled(ckpt)
+    assert latest == f"step-{stopped:06d}" and verify_checkpoint(ckpt / latest, 2) is None
+    result, report = _train(tmp_path, "--steps", str(stopped + 3), "--checkpoint-dir", str(ckpt))
+    assert result.returncode == 0, result.stderr
+    assert sorted(_losses(report)) == [stopped + 1, stopped + 2]
+
+
+def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path):
+    """SIGKILL to the launcher (no handler can run): the ranks notice and exit at once;
+    nothing keeps training or moving the checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    proc = _start_long_run(tmp_path, ckpt)
+    proc.kill()
+    proc.communicate(timeout=30)
+    import time
+
+    time.sleep(2.0)  # the ranks poll their launcher twice a second
+    _settled(ckpt)

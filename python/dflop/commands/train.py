@@ -176,6 +176,7 @@ def train_main(config, json_path: str | None = None) -> int:
         return 0
     print()
     rows = print_summary(report)
+    stopped = report.stats.get("stopped_after_step")
     if json_path:
         with open(json_path, "w", encoding="utf-8") as f:
             json.dump(
@@ -187,4 +188,8 @@ def train_main(config, json_path: str | None = None) -> int:
                 f,
                 indent=1,
             )
+    if stopped is not None:
+        saved = f"; checkpoint in {config.checkpoint_dir}" if config.checkpoint_dir else ""
+        print(f"dflop train: stopped by SIGTERM after step {stopped}{saved}", file=sys.stderr)
+        return 143  # 128 + SIGTERM, what schedulers expect of a terminated job
     return 0

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 __all__ = [
+    "StopRequested",
     "DEFAULT_TIMEOUT_S",
     "ProcessInfo",
     "SpawnError",
@@ -82,9 +83,12 @@ def _child_main(
     collective_timeout_s: float,
     num_threads: int,
     conn: multiprocessing.connection.Connection,
+    launcher_alive: multiprocessing.connection.Connection,
 ) -> None:
-    """Body of one spawned rank: join the group, run ``fn``, report back, exit."""
+    """Body of one spawned rank: join the group, run ``fn``, report back, exit. The rank
+    dies with its launcher (:func:`_die_with`), so no rank outlives a killed run."""
     exitcode = 0
+    _die_with(launcher_alive)
     try:
         os.environ.update(
             MASTER_ADDR=host,
@@ -131,6 +135,46 @@ def _child_main(
             # Skip interpreter teardown: a half-torn-down process group (a peer died) can
             # block in its destructor, and the parent is waiting for this exit.
             os._exit(exitcode)
+
+
+def _die_with(launcher_alive: multiprocessing.connection.Connection) -> None:
+    """Exit this process as soon as the launcher is gone (killed by SIGKILL, crashed):
+    ``launcher_alive`` is the reading end of a pipe whose only writing end the launcher
+    holds, so a daemon thread's read ends with EOF when the launcher's process ends (even
+    before it is reaped). The ranks' parent is the fork server, not the launcher, so a
+    parent-death signal would not fire; a rank left running would keep training and
+    checkpointing while a restarted job uses the same folder."""
+    import threading
+
+    def watch() -> None:
+        with contextlib.suppress(EOFError, OSError):
+            launcher_alive.recv()  # the launcher never writes: this returns only on EOF
+        os._exit(_LAUNCHER_GONE_EXIT)
+
+    threading.Thread(target=watch, name="dflop-launcher-watch", daemon=True).start()
+
+
+_LAUNCHER_GONE_EXIT = 125
+
+
+class StopRequested:
+    """Set when the launcher receives SIGTERM (:func:`spawn_local` forwards it to the
+    ranks): a training loop checks :meth:`requested` and stops cleanly."""
+
+    _flag = False
+
+    @classmethod
+    def install(cls) -> None:
+        """In a rank (main thread): SIGTERM sets the flag instead of killing."""
+        signal.signal(signal.SIGTERM, lambda signum, frame: cls.set())
+
+    @classmethod
+    def set(cls) -> None:
+        cls._flag = True
+
+    @classmethod
+    def requested(cls) -> bool:
+        return cls._flag
 
 
 def spawn_local(
@@ -197,6 +241,8 @@ def spawn_local(
         # Only takes effect when this process starts its fork server (the first time).
         ctx.set_forkserver_preload(["torch", "torch.distributed", "dflop.runtime.launch"])
     procs, conns = [], []
+    # The ranks hold the reading end; only this process holds the writing end.
+    alive_r, alive_w = ctx.Pipe(duplex=False)
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
@@ -213,6 +259,7 @@ def spawn_local(
                     collective_timeout_s,
                     num_threads,
                     child_end,
+                    alive_r,
                 ),
                 name=f"dflop-rank{rank}",
                 daemon=True,
@@ -221,12 +268,45 @@ def spawn_local(
             child_end.close()  # the parent keeps only the reading end: EOF when the child ends
             procs.append(proc)
             conns.append(parent_end)
-        return _watch(procs, conns, timeout_s)
+        with _forward_sigterm(procs):
+            return _watch(procs, conns, timeout_s)
     finally:
         _kill_all(procs)
         for conn in conns:
             conn.close()
+        alive_r.close()
+        alive_w.close()
         del store
+
+
+@contextlib.contextmanager
+def _forward_sigterm(procs: list[Any]):
+    """While the ranks run, SIGTERM to the launcher (a scheduler's stop) is passed on to
+    them so that they stop cleanly (:class:`StopRequested`), and the launcher keeps
+    waiting for their results; a second SIGTERM kills them. Only in the main thread."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+
+    def handler(signum: int, frame: Any) -> None:
+        received.append(signum)
+        StopRequested.set()
+        if len(received) > 1:
+            _kill_all(procs)
+            raise SpawnError("stopped: a second SIGTERM killed the ranks")
+        for proc in procs:
+            if proc.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _watch(

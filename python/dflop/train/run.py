@@ -328,8 +328,10 @@ def _rank_main(
     cluster: dict[str, Any] | None = None,
     forward_fraction: tuple[float, float] | None = None,
 ) -> Any:
+    from dflop.runtime.launch import StopRequested
     from dflop.train.trainer import Trainer
 
+    StopRequested.install()  # SIGTERM: stop cleanly after the current step
     trainer = Trainer(
         config,
         RuntimeLayout.from_dict(layout),
@@ -395,9 +397,10 @@ def _run_torchrun(config: TrainConfig, log: Callable[[str], None]) -> Any:
     import torch
     import torch.distributed as dist
 
-    from dflop.runtime.launch import init_from_env
+    from dflop.runtime.launch import StopRequested, init_from_env
     from dflop.train.trainer import Trainer
 
+    StopRequested.install()  # torchrun passes a SIGTERM on to its workers
     info = init_from_env(timeout_s=config.timeout_s)
     payload: list[Any] = [None]
     if info.rank == 0:

@@ -151,6 +151,8 @@ class Trainer:
         )
         self._calibrated = False
         self.predictor = None
+        self.stopped_after_step: int | None = None
+        """The step after which a SIGTERM stopped the run (None: it ran to the end)."""
         if self.is_leader and "dflop" in config.modes:
             self._start_scheduler(performance_model, cluster)
 
@@ -450,11 +452,18 @@ class Trainer:
                         self._log(row, bar)
                     if bar is not None:
                         bar.update(1)
-                if config.checkpoint_dir and (
+                saved = bool(config.checkpoint_dir) and (
                     step == config.steps - 1
                     or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
-                ):
+                )
+                if saved:
                     self.save_checkpoint(step)
+                if step < config.steps - 1 and self._stop_agreed():
+                    # A SIGTERM reached some rank: every rank stops after this same step.
+                    if config.checkpoint_dir and not saved:
+                        self.save_checkpoint(step)
+                    self.stopped_after_step = step
+                    break
             if config.save_hf:
                 self.save_hf_checkpoint(config.save_hf)
             if self.scheduler is not None:
@@ -476,6 +485,7 @@ class Trainer:
                 self.cost_model.performance_model.to_dict() if self.cost_model else None
             ),
             stats={
+                "stopped_after_step": self.stopped_after_step,
                 "schedule_fallbacks": num_fallbacks_before,
                 # The calibration of the step model (dflop plan --local uses it).
                 "link_latency_s": self.final_link_latency_s(),
@@ -513,6 +523,18 @@ class Trainer:
                     if p.grad is not None:
                         p.grad.mul_(scale)
         return norm
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop (SIGTERM): one all-reduce of a flag."""
+        import torch
+        import torch.distributed as dist
+
+        from dflop.runtime.launch import StopRequested
+
+        device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        flag = torch.tensor([int(StopRequested.requested())], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def save_checkpoint(self, step: int) -> None:
         """Save every rank's stage and optimizer after ``step`` (call on every rank)."""
