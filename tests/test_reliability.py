@@ -232,3 +232,21 @@ def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path):
 
     time.sleep(2.0)  # the ranks poll their launcher twice a second
     _settled(ckpt)
+
+
+def test_a_resumed_run_keeps_the_layout_and_cost_model_it_chose(tmp_path):
+    """Planned from a timing profile (no --layout): the resume takes the layout and cost
+    model saved with the checkpoints instead of profiling and planning again."""
+    ckpt = tmp_path / "ckpt"
+    args = ["train", "--nproc", "2", "--global-batch", "8", "--quiet"]
+    args += ["--checkpoint-dir", str(ckpt)]
+    first = run_cli(*args, "--steps", "2")
+    assert first.returncode == 0, first.stderr
+    assert "profiling" in first.stdout and (ckpt / "run.json").is_file()
+    saved = json.loads((ckpt / "run.json").read_text())
+    second = run_cli(*args, "--steps", "4")
+    assert second.returncode == 0, second.stderr
+    assert "profiling" not in second.stdout
+    assert "resuming: the layout and cost model the run chose" in second.stdout
+    assert "resumed from" in second.stdout
+    assert json.loads((ckpt / "run.json").read_text()) == saved

@@ -47,6 +47,8 @@ class Prepared:
     """The planner's cluster (rank 0 predicts every step with it)."""
     forward_fraction: tuple[float, float] | None = None
     """The forward shares the plan was scored with (rank 0 starts from them)."""
+    resumed: bool = False
+    """The layout and cost model are a resumed run's saved ones."""
 
 
 def _plan_forward_fraction(plan: Any) -> tuple[float, float] | None:
@@ -92,6 +94,9 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
                 "warning: most of the dataset is unusable or it has no visual sample left: "
                 "the run will not exercise the encoder as the data intends"
             )
+    saved = _saved_run(config, log)
+    if saved is not None:
+        return Prepared(distribution=distribution, **saved)
     plan_file = Plan.load(config.plan) if config.plan is not None else None
     if plan_file is not None:
         _check_plan_inputs(plan_file, config, log)
@@ -179,6 +184,64 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
         cluster=(plan.cluster if plan else local_cluster(layout.world_size)).to_dict(),
         forward_fraction=_plan_forward_fraction(plan),
     )
+
+
+_RUN_FILE = "run.json"
+
+
+def _saved_run(config: TrainConfig, log: Callable[[str], None]) -> dict[str, Any] | None:
+    """A resumed run's layout and cost model: those the first run chose, saved beside its
+    checkpoints (re-planning from a fresh timing profile could choose another layout and
+    refuse the run's own checkpoint). Only without --plan/--layout, and only when an
+    intact checkpoint is there to resume."""
+    import json
+
+    from dflop.runtime.topology import RuntimeLayout
+    from dflop.train.checkpoint import find_checkpoint
+
+    if not config.checkpoint_dir or config.plan is not None or config.layout is not None:
+        return None
+    path = os.path.join(config.checkpoint_dir, _RUN_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
+    layout = RuntimeLayout.from_dict(saved["layout"])
+    if find_checkpoint(config.checkpoint_dir, layout.world_size, log=lambda m: None) is None:
+        return None
+    log(f"resuming: the layout and cost model the run chose, from {path}")
+    fraction = saved.get("forward_fraction")
+    return {
+        "layout": layout,
+        "performance_model": saved.get("performance_model"),
+        "description": f"{saved.get('description', 'saved run')} (resumed)",
+        "predicted_step_time_s": float(saved.get("predicted_step_time_s", math.nan)),
+        "cluster": saved.get("cluster"),
+        "forward_fraction": None if fraction is None else tuple(fraction),
+        "resumed": True,
+    }
+
+
+def _save_run(config: TrainConfig, prepared: Prepared) -> None:
+    """Write what :func:`_saved_run` reads (a resumed run keeps what it read)."""
+    import json
+
+    if not config.checkpoint_dir or prepared.resumed:
+        return
+    path = os.path.join(config.checkpoint_dir, _RUN_FILE)
+    os.makedirs(config.checkpoint_dir, exist_ok=True)
+    data = {
+        "layout": prepared.layout.to_dict(),
+        "performance_model": prepared.performance_model,
+        "description": prepared.description,
+        "predicted_step_time_s": prepared.predicted_step_time_s,
+        "cluster": prepared.cluster,
+        "forward_fraction": prepared.forward_fraction,
+    }
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, default=float)
+    os.replace(tmp, path)
 
 
 def calibrate(
@@ -363,6 +426,7 @@ def run_training(
     layout = prepared.layout
     world_size = layout.world_size
     check_local_processes(world_size, config.oversubscribe)
+    _save_run(config, prepared)
     device_kind = _device_kind(config, world_size)
     log(
         f"{prepared.description}: encoder tp={layout.encoder.tp} pp={layout.encoder.pp} "
@@ -405,6 +469,7 @@ def _run_torchrun(config: TrainConfig, log: Callable[[str], None]) -> Any:
     payload: list[Any] = [None]
     if info.rank == 0:
         prepared = prepare(config, log)
+        _save_run(config, prepared)
         payload = [
             (
                 prepared.layout.to_dict(),
