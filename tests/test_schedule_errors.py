@@ -430,3 +430,34 @@ def test_overflowing_total_keeps_a_valid_bound():
         assert "costs" in str(e)
     else:
         assert s.makespan >= s.lower_bound
+
+
+# ----------------------------------------------------------------------- API edges
+
+
+def test_api_edges_fail_at_once_with_a_clear_error():
+    """Values that would hang, overflow or exhaust memory are refused up front."""
+    import time
+
+    import dflop
+    import numpy as np
+    from dflop.scheduler import data_blind_schedule
+    from dflop.simulator import pipeline_actions, simulate_pipeline
+
+    costs = np.random.default_rng(0).random((16, 2))
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"time_budget_ms=1e\+300 must be in"):
+        dflop.pipeline_schedule(costs, 4, 1, time_budget_ms=1e300)
+    with pytest.raises(ValueError, match="balance_time_budget_ms"):
+        dflop.pipeline_schedule(costs, 4, 1, balance_time_budget_ms=float("inf"))
+    with pytest.raises(TypeError, match="time_budget_ms must be a number, got str"):
+        dflop.pipeline_schedule(costs, 4, 1, time_budget_ms="5")
+    with pytest.raises(ValueError, match="time_budget_ms"):
+        dflop.schedule(costs, 4, 1, time_budget_ms=-1.0)
+    with pytest.raises(ValueError, match="overflow"):
+        simulate_pipeline(np.full((2, 4), 1e308), np.full((2, 4), 1e308))
+    with pytest.raises(ValueError, match="num_microbatches=2147483647 is more than"):
+        pipeline_actions("1f1b", 2, 2**31 - 1, 0)
+    with pytest.raises(ValueError, match=r"costs\[1, 0\]=nan is not finite"):
+        data_blind_schedule(np.array([[1.0], [np.nan], [1.0], [1.0]]), 2)
+    assert time.perf_counter() - start < 5.0

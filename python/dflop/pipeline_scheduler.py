@@ -29,6 +29,8 @@ from dflop.scheduler import (
     _as_costs,
     _as_dims,
     _as_int,
+    as_time_budget_ms,
+    as_time_limit_s,
     schedule,
     schedule_from_assignment,
 )
@@ -289,6 +291,11 @@ def pipeline_schedule(
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     began = time.perf_counter()
+    # Efforts and limits checked before any work: a bad value fails at once.
+    limit = as_time_limit_s("time_limit_s", time_limit_s)
+    limited = limit is not None and math.isfinite(limit)
+    time_budget_ms = as_time_budget_ms("time_budget_ms", time_budget_ms, limited)
+    as_time_budget_ms("balance_time_budget_ms", balance_time_budget_ms, limited)
     if start is None:
         start = schedule(
             balance_costs,
@@ -332,7 +339,7 @@ def pipeline_schedule(
         cap_list,
         float(max_growth),
         seed,
-        None if time_budget_ms is None else float(time_budget_ms),
+        time_budget_ms,
         remaining,
         **replica_args,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -115,6 +116,45 @@ def _as_costs(costs: Any) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.float64)
 
 
+MAX_TIME_BUDGET_MS = 3_600_000.0
+"""The largest search effort accepted (one hour's worth): a larger one would not return
+in a useful time."""
+
+
+def _real(name: str, value: Any) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating)
+    ):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def as_time_budget_ms(name: str, value: Any, limited: bool = False) -> float | None:
+    """A search effort in ms: None, or a number in ``[0, MAX_TIME_BUDGET_MS]``; a larger
+    one only with a wall-clock limit (``limited``) that bounds it."""
+    if value is None:
+        return None
+    budget = _real(name, value)
+    if math.isnan(budget) or budget < 0:
+        raise ValueError(f"{name}={value!r} must be >= 0")
+    if budget > MAX_TIME_BUDGET_MS and not limited:
+        raise ValueError(
+            f"{name}={value!r} must be in [0, {MAX_TIME_BUDGET_MS:g}] ms, or bounded by a "
+            "time_limit_s"
+        )
+    return budget
+
+
+def as_time_limit_s(name: str, value: Any) -> float | None:
+    """A wall-clock limit in s: None, or a number >= 0 (inf: none)."""
+    if value is None:
+        return None
+    limit = _real(name, value)
+    if math.isnan(limit) or limit < 0:
+        raise ValueError(f"{name}={value!r} must be >= 0")
+    return limit
+
+
 def _as_int(name: str, value: Any, upper: int = 2**31 - 1) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
@@ -192,20 +232,9 @@ def schedule(
                 f"D={cost_array.shape[1]} columns"
             )
         cap_list = [float(v) for v in cap_array]
-    budget = None
-    if time_budget_ms is not None:
-        if isinstance(time_budget_ms, bool) or not isinstance(
-            time_budget_ms, (int, float, np.integer, np.floating)
-        ):
-            raise TypeError(f"time_budget_ms must be a number, got {time_budget_ms!r}")
-        budget = float(time_budget_ms)
-    limit = None
-    if time_limit_s is not None:
-        if isinstance(time_limit_s, bool) or not isinstance(
-            time_limit_s, (int, float, np.integer, np.floating)
-        ):
-            raise TypeError(f"time_limit_s must be a number, got {time_limit_s!r}")
-        limit = float(time_limit_s)
+    limit = as_time_limit_s("time_limit_s", time_limit_s)
+    limited = limit is not None and math.isfinite(limit)
+    budget = as_time_budget_ms("time_budget_ms", time_budget_ms, limited)
     start_s = _perf_counter()
     raw = _core.balance(
         cost_array, num_microbatches, dp_size, list(dims), cap_list, seed, budget, limit
@@ -288,6 +317,10 @@ def data_blind_schedule(
     """What a data-blind framework does: samples in dataset order, split into
     ``num_microbatches`` equal-count microbatches, each split evenly over the DP ranks."""
     cost_array = _as_costs(costs)
+    bad = np.argwhere(~np.isfinite(cost_array))
+    if bad.size:
+        i, d = (int(v) for v in bad[0])
+        raise ValueError(f"costs[{i}, {d}]={cost_array[i, d]} is not finite")
     num_samples = cost_array.shape[0]
     num_bins = _as_int("num_microbatches", num_microbatches) * _as_int("dp_size", dp_size)
     if num_bins < 1 or num_samples < num_bins:

@@ -193,6 +193,11 @@ def simulate_pipeline(
         None if np.all(allreduce == 0.0) else allreduce,
         bool(record_events),
     )
+    if not (np.isfinite(raw["step_time_s"]) and np.isfinite(raw["busy_s"]).all()):
+        raise ValueError(
+            "the simulated times overflow float64 (inputs too large: their sums over the "
+            "pipeline are not finite); give times in seconds of a real step"
+        )
     columns = raw["events"]
     events = np.empty(columns["start_s"].shape[0], dtype=EVENT_DTYPE)
     events["kind"] = np.asarray(EVENT_KINDS)[columns["kind"].astype(np.intp)]
@@ -226,12 +231,22 @@ def pipeline_actions(
     Raises:
         ValueError: an unknown schedule, counts < 1, or ``stage`` out of range.
     """
+    count = _as_int("num_microbatches", num_microbatches)
+    if count > MAX_ACTIONS_MICROBATCHES:
+        raise ValueError(
+            f"num_microbatches={count} is more than {MAX_ACTIONS_MICROBATCHES:,} (the action "
+            "list would not fit in memory)"
+        )
     return [
         (bool(is_forward), int(microbatch))
         for is_forward, microbatch in _core.pipeline_actions(
             _schedule_name(schedule),
             _as_int("num_stages", num_stages),
-            _as_int("num_microbatches", num_microbatches),
+            count,
             _as_int("stage", stage),
         )
     ]
+
+
+MAX_ACTIONS_MICROBATCHES = 10_000_000
+"""The most microbatches :func:`pipeline_actions` lists (two actions each)."""
