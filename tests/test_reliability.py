@@ -250,3 +250,18 @@ def test_a_resumed_run_keeps_the_layout_and_cost_model_it_chose(tmp_path):
     assert "resuming: the layout and cost model the run chose" in second.stdout
     assert "resumed from" in second.stdout
     assert json.loads((ckpt / "run.json").read_text()) == saved
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    """SIGINT to the launcher (Ctrl-C): the ranks are killed, one line, exit 130, and no
+    rank keeps training."""
+    import signal
+
+    ckpt = tmp_path / "ckpt"
+    proc = _start_long_run(tmp_path, ckpt)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "dflop train: interrupted"
+    assert "Traceback" not in err
+    _settled(ckpt)

@@ -29,6 +29,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, the shell's code for SIGINT (the ranks were killed on the way).
+        print(f"dflop {args.command}: interrupted", file=sys.stderr)
+        return 130
     except (
         ValueError,
         TypeError,
