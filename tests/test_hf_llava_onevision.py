@@ -213,12 +213,10 @@ def _single_stage_info(spec):
     return rank_info(layout, 1)  # the LLM's only rank
 
 
-def test_checkpoint_round_trip(tmp_path, checkpoint):
-    """Stages loaded from a folder, saved by dflop, load with from_pretrained unchanged."""
-    spec = hf_model_spec(checkpoint)
+def _save_from_stages(spec, folder, **layout_kw):
+    """Every stage of a pipeline over ``layout_kw`` built, their state saved together."""
     layout = RuntimeLayout.simple(
-        encoder_pp=2,
-        llm_pp=2,
+        **layout_kw,
         encoder_layers=spec.encoder_layers,
         llm_layers=spec.llm_layers,
         num_microbatches=1,
@@ -226,9 +224,13 @@ def test_checkpoint_round_trip(tmp_path, checkpoint):
     )
     state = {}
     for rank in range(layout.world_size):
-        stage = build_stage(spec, rank_info(layout, rank))
-        state.update(stage.state_dict())
-    spec.save_checkpoint(str(tmp_path / "out"), state)
+        state.update(build_stage(spec, rank_info(layout, rank)).state_dict())
+    spec.save_checkpoint(folder, state)
+
+
+def test_checkpoint_round_trip(tmp_path, checkpoint):
+    """Stages loaded from a folder, saved by dflop, load with from_pretrained unchanged."""
+    _save_from_stages(hf_model_spec(checkpoint), str(tmp_path / "out"), encoder_pp=2, llm_pp=2)
     original = transformers.LlavaOnevisionForConditionalGeneration.from_pretrained(checkpoint)
     reloaded = transformers.LlavaOnevisionForConditionalGeneration.from_pretrained(
         str(tmp_path / "out")
@@ -397,18 +399,7 @@ def test_tied_embeddings_over_pipeline_stages(tmp_path):
     assert float(np.abs(first[embed] - ref_grads[embed]).max()) <= tol
     assert float(np.abs(last["lm_head.weight"] - ref_grads[embed]).max()) <= tol
     # Saved once; from_pretrained re-ties it.
-    spec = hf_model_spec(folder)
-    layout = RuntimeLayout.simple(
-        llm_pp=2,
-        encoder_layers=spec.encoder_layers,
-        llm_layers=spec.llm_layers,
-        num_microbatches=1,
-        global_batch=1,
-    )
-    state = {}
-    for rank in range(layout.world_size):
-        state.update(build_stage(spec, rank_info(layout, rank)).state_dict())
-    spec.save_checkpoint(str(tmp_path / "out"), state)
+    _save_from_stages(hf_model_spec(folder), str(tmp_path / "out"), llm_pp=2)
     reloaded = transformers.LlavaOnevisionForConditionalGeneration.from_pretrained(
         str(tmp_path / "out")
     )

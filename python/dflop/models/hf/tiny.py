@@ -45,13 +45,7 @@ def tiny_llava_onevision_config(
         },
         text_config={
             "model_type": "qwen2",
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": text_layers,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "vocab_size": vocab_size,
-            "max_position_embeddings": 8192,
+            **_tiny_decoder(vocab_size, text_layers),
             "tie_word_embeddings": False,
         },
         image_token_index=vocab_size - 2,
@@ -84,7 +78,8 @@ def save_tiny_llava_onevision(
     return folder
 
 
-def _qwen_text(vocab_size: int, text_layers: int) -> dict[str, Any]:
+def _tiny_decoder(vocab_size: int, text_layers: int) -> dict[str, Any]:
+    """The tiny Qwen2 decoder every family here uses (hidden 64, 4 heads, 2 KV heads)."""
     return {
         "hidden_size": 64,
         "intermediate_size": 128,
@@ -93,6 +88,12 @@ def _qwen_text(vocab_size: int, text_layers: int) -> dict[str, Any]:
         "num_key_value_heads": 2,
         "vocab_size": vocab_size,
         "max_position_embeddings": 8192,
+    }
+
+
+def _qwen_text(vocab_size: int, text_layers: int) -> dict[str, Any]:
+    return {
+        **_tiny_decoder(vocab_size, text_layers),
         "bos_token_id": 0,
         "eos_token_id": 1,
         "rope_parameters": {
