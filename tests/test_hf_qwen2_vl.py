@@ -194,6 +194,11 @@ def test_native_rule_matches_the_processor():
         for i in (0, 5, 9, 10, 13)
     ]
     batch = ProcessedBatch(samples, None)
+    for k, i in enumerate((0, 5, 9, 10, 13)):  # the files the trainer checks first
+        image = records[i].get("image")
+        paths = [] if image is None else [image] if isinstance(image, str) else image
+        expected = [os.path.join(root, "images", p) for p in paths]
+        assert batch.visual_files(k) == list(dict.fromkeys(expected))
     pixels = batch.pixel_values(list(range(len(samples))))  # checks the grids
     assert pixels.shape[0] == sum(sum(t) for t in batch.unit_tokens())
     merge = spec.token_merge
@@ -239,6 +244,7 @@ def test_video_frames_become_temporal_patches(tmp_path):
     frames = sorted(
         n for n in os.listdir(os.path.join(videos, "clip_frames")) if n.endswith(".jpg")
     )
+    assert sample.files == tuple(os.path.join(videos, "clip_frames", n) for n in frames)
     assert item.kind == "video" and item.units == (len(frames) + 1) // 2
     t, rows, cols = item.grid_thw
     assert rows * cols <= 64 * 64 // 16  # within the folder's video bounds

@@ -6,6 +6,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 __all__ = ["build_parser", "main"]
 
@@ -13,8 +14,16 @@ __all__ = ["build_parser", "main"]
 COMMAND_MODULES = ("demo", "train", "profile", "plan")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's error contract: one line on stderr, exit code 2 (argparse
+    prints the whole usage first); subcommand parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dflop", description="Data-driven planning and scheduling for multimodal training."
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from dflop.commands.args import positive_int
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -19,14 +21,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--scheduler-only", action="store_true", help="only compare schedules (no training)"
     )
-    p.add_argument("--steps", type=int, default=None, help="steps (default 24; 20 scheduler-only)")
-    p.add_argument("--global-batch", type=int, default=None, help="samples (24; 256)")
-    p.add_argument("--num-microbatches", type=int, default=8, help="microbatches per DP rank")
+    p.add_argument(
+        "--steps", type=positive_int, default=None, help="steps (default 24; 20 scheduler-only)"
+    )
+    p.add_argument("--global-batch", type=positive_int, default=None, help="samples (24; 256)")
+    p.add_argument(
+        "--num-microbatches", type=positive_int, default=8, help="microbatches per DP rank"
+    )
     p.add_argument("--out", default="dflop-demo-out", help="output folder (full demo)")
     p.add_argument("--preset", default="small+tiny", help="model preset trained (full demo)")
     p.add_argument("--seed", type=int, default=0)
     only = p.add_argument_group("--scheduler-only options")
-    only.add_argument("--dp-size", type=int, default=4, help="data-parallel ranks")
+    only.add_argument("--dp-size", type=positive_int, default=4, help="data-parallel ranks")
     only.add_argument("--encoder", default="siglip-400m", help="encoder preset for the costs")
     only.add_argument("--llm", default="llm-7b", help="LLM preset for the costs")
     only.add_argument("--time-budget-ms", type=float, default=None, help="scheduler budget")
@@ -38,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.scheduler_only:
         from dflop.demo import FullDemoConfig, run_full_demo
         from dflop.runtime.launch import SpawnError
+        from dflop.train.config import check_output_path
+
+        check_output_path("--out", args.out, kind="folder")
 
         config = FullDemoConfig(
             steps=args.steps or 24,

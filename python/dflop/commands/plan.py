@@ -9,6 +9,8 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from dflop.commands.args import positive_int
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -38,17 +40,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--shapes", default="synthetic", help="ShapeDistribution JSON/Parquet or 'synthetic'"
     )
-    p.add_argument("--gpus", type=int, default=None, help="number of GPUs (or --local)")
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--gpus", type=positive_int, default=None, help="number of GPUs (or --local)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=8)
     p.add_argument("--gpu-memory-gb", type=float, default=80.0)
     p.add_argument("--intra-node-gbps", type=float, default=300.0, help="GB/s per GPU (NVLink)")
     p.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s per GPU (network)")
-    p.add_argument("--global-batch", type=int, default=None, help="samples (256; local 16)")
+    p.add_argument(
+        "--global-batch", type=positive_int, default=None, help="samples (256; local 16)"
+    )
     p.add_argument("--gpu-flops", type=float, default=312e12, help="analytic: peak FLOP/s")
     p.add_argument("--mfu", type=float, default=0.4, help="analytic: achieved fraction")
-    p.add_argument("--batches", type=int, default=4, help="sampled batches per candidate")
+    p.add_argument("--batches", type=positive_int, default=4, help="sampled batches per candidate")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--top", type=int, default=5, help="layouts to keep (default 5)")
+    p.add_argument("--top", type=positive_int, default=5, help="layouts to keep (default 5)")
     p.add_argument("--no-prune", action="store_true", help="simulate every candidate")
     p.add_argument("--reference", action="store_true", help="also run the mean-shape optimizer")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
@@ -59,13 +63,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "trains it (same data, shape scaling and performance model: --perf FILE or a quick "
         "profile); 'dflop train --plan' then runs the plan and compares its prediction.",
     )
-    local.add_argument("--local", type=int, default=None, metavar="N", help="local processes")
+    local.add_argument(
+        "--local", type=positive_int, default=None, metavar="N", help="local processes"
+    )
     local.add_argument("--data", default="synthetic", help="synthetic, shapes file or dataset")
     local.add_argument("--image-folder", default=None, help="root of a dataset's image paths")
     local.add_argument("--video-folder", default=None, help="root of a dataset's video paths")
     local.add_argument("--family", default="llava-ov", help="dataset shape rules (local)")
     local.add_argument("--layout", default=None, help="force a layout: enc_dp=2,llm_pp=1,m=8")
-    local.add_argument("--num-microbatches", type=int, default=None, help="restrict m (local)")
+    local.add_argument(
+        "--num-microbatches", type=positive_int, default=None, help="restrict m (local)"
+    )
     local.add_argument("--mix", default=None, help="synthetic mix JSON (local)")
     local.add_argument("--scaler", default=None, help="ShapeScaler arguments as JSON (local)")
     local.add_argument(
@@ -146,8 +154,15 @@ def _configs(encoder: Any, llm: Any) -> tuple[Any, Any]:
 
 def run_plan(args: argparse.Namespace) -> int:
     from dflop.planner import ClusterSpec, PlannerConfig, plan
+    from dflop.train.config import check_output_path
 
+    check_output_path("-o/--output", args.output)  # before planning, not after it
     if args.local is not None:
+        if args.shapes != "synthetic":
+            raise ValueError(
+                "--shapes is the data of --gpus planning; with --local give the data as "
+                "--data (a shapes file or a dataset)"
+            )
         return _run_local_plan(args)
     if args.gpus is None:
         raise ValueError("pass --gpus N (a GPU cluster) or --local N (local CPU processes)")
@@ -238,7 +253,12 @@ def _run_local_plan(args: argparse.Namespace) -> int:
 
 def run_simulate(args: argparse.Namespace) -> int:
     from dflop.planner import Plan
+    from dflop.train.config import check_output_path
 
+    for flag, path in (("--trace", args.trace), ("--png", args.png)):
+        check_output_path(flag, path)
+    if os.path.isdir(args.plan):
+        raise ValueError(f"{args.plan} is a folder; give a plan JSON written by 'dflop plan'")
     plan = Plan.load(args.plan)
     if args.baseline:
         if plan.baseline is None:

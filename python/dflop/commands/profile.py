@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from dflop.commands.args import non_negative_int, positive_int
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     _register_profile_data(subparsers)
@@ -28,7 +30,7 @@ def _register_profile_data(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--image-folder", default=None, help="root of relative image paths")
     p.add_argument("--video-folder", default=None, help="root of relative video paths")
     p.add_argument("--tokenizer", default=None, help="local tokenizer folder (optional)")
-    p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--max-samples", type=positive_int, default=None)
     p.add_argument("--seed", type=int, default=0, help="seed of random: sampling strategies")
     p.add_argument("--strict", action="store_true", help="stop at the first bad sample")
     p.add_argument("--plot", default=None, metavar="PNG", help="also write histograms")
@@ -50,9 +52,14 @@ def _register_inspect(subparsers: argparse._SubParsersAction) -> None:
 
 def run_profile_data(args: argparse.Namespace) -> int:
     from dflop.data import profile_dataset
+    from dflop.train.config import check_output_path
 
     if not Path(args.dataset).exists():
         raise FileNotFoundError(f"dataset file not found: {args.dataset}")
+    if Path(args.dataset).is_dir():
+        raise ValueError(f"{args.dataset} is a folder; give a .json, .jsonl or .yaml file")
+    check_output_path("-o/--output", args.output)
+    check_output_path("--plot", args.plot)
     distribution = profile_dataset(
         args.dataset,
         args.family,
@@ -64,6 +71,14 @@ def run_profile_data(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_samples=args.max_samples,
     )
+    if len(distribution.samples) == 0:  # nothing to save: say why instead
+        reasons = ", ".join(f"{r} x{n}" for r, n in sorted(distribution.skipped.items()))
+        example = distribution.skipped_examples[0]["message"] if reasons else ""
+        raise ValueError(
+            f"{args.dataset}: no sample could be profiled (read {distribution.num_read}"
+            + (f"; skipped {reasons}, e.g. {example}" if reasons else "")
+            + "); nothing written"
+        )
     distribution.save(args.output)
     print(distribution.summary())
     print(f"\nwrote {args.output}")
@@ -90,6 +105,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     path = Path(args.file)
     if not path.exists():
         raise FileNotFoundError(f"file not found: {path}")
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; give a file written by dflop")
     kind = _kind(path)
     inspectors = _inspectors()
     if kind in inspectors:
@@ -161,26 +178,45 @@ def register_profile_model(subparsers: argparse._SubParsersAction) -> None:
         "preset (tiny, small+tiny, ...)",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
-    p.add_argument("--max-units", type=int, default=None, help="largest encoder microbatch")
-    p.add_argument("--max-tokens", type=int, default=None, help="largest packed LLM microbatch")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="float32 (CPU default) or bfloat16 (GPU default)",
+    )
+    p.add_argument(
+        "--max-units", type=positive_int, default=None, help="largest encoder microbatch"
+    )
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=None, help="largest packed LLM microbatch"
+    )
+    p.add_argument("--warmup", type=non_negative_int, default=1)
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", required=True, help="performance model JSON")
     p.set_defaults(handler=run_profile_model)
 
 
-def _factory(spec: str, flag: str):
-    """A user's 'module:factory' spec, imported."""
+def _built(spec: str, flag: str, device, dtype):
+    """The module a user's 'module:factory' spec builds, on ``device`` in ``dtype`` (None
+    for a preset name)."""
     import importlib
 
+    import torch
+
+    if ":" not in spec:
+        return None
     module_name, _, attr = spec.partition(":")
     factory = getattr(importlib.import_module(module_name), attr, None)
-    if factory is None:
-        raise ValueError(f"{flag} {spec}: module {module_name} has no attribute {attr!r}")
-    return factory
+    if not callable(factory):
+        raise ValueError(f"{flag} {spec}: module {module_name} has no callable {attr!r}")
+    module = factory()
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(
+            f"{flag} {spec}: the factory returned {type(module).__name__}, not a torch.nn.Module"
+        )
+    return module.to(device=device, dtype=dtype)
 
 
 def _build_modules(args: argparse.Namespace, device, dtype):
@@ -206,14 +242,8 @@ def _build_modules(args: argparse.Namespace, device, dtype):
         encoder = args.encoder if ":" not in args.encoder else "tiny"
         llm = args.llm if ":" not in args.llm else "tiny"
         reference = build_model(f"{encoder}+{llm}", seed=args.seed, device=device, dtype=dtype)
-    if ":" in args.encoder:
-        vision = _factory(args.encoder, "--encoder")().to(device=device, dtype=dtype)
-    else:
-        vision = reference.vision
-    if ":" in args.llm:
-        decoder = _factory(args.llm, "--llm")().to(device=device, dtype=dtype)
-    else:
-        decoder = reference.decoder
+    vision = _built(args.encoder, "--encoder", device, dtype) or reference.vision
+    decoder = _built(args.llm, "--llm", device, dtype) or reference.decoder
     config = getattr(decoder, "config", None)
     max_seq_len = getattr(config, "max_seq_len", None)
     return vision, decoder, None, None, max_seq_len
@@ -228,14 +258,19 @@ def run_profile_model(args: argparse.Namespace) -> int:
         fit_performance_model,
         profile_model,
     )
+    from dflop.train.config import check_output_path
 
-    device = torch.device(args.device)
+    check_output_path("-o/--output", args.output)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {args.device}: profile on cpu or cuda[:N]")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available (use --device cpu)")
     on_gpu = device.type == "cuda"
-    dtype = getattr(torch, args.dtype or ("bfloat16" if on_gpu else "float32"), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"--dtype {args.dtype}: not a torch dtype")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if on_gpu else "float32"))
     vision, decoder, image_shape, vocab_size, max_seq_len = _build_modules(args, device, dtype)
     max_units = args.max_units or (64 if on_gpu else 8)
     max_tokens = args.max_tokens or (16384 if on_gpu else 1024)

@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from dflop.commands.args import positive_int
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -31,6 +33,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--video-folder", default=None, help="root of a dataset's video paths")
     p.add_argument("--family", default="llava-ov", help="dataset shape rules")
     p.add_argument(
+        "--no-check-images",
+        action="store_true",
+        help="do not decode each record's images before its first step (a file that does "
+        "not decode then fails the run instead of being replaced by a redraw)",
+    )
+    p.add_argument(
         "--model",
         "--preset",
         dest="model",
@@ -38,10 +46,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="reference model preset (tiny, small, small+tiny, ...) or hf:PATH, a local "
         "Hugging Face model folder (needs --data: a LLaVA-style dataset)",
     )
-    p.add_argument("--nproc", type=int, default=None, help="local processes (default: layout's)")
+    p.add_argument(
+        "--nproc", type=positive_int, default=None, help="local processes (default: layout's)"
+    )
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--global-batch", type=int, default=None, help="samples per step")
-    p.add_argument("--num-microbatches", type=int, default=None)
+    p.add_argument("--global-batch", type=positive_int, default=None, help="samples per step")
+    p.add_argument("--num-microbatches", type=positive_int, default=None)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument(
         "--grad-clip", type=float, default=1.0, help="global gradient norm limit (0: none)"
@@ -55,6 +65,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--perf", default=None, help="performance model JSON (default: quick profile)")
     p.add_argument("--no-adaptive", action="store_true", help="no online cost-model correction")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="no measured time reaches a schedule (fixed cost model: --perf, the plan's or "
+        "the analytic one; no correction, calibration or deadlines): the same command gives "
+        "the same schedules and losses in every run and resume",
+    )
     p.add_argument(
         "--no-pipeline-schedule",
         action="store_true",
@@ -137,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
         num_microbatches=args.num_microbatches,
         **data_settings(args),
         global_batch=args.global_batch,
+        check_images=not args.no_check_images,
         steps=args.steps,
         lr=args.lr,
         grad_clip_norm=args.grad_clip or None,
@@ -144,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         schedule=args.schedule,
         perf=args.perf,
         adaptive=not args.no_adaptive,
+        deterministic=args.deterministic,
         pipeline_schedule=not args.no_pipeline_schedule,
         max_growth=args.max_growth,
         checkpoint_dir=args.checkpoint_dir,
@@ -177,6 +196,12 @@ def train_main(config, json_path: str | None = None) -> int:
     print()
     rows = print_summary(report)
     stopped = report.stats.get("stopped_after_step")
+    bad = report.stats.get("bad_records") or []
+    if bad:
+        print(
+            f"skipped {len(bad)} record(s) whose images do not decode "
+            f"({report.stats['samples_replaced']} batch sample(s) redrawn), e.g. {bad[0]}"
+        )
     if json_path:
         with open(json_path, "w", encoding="utf-8") as f:
             json.dump(
@@ -184,6 +209,8 @@ def train_main(config, json_path: str | None = None) -> int:
                     "layout": report.layout,
                     "steps": [m.to_dict() for m in report.metrics],
                     "summary": {k: v.to_dict() for k, v in rows.items()},
+                    "bad_records": bad,
+                    "samples_replaced": report.stats.get("samples_replaced", 0),
                 },
                 f,
                 indent=1,

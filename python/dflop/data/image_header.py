@@ -44,6 +44,7 @@ __all__ = [
     "ImageHeader",
     "ImageHeaderError",
     "count_frame_files",
+    "image_decode_error",
     "read_image_header",
     "read_image_size",
 ]
@@ -127,6 +128,24 @@ def count_frame_files(folder: str | os.PathLike[str]) -> int:
 
 
 # --------------------------------------------------------------------------- parsers
+
+
+def image_decode_error(path: str | os.PathLike[str]) -> str | None:
+    """Why the image at ``path`` cannot be decoded (``None`` when it can). The header is
+    not enough: a file cut short or corrupted after its header has a valid size and fails
+    only when its pixels are read. This decodes every compressed byte (JPEG at 1/8 scale:
+    the entropy-coded data is still read in full), so it costs a fraction of a full decode.
+    Needs Pillow."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            if image.format == "JPEG":
+                image.draft("RGB", (max(1, image.width // 8), max(1, image.height // 8)))
+            image.load()
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        return f"cannot decode image {os.fspath(path)!r}: {exc}"
+    return None
 
 
 def _read_header(f: BinaryIO, name: str) -> ImageHeader:

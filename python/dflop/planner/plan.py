@@ -296,6 +296,8 @@ class Plan:
             raise ValueError(
                 f"plan version {version!r} is not supported (this dflop reads 1..{PLAN_VERSION})"
             )
+        if not data.get("layouts"):  # the planner raises instead of planning nothing
+            raise ValueError("the plan holds no layout")
         return cls(
             cluster=ClusterSpec.from_dict(data["cluster"]),
             global_batch=int(data["global_batch"]),
@@ -329,7 +331,11 @@ class Plan:
                 raise ValueError(f"{os.fspath(path)} is not valid JSON: {error}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{os.fspath(path)} is not a dflop plan")
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            what = f"missing field {error}" if isinstance(error, KeyError) else str(error)
+            raise ValueError(f"{os.fspath(path)}: not a valid dflop plan: {what}") from None
 
     def table(self) -> str:
         """A human-readable summary."""

@@ -499,18 +499,9 @@ class DatasetBatch(PackedBatchSource):
         units = plan.units[first : first + count]
         if not units:
             return torch.zeros(0, v.channels, v.image_size_px, v.image_size_px)
-        raw = self.records[sample_id]
-        frames = (
-            _video_frame_paths(raw, plan.where)
-            if plan.descriptor.modality == Modality.VIDEO
-            else None
-        )
         out: list[Tensor | None] = [None] * len(units)
         missing: dict[str, list[tuple[int, tuple, _Unit]]] = {}  # by file: decode once
-        for pos, unit in enumerate(units):
-            if frames is not None:  # unit k of the descriptor's frames -> its file
-                k = unit.index * len(frames) // max(plan.descriptor.num_frames, 1)
-                unit = _Unit(frames[min(len(frames) - 1, k)], "full")
+        for pos, unit in enumerate(self._file_units(sample_id, units)):
             key = (*_file_key(unit.path), unit.kind, unit.rows, unit.cols, unit.index)
             key = (*key, v.image_size_px, v.channels)
             hit = _UNIT_CACHE.get(key)
@@ -527,6 +518,23 @@ class DatasetBatch(PackedBatchSource):
                 _UNIT_CACHE.put(key, tensor)
                 out[pos] = tensor
         return torch.stack(out)  # type: ignore[arg-type]
+
+    def _file_units(self, sample_id: int, units: list[_Unit]) -> list[_Unit]:
+        """``units`` with a video's frame units mapped to their frame files (unit k of the
+        descriptor's frames -> its file)."""
+        plan = self._plans[sample_id]
+        if plan.descriptor.modality != Modality.VIDEO:
+            return units
+        frames = _video_frame_paths(self.records[sample_id], plan.where)
+        num_frames = max(plan.descriptor.num_frames, 1)
+        return [
+            _Unit(frames[min(len(frames) - 1, unit.index * len(frames) // num_frames)], "full")
+            for unit in units
+        ]
+
+    def visual_files(self, sample_id: int) -> list[str]:
+        units = self._file_units(sample_id, self._plans[sample_id].units)
+        return list(dict.fromkeys(unit.path for unit in units))
 
     def _unit_image(self, image: Any, unit: _Unit, canvases: dict) -> Any:
         """The ``side x side`` PIL image of ``unit`` cut from the decoded ``image``."""

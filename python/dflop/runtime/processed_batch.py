@@ -37,6 +37,7 @@ class ProcessedSample:
         items: the sample's visual items (their units sum to U).
         placeholder_ids: the token ids that mark visual positions.
         load: makes ``pixel_values`` on first use (decoding only what a rank computes).
+        files: the image files ``load`` decodes (checked before a step trains).
     """
 
     input_ids: Tensor
@@ -45,6 +46,7 @@ class ProcessedSample:
     items: tuple[VisualItem, ...]
     placeholder_ids: tuple[int, ...]
     load: Callable[[], Tensor] | None = field(default=None, compare=False, repr=False)
+    files: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def units(self) -> int:
@@ -170,6 +172,9 @@ class ProcessedBatch(PackedBatchSource):
 
     def _visual_items(self, sample_ids: list[int]) -> tuple:
         return tuple(self.samples[i].items for i in sample_ids)
+
+    def visual_files(self, sample_id: int) -> list[str]:
+        return list(self.samples[sample_id].files)
 
 
 def _check_units(i: int, pixels: Tensor | None, sample: ProcessedSample) -> None:

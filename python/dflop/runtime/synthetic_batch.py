@@ -234,6 +234,11 @@ class PackedBatchSource:
         """Each sample's visual items, for a model with per-sample visual operations."""
         return None
 
+    def visual_files(self, sample_id: int) -> list[str]:
+        """The image files whose pixels sample ``sample_id``'s units are made from (none
+        for synthesised pixels): what the trainer checks before the step uses them."""
+        return []
+
     def pixel_values(
         self,
         sample_ids: np.ndarray | list[int],

@@ -56,6 +56,10 @@ class TrainConfig:
         mix: synthetic mix override (``MixSpec`` fractions), e.g. ``{"text": 0.4, ...}``.
         scaler: ``ShapeScaler`` arguments mapping real shapes onto the small model.
         global_batch: samples per step (None: the plan's, else 16).
+        check_images: decode every dataset record's image files once before its first
+            step (spread over the ranks) and replace a record whose files do not decode
+            by a seeded redraw, counted and reported (False: such a file fails the run at
+            the step that decodes it, naming the file).
 
     Optimisation:
         steps: total steps (a resumed run continues up to it).
@@ -79,6 +83,14 @@ class TrainConfig:
         lookahead: schedules computed ahead of training (>= 1).
         schedule_deadline: give every schedule a deadline of one step time (True) or solve
             to the end (False).
+        deterministic: no measured time reaches a schedule, so the same command gives the
+            same schedules and losses in every run and resume. By default ``dflop`` mode
+            depends on timing: the cost model comes from a quick timing profile and is
+            corrected from measured microbatches (``adaptive``), the step model's link
+            latency and forward shares are fitted to measured steps, and schedules have
+            deadlines. Deterministic runs use ``perf`` (or the plan's model; with neither,
+            the analytic FLOP model at a nominal rate), never correct or calibrate it, solve
+            every schedule to the end, and set ``torch.use_deterministic_algorithms``.
 
     Output:
         checkpoint_dir, checkpoint_every: where and how often (steps; 0: only at the end)
@@ -117,6 +129,7 @@ class TrainConfig:
     mix: dict[str, float] | None = None
     scaler: dict[str, Any] = field(default_factory=dict)
     global_batch: int | None = None
+    check_images: bool = True
     steps: int = 20
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -129,6 +142,7 @@ class TrainConfig:
     max_growth: float = 1.05
     lookahead: int = 2
     schedule_deadline: bool = True
+    deterministic: bool = False
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     save_hf: str | None = None
@@ -189,6 +203,11 @@ class TrainConfig:
             raise bad("schedule", f"one of {SCHEDULE_MODES}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", "'auto', 'cpu' or 'cuda'")
+        if self.deterministic and self.calibrate_steps:
+            raise ValueError(
+                f"TrainConfig.calibrate_steps={self.calibrate_steps}: a deterministic run plans "
+                "without timing; set it to 0"
+            )
         if self.plan is not None and self.layout is not None:
             raise ValueError("TrainConfig.plan and TrainConfig.layout are exclusive: give one")
         for name in ("plan", "perf"):

@@ -32,6 +32,8 @@ from dflop.runtime.synthetic_batch import ShapeScaler
 __all__ = ["ScaledShapes", "StepShapes", "describe_records", "load_distribution"]
 
 _DATASET_SUFFIXES = (".jsonl", ".yaml", ".yml")
+MAX_REDRAWS = 64
+"""Redraws for one batch position before the run gives up on a dataset of bad images."""
 
 
 def load_distribution(
@@ -57,6 +59,11 @@ def load_distribution(
         )
     if data == "synthetic":
         return None
+    if os.path.isdir(data):
+        raise ValueError(
+            f"TrainConfig.data={data!r} is a folder; give a dataset file (.json, .jsonl, "
+            ".yaml) or a shapes file, with its images under --image-folder"
+        )
     from dflop.data import ShapeDistribution
     from dflop.runtime.dataset_batch import read_records
 
@@ -138,7 +145,12 @@ class StepShapes:
         self.mix = mix
         self.inputs = None
         self.scaler: ShapeScaler | None = None
-        self._batches: dict[int, Any] = {}
+        self._batches: dict[int, tuple[tuple[int, ...], Any]] = {}
+        self.good_records: set[int] = set()
+        """Records whose image files decoded (by index into ``records.records``)."""
+        self.bad_records: dict[int, str] = {}
+        """Records whose image files did not decode, with why: they are never trained on
+        (:meth:`record_indices` draws a replacement)."""
         if self.spec.family is not None:  # the model's own rules: records as they are
             if self.records is None:
                 raise ValueError(
@@ -176,7 +188,39 @@ class StepShapes:
             from dflop.data.synthetic import synthetic_shapes
 
             return synthetic_shapes(self.global_batch, seed=seed, family=self.family, mix=self.mix)
+        if self.records is not None:
+            return self.distribution.samples.take(self.record_indices(step))
         return self.distribution.sample(self.global_batch, seed=seed)
+
+    def record_indices(self, step: int) -> np.ndarray:
+        """The records of ``step``'s batch (indices into ``records.records``): the seeded
+        draw, where a record in :attr:`bad_records` is replaced by the first of its
+        position's own seeded redraws that is not. The result depends only on which
+        records are bad, not on when that was found, so a resumed run and every rank
+        agree."""
+        seed = _step_seed(self.seed, step)
+        indices = self.records.indices(self.global_batch, seed=seed)
+        for position in np.flatnonzero([int(k) in self.bad_records for k in indices]):
+            for attempt in range(1, MAX_REDRAWS + 1):
+                rng = np.random.default_rng([seed, int(position), attempt])
+                candidate = int(rng.integers(0, len(self.records)))
+                if candidate not in self.bad_records:
+                    indices[position] = candidate
+                    break
+            else:
+                example = next(iter(self.bad_records.values()))
+                raise ValueError(
+                    f"step {step}: {MAX_REDRAWS} draws in a row for batch sample {position} "
+                    f"were records with undecodable images ({len(self.bad_records)} of "
+                    f"{len(self.records)} records known bad, e.g. {example}): repair or "
+                    "remove them from the dataset"
+                )
+        return indices
+
+    def unchecked_records(self, step: int) -> list[int]:
+        """The records of ``step``'s batch not yet known good or bad, each once."""
+        indices = self.record_indices(step)
+        return [k for k in dict.fromkeys(int(i) for i in indices) if k not in self.good_records]
 
     def shapes(self, step: int) -> SampleShapes:
         """``step``'s global batch, conformed to the model (for a model with its own
@@ -192,22 +236,23 @@ class StepShapes:
             from dflop.runtime.synthetic_batch import SyntheticBatch
 
             return SyntheticBatch(self.shapes(step), self.spec.config, seed=data_seed)
-        records = self.records.draw(self.global_batch, seed=_step_seed(self.seed, step))
+        indices = self.record_indices(step)
+        records = [self.records.records[int(k)] for k in indices]
         if self.inputs is not None:
-            return self._processed(step, records)
+            return self._processed(step, records, tuple(int(k) for k in indices))
         from dflop.runtime.dataset_batch import DatasetBatch
 
         return DatasetBatch(records, self.spec.config, self.scaler, family=self.family)
 
-    def _processed(self, step: int, records: list[Any]) -> Any:
+    def _processed(self, step: int, records: list[Any], key: tuple[int, ...]) -> Any:
         """The batch of a model with its own rules, kept from the scheduler's look at a
-        step ahead until the step trains; the batches of earlier steps (and the pixels
-        they decoded) are dropped."""
+        step ahead until the step trains (unless a record was replaced since); the batches
+        of earlier steps (and the pixels they decoded) are dropped."""
         from dflop.runtime.processed_batch import ProcessedBatch
 
         for old in [s for s in self._batches if s < step]:
             del self._batches[old]
-        if step not in self._batches:
+        if self._batches.get(step, (None,))[0] != key:
             samples = [
                 self.inputs.sample(
                     raw.data,
@@ -218,8 +263,8 @@ class StepShapes:
                 )
                 for raw in records
             ]
-            self._batches[step] = ProcessedBatch(samples, self.spec.tokens_per_unit)
-        return self._batches[step]
+            self._batches[step] = (key, ProcessedBatch(samples, self.spec.tokens_per_unit))
+        return self._batches[step][1]
 
 
 class ScaledShapes:

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from dflop.models.spec import ModelSpec, model_spec
 from dflop.runtime.topology import ModuleLayout, RuntimeLayout, uniform_layer_ranges
 
@@ -167,6 +169,42 @@ def quick_profile(
         measure_memory=False,
     )
     return per_token(fit_performance_model(result, seed=seed), unit_tokens)
+
+
+NOMINAL_CPU_FLOPS = 2e10
+"""FLOP/s one local process is assumed to reach in :func:`analytic_performance_model`."""
+
+
+def analytic_performance_model(
+    model: ModelSpec | str, flops_per_s: float = NOMINAL_CPU_FLOPS
+) -> Any:
+    """A :class:`~dflop.profiling.PerformanceModel` of ``model`` from its FLOP counts (the
+    analytic cost model's formulas) at a nominal rate, with no timing: the same on every
+    machine and run, as ``--deterministic`` needs. Relative costs (which samples are heavy,
+    encoder vs LLM) follow the architecture; absolute times are nominal, plus 1 ms per
+    microbatch and module."""
+    from dflop.profiling import PerformanceModel
+    from dflop.profiling.perf_model import EncoderTimeCoefficients, LLMTimeCoefficients
+
+    spec = model_spec(model)
+    encoder, llm = spec.architecture()
+    train = 3.0 / float(flops_per_s)  # forward + backward (2x forward)
+    # Units of any size (a patch-sequence encoder): priced per 1,024 tokens.
+    unit_tokens = encoder.tokens_per_unit if spec.tokens_per_unit else 1024
+    tokens = np.array([unit_tokens])
+    per_unit = float(encoder.forward_flops(np.ones(1), tokens, llm.hidden_size)[0])
+    _, attention = llm.forward_flops_parts(np.ones(1))
+    perf = PerformanceModel(
+        encoder=EncoderTimeCoefficients(per_unit_s=per_unit * train, constant_s=1e-3),
+        llm=LLMTimeCoefficients(
+            per_token_s=float(llm.linear_flops_per_token) * train,
+            per_token_sq_s=float(attention[0]) * train,
+            constant_s=1e-3,
+        ),
+        tokens_per_unit=int(unit_tokens),
+        metadata={"source": "analytic", "flops_per_s": float(flops_per_s)},
+    )
+    return per_token(perf, None if spec.tokens_per_unit else unit_tokens)
 
 
 def per_token(perf: Any, unit_tokens: int | None) -> Any:

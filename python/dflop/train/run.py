@@ -88,6 +88,8 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
     )
     if isinstance(distribution, RecordSet):
         account, poor = describe_records(distribution)
+        if len(distribution) == 0:
+            raise ValueError(f"TrainConfig.data={config.data!r}: {_why_empty(distribution)}")
         log(account)
         if poor:
             log(
@@ -187,6 +189,24 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
 
 
 _RUN_FILE = "run.json"
+
+
+def _why_empty(records: Any) -> str:
+    """One line: why no record of a dataset can be trained on."""
+    dist = records.distribution
+    if dist.num_read == 0:
+        return "the dataset holds no record"
+    reasons = []
+    for reason, count in sorted(dist.skipped.items(), key=lambda kv: -kv[1]):
+        example = next((e for e in dist.skipped_examples if e["reason"] == reason), None)
+        reasons.append(f"{reason} x{count}" + (f": {example['message']}" if example else ""))
+    hint = (
+        "; image and video paths are relative to --image-folder / --video-folder (default: "
+        "the dataset file's folder)"
+        if any(r in dist.skipped for r in ("missing_image", "missing_video"))
+        else ""
+    )
+    return f"none of its {dist.num_read} records can be trained on ({'; '.join(reasons)}){hint}"
 
 
 def _saved_run(config: TrainConfig, log: Callable[[str], None]) -> dict[str, Any] | None:
@@ -312,6 +332,11 @@ def _performance_model(
         return PerformanceModel.load(config.perf)
     if plan is not None and plan.inputs.get("performance_model"):
         return PerformanceModel.from_dict(plan.inputs["performance_model"])
+    if config.deterministic:
+        from dflop.train.planning import analytic_performance_model
+
+        log("deterministic: the analytic cost model (FLOP counts at a nominal rate, no timing)")
+        return analytic_performance_model(model)
     threads = _threads_per_rank(config, nproc)
     log(f"profiling {config.model} on this CPU ({threads} thread(s)) ...")
     perf = quick_profile(model, threads=threads, seed=config.seed)
@@ -395,6 +420,10 @@ def _rank_main(
     from dflop.train.trainer import Trainer
 
     StopRequested.install()  # SIGTERM: stop cleanly after the current step
+    if config.deterministic:
+        import torch
+
+        torch.use_deterministic_algorithms(True)
     trainer = Trainer(
         config,
         RuntimeLayout.from_dict(layout),

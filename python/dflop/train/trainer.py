@@ -151,6 +151,9 @@ class Trainer:
         )
         self._calibrated = False
         self.predictor = None
+        self._submitted: dict[int, Any] = {}  # rank 0: the shapes each schedule was asked for
+        self.samples_replaced = 0
+        """Batch samples replaced because their record's images did not decode."""
         self.stopped_after_step: int | None = None
         """The step after which a SIGTERM stopped the run (None: it ran to the end)."""
         if self.is_leader and "dflop" in config.modes:
@@ -243,11 +246,13 @@ class Trainer:
         )
         return costs, model
 
-    def _submit(self, step: int) -> None:
-        deadline = None
-        if self.config.schedule_deadline and self._last_step_wall_s is not None:
+    def _submit(self, step: int, shapes: Any = None, deadline: float | None = None) -> None:
+        timed = self.config.schedule_deadline and not self.config.deterministic
+        if deadline is None and timed and self._last_step_wall_s:
             deadline = max(0.01, (self.config.lookahead - 1) * self._last_step_wall_s)
-        shapes = self.step_shapes.shapes(step)
+        if shapes is None:
+            shapes = self.step_shapes.shapes(step)
+        self._submitted[step] = shapes
         costs, model = self._scheduler_view(shapes)
         if self.config.pipeline_schedule:
             self.scheduler.submit(
@@ -262,6 +267,11 @@ class Trainer:
         for mode in self.config.modes:
             if mode == "dflop":
                 out[mode] = self.scheduler.get(step)
+                if not _same_shapes(self._submitted.pop(step), shapes):
+                    # A record was replaced since the step was submitted (its images did
+                    # not decode): solve for the batch as it is now, with no search.
+                    self._submit(step, shapes, deadline=0.0)
+                    out[mode] = self.scheduler.get(step)
                 nxt = step + self.config.lookahead
                 if nxt < self.config.steps:
                     self._submit(nxt)
@@ -317,6 +327,38 @@ class Trainer:
 
     # ------------------------------------------------------------------ communication
 
+    def _comm_device(self) -> Any:
+        """Where collectives' tensors live: the GPU under NCCL, else the CPU."""
+        import torch
+        import torch.distributed as dist
+
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _step_batch(self, step: int) -> Any:
+        """``step``'s batch source; with ``check_images``, its records' image files are
+        decoded first (once per record per run, spread over the ranks) and a record whose
+        files do not decode is replaced by a seeded redraw, the same on every rank."""
+        from dflop.train.image_check import check_step_records
+
+        source = self.step_shapes
+        data_seed = _step_seed(self.config.seed + 1, step)
+        batch = source.batch(step, data_seed)
+        if not self.config.check_images or source.records is None:
+            return batch
+        replaced = False
+        while found := check_step_records(
+            source, step, batch, self.rank, self.world_size, self._comm_device()
+        ):
+            replaced = True
+            if self.is_leader:
+                for why in found.values():
+                    print(f"step {step}: skipped a record, replaced by a redraw: {why}")
+            batch = source.batch(step, data_seed)
+        if replaced:
+            drawn = source.records.indices(source.global_batch, seed=_step_seed(source.seed, step))
+            self.samples_replaced += int((source.record_indices(step) != drawn).sum())
+        return batch
+
     def _encoder_costs(self, shapes: Any) -> np.ndarray:
         """(N,) what the encoder split balances: the cost model's encoder seconds per
         sample (as the planner splits), or encoder tokens without a cost model."""
@@ -334,7 +376,7 @@ class Trainer:
 
         modes = self.config.modes
         n = len(shapes)
-        comm_device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        comm_device = self._comm_device()
         if self.is_leader:
             schedules = self._leader_schedules(step, shapes)
             encoder_costs = self._encoder_costs(shapes)
@@ -394,7 +436,7 @@ class Trainer:
                         f"injected failure on rank {self.rank} at step {step} ({FAULT_ENV})"
                     )
                 wall_start = time.perf_counter()
-                batch = self.step_shapes.batch(step, _step_seed(config.seed + 1, step))
+                batch = self._step_batch(step)
                 shapes = batch.shapes
                 schedules, encoder_costs = self._broadcast_schedules(step, shapes)
                 audits = {}
@@ -441,12 +483,14 @@ class Trainer:
                         )
                         metrics.append(row)
                         recent[mode].append((records, row.step_time_s))
-                        if mode == "dflop" and step > self.start_step:
+                        learn = mode == "dflop" and step > self.start_step
+                        if learn and not config.deterministic:
                             # Only dflop's run feeds the cost model and the latency fit:
                             # in compare mode the blind run overlaps its modules less, and
                             # on shared CPU cores (memory bandwidth) its microbatches run
                             # faster than dflop's. A run's first step is left out: it pays
                             # one-time costs (first kernels, allocations, connections).
+                            # A deterministic run keeps its model: no timing in schedules.
                             self._observe(records, schedules[mode], plans[mode], shapes)
                             self._calibrate_latency(records, schedules[mode], audits[mode], shapes)
                         self._log(row, bar)
@@ -487,6 +531,9 @@ class Trainer:
             stats={
                 "stopped_after_step": self.stopped_after_step,
                 "schedule_fallbacks": num_fallbacks_before,
+                # Records whose images did not decode, and the batch samples redrawn.
+                "bad_records": sorted(self.step_shapes.bad_records.values()),
+                "samples_replaced": self.samples_replaced,
                 # The calibration of the step model (dflop plan --local uses it).
                 "link_latency_s": self.final_link_latency_s(),
                 "forward_fraction": dict(self._forward_fraction),
@@ -510,7 +557,7 @@ class Trainer:
         tied = tied() if callable(tied) else None
         if tied is not None and tied.grad is not None and self.info.is_last_stage:
             share = share - tied.grad.detach().double().pow(2).sum().to(share.device)
-        share = share.to(self.device if dist.get_backend() == "nccl" else "cpu")
+        share = share.to(self._comm_device())
         if self.info.dp_rank != 0:
             share.zero_()
         dist.all_reduce(share)
@@ -531,8 +578,7 @@ class Trainer:
 
         from dflop.runtime.launch import StopRequested
 
-        device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-        flag = torch.tensor([int(StopRequested.requested())], device=device)
+        flag = torch.tensor([int(StopRequested.requested())], device=self._comm_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -622,6 +668,13 @@ class Trainer:
             bar.write(line)
         else:
             print(line, flush=True)
+
+
+def _same_shapes(a: Any, b: Any) -> bool:
+    return len(a) == len(b) and all(
+        np.array_equal(getattr(a, f), getattr(b, f))
+        for f in ("encoder_units", "tokens_per_unit", "llm_visual_tokens", "text_tokens")
+    )
 
 
 def _pieces_as_shapes(shapes: Any, share: Any) -> Any:

@@ -195,6 +195,7 @@ class RecordInputs:
         load: Callable[[], Tensor] | None,
         items: tuple[VisualItem, ...],
         lazy: bool,
+        files: list[str],
     ) -> ProcessedSample:
         ids, labels = ids_labels
         return ProcessedSample(
@@ -204,6 +205,7 @@ class RecordInputs:
             items,
             self.placeholder_ids,
             load=load if load is not None and lazy else None,
+            files=tuple(dict.fromkeys(files)),
         )
 
     def _tokens(
@@ -316,7 +318,7 @@ class LlavaOnevisionRecords(RecordInputs):
         def load() -> Tensor:
             return self._pixels(paths, items, where)
 
-        return self._sample(tokens, load if paths else None, items, lazy)
+        return self._sample(tokens, load if paths else None, items, lazy, paths)
 
     def _video(self, frames: list[str]) -> tuple[list[str], tuple[VisualItem, ...], list[int]]:
         """(sampled frame paths, the video item, its placeholder run)."""
@@ -423,7 +425,7 @@ class QwenVLRecords(RecordInputs):
             def load() -> Tensor:
                 return self._video_pixels(frames, item, where)
 
-            return self._sample(tokens, load, items, lazy)
+            return self._sample(tokens, load, items, lazy, frames)
         paths = _image_paths(record, image_folder, where)
         images = tuple(self._image_item(path, where) for path in paths)
         runs = [
@@ -439,7 +441,7 @@ class QwenVLRecords(RecordInputs):
             self._check_grids(out, [item.grid_thw for item in images], where)
             return out["pixel_values"]
 
-        return self._sample(tokens, load_images if paths else None, images, lazy)
+        return self._sample(tokens, load_images if paths else None, images, lazy, paths)
 
     def _image_item(self, path: str, where: str) -> VisualItem:
         from dflop.data.families import native_grid

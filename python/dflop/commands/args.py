@@ -1,0 +1,27 @@
+"""Argument types and checks the subcommands share."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["non_negative_int", "positive_int"]
+
+
+def _int(text: str, minimum: int, rule: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{value} must be {rule}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (0 is refused, not read as "the default")."""
+    return _int(text, 1, ">= 1")
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    return _int(text, 0, ">= 0")
