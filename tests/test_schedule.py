@@ -435,13 +435,17 @@ def test_same_instance_from_eight_threads():
         np.testing.assert_array_equal(s.assignment, ref.assignment)
 
 
-def test_gil_released_while_solving():
+@pytest.mark.parametrize("solver", ["schedule", "pipeline_schedule"])
+def test_gil_released_while_solving(solver):
     costs = random_costs(16, 50_000, 2, "uniform")
     done = threading.Event()
     box = {}
 
     def solve():
-        box["s"] = dflop.schedule(costs, 64, 4, time_budget_ms=250)
+        if solver == "schedule":  # may converge and stop before its budget
+            box["s"] = dflop.schedule(costs, 64, 4, time_budget_ms=250)
+        else:  # searches for its whole budget
+            box["s"] = dflop.pipeline_schedule(costs[:400], 16, 1, time_budget_ms=250)
         done.set()
 
     worker = threading.Thread(target=solve)

@@ -461,3 +461,39 @@ def test_api_edges_fail_at_once_with_a_clear_error():
     with pytest.raises(ValueError, match=r"costs\[1, 0\]=nan is not finite"):
         data_blind_schedule(np.array([[1.0], [np.nan], [1.0], [1.0]]), 2)
     assert time.perf_counter() - start < 5.0
+
+
+def test_ctrl_c_stops_a_long_native_search():
+    """The native searches run with the GIL released; they poll Python's signal handlers,
+    so Ctrl-C raises KeyboardInterrupt within a fraction of a second instead of after the
+    whole budget (here up to an hour)."""
+    import signal
+    import time
+
+    code = textwrap.dedent(
+        """
+        import sys, time
+        import numpy as np
+        import dflop
+        costs = np.random.default_rng(0).lognormal(0, 1, size=(400, 2))
+        print("ready", flush=True)
+        try:
+            dflop.pipeline_schedule(costs, 16, 1, time_budget_ms=3.6e6)
+        except KeyboardInterrupt:
+            sys.exit(130)
+        sys.exit(3)  # finished: the signal was not seen
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(1.0)  # inside the search
+        sent = time.perf_counter()
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+        assert proc.returncode == 130
+        assert time.perf_counter() - sent < 5.0
+    finally:
+        proc.kill()

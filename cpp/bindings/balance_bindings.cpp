@@ -28,6 +28,7 @@ py::dict balance_py(const py::array_t<double, py::array::c_style | py::array::fo
   options.seed = seed;
   if (time_budget_ms) options.work_budget = work_budget_for_ms(*time_budget_ms);
   options.time_limit_s = time_limit_or_none(time_limit_s);
+  options.interrupted = python_signal_check();
   const double* data = costs.data();
   BalanceResult result;
   {

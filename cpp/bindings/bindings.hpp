@@ -3,10 +3,14 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <chrono>
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
+
+#include "dflop/errors.hpp"
 
 namespace dflop::bindings {
 
@@ -24,6 +28,22 @@ inline double time_limit_or_none(std::optional<double> time_limit_s) {
   if (!(*time_limit_s >= 0) || !std::isfinite(*time_limit_s))
     throw pybind11::value_error("time_limit_s must be a finite number >= 0");
   return *time_limit_s;
+}
+
+// An InterruptCheck for a search that runs with the GIL released: at most every 50 ms it
+// takes the GIL and runs Python's signal handlers, so Ctrl-C stops the search (the
+// pending KeyboardInterrupt is raised when the call returns). Off the main thread Python
+// runs no handlers and the check never fires.
+inline InterruptCheck python_signal_check() {
+  using Clock = std::chrono::steady_clock;
+  auto last = std::make_shared<Clock::time_point>(Clock::now());
+  return [last]() {
+    const auto now = Clock::now();
+    if (now - *last < std::chrono::milliseconds(50)) return false;
+    *last = now;
+    pybind11::gil_scoped_acquire gil;
+    return PyErr_CheckSignals() != 0;
+  };
 }
 
 // The search statistics balance() and pipeline_schedule() share.

@@ -16,6 +16,9 @@ PYBIND11_MODULE(_core, m) {
       PyErr_SetString(PyExc_ValueError, e.what());
     } catch (const dflop::Infeasible& e) {
       py::set_error(infeasible, e.what());
+    } catch (const dflop::Interrupted& e) {
+      // The check already raised the signal handler's exception (KeyboardInterrupt).
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyboardInterrupt, e.what());
     }
   });
   dflop::bindings::register_balance(m);

@@ -60,6 +60,7 @@ py::dict pipeline_schedule_py(const CostArray& costs, std::vector<int64_t> start
   o.seed = seed;
   if (time_budget_ms) o.work_budget = pipeline_work_budget_for_ms(*time_budget_ms);
   o.time_limit_s = time_limit_or_none(time_limit_s);
+  o.interrupted = python_signal_check();
   const double* data = costs.data();
   PipelineScheduleResult result;
   {

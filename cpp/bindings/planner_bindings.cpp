@@ -206,7 +206,8 @@ py::dict plan_layouts_py(const py::dict& cluster, const py::dict& encoder, const
   const ClusterParams c = to_cluster(cluster);
   const ModuleParams e = to_module(encoder, "encoder"), l = to_module(llm, "llm");
   const PlannerSamples x = to_samples(samples);
-  const PlannerOptions o = to_options(options);
+  PlannerOptions o = to_options(options);
+  o.interrupted = python_signal_check();
   PlanResult r;
   {
     py::gil_scoped_release release;

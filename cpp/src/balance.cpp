@@ -27,6 +27,8 @@ constexpr double kCapRelTol = 1e-9;
 // Work units per millisecond for work_budget_for_ms: about one core of a current x86 server
 // (measured with benchmarks/bench_schedule.py; D = 2).
 constexpr double kWorkUnitsPerMs = 75000.0;
+// Work units between polls of the InterruptCheck (a fraction of a millisecond).
+constexpr int64_t kWorkPerInterruptPoll = 15000;
 // The search stops once the makespan is this close to the lower bound (relative): far
 // below the accuracy of any cost model, and it saves the rest of the budget.
 constexpr double kGapTolerance = 1e-6;
@@ -105,8 +107,9 @@ struct Problem {
 
 class Solver {
  public:
-  Solver(const Problem& pr, uint64_t seed, int64_t budget, double time_limit_s)
-      : pr_(pr), rng_(seed), budget_(budget) {
+  Solver(const Problem& pr, uint64_t seed, int64_t budget, double time_limit_s,
+         const InterruptCheck& interrupted)
+      : pr_(pr), rng_(seed), budget_(budget), interrupt_(interrupted, kWorkPerInterruptPoll) {
     if (time_limit_s >= 0) {
       has_deadline_ = true;
       deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
@@ -146,6 +149,7 @@ class Solver {
   using Clock = std::chrono::steady_clock;
   bool has_deadline_ = false, deadline_passed_ = false;
   Clock::time_point deadline_;
+  InterruptPoller interrupt_;
   int64_t improving_moves_ = 0, perturbations_ = 0;
   std::vector<int64_t> bin_of_;
   std::vector<std::vector<int64_t>> members_;
@@ -162,6 +166,7 @@ class Solver {
   // The work budget, or the optional wall-clock deadline once it has passed.
   bool out_of_budget() {
     if (work_ >= budget_) return true;
+    interrupt_.poll(work_);
     if (has_deadline_ && !deadline_passed_) deadline_passed_ = Clock::now() >= deadline_;
     return deadline_passed_;
   }
@@ -705,7 +710,7 @@ BalanceResult balance(const double* costs, int64_t n, int64_t d, const BalanceOp
   validate_balance_input(costs, n, d, o);
   const Problem pr = make_problem(costs, n, d, o);
   const int64_t budget = o.work_budget >= 0 ? o.work_budget : default_work_budget(n, pr.b, d);
-  Solver solver(pr, o.seed, budget, o.time_limit_s);
+  Solver solver(pr, o.seed, budget, o.time_limit_s, o.interrupted);
   return solver.run();
 }
 

@@ -162,9 +162,11 @@ class Search {
     return {step_s, pace_s};
   }
 
-  PipelineScheduleResult run(int64_t work_budget, double time_limit_s) {
+  PipelineScheduleResult run(int64_t work_budget, double time_limit_s,
+                             const InterruptCheck& interrupted) {
     using Clock = std::chrono::steady_clock;
     const auto started = Clock::now();
+    InterruptPoller interrupt(interrupted, kWorkPerClockCheck);
     PipelineScheduleResult out;
     Objective current = evaluate();
     out.stats.start_step_time_s = current.step_s;
@@ -185,6 +187,7 @@ class Search {
     auto work = [&] { return evaluations_ * per_eval + attempts; };
     while (stall > 0 && work() + 1 + per_eval <= work_budget) {
       ++attempts;
+      interrupt.poll(work());
       if (time_limit_s >= 0 && work() >= next_clock_check) {
         next_clock_check = work() + kWorkPerClockCheck;
         if (std::chrono::duration<double>(Clock::now() - started).count() > time_limit_s) {
@@ -631,7 +634,7 @@ PipelineScheduleResult pipeline_schedule(const double* costs, int64_t n, int64_t
   Search search(costs, n, d, start, o);
   const int64_t budget =
       o.work_budget >= 0 ? o.work_budget : default_work_budget(n, search.cost_per_evaluation());
-  return search.run(budget, o.time_limit_s);
+  return search.run(budget, o.time_limit_s, o.interrupted);
 }
 
 double simulated_step_time(const double* costs, int64_t n, int64_t d,

@@ -1528,6 +1528,7 @@ class Search {
   // others; once it exceeds the k-th best at the start of the wave, the candidate is pruned
   // without balancing the remaining batches or simulating every replica.
   void evaluate_wave(const std::vector<const Candidate*>& wave, bool prune) {
+    if (ctx_.o.interrupted && ctx_.o.interrupted()) throw Interrupted("interrupted");
     const int64_t B = ctx_.x.num_batches;
     const double kth = kth_best();
     const bool bound =

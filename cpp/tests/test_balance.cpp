@@ -227,6 +227,21 @@ TEST_CASE(stats_are_consistent) {
   CHECK_LE(dflop::work_budget_for_ms(1.0), dflop::work_budget_for_ms(2.0));
 }
 
+TEST_CASE(an_interrupt_check_stops_the_search) {
+  const Costs c = random_costs(7, 2000, 2, 1);
+  auto o = options(32, 4, {0}, {}, 0, 200000000);
+  int polls = 0;
+  o.interrupted = [&polls] { return ++polls >= 3; };
+  CHECK_THROWS_AS(solve(c, o), dflop::Interrupted);
+  CHECK_EQ(polls, 3);
+  // A check that never fires changes nothing.
+  auto quiet = options(32, 4, {0}, {}, 0, 20000);
+  const auto plain = solve(c, quiet);
+  quiet.interrupted = [&polls] { return ++polls < 0; };
+  CHECK(solve(c, quiet).assignment == plain.assignment);
+  CHECK_GT(polls, 3);
+}
+
 // ---- determinism and budgets -------------------------------------------------------------
 
 TEST_CASE(deterministic_for_a_seed) {

@@ -224,6 +224,22 @@ TEST_CASE(deterministic_and_budgeted) {
   CHECK(sizes_start == sizes_c);
 }
 
+TEST_CASE(an_interrupt_check_stops_the_search) {
+  const Doubles costs = skewed_costs(60, 3);
+  PipelineScheduleOptions o = two_modules(10);
+  o.work_budget = 1000000000;
+  const Ints start = balanced(costs, o, 0);
+  int polls = 0;
+  o.interrupted = [&polls] { return ++polls >= 2; };
+  CHECK_THROWS_AS(dflop::pipeline_schedule(costs.data(), 60, 2, start, o), dflop::Interrupted);
+  CHECK_EQ(polls, 2);
+  o.work_budget = 20000;  // a check that never fires changes nothing
+  o.interrupted = [] { return false; };
+  const auto checked = dflop::pipeline_schedule(costs.data(), 60, 2, start, o);
+  o.interrupted = nullptr;
+  CHECK(dflop::pipeline_schedule(costs.data(), 60, 2, start, o).assignment == checked.assignment);
+}
+
 TEST_CASE(capacity_is_respected) {
   const Doubles costs = skewed_costs(40, 11);
   PipelineScheduleOptions o = two_modules(8);

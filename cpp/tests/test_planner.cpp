@@ -131,6 +131,20 @@ TEST_CASE(threads_do_not_change_the_result) {
   }
 }
 
+TEST_CASE(an_interrupt_check_stops_the_search) {
+  Problem p = make_problem(16);
+  int polls = 0;
+  p.options.interrupted = [&polls] { return ++polls >= 2; };
+  CHECK_THROWS_AS(run(p), dflop::Interrupted);
+  CHECK_EQ(polls, 2);
+  p.options.interrupted = [] { return false; };
+  const auto checked = run(p);
+  p.options.interrupted = nullptr;
+  const auto plain = run(p);
+  CHECK_EQ(checked.best.size(), plain.best.size());
+  CHECK(same_layout(checked.best[0].layout, plain.best[0].layout));
+}
+
 TEST_CASE(layouts_respect_constraints) {
   const Problem p = make_problem(12);
   const auto result = run(p);

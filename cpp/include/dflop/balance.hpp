@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "dflop/errors.hpp"
+
 namespace dflop {
 
 struct BalanceOptions {
@@ -29,6 +31,8 @@ struct BalanceOptions {
   // for callers that need an answer by a deadline (the asynchronous front end), not for
   // reproducible runs.
   double time_limit_s = -1.0;
+  // Optional cooperative interruption (see InterruptCheck).
+  InterruptCheck interrupted;
 };
 
 struct BalanceStats {

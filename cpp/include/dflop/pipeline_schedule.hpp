@@ -30,6 +30,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "dflop/errors.hpp"
+
 namespace dflop {
 
 struct PipelineScheduleOptions {
@@ -60,6 +62,8 @@ struct PipelineScheduleOptions {
   int64_t work_budget = -1;
   // Optional wall-clock limit in seconds (negative = none); see BalanceOptions.
   double time_limit_s = -1.0;
+  // Optional cooperative interruption (see InterruptCheck).
+  InterruptCheck interrupted;
 };
 
 struct PipelineScheduleStats {

@@ -57,6 +57,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "dflop/errors.hpp"
 #include "dflop/simulator.hpp"
 
 namespace dflop {
@@ -160,6 +161,9 @@ struct PlannerOptions {
   // sees pipeline fill and drain, which no schedule-free lower bound can, and keeps
   // planning near-linear in the cluster size.
   double screen_factor = 0.9;
+  // Optional cooperative interruption, polled between waves of candidates (see
+  // InterruptCheck).
+  InterruptCheck interrupted;
   // Pruned search: stop once this many candidates in a row (times 2,048 / global_batch when
   // the batch is smaller: cheaper schedules) were scheduled (balanced and bounded or
   // scored) without improving the k-th best; what is left unscheduled is counted in
