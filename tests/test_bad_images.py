@@ -48,7 +48,7 @@ def test_a_truncated_image_has_a_valid_header_but_does_not_decode(tmp_path):
 
 
 def test_replacements_depend_only_on_which_records_are_bad(tmp_path):
-    from dflop.runtime.dataset_batch import read_records
+    from dflop.data.reader import read_records
 
     path, images = _dataset(tmp_path)
     records = read_records(path, image_folder=images)

@@ -261,7 +261,7 @@ def test_video_frames_become_temporal_patches(tmp_path):
     unit0 = pixels[: rows * cols].view(rows * cols, c, 2, p, p)
     assert torch.equal(unit0[:, :, 0], alone[0]) and torch.equal(unit0[:, :, 1], alone[1])
     # The profile (what the planner samples) has the converter's units and tokens.
-    from dflop.runtime.dataset_batch import read_records
+    from dflop.data.reader import read_records
 
     found = read_records(
         os.path.join(root, "llava_mini.json"),

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dflop
 import numpy as np
-import pytest
+from conftest import assert_valid_schedule, schedule_lower_bound
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-RTOL = 1e-9
 PROFILE = settings(
     max_examples=300,
     deadline=None,
@@ -74,54 +73,17 @@ def feasible_capacity(draw, costs, num_microbatches, dp_size, dims, rng, tight=F
     if how == "known":
         cap = known * draw(st.sampled_from([1.1, 1.5, 2.0]))
     elif how == "generous":
-        cap = np.maximum(known, 3.0 * lower_bound(costs, num_microbatches, dp_size, dims))
+        cap = np.maximum(known, 3.0 * schedule_lower_bound(costs, num_microbatches, dp_size, dims))
     else:
         cap = known * 1.1
         cap[draw(st.integers(0, d - 1))] = np.inf
     return [float(v) for v in cap]
 
 
-def lower_bound(costs, num_microbatches, dp_size, dims) -> float:
-    bound = 0.0
-    for k in range(costs.shape[1]):
-        count = num_microbatches if k in dims else num_microbatches * dp_size
-        bound = max(bound, costs[:, k].sum() / count, costs[:, k].max())
-    return bound
-
-
 def check_valid(costs, num_microbatches, dp_size, dims, capacity, s: dflop.Schedule) -> None:
-    n, d = costs.shape
-    num_bins = num_microbatches * dp_size
-    a = s.assignment
-    # Each sample exactly once, in a real bin; every bin non-empty.
-    assert a.shape == (n,) and a.dtype == np.int64
-    assert a.min() >= 0 and a.max() < num_bins
-    counts = np.bincount(a, minlength=num_bins)
-    assert counts.min() >= 1
-    assert counts.sum() == n
-    gathered = np.sort(np.concatenate([s.bin(b) for b in range(num_bins)]))
-    np.testing.assert_array_equal(gathered, np.arange(n))
-    per_rank = [np.concatenate(s.microbatches(r)) for r in range(dp_size)]
-    np.testing.assert_array_equal(np.sort(np.concatenate(per_rank)), np.arange(n))
-    # Loads consistent with the assignment.
-    loads = np.zeros((num_bins, d))
-    np.add.at(loads, a, costs)
-    mb_loads = np.zeros((num_microbatches, d))
-    np.add.at(mb_loads, a // dp_size, costs)
-    atol = RTOL * max(1e-300, float(costs.sum()))
-    np.testing.assert_allclose(s.loads, loads, rtol=RTOL, atol=atol)
-    np.testing.assert_allclose(s.microbatch_loads, mb_loads, rtol=RTOL, atol=atol)
-    # Makespan equals the recomputed maximum, and respects the lower bound.
-    used = [mb_loads[:, k] if k in dims else loads[:, k] for k in range(d)]
-    expected = max(float(u.max()) for u in used)
-    assert s.makespan == pytest.approx(expected, rel=RTOL, abs=atol)
-    expected_lb = lower_bound(costs, num_microbatches, dp_size, dims)
-    assert s.lower_bound == pytest.approx(expected_lb, rel=RTOL, abs=atol)
-    assert s.makespan >= s.lower_bound * (1 - RTOL) - atol
-    # Capacities held.
-    if capacity is not None:
-        for k in range(d):
-            assert used[k].max() <= capacity[k] * (1 + RTOL) + atol, (k, used[k].max(), capacity)
+    assert (s.num_microbatches, s.dp_size) == (num_microbatches, dp_size)
+    assert set(s.microbatch_dims) == set(dims)
+    assert_valid_schedule(costs, s, capacity)
 
 
 @PROFILE

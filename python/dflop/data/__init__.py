@@ -12,6 +12,9 @@
   datasets -> :class:`ShapeDistribution` (:mod:`dflop.data.distribution`), reading
   datasets with :mod:`dflop.data.dataset`, image sizes with
   :mod:`dflop.data.image_header` and text tokens with :mod:`dflop.data.text_tokens`.
+- :mod:`dflop.data.reader`: :class:`DatasetReader`, the one walk over a dataset's records
+  (description, skip accounting) that the profiler and :func:`read_records` (the records
+  a training run draws from) share.
 """
 
 from dflop.data.costs import (
@@ -20,6 +23,7 @@ from dflop.data.costs import (
     AnalyticCostModel,
     EncoderConfig,
     LLMConfig,
+    SampleCostModel,
     synthetic_costs,
 )
 from dflop.data.dataset import DatasetError, iter_samples, parse_sampling_strategy, read_recipe
@@ -27,6 +31,7 @@ from dflop.data.distribution import ShapeDistribution
 from dflop.data.families import FamilySpec, get_family, shapes_from_descriptors
 from dflop.data.image_header import ImageHeaderError, read_image_header, read_image_size
 from dflop.data.profiler import DataProfile, profile_dataset
+from dflop.data.reader import DatasetReader, RecordSet, read_records
 from dflop.data.shapes import Modality, SampleShapes
 from dflop.data.synthetic import MixSpec, synthetic_shapes
 from dflop.data.text_tokens import TextTokenCounter, make_text_counter
@@ -37,12 +42,15 @@ __all__ = [
     "AnalyticCostModel",
     "DataProfile",
     "DatasetError",
+    "DatasetReader",
     "EncoderConfig",
     "FamilySpec",
     "ImageHeaderError",
     "LLMConfig",
     "MixSpec",
     "Modality",
+    "RecordSet",
+    "SampleCostModel",
     "SampleShapes",
     "ShapeDistribution",
     "TextTokenCounter",
@@ -54,6 +62,7 @@ __all__ = [
     "read_image_header",
     "read_image_size",
     "read_recipe",
+    "read_records",
     "shapes_from_descriptors",
     "synthetic_costs",
     "synthetic_shapes",

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -46,6 +47,7 @@ __all__ = [
     "AnalyticCostModel",
     "EncoderConfig",
     "LLMConfig",
+    "SampleCostModel",
     "synthetic_costs",
 ]
 
@@ -302,6 +304,25 @@ def _check_rate(name: str, value: object, upper: float | None = None) -> float:
         bound = f" and <= {upper}" if upper is not None else ""
         raise ValueError(f"{name}={value!r} must be finite, > 0{bound}")
     return value
+
+
+@runtime_checkable
+class SampleCostModel(Protocol):
+    """What prices samples for the scheduler, the planner and the simulator: per-sample
+    seconds of each module plus per-microbatch constants. Implemented by
+    :class:`AnalyticCostModel` (FLOP counts at an assumed rate) and
+    :class:`dflop.profiling.CostModel` (a measured ``PerformanceModel``, corrected online
+    from measured microbatches); a ``PerformanceModel`` itself is only the fitted
+    coefficients (data that a ``CostModel`` prices with)."""
+
+    def costs(self, shapes: SampleShapes) -> np.ndarray:
+        """(N, 2) seconds per sample: (encoder + projector, LLM); additive per sample."""
+        ...
+
+    @property
+    def microbatch_constant_s(self) -> np.ndarray:
+        """(2,) seconds added once per microbatch: (encoder, LLM)."""
+        ...
 
 
 class AnalyticCostModel:

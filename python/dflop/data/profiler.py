@@ -37,20 +37,14 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from dflop.data.dataset import (
-    DatasetSource,
     RawSample,
-    dataset_sources,
-    iter_source,
 )
 from dflop.data.distribution import ShapeDistribution
-from dflop.data.families import FamilySpec, get_family, shapes_from_descriptors
+from dflop.data.families import FamilySpec, get_family
 from dflop.data.image_header import (
     FRAME_FILE_EXTENSIONS,
     ImageHeaderError,
@@ -340,47 +334,6 @@ def describe_sample(
 # --------------------------------------------------------------------------- profile
 
 
-@dataclass
-class _Chunk:
-    modality: list[int] = field(default_factory=list)
-    text_tokens: list[int] = field(default_factory=list)
-    num_frames: list[int] = field(default_factory=list)
-    frame_width_px: list[int] = field(default_factory=list)
-    frame_height_px: list[int] = field(default_factory=list)
-    image_owner: list[int] = field(default_factory=list)
-    image_width_px: list[int] = field(default_factory=list)
-    image_height_px: list[int] = field(default_factory=list)
-
-    def add(self, d: SampleDescriptor) -> None:
-        owner = len(self.modality)
-        self.modality.append(d.modality)
-        self.text_tokens.append(d.text_tokens)
-        self.num_frames.append(d.num_frames)
-        w, h = d.frame_size_px or (0, 0)
-        self.frame_width_px.append(w)
-        self.frame_height_px.append(h)
-        for w, h in d.image_sizes_px:
-            self.image_owner.append(owner)
-            self.image_width_px.append(w)
-            self.image_height_px.append(h)
-
-    def __len__(self) -> int:
-        return len(self.modality)
-
-    def shapes(self, spec: FamilySpec) -> SampleShapes:
-        return shapes_from_descriptors(
-            spec,
-            np.asarray(self.modality, dtype=np.int8),
-            np.asarray(self.text_tokens, dtype=np.int64),
-            image_sample_index=np.asarray(self.image_owner, dtype=np.int64),
-            image_width_px=np.asarray(self.image_width_px, dtype=np.float64),
-            image_height_px=np.asarray(self.image_height_px, dtype=np.float64),
-            video_num_frames=np.asarray(self.num_frames, dtype=np.int64),
-            video_frame_width_px=np.asarray(self.frame_width_px, dtype=np.float64),
-            video_frame_height_px=np.asarray(self.frame_height_px, dtype=np.float64),
-        )
-
-
 def _progress_bar(enabled: bool, desc: str) -> Any:
     if not enabled:
         return None
@@ -395,13 +348,6 @@ def _progress_bar(enabled: bool, desc: str) -> Any:
     except ImportError:
         return None
     return tqdm(desc=desc, unit=" samples", file=sys.stderr, dynamic_ncols=True)
-
-
-def _limited(samples: Iterable[RawSample], max_samples: int | None) -> Iterator[RawSample]:
-    for k, raw in enumerate(samples):
-        if max_samples is not None and k >= max_samples:
-            return
-        yield raw
 
 
 def profile_dataset(
@@ -446,96 +392,37 @@ def profile_dataset(
         ValueError: unknown family; malformed dataset file or recipe (``DatasetError``);
             with ``strict=True``, an unreadable sample.
     """
+    from dflop.data.reader import DatasetReader, descriptor_shapes
+
     spec = get_family(family)
-    if max_samples is not None and (
-        isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 0
-    ):
-        raise ValueError(f"max_samples={max_samples!r} must be None or an int >= 0")
     if not isinstance(chunk_samples, int) or chunk_samples < 1:
         raise ValueError(f"chunk_samples={chunk_samples!r} must be an int >= 1")
     counter = tokenizer if isinstance(tokenizer, TextTokenCounter) else make_text_counter(tokenizer)
-    sources = dataset_sources(path, image_folder=image_folder, video_folder=video_folder)
-    images = _ImageSizeCache()
-
+    reader = DatasetReader(
+        path,
+        image_folder=image_folder,
+        video_folder=video_folder,
+        text_counter=counter,
+        seed=seed,
+        max_samples=max_samples,
+        strict=strict,
+    )
     parts: list[SampleShapes] = []
-    chunk = _Chunk()
-    skipped: dict[str, int] = {}
-    examples: list[dict[str, Any]] = []
-    per_source: list[dict[str, Any]] = []
-    num_read = 0
+    chunk: list[SampleDescriptor] = []
     bar = _progress_bar(progress, f"profiling {os.fspath(path)}")
-    pending_bar = 0
+    reported = 0
     try:
-        for source in sources:
-            remaining = None if max_samples is None else max_samples - num_read
-            if remaining is not None and remaining <= 0:
-                break
-            stats = _source_stats(source)
-            per_source.append(stats)
-            for raw in _limited(iter_source(source, seed=seed), remaining):
-                num_read += 1
-                stats["num_read"] += 1
-                try:
-                    desc = describe_sample(raw, counter, images)
-                except SampleError as err:
-                    if strict:
-                        raise ValueError(f"{raw.where}: {err.reason}: {err.message}") from None
-                    stats["num_skipped"] += 1
-                    seen = skipped.get(err.reason, 0)
-                    skipped[err.reason] = seen + 1
-                    if seen < MAX_EXAMPLES_PER_REASON:
-                        examples.append(
-                            {
-                                "reason": err.reason,
-                                "file": raw.source,
-                                "index": raw.index,
-                                "line": raw.line,
-                                "message": err.message,
-                            }
-                        )
-                else:
-                    stats["num_profiled"] += 1
-                    chunk.add(desc)
-                    if len(chunk) >= chunk_samples:
-                        parts.append(chunk.shapes(spec))
-                        chunk = _Chunk()
-                pending_bar += 1
-                if bar is not None and pending_bar >= 256:
-                    bar.update(pending_bar)
-                    pending_bar = 0
-        if len(chunk):
-            parts.append(chunk.shapes(spec))
+        for _, descriptor in reader:
+            chunk.append(descriptor)
+            if len(chunk) >= chunk_samples:
+                parts.append(descriptor_shapes(spec, chunk))
+                chunk = []
+            if bar is not None and reader.num_read - reported >= 256:
+                bar.update(reader.num_read - reported)
+                reported = reader.num_read
+        parts.append(descriptor_shapes(spec, chunk))
     finally:
         if bar is not None:
-            bar.update(pending_bar)
+            bar.update(reader.num_read - reported)
             bar.close()
-
-    shapes = SampleShapes.concat(parts) if parts else _empty_shapes()
-    return ShapeDistribution(
-        samples=shapes,
-        family=spec.name,
-        source=os.fspath(path),
-        num_read=num_read,
-        skipped=skipped,
-        skipped_examples=examples,
-        sources=per_source,
-        text_tokens_method=counter.method,
-        extra={"seed": int(seed), "max_samples": max_samples},
-    )
-
-
-def _source_stats(source: DatasetSource) -> dict[str, Any]:
-    return {
-        "path": source.path,
-        "sampling_strategy": source.sampling_strategy.text,
-        "image_folder": source.image_folder,
-        "video_folder": source.video_folder,
-        "num_read": 0,
-        "num_profiled": 0,
-        "num_skipped": 0,
-    }
-
-
-def _empty_shapes() -> SampleShapes:
-    z = np.zeros(0, dtype=np.int64)
-    return SampleShapes(z, z.copy(), z.copy(), z.copy(), np.zeros(0, dtype=np.int8))
+    return reader.distribution(SampleShapes.concat(parts), spec.name)

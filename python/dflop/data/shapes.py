@@ -76,6 +76,12 @@ class SampleShapes:
         )
 
     @staticmethod
+    def empty() -> SampleShapes:
+        """No samples."""
+        z = np.zeros(0, dtype=np.int64)
+        return SampleShapes(z, z.copy(), z.copy(), z.copy(), np.zeros(0, dtype=np.int8))
+
+    @staticmethod
     def concat(parts: list[SampleShapes]) -> SampleShapes:
         return SampleShapes(
             *(

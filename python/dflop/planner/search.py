@@ -6,12 +6,12 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from dflop import _core
-from dflop.data.costs import EncoderConfig, LLMConfig
+from dflop.data.costs import EncoderConfig, LLMConfig, SampleCostModel
 from dflop.data.shapes import SampleShapes
 from dflop.planner.model import ClusterSpec, ModuleSpec, PlannerConfig, module_specs
 from dflop.planner.plan import LayoutPlan, ModulePlan, Plan, StepPrediction
@@ -39,11 +39,8 @@ class InfeasibleClusterError(ValueError):
     smallest memory per GPU or GPU count that would."""
 
 
-class PerformanceModelLike(Protocol):
-    def costs(self, shapes: SampleShapes) -> np.ndarray: ...
-
-    @property
-    def microbatch_constant_s(self) -> np.ndarray: ...
+PerformanceModelLike = SampleCostModel
+"""The old name of :class:`dflop.data.costs.SampleCostModel` (kept for callers)."""
 
 
 class _SyntheticShapes:
@@ -121,7 +118,7 @@ def _as_distribution(shapes: Any, family: str) -> Any:
 
 
 def prepare_inputs(
-    performance_model: PerformanceModelLike,
+    performance_model: SampleCostModel,
     encoder: EncoderConfig,
     llm: LLMConfig,
     *,
@@ -171,7 +168,7 @@ def prepare_inputs(
 
 
 def single_batch_inputs(
-    performance_model: PerformanceModelLike,
+    performance_model: SampleCostModel,
     encoder: EncoderConfig,
     llm: LLMConfig,
     shapes: SampleShapes,
@@ -182,7 +179,7 @@ def single_batch_inputs(
 
 
 def _inputs(
-    performance_model: PerformanceModelLike,
+    performance_model: SampleCostModel,
     encoder: EncoderConfig,
     llm: LLMConfig,
     batch: SampleShapes,
@@ -414,7 +411,7 @@ def _infeasible(
 
 
 def plan(
-    performance_model: PerformanceModelLike,
+    performance_model: SampleCostModel,
     encoder: EncoderConfig,
     llm: LLMConfig,
     cluster: ClusterSpec,

@@ -1,5 +1,14 @@
-"""Profiling: measured model costs (performance model), per-sample costs for the
-scheduler with online correction (cost model), and the data profiler."""
+"""Profiling: measured model costs and the cost model that prices samples with them.
+
+- :class:`PerformanceModel` (``perf_model``): the fitted coefficients of one (encoder,
+  LLM) pair on one machine (``profile_model`` + ``fit_performance_model``), saved as
+  JSON. Data, not a pricing object.
+- :class:`CostModel` (``cost_model``): a :class:`dflop.data.costs.SampleCostModel` (the
+  one protocol the scheduler, planner and simulator price samples through) built on a
+  PerformanceModel, corrected online from measured microbatches.
+- :class:`dflop.data.costs.AnalyticCostModel`: the other SampleCostModel, from FLOP
+  counts at an assumed rate (no measurement).
+"""
 
 from dflop.profiling.cost_model import AdaptiveConfig, CostModel, ObservationReport
 from dflop.profiling.model_profiler import (

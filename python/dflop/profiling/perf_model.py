@@ -612,13 +612,3 @@ def _jsonable(value: Any) -> Any:
 def sum_seq_sq(seq_lens: Sequence[int]) -> int:
     """sum(seq_len^2) of a packed microbatch (the attention feature)."""
     return int(sum(int(s) * int(s) for s in seq_lens))
-
-
-def __getattr__(name: str) -> Any:
-    # ``CostModel`` lives in dflop.profiling.cost_model (it imports this module); it is
-    # reachable from here too for code that looks for it next to PerformanceModel.
-    if name in ("CostModel", "AdaptiveConfig", "ObservationReport"):
-        from dflop.profiling import cost_model
-
-        return getattr(cost_model, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

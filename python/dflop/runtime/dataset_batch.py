@@ -75,7 +75,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -83,17 +83,23 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dflop.data.dataset import RawSample, dataset_sources, iter_source
-from dflop.data.distribution import ShapeDistribution
+from dflop.data.dataset import RawSample
 from dflop.data.families import (
     FamilySpec,
     anyres_grid,
     dynamic_tiles,
     get_family,
-    shapes_from_descriptors,
 )
 from dflop.data.image_header import FRAME_FILE_EXTENSIONS
 from dflop.data.profiler import SampleDescriptor, SampleError, _ImageSizeCache, describe_sample
+from dflop.data.reader import (
+    RecordSet,
+    check_loadable,
+    descriptor_shapes,
+    frames_folder_problem,
+    image_paths,
+    read_records,
+)
 from dflop.data.shapes import Modality, SampleShapes
 from dflop.data.text_tokens import (
     VISUAL_PLACEHOLDERS,
@@ -374,7 +380,7 @@ class DatasetBatch(PackedBatchSource):
         raws = [_as_raw(s, i, images, videos) for i, s in enumerate(samples)]
         self.records = raws
         descriptors = [self._describe(raw, i) for i, raw in enumerate(raws)]
-        self.shapes: SampleShapes = scaler.scale(_shapes(self.spec, descriptors))
+        self.shapes: SampleShapes = scaler.scale(descriptor_shapes(self.spec, descriptors))
         self._plans = [self._plan(i, raw, d) for i, (raw, d) in enumerate(zip(raws, descriptors))]
         too_long = np.flatnonzero(self.shapes.seq_len > config.decoder.max_seq_len)
         if too_long.size:
@@ -405,7 +411,7 @@ class DatasetBatch(PackedBatchSource):
         where = _where(raw, i)
         try:
             d = describe_sample(raw, self.counter, _HEADER_CACHE)
-            _check_loadable(raw, d)
+            check_loadable(raw, d)
         except SampleError as err:
             raise DatasetSampleError(f"{where}: {err.reason}: {err.message}") from None
         return d
@@ -440,7 +446,7 @@ class DatasetBatch(PackedBatchSource):
         spec = self.spec
         if d.modality == Modality.VIDEO:
             return [_Unit("", "frame", index=k) for k in range(d.num_frames)]
-        paths = _image_paths(raw)
+        paths = image_paths(raw)
         sizes = d.image_sizes_px
         if spec.tiling == "anyres":
             if d.modality == Modality.MULTI_IMAGE:
@@ -648,31 +654,10 @@ def _where(raw: RawSample, i: int) -> str:
     return f"batch sample {i}" + (f" (id {ident!r})" if ident is not None else "")
 
 
-def _image_paths(raw: RawSample) -> list[str]:
-    image = raw.data.get("image")
-    paths = [image] if isinstance(image, str) else list(image)
-    return [os.path.join(raw.image_folder, p) for p in paths]
-
-
-def _frames_folder_problem(raw: RawSample) -> str | None:
-    """Why a video sample's frames cannot be read (None when they can be listed)."""
-    frames = raw.data.get("frames")
-    if isinstance(frames, list) and frames and all(isinstance(f, str) for f in frames):
-        return None
-    path = os.path.join(raw.video_folder, raw.data["video"])
-    if os.path.isdir(path):
-        return None
-    return (
-        f"video {path!r} is not a frames folder; DatasetBatch reads video frames from a "
-        "folder of images (dflop does not decode video files): extract its frames to a "
-        "folder, or list the frame paths in 'frames'"
-    )
-
-
 def _video_frame_paths(raw: RawSample, where: str) -> list[str]:
     """The frame files of a video sample: the ``frames`` list of paths, else the image files
     of the frames folder, sorted by name."""
-    problem = _frames_folder_problem(raw)
+    problem = frames_folder_problem(raw)
     if problem is not None:
         raise DatasetSampleError(f"{where}: {problem}")
     frames = raw.data.get("frames")
@@ -690,45 +675,12 @@ def _video_frame_paths(raw: RawSample, where: str) -> list[str]:
     return [os.path.join(path, n) for n in names]
 
 
-def _check_loadable(raw: RawSample, d: SampleDescriptor) -> None:
-    """Raise :class:`SampleError` unless the sample's pixels can be found (an image file
-    that only size fields describe, a video file without extracted frames)."""
-    if d.modality == Modality.VIDEO:
-        problem = _frames_folder_problem(raw)
-        if problem is not None:
-            raise SampleError("video_without_frames", problem)
-    elif d.modality != Modality.TEXT:
-        for path in _image_paths(raw):
-            if not os.path.isfile(path):
-                raise SampleError("missing_image", f"image file {path!r} does not exist")
-
-
 def _file_key(path: str) -> tuple[str, int, int]:
     try:
         st = os.stat(path)
     except OSError:
         return (path, -1, -1)
     return (os.path.abspath(path), st.st_mtime_ns, st.st_size)
-
-
-def _shapes(spec: FamilySpec, descriptors: list[SampleDescriptor]) -> SampleShapes:
-    owners = [i for i, d in enumerate(descriptors) for _ in d.image_sizes_px]
-    sizes = [s for d in descriptors for s in d.image_sizes_px]
-    return shapes_from_descriptors(
-        spec,
-        np.array([d.modality for d in descriptors], dtype=np.int8),
-        np.array([d.text_tokens for d in descriptors], dtype=np.int64),
-        image_sample_index=np.array(owners, dtype=np.int64),
-        image_width_px=np.array([s[0] for s in sizes], dtype=np.float64),
-        image_height_px=np.array([s[1] for s in sizes], dtype=np.float64),
-        video_num_frames=np.array([d.num_frames for d in descriptors], dtype=np.int64),
-        video_frame_width_px=np.array(
-            [(d.frame_size_px or (0, 0))[0] for d in descriptors], dtype=np.float64
-        ),
-        video_frame_height_px=np.array(
-            [(d.frame_size_px or (0, 0))[1] for d in descriptors], dtype=np.float64
-        ),
-    )
 
 
 def _quotas(budget: int, weights: list[int], answer: int | None) -> list[int]:
@@ -745,105 +697,3 @@ def _quotas(budget: int, weights: list[int], answer: int | None) -> list[int]:
         quotas[donor] -= 1
         quotas[answer] += 1
     return quotas
-
-
-# --------------------------------------------------------------------------- records
-
-
-@dataclass
-class RecordSet:
-    """The records of a dataset that a :class:`DatasetBatch` can load, and their shapes.
-
-    ``distribution`` is their profile (same order as ``records``); :meth:`draw` picks
-    records with the same generator as ``ShapeDistribution.sample``, so
-    ``draw(n, seed)`` are the records whose shapes ``distribution.sample(n, seed)`` gives.
-    """
-
-    records: list[RawSample]
-    distribution: ShapeDistribution
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def indices(self, num_samples: int, seed: int = 0) -> np.ndarray:
-        if len(self.records) == 0:
-            raise ValueError(f"no loadable records in {self.distribution.source}")
-        rng = np.random.default_rng(int(seed))
-        return rng.integers(0, len(self.records), size=int(num_samples))
-
-    def draw(self, num_samples: int, seed: int = 0) -> list[RawSample]:
-        """``num_samples`` records uniformly with replacement (``ShapeDistribution.sample``'s
-        draw)."""
-        return [self.records[int(k)] for k in self.indices(num_samples, seed)]
-
-
-def read_records(
-    path: str | os.PathLike[str],
-    family: str | FamilySpec = "llava-ov",
-    *,
-    image_folder: str | os.PathLike[str] | None = None,
-    video_folder: str | os.PathLike[str] | None = None,
-    text_counter: TextTokenCounter | None = None,
-    seed: int = 0,
-    max_samples: int | None = None,
-) -> RecordSet:
-    """Read a ``.json``/``.jsonl`` dataset or ``.yaml`` recipe into the records a
-    :class:`DatasetBatch` can load, plus their profile. Records the profiler would skip
-    are counted by reason (``distribution.skipped``), as is a video *file* without
-    extracted frames (reason ``video_without_frames``); nothing is decoded or tokenised."""
-    spec = get_family(family)
-    counter = text_counter if text_counter is not None else make_text_counter(None)
-    records: list[RawSample] = []
-    descriptors: list[SampleDescriptor] = []
-    skipped: dict[str, int] = {}
-    examples: list[dict[str, Any]] = []
-    num_read = 0
-    for source in dataset_sources(path, image_folder=image_folder, video_folder=video_folder):
-        for raw in _take(iter_source(source, seed=seed), max_samples, num_read):
-            num_read += 1
-            try:
-                d = describe_sample(raw, counter, _HEADER_CACHE)
-                _check_loadable(raw, d)
-            except SampleError as err:
-                reason = err.reason
-                if skipped.get(reason, 0) < 5:
-                    examples.append(
-                        {
-                            "reason": reason,
-                            "file": raw.source,
-                            "index": raw.index,
-                            "line": raw.line,
-                            "message": err.message,
-                        }
-                    )
-                skipped[reason] = skipped.get(reason, 0) + 1
-                continue
-            records.append(raw)
-            descriptors.append(d)
-        if max_samples is not None and num_read >= max_samples:
-            break
-    shapes = _shapes(spec, descriptors) if descriptors else _empty_shapes()
-    distribution = ShapeDistribution(
-        samples=shapes,
-        family=spec.name,
-        source=os.fspath(path),
-        num_read=num_read,
-        skipped=skipped,
-        skipped_examples=examples,
-        text_tokens_method=counter.method,
-        extra={"seed": int(seed), "max_samples": max_samples, "records": "loadable"},
-    )
-    return RecordSet(records, distribution)
-
-
-def _take(samples: Iterable[RawSample], max_samples: int | None, done: int) -> Iterable[RawSample]:
-    for raw in samples:
-        if max_samples is not None and done >= max_samples:
-            return
-        done += 1
-        yield raw
-
-
-def _empty_shapes() -> SampleShapes:
-    z = np.zeros(0, dtype=np.int64)
-    return SampleShapes(z, z.copy(), z.copy(), z.copy(), np.zeros(0, dtype=np.int8))

@@ -46,7 +46,7 @@ def load_distribution(
     model: ModelSpec | str | None = None,
 ) -> Any:
     """The sample source of ``data``: None for ``"synthetic"``, a ShapeDistribution for a
-    saved one, or a :class:`~dflop.runtime.dataset_batch.RecordSet` (records + their
+    saved one, or a :class:`~dflop.data.reader.RecordSet` (records + their
     profile) for a LLaVA-style dataset (image / video paths relative to the folders).
     A ``model`` with its own shape rules profiles the dataset by them and its text
     converter, and needs a dataset."""
@@ -65,7 +65,7 @@ def load_distribution(
             ".yaml) or a shapes file, with its images under --image-folder"
         )
     from dflop.data import ShapeDistribution
-    from dflop.runtime.dataset_batch import read_records
+    from dflop.data.reader import read_records
 
     def records() -> Any:
         if own_rules:
@@ -132,7 +132,7 @@ class StepShapes:
         mix: dict[str, float] | None = None,
         scaler: dict[str, Any] | None = None,
     ) -> None:
-        from dflop.runtime.dataset_batch import RecordSet
+        from dflop.data.reader import RecordSet
 
         self.spec = model_spec(model)
         self.global_batch = int(global_batch)

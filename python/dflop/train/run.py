@@ -66,9 +66,9 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
     layout, cluster and, unless ``perf`` is given, the performance model it was made
     with), a manual layout (scored by the planner for the local processes), or the
     planner run for ``nproc`` local processes."""
+    from dflop.data.reader import RecordSet
     from dflop.models.spec import model_spec
     from dflop.planner import Plan
-    from dflop.runtime.dataset_batch import RecordSet
     from dflop.train.data import ScaledShapes, StepShapes, describe_records, load_distribution
     from dflop.train.planning import (
         evaluate_local,

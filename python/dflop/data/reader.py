@@ -1,0 +1,284 @@
+"""One reader of a dataset's records, shared by the profiler and the training data.
+
+The records a run trains on must be the ones whose shapes were profiled, so both walk a
+dataset the same way: :class:`DatasetReader` reads the files of a ``.json``/``.jsonl``
+dataset or a ``.yaml`` recipe in order (sampling strategies applied), describes each
+record (:func:`~dflop.data.profiler.describe_sample`: modality, text tokens, image sizes
+from headers, video frames) and counts the records it cannot describe, by reason and by
+file, keeping the first :data:`MAX_EXAMPLES_PER_REASON` examples of each reason.
+
+* :func:`~dflop.data.profiler.profile_dataset` keeps the descriptors only (shapes).
+* :func:`read_records` keeps the records too, and with ``loadable=True`` also skips those
+  whose pixels cannot be found (an image known only from size fields, a video file without
+  extracted frames): what :class:`~dflop.runtime.dataset_batch.DatasetBatch` renders.
+
+Torch-free; nothing is decoded or tokenised beyond the text counter.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dflop.data.dataset import DatasetSource, RawSample, dataset_sources, iter_source
+from dflop.data.distribution import ShapeDistribution
+from dflop.data.families import FamilySpec, get_family, shapes_from_descriptors
+from dflop.data.profiler import (
+    MAX_EXAMPLES_PER_REASON,
+    SampleDescriptor,
+    SampleError,
+    _ImageSizeCache,
+    describe_sample,
+)
+from dflop.data.shapes import Modality, SampleShapes
+from dflop.data.text_tokens import TextTokenCounter, make_text_counter
+
+__all__ = [
+    "DatasetReader",
+    "RecordSet",
+    "descriptor_shapes",
+    "frames_folder_problem",
+    "image_paths",
+    "read_records",
+]
+
+
+class DatasetReader:
+    """Iterate ``(record, descriptor)`` over a dataset's describable records; the others
+    are counted (:attr:`skipped` by reason, :attr:`examples`, :attr:`per_source`).
+
+    Args:
+        path: a ``.json``/``.jsonl`` dataset or a ``.yaml`` recipe.
+        image_folder, video_folder: roots of relative paths (see :mod:`dflop.data.dataset`).
+        text_counter: counts text tokens (default: the character estimate).
+        seed: seed of ``random:`` sampling strategies.
+        max_samples: stop after reading this many records (described + skipped).
+        strict: raise ``ValueError`` naming the file and record at the first record that
+            cannot be described, instead of counting it.
+        loadable: also skip records whose pixels cannot be found (reason
+            ``video_without_frames``, or ``missing_image`` for an image known only from
+            size fields).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        image_folder: str | os.PathLike[str] | None = None,
+        video_folder: str | os.PathLike[str] | None = None,
+        text_counter: TextTokenCounter | None = None,
+        seed: int = 0,
+        max_samples: int | None = None,
+        strict: bool = False,
+        loadable: bool = False,
+    ) -> None:
+        if max_samples is not None and (
+            isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 0
+        ):
+            raise ValueError(f"max_samples={max_samples!r} must be None or an int >= 0")
+        self.path = os.fspath(path)
+        self.counter = text_counter if text_counter is not None else make_text_counter(None)
+        self.seed = int(seed)
+        self.max_samples = max_samples
+        self.strict = strict
+        self.loadable = loadable
+        self._sources = dataset_sources(path, image_folder=image_folder, video_folder=video_folder)
+        self.num_read = 0
+        self.skipped: dict[str, int] = {}
+        self.examples: list[dict[str, Any]] = []
+        self.per_source: list[dict[str, Any]] = []
+
+    def __iter__(self) -> Iterator[tuple[RawSample, SampleDescriptor]]:
+        images = _ImageSizeCache()  # repeated paths are read once
+        for source in self._sources:
+            if self.max_samples is not None and self.num_read >= self.max_samples:
+                return
+            stats = _source_stats(source)
+            self.per_source.append(stats)
+            for raw in iter_source(source, seed=self.seed):
+                if self.max_samples is not None and self.num_read >= self.max_samples:
+                    return
+                self.num_read += 1
+                stats["num_read"] += 1
+                try:
+                    descriptor = describe_sample(raw, self.counter, images)
+                    if self.loadable:
+                        check_loadable(raw, descriptor)
+                except SampleError as err:
+                    if self.strict:
+                        raise ValueError(f"{raw.where}: {err.reason}: {err.message}") from None
+                    stats["num_skipped"] += 1
+                    self._skip(raw, err)
+                    continue
+                stats["num_profiled"] += 1
+                yield raw, descriptor
+
+    def _skip(self, raw: RawSample, err: SampleError) -> None:
+        seen = self.skipped.get(err.reason, 0)
+        self.skipped[err.reason] = seen + 1
+        if seen < MAX_EXAMPLES_PER_REASON:
+            self.examples.append(
+                {
+                    "reason": err.reason,
+                    "file": raw.source,
+                    "index": raw.index,
+                    "line": raw.line,
+                    "message": err.message,
+                }
+            )
+
+    def distribution(
+        self, samples: SampleShapes, family: str, extra: dict[str, Any] | None = None
+    ) -> ShapeDistribution:
+        """The profile of what was read: ``samples`` (the described records' shapes) with
+        the counts and examples of what was skipped."""
+        return ShapeDistribution(
+            samples=samples,
+            family=family,
+            source=self.path,
+            num_read=self.num_read,
+            skipped=dict(self.skipped),
+            skipped_examples=list(self.examples),
+            sources=list(self.per_source),
+            text_tokens_method=self.counter.method,
+            extra={"seed": self.seed, "max_samples": self.max_samples, **(extra or {})},
+        )
+
+
+def _source_stats(source: DatasetSource) -> dict[str, Any]:
+    return {
+        "path": source.path,
+        "sampling_strategy": source.sampling_strategy.text,
+        "image_folder": source.image_folder,
+        "video_folder": source.video_folder,
+        "num_read": 0,
+        "num_profiled": 0,
+        "num_skipped": 0,
+    }
+
+
+def descriptor_shapes(spec: FamilySpec, descriptors: list[SampleDescriptor]) -> SampleShapes:
+    """The shapes of described records under ``spec``'s rules (one vectorised call)."""
+    if not descriptors:
+        return SampleShapes.empty()
+    owners = [i for i, d in enumerate(descriptors) for _ in d.image_sizes_px]
+    sizes = [s for d in descriptors for s in d.image_sizes_px]
+    frames = [d.frame_size_px or (0, 0) for d in descriptors]
+    return shapes_from_descriptors(
+        spec,
+        np.array([d.modality for d in descriptors], dtype=np.int8),
+        np.array([d.text_tokens for d in descriptors], dtype=np.int64),
+        image_sample_index=np.array(owners, dtype=np.int64),
+        image_width_px=np.array([s[0] for s in sizes], dtype=np.float64),
+        image_height_px=np.array([s[1] for s in sizes], dtype=np.float64),
+        video_num_frames=np.array([d.num_frames for d in descriptors], dtype=np.int64),
+        video_frame_width_px=np.array([f[0] for f in frames], dtype=np.float64),
+        video_frame_height_px=np.array([f[1] for f in frames], dtype=np.float64),
+    )
+
+
+# --------------------------------------------------------------------------- loadable
+
+
+def image_paths(raw: RawSample) -> list[str]:
+    """The image files of an image record (its ``image`` field, under its image folder)."""
+    image = raw.data.get("image")
+    paths = [image] if isinstance(image, str) else list(image)
+    return [os.path.join(raw.image_folder, p) for p in paths]
+
+
+def frames_folder_problem(raw: RawSample) -> str | None:
+    """Why a video record's frames cannot be read (None when they can be listed)."""
+    frames = raw.data.get("frames")
+    if isinstance(frames, list) and frames and all(isinstance(f, str) for f in frames):
+        return None
+    path = os.path.join(raw.video_folder, raw.data["video"])
+    if os.path.isdir(path):
+        return None
+    return (
+        f"video {path!r} is not a frames folder; DatasetBatch reads video frames from a "
+        "folder of images (dflop does not decode video files): extract its frames to a "
+        "folder, or list the frame paths in 'frames'"
+    )
+
+
+def check_loadable(raw: RawSample, d: SampleDescriptor) -> None:
+    """Raise :class:`SampleError` unless the record's pixels can be found (an image file
+    that only size fields describe, a video file without extracted frames)."""
+    if d.modality == Modality.VIDEO:
+        problem = frames_folder_problem(raw)
+        if problem is not None:
+            raise SampleError("video_without_frames", problem)
+    elif d.modality != Modality.TEXT:
+        for path in image_paths(raw):
+            if not os.path.isfile(path):
+                raise SampleError("missing_image", f"image file {path!r} does not exist")
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass
+class RecordSet:
+    """The records of a dataset that a :class:`~dflop.runtime.dataset_batch.DatasetBatch`
+    can load, and their shapes.
+
+    ``distribution`` is their profile (same order as ``records``); :meth:`draw` picks
+    records with the same generator as ``ShapeDistribution.sample``, so
+    ``draw(n, seed)`` are the records whose shapes ``distribution.sample(n, seed)`` gives.
+    """
+
+    records: list[RawSample]
+    distribution: ShapeDistribution
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def indices(self, num_samples: int, seed: int = 0) -> np.ndarray:
+        if len(self.records) == 0:
+            raise ValueError(f"no loadable records in {self.distribution.source}")
+        rng = np.random.default_rng(int(seed))
+        return rng.integers(0, len(self.records), size=int(num_samples))
+
+    def draw(self, num_samples: int, seed: int = 0) -> list[RawSample]:
+        """``num_samples`` records uniformly with replacement (``ShapeDistribution.sample``'s
+        draw)."""
+        return [self.records[int(k)] for k in self.indices(num_samples, seed)]
+
+
+def read_records(
+    path: str | os.PathLike[str],
+    family: str | FamilySpec = "llava-ov",
+    *,
+    image_folder: str | os.PathLike[str] | None = None,
+    video_folder: str | os.PathLike[str] | None = None,
+    text_counter: TextTokenCounter | None = None,
+    seed: int = 0,
+    max_samples: int | None = None,
+) -> RecordSet:
+    """Read a ``.json``/``.jsonl`` dataset or ``.yaml`` recipe into the records a
+    :class:`~dflop.runtime.dataset_batch.DatasetBatch` can load, plus their profile.
+    Records the profiler would skip are counted by reason (``distribution.skipped``), as
+    is a video *file* without extracted frames (reason ``video_without_frames``); nothing
+    is decoded or tokenised."""
+    spec = get_family(family)
+    reader = DatasetReader(
+        path,
+        image_folder=image_folder,
+        video_folder=video_folder,
+        text_counter=text_counter,
+        seed=seed,
+        max_samples=max_samples,
+        loadable=True,
+    )
+    records: list[RawSample] = []
+    descriptors: list[SampleDescriptor] = []
+    for raw, descriptor in reader:
+        records.append(raw)
+        descriptors.append(descriptor)
+    shapes = descriptor_shapes(spec, descriptors)
+    return RecordSet(records, reader.distribution(shapes, spec.name, {"records": "loadable"}))

@@ -1,0 +1,98 @@
+"""Shared test helpers and the test tiers.
+
+Tiers: tests in the modules of :data:`INTEGRATION_MODULES` start real processes (the CLI,
+torch.distributed ranks on gloo, Hugging Face model equivalence runs) and are marked
+``integration``; the rest (unit and property tests) is the fast tier:
+
+    python3 -m pytest -m "not integration"   # fast tier
+    python3 -m pytest -m integration         # multi-process integration tier
+    python3 -m pytest                        # everything (what .ci/run runs)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+INTEGRATION_MODULES = frozenset(
+    {
+        "test_bad_images",
+        "test_cli",
+        "test_communicator",
+        "test_cpp_core",
+        "test_hf_llava_onevision",
+        "test_hf_qwen2_vl",
+        "test_hf_train",
+        "test_pipeline",
+        "test_reliability",
+        "test_tensor_parallel",
+        "test_topology",
+        "test_train",
+    }
+)
+"""Test modules that start processes (or build C++): the integration tier."""
+
+RTOL = 1e-9
+"""Relative tolerance for float sums computed in a different order."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.module is not None and item.module.__name__ in INTEGRATION_MODULES:
+            item.add_marker(pytest.mark.integration)
+
+
+# ---------------------------------------------------------------------- schedules
+
+
+def schedule_loads(costs: np.ndarray, s) -> tuple[np.ndarray, np.ndarray]:
+    """(per-bin loads, per-microbatch loads) recomputed from ``s.assignment``."""
+    costs = np.asarray(costs, dtype=np.float64).reshape(len(s.assignment), -1)
+    d = costs.shape[1]
+    loads = np.zeros((s.num_bins, d))
+    np.add.at(loads, s.assignment, costs)
+    mb_loads = np.zeros((s.num_microbatches, d))
+    np.add.at(mb_loads, s.assignment // s.dp_size, costs)
+    return loads, mb_loads
+
+
+def schedule_lower_bound(costs, num_microbatches: int, dp_size: int, dims=()) -> float:
+    """max over dimensions of (total / bins sharing it, largest sample)."""
+    costs = np.asarray(costs, dtype=np.float64)
+    costs = costs.reshape(costs.shape[0], -1)
+    bound = 0.0
+    for k in range(costs.shape[1]):
+        count = num_microbatches if k in dims else num_microbatches * dp_size
+        bound = max(bound, costs[:, k].sum() / count, costs[:, k].max())
+    return bound
+
+
+def assert_valid_schedule(costs, s, capacity=None) -> None:
+    """Every sample in exactly one real bin, every bin non-empty, each DP rank's
+    microbatches a partition, loads / makespan / lower bound equal to their recomputation,
+    capacities held."""
+    costs = np.asarray(costs, dtype=np.float64)
+    costs = costs.reshape(costs.shape[0], -1)
+    n, d = costs.shape
+    a = s.assignment
+    assert a.shape == (n,) and a.dtype == np.int64
+    assert a.min() >= 0 and a.max() < s.num_bins
+    assert np.bincount(a, minlength=s.num_bins).min() >= 1, "an empty bin"
+    gathered = np.sort(np.concatenate([s.bin(b) for b in range(s.num_bins)]))
+    np.testing.assert_array_equal(gathered, np.arange(n))
+    per_rank = [np.concatenate(s.microbatches(r)) for r in range(s.dp_size)]
+    np.testing.assert_array_equal(np.sort(np.concatenate(per_rank)), np.arange(n))
+    loads, mb_loads = schedule_loads(costs, s)
+    assert s.loads.shape == (s.num_bins, d)
+    assert s.microbatch_loads.shape == (s.num_microbatches, d)
+    atol = RTOL * max(1e-300, float(costs.sum()))  # relative to the instance's scale
+    np.testing.assert_allclose(s.loads, loads, rtol=RTOL, atol=atol)
+    np.testing.assert_allclose(s.microbatch_loads, mb_loads, rtol=RTOL, atol=atol)
+    used = [mb_loads[:, k] if k in s.microbatch_dims else loads[:, k] for k in range(d)]
+    assert s.makespan == pytest.approx(max(float(u.max()) for u in used), rel=RTOL, abs=atol)
+    expected_lb = schedule_lower_bound(costs, s.num_microbatches, s.dp_size, s.microbatch_dims)
+    assert s.lower_bound == pytest.approx(expected_lb, rel=RTOL, abs=atol)
+    assert s.makespan >= s.lower_bound * (1 - RTOL) - atol
+    if capacity is not None:
+        for k, cap in enumerate(capacity):
+            assert used[k].max() <= cap * (1 + RTOL) + atol, f"capacity[{k}] exceeded"
