@@ -10,7 +10,7 @@ from dflop.runtime import RuntimeLayout, Topology
 from dflop.runtime.pipeline import PipelineEngine, build_stage
 from dflop.runtime.step_data import StepPlan
 from dflop.runtime.tensor_parallel import full_tensor
-from dflop.scheduler import schedule_from_assignment
+from dflop.scheduling.balance import schedule_from_assignment
 from torch.distributed.tensor import DTensor
 
 

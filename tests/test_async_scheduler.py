@@ -8,7 +8,7 @@ import time
 import dflop
 import numpy as np
 import pytest
-from dflop.async_scheduler import AsyncScheduler
+from dflop.scheduling.async_scheduler import AsyncScheduler
 
 
 def costs_for(step: int, n: int = 256) -> np.ndarray:

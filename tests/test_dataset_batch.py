@@ -31,7 +31,7 @@ from dflop.runtime.dataset_batch import (  # noqa: E402
 from dflop.runtime.pipeline import PipelineEngine, build_stage  # noqa: E402
 from dflop.runtime.step_data import StepPlan  # noqa: E402
 from dflop.runtime.synthetic_batch import ShapeScaler  # noqa: E402
-from dflop.scheduler import schedule_from_assignment  # noqa: E402
+from dflop.scheduling.balance import schedule_from_assignment  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MINI = os.path.join(HERE, "data", "llava_mini")

@@ -22,8 +22,8 @@ from dflop.runtime.pipeline import PipelineEngine, build_stage  # noqa: E402
 from dflop.runtime.step_data import StepPlan  # noqa: E402
 from dflop.runtime.synthetic_batch import ShapeScaler, SyntheticBatch  # noqa: E402
 from dflop.runtime.tensor_parallel import full_tensor  # noqa: E402
-from dflop.scheduler import schedule_from_assignment  # noqa: E402
-from dflop.simulator import pipeline_actions  # noqa: E402
+from dflop.scheduling.actions import pipeline_actions  # noqa: E402
+from dflop.scheduling.balance import schedule_from_assignment  # noqa: E402
 
 PRESET = "tiny"
 CONFIG = model_config(PRESET)

@@ -9,7 +9,7 @@ import math
 import dflop
 import numpy as np
 import pytest
-from dflop.async_scheduler import AsyncScheduler
+from dflop.scheduling.async_scheduler import AsyncScheduler
 from dflop.simulator import simulate_pipeline
 from hypothesis import given, settings
 from hypothesis import strategies as st

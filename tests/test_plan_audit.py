@@ -17,11 +17,9 @@ import sys
 
 import numpy as np
 import pytest
-from dflop.async_scheduler import AsyncScheduler
 from dflop.data.costs import AnalyticCostModel
 from dflop.data.shapes import Modality, SampleShapes
 from dflop.models import model_config
-from dflop.pipeline_scheduler import PipelineModel
 from dflop.planner import (
     Plan,
     PlannerConfig,
@@ -34,7 +32,9 @@ from dflop.planner import (
 )
 from dflop.runtime.step_data import StepPlan
 from dflop.runtime.topology import RuntimeLayout
-from dflop.scheduler import schedule_from_assignment
+from dflop.scheduling.async_scheduler import AsyncScheduler
+from dflop.scheduling.balance import schedule_from_assignment
+from dflop.scheduling.pipeline import PipelineModel
 from dflop.train.planning import core_layout, cost_configs, local_cluster
 
 CONFIG = model_config("tiny")

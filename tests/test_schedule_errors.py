@@ -441,8 +441,9 @@ def test_api_edges_fail_at_once_with_a_clear_error():
 
     import dflop
     import numpy as np
-    from dflop.scheduler import data_blind_schedule
-    from dflop.simulator import pipeline_actions, simulate_pipeline
+    from dflop.scheduling.actions import pipeline_actions
+    from dflop.scheduling.balance import data_blind_schedule
+    from dflop.simulator import simulate_pipeline
 
     costs = np.random.default_rng(0).random((16, 2))
     start = time.perf_counter()

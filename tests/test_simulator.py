@@ -10,7 +10,8 @@ import sys
 
 import numpy as np
 import pytest
-from dflop.simulator import SimulationResult, pipeline_actions, simulate_pipeline
+from dflop.scheduling.actions import pipeline_actions
+from dflop.simulator import SimulationResult, simulate_pipeline
 from dflop.timeline import (
     EVENT_DTYPE,
     as_events,

@@ -1,13 +1,13 @@
 """dflop: data-driven planning and per-step scheduling for multimodal LLM training."""
 
-from dflop.pipeline_scheduler import PipelineModel, pipeline_schedule
-from dflop.scheduler import (
+from dflop.scheduling.balance import (
     InfeasibleError,
     Schedule,
     data_blind_schedule,
     schedule,
     schedule_from_assignment,
 )
+from dflop.scheduling.pipeline import PipelineModel, pipeline_schedule
 
 __version__ = "0.1.0"
 

@@ -3,7 +3,7 @@
 Simulates one training step of one or more pipeline replicas (data parallelism) under
 1F1B or GPipe with the native discrete-event core. The model:
 
-- Each stage runs its actions in the order :func:`pipeline_actions` gives (the order
+- Each stage runs its actions in the order :func:`dflop.scheduling.pipeline_actions` gives (the order
   dflop's runtime executes), one at a time. An action starts when its stage is free and
   its input has arrived: forward k at stage s waits for forward k of stage s-1 plus the
   transfer; backward k at stage s waits for backward k of stage s+1 plus the transfer.
@@ -27,11 +27,10 @@ from typing import Any
 import numpy as np
 
 from dflop import _core
+from dflop.scheduling.actions import schedule_name
 from dflop.timeline import EVENT_DTYPE, EVENT_KINDS, write_chrome_trace, write_gantt_png
 
-__all__ = ["SCHEDULES", "SimulationResult", "pipeline_actions", "simulate_pipeline"]
-
-SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
+__all__ = ["SimulationResult", "simulate_pipeline"]
 
 
 def _frozen(array: np.ndarray) -> np.ndarray:
@@ -74,21 +73,6 @@ class SimulationResult:
         write_gantt_png(self.events, path, title=title)
 
 
-def _schedule_name(schedule: Any) -> str:
-    if not isinstance(schedule, str):
-        raise TypeError(f"schedule must be a str, got {type(schedule).__name__} {schedule!r}")
-    name = schedule.lower()
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    return name
-
-
-def _as_int(name: str, value: Any) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    return int(value)
-
-
 def _numeric(name: str, value: Any) -> np.ndarray:
     array = np.asarray(value)
     if array.dtype == object or array.dtype.kind not in "iuf":
@@ -123,7 +107,7 @@ def simulate_pipeline(
             stage, microbatch), shape (R, S, m), for R data-parallel replicas.
         backward_s: backward seconds, the same shape as ``forward_s``.
         schedule: "1f1b" (non-interleaved, Megatron-LM style) or "gpipe"; the order of
-            each stage is :func:`pipeline_actions`.
+            each stage is :func:`dflop.scheduling.pipeline_actions`.
         link_latency_s: point-to-point latency of link l (stage l -> l+1): a scalar or
             shape (S-1,).
         activation_bytes: bytes of microbatch k's activation over link l (the gradient back
@@ -143,7 +127,7 @@ def simulate_pipeline(
         ValueError: wrong shapes, or negative, NaN or infinite times and sizes, naming
             the argument (and the first offending index).
     """
-    name = _schedule_name(schedule)
+    name = schedule_name(schedule)
     fwd = _numeric("forward_s", forward_s)
     if fwd.ndim == 2:
         fwd = fwd[np.newaxis]
@@ -214,39 +198,3 @@ def simulate_pipeline(
         num_stages=num_stages,
         num_microbatches=num_microbatches,
     )
-
-
-def pipeline_actions(
-    schedule: str, num_stages: int, num_microbatches: int, stage: int
-) -> list[tuple[bool, int]]:
-    """The exact order of (is_forward, microbatch) actions that ``stage`` (0-indexed) of a
-    ``num_stages``-stage pipeline runs for ``num_microbatches`` microbatches.
-
-    - "gpipe": F0, F1, ..., F(m-1), then B0, B1, ..., B(m-1).
-    - "1f1b": ``w = min(num_stages - 1 - stage, m)`` warm-up forwards F0..F(w-1); then for
-      i = 0 .. m-w-1 the pair F(w+i), B(i); then the cool-down backwards B(m-w)..B(m-1).
-      Equivalently: run a forward while forwards remain and fewer than
-      ``num_stages - stage`` microbatches are in flight, else the oldest backward.
-
-    Raises:
-        ValueError: an unknown schedule, counts < 1, or ``stage`` out of range.
-    """
-    count = _as_int("num_microbatches", num_microbatches)
-    if count > MAX_ACTIONS_MICROBATCHES:
-        raise ValueError(
-            f"num_microbatches={count} is more than {MAX_ACTIONS_MICROBATCHES:,} (the action "
-            "list would not fit in memory)"
-        )
-    return [
-        (bool(is_forward), int(microbatch))
-        for is_forward, microbatch in _core.pipeline_actions(
-            _schedule_name(schedule),
-            _as_int("num_stages", num_stages),
-            count,
-            _as_int("stage", stage),
-        )
-    ]
-
-
-MAX_ACTIONS_MICROBATCHES = 10_000_000
-"""The most microbatches :func:`pipeline_actions` lists (two actions each)."""

@@ -42,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not args.scheduler_only:
-        from dflop.demo import FullDemoConfig, run_full_demo
+        from dflop.commands.demo_job import FullDemoConfig, run_full_demo
         from dflop.runtime.launch import SpawnError
         from dflop.train.config import check_output_path
 
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         return 0
 
-    from dflop.demo import DemoConfig, demo_json, print_demo, run_demo
+    from dflop.commands.demo_job import DemoConfig, demo_json, print_demo, run_demo
 
     config = DemoConfig(
         num_steps=args.steps or 20,

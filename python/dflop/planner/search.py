@@ -16,7 +16,7 @@ from dflop.data.shapes import SampleShapes
 from dflop.planner.model import ClusterSpec, ModuleSpec, PlannerConfig, module_specs
 from dflop.planner.plan import LayoutPlan, ModulePlan, Plan, StepPrediction
 from dflop.planner.steps import StepAudit, _sample_record
-from dflop.scheduler import InfeasibleError
+from dflop.scheduling.balance import InfeasibleError
 
 __all__ = [
     "InfeasibleClusterError",
@@ -579,7 +579,7 @@ def runtime_scored(
     Raises:
         dflop.InfeasibleError: (a ValueError) the layout does not fit in memory.
     """
-    from dflop.pipeline_scheduler import PipelineModel, pipeline_schedule
+    from dflop.scheduling.pipeline import PipelineModel, pipeline_schedule
 
     if not _runs_runtime_schedule(layout, config):
         return audited(cluster, inputs, evaluate_layout(cluster, inputs, layout, config), config)

@@ -65,7 +65,7 @@ from dflop.runtime.step_data import EncoderShare, LLMShare, MicrobatchPlan, Step
 from dflop.runtime.synthetic_batch import TextInputs
 from dflop.runtime.tensor_parallel import local_tensor
 from dflop.runtime.topology import RankInfo, Topology
-from dflop.simulator import pipeline_actions
+from dflop.scheduling.actions import pipeline_actions
 
 __all__ = [
     "ActionTiming",

@@ -1,6 +1,6 @@
 """Every shape of one training step, derived identically on every rank.
 
-:meth:`StepPlan.build` turns the step's :class:`~dflop.scheduler.Schedule`, the global
+:meth:`StepPlan.build` turns the step's :class:`~dflop.scheduling.balance.Schedule`, the global
 batch's :class:`~dflop.data.SampleShapes`, the encoder costs and the
 :class:`RuntimeLayout` into, per microbatch: the samples of each LLM DP replica (the
 Schedule's bins), the split of the microbatch's visual units across encoder DP replicas
@@ -34,7 +34,7 @@ import numpy as np
 from dflop.data.shapes import SampleShapes
 from dflop.runtime.routing import RoutingPlan, UnitSplit, plan_routing, split_units
 from dflop.runtime.topology import RuntimeLayout
-from dflop.scheduler import Schedule
+from dflop.scheduling.balance import Schedule
 
 __all__ = ["EncoderShare", "LLMShare", "MicrobatchPlan", "StepPlan"]
 

@@ -8,7 +8,7 @@ Per step k, on every rank:
    assignment** (one int64 tensor per step): the cost model it prices samples with is
    corrected from measured times, and schedules may be cut short by a deadline, so
    recomputing them on every rank could disagree. On rank 0 an
-   :class:`~dflop.async_scheduler.AsyncScheduler` solves step k + lookahead while step k
+   :class:`~dflop.scheduling.async_scheduler.AsyncScheduler` solves step k + lookahead while step k
    trains, and its deadline keeps training from ever waiting on it;
 3. build the StepPlan (deterministic from schedule, shapes and layout) and run the
    pipelined forward/backward (:class:`~dflop.runtime.pipeline.PipelineEngine`), then the
@@ -35,9 +35,9 @@ from typing import Any
 import numpy as np
 
 from dflop.models.spec import model_spec
-from dflop.pipeline_scheduler import PipelineModel
 from dflop.runtime.topology import RuntimeLayout
-from dflop.scheduler import Schedule, data_blind_schedule, schedule_from_assignment
+from dflop.scheduling.balance import Schedule, data_blind_schedule, schedule_from_assignment
+from dflop.scheduling.pipeline import PipelineModel
 from dflop.train.config import TrainConfig
 from dflop.train.data import StepShapes, _step_seed
 from dflop.train.metrics import (
@@ -162,9 +162,9 @@ class Trainer:
     # ------------------------------------------------------------------ setup
 
     def _start_scheduler(self, performance_model: Any, cluster: dict[str, Any] | None) -> None:
-        from dflop.async_scheduler import AsyncScheduler
         from dflop.planner import ClusterSpec, StepPredictor
         from dflop.profiling import CostModel, PerformanceModel
+        from dflop.scheduling.async_scheduler import AsyncScheduler
         from dflop.train.planning import core_layout, cost_configs, local_cluster
 
         if performance_model is None:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from dflop import _core
-from dflop.scheduler import (
+from dflop.scheduling.balance import (
     Schedule,
     _as_costs,
     _as_dims,

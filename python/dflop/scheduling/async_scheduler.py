@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from dflop.pipeline_scheduler import PipelineModel, pipeline_schedule
-from dflop.scheduler import Schedule, schedule
+from dflop.scheduling.balance import Schedule, schedule
+from dflop.scheduling.pipeline import PipelineModel, pipeline_schedule
 
 __all__ = ["AsyncScheduler"]
 

@@ -21,7 +21,7 @@ from typing import TextIO
 import numpy as np
 
 from dflop.data import AnalyticCostModel, synthetic_shapes
-from dflop.scheduler import data_blind_schedule, schedule
+from dflop.scheduling.balance import data_blind_schedule, schedule
 
 __all__ = ["DemoConfig", "DemoStep", "FullDemoConfig", "run_demo", "run_full_demo"]
 

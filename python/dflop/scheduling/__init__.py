@@ -1,0 +1,38 @@
+"""Scheduling: which samples share a microbatch, and in which order stages run them.
+
+- :mod:`~dflop.scheduling.balance`: :func:`schedule` (the per-step balancer of samples
+  over microbatches x data-parallel ranks), :class:`Schedule`, the data-blind baseline.
+- :mod:`~dflop.scheduling.pipeline`: :func:`pipeline_schedule`, a schedule refined on the
+  simulated encoder -> LLM step (:class:`PipelineModel`).
+- :mod:`~dflop.scheduling.async_scheduler`: :class:`AsyncScheduler`, schedules computed
+  in a background thread a few steps ahead, with deadlines.
+- :mod:`~dflop.scheduling.actions`: :func:`pipeline_actions`, the order of a pipeline
+  stage's actions that the simulator and the runtime both execute.
+
+``dflop.schedule``, ``dflop.pipeline_schedule`` and ``dflop.Schedule`` are re-exported at
+the package's top level.
+"""
+
+from dflop.scheduling.actions import SCHEDULES, pipeline_actions
+from dflop.scheduling.async_scheduler import AsyncScheduler
+from dflop.scheduling.balance import (
+    InfeasibleError,
+    Schedule,
+    data_blind_schedule,
+    schedule,
+    schedule_from_assignment,
+)
+from dflop.scheduling.pipeline import PipelineModel, pipeline_schedule
+
+__all__ = [
+    "SCHEDULES",
+    "AsyncScheduler",
+    "InfeasibleError",
+    "PipelineModel",
+    "Schedule",
+    "data_blind_schedule",
+    "pipeline_actions",
+    "pipeline_schedule",
+    "schedule",
+    "schedule_from_assignment",
+]
