@@ -147,6 +147,10 @@ def _bad_inputs(root) -> list[tuple[list[str], str]]:
         (["profile-data", f(root / "nums.json"), "-o", f(root / "s.json")], "not_an_object x3"),
         (["profile-data", f(root / "bad.jsonl"), "-o", f(root / "s.json")], "invalid_json x2"),
         (
+            ["train", "--scaler", '{"unit_divisor": "x"}', "--layout", "enc_dp=1,llm_dp=1,m=1"],
+            "TrainConfig.scaler['unit_divisor'] must be an integer, got str 'x'",
+        ),
+        (
             ["profile-data", f(root / "nums.json"), "-o", f(root / "s.json"), "--max-samples", "0"],
             "argument --max-samples: 0 must be >= 1",
         ),
@@ -166,3 +170,26 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys) -> None:
         assert out == "", (args, out)
         assert sorted(p.name for p in tmp_path.iterdir()) == before, args
         assert (tmp_path / "README.md").read_text() == "mine"
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch, capsys) -> None:
+    """Only validation errors become one line: a TypeError from a bug propagates (Python
+    prints its traceback and exits 1) instead of being shown as bad input."""
+    import dflop.commands.demo as demo
+    import pytest
+    from dflop.cli import main
+    from dflop.errors import InputTypeError
+
+    def buggy(args):
+        return "a" < 1
+
+    monkeypatch.setattr(demo, "run", buggy)
+    with pytest.raises(TypeError, match="not supported between"):
+        main(["demo"])
+
+    def validating(args):
+        raise InputTypeError("steps must be an integer, got str 'x'")
+
+    monkeypatch.setattr(demo, "run", validating)
+    assert main(["demo"]) == 2
+    assert capsys.readouterr().err == "dflop demo: error: steps must be an integer, got str 'x'\n"

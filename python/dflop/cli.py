@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from dflop.errors import InputTypeError
+
 __all__ = ["build_parser", "main"]
 
 # Subcommand modules under dflop.commands, in the order they appear in --help.
@@ -44,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except (
         ValueError,
-        TypeError,
+        InputTypeError,  # a validation message; any other TypeError is a bug: traceback
         FileNotFoundError,
         ImportError,
         PermissionError,

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from dflop import _core
+from dflop.errors import InputTypeError
 from dflop.scheduling.actions import schedule_name
 from dflop.timeline import EVENT_DTYPE, EVENT_KINDS, write_chrome_trace, write_gantt_png
 
@@ -76,7 +77,7 @@ class SimulationResult:
 def _numeric(name: str, value: Any) -> np.ndarray:
     array = np.asarray(value)
     if array.dtype == object or array.dtype.kind not in "iuf":
-        raise TypeError(f"{name} must be numeric (integer or float), got dtype {array.dtype}")
+        raise InputTypeError(f"{name} must be numeric (integer or float), got dtype {array.dtype}")
     return array.astype(np.float64)
 
 

@@ -39,6 +39,7 @@ import numpy as np
 from dflop.data.families import get_family
 from dflop.data.shapes import SampleShapes
 from dflop.data.synthetic import MixSpec, synthetic_shapes
+from dflop.errors import InputTypeError
 
 __all__ = [
     "A100_BF16_FLOPS",
@@ -60,7 +61,7 @@ def _check_positive_ints(obj: object, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(obj, name)
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{cls}.{name}={value!r} must be an int")
+            raise InputTypeError(f"{cls}.{name}={value!r} must be an int")
         if value < 1:
             raise ValueError(f"{cls}.{name}={value} must be >= 1")
 
@@ -298,7 +299,7 @@ def _resolve(kind: str, value: object, presets: dict) -> object:
 
 def _check_rate(name: str, value: object, upper: float | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+        raise InputTypeError(f"{name} must be a number, got {type(value).__name__}")
     value = float(value)
     if not (math.isfinite(value) and value > 0 and (upper is None or value <= upper)):
         bound = f" and <= {upper}" if upper is not None else ""
@@ -356,11 +357,13 @@ class AnalyticCostModel:
         encoder_cfg = _resolve("encoder", encoder, ENCODER_PRESETS)
         llm_cfg = _resolve("llm", llm, LLM_PRESETS)
         if not isinstance(encoder_cfg, EncoderConfig):
-            raise TypeError(
+            raise InputTypeError(
                 f"encoder must be an EncoderConfig or preset name, got {type(encoder).__name__}"
             )
         if not isinstance(llm_cfg, LLMConfig):
-            raise TypeError(f"llm must be an LLMConfig or preset name, got {type(llm).__name__}")
+            raise InputTypeError(
+                f"llm must be an LLMConfig or preset name, got {type(llm).__name__}"
+            )
         self.encoder: EncoderConfig = encoder_cfg
         self.llm: LLMConfig = llm_cfg
         self.gpu_flops = _check_rate("gpu_flops", gpu_flops)
@@ -375,7 +378,7 @@ class AnalyticCostModel:
             ("llm_microbatch_overhead_s", llm_microbatch_overhead_s),
         ):
             if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+                raise InputTypeError(f"{name} must be a number, got {type(value).__name__}")
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name}={value!r} must be finite and >= 0")
             overheads.append(float(value))
@@ -396,7 +399,7 @@ class AnalyticCostModel:
     @staticmethod
     def _check_shapes(shapes: object) -> SampleShapes:
         if not isinstance(shapes, SampleShapes):
-            raise TypeError(f"shapes must be a SampleShapes, got {type(shapes).__name__}")
+            raise InputTypeError(f"shapes must be a SampleShapes, got {type(shapes).__name__}")
         return shapes
 
     def flops(self, shapes: SampleShapes) -> np.ndarray:

@@ -36,6 +36,7 @@ import numpy as np
 
 from dflop.data.families import FamilySpec, get_family
 from dflop.data.shapes import Modality, SampleShapes
+from dflop.errors import InputTypeError
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "ShapeDistribution"]
 
@@ -76,7 +77,7 @@ class ShapeDistribution:
 
     def __post_init__(self) -> None:
         if not isinstance(self.samples, SampleShapes):
-            raise TypeError(
+            raise InputTypeError(
                 f"ShapeDistribution.samples must be a SampleShapes, got "
                 f"{type(self.samples).__name__}"
             )
@@ -134,7 +135,7 @@ class ShapeDistribution:
             ValueError: the distribution is empty, or ``num_samples < 0``.
         """
         if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)):
-            raise TypeError(f"num_samples must be an int, got {type(num_samples).__name__}")
+            raise InputTypeError(f"num_samples must be an int, got {type(num_samples).__name__}")
         if num_samples < 0:
             raise ValueError(f"num_samples={num_samples} must be >= 0")
         if len(self.samples) == 0:

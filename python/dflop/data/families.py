@@ -50,6 +50,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from dflop.data.shapes import Modality, SampleShapes
+from dflop.errors import InputTypeError
 
 __all__ = [
     "FAMILIES",
@@ -183,7 +184,7 @@ class FamilySpec:
                     )
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"FamilySpec.{f.name}={value!r} must be an int")
+                raise InputTypeError(f"FamilySpec.{f.name}={value!r} must be an int")
             lowest = 1 if f.name in positive else 0
             if value < lowest:
                 raise ValueError(f"FamilySpec.{f.name}={value} must be >= {lowest}")
@@ -263,7 +264,7 @@ def get_family(name: str | FamilySpec) -> FamilySpec:
     if isinstance(name, FamilySpec):
         return name
     if not isinstance(name, str):
-        raise TypeError(f"family must be a str or FamilySpec, got {type(name).__name__}")
+        raise InputTypeError(f"family must be a str or FamilySpec, got {type(name).__name__}")
     try:
         return FAMILIES[name]
     except KeyError:
@@ -298,7 +299,7 @@ def _as_int_array(arg: str, value: object, lowest: int) -> np.ndarray:
         raise ValueError(f"{arg} must be 1-D, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         if not np.issubdtype(arr.dtype, np.floating):
-            raise TypeError(f"{arg} must hold integers, got dtype {arr.dtype}")
+            raise InputTypeError(f"{arg} must hold integers, got dtype {arr.dtype}")
         bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.round(arr)))
         if bad.size:
             i = int(bad[0])

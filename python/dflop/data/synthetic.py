@@ -61,6 +61,7 @@ import numpy as np
 
 from dflop.data.families import FamilySpec, get_family, shapes_from_descriptors
 from dflop.data.shapes import Modality, SampleShapes
+from dflop.errors import InputTypeError
 
 __all__ = ["MixSpec", "synthetic_shapes"]
 
@@ -119,7 +120,7 @@ class MixSpec:
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-                raise TypeError(f"MixSpec.{f.name}={value!r} must be a number")
+                raise InputTypeError(f"MixSpec.{f.name}={value!r} must be a number")
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"MixSpec.{f.name}={value!r} must be finite and >= 0")
         total = sum(getattr(self, f.name) for f in fields(self))
@@ -234,11 +235,11 @@ def synthetic_shapes(
         :class:`~dflop.data.shapes.SampleShapes` of length ``num_samples``.
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)):
-        raise TypeError(f"num_samples must be an int, got {type(num_samples).__name__}")
+        raise InputTypeError(f"num_samples must be an int, got {type(num_samples).__name__}")
     if num_samples < 0:
         raise ValueError(f"num_samples={num_samples} must be >= 0")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        raise InputTypeError(f"seed must be an int, got {type(seed).__name__}")
     if seed < 0:
         raise ValueError(f"seed={seed} must be >= 0")
     spec = get_family(family)
@@ -249,7 +250,7 @@ def synthetic_shapes(
     elif isinstance(mix, Mapping):
         mix_spec = MixSpec.from_mapping(mix)
     else:
-        raise TypeError(f"mix must be a MixSpec, a mapping or None, got {type(mix).__name__}")
+        raise InputTypeError(f"mix must be a MixSpec, a mapping or None, got {type(mix).__name__}")
 
     n = int(num_samples)
     rng = np.random.default_rng(int(seed))

@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from dflop.errors import InputTypeError
+
 __all__ = [
     "CHARS_PER_TOKEN",
     "TOKENS_PER_CONVERSATION",
@@ -159,7 +161,7 @@ def make_text_counter(
         return TextTokenCounter(f"tokenizer:{name}", count, **overheads)
     if callable(tokenizer):
         return TextTokenCounter(f"tokenizer:{name}", lambda text: int(tokenizer(text)), **overheads)
-    raise TypeError(
+    raise InputTypeError(
         "tokenizer must be None, a local tokenizer folder, an object with encode(), "
         f"or a callable text -> int; got {type(tokenizer).__name__}"
     )

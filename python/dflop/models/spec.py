@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from dflop.errors import InputTypeError
+
 if TYPE_CHECKING:
     import torch
     from torch import Tensor, nn
@@ -316,7 +318,7 @@ def model_spec(model: ModelSpec | ModelConfig | str) -> ModelSpec:
         return hf_model_spec(model[3:])
     if isinstance(model, str):
         return ReferenceSpec(model_config(model))
-    raise TypeError(
+    raise InputTypeError(
         f"model must be a ModelSpec, a ModelConfig, a preset name or 'hf:PATH', got "
         f"{type(model).__name__}"
     )

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from dflop.data.costs import EncoderConfig, LLMConfig
+from dflop.errors import InputTypeError
 
 __all__ = ["ClusterSpec", "ModuleSpec", "PlannerConfig", "module_specs"]
 
@@ -54,14 +55,14 @@ ACTIVATION_BYTES_PER_HIDDEN = 34.0
 
 def _check_int(cls: str, name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{cls}.{name}={value!r} must be an int")
+        raise InputTypeError(f"{cls}.{name}={value!r} must be an int")
     if value < minimum:
         raise ValueError(f"{cls}.{name}={value} must be >= {minimum}")
 
 
 def _check_number(cls: str, name: str, value: Any, *, positive: bool) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-        raise TypeError(f"{cls}.{name}={value!r} must be a number")
+        raise InputTypeError(f"{cls}.{name}={value!r} must be a number")
     ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
     if not ok:
         raise ValueError(f"{cls}.{name}={value!r} must be finite and {'>' if positive else '>='} 0")

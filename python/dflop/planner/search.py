@@ -13,6 +13,7 @@ import numpy as np
 from dflop import _core
 from dflop.data.costs import EncoderConfig, LLMConfig, SampleCostModel
 from dflop.data.shapes import SampleShapes
+from dflop.errors import InputTypeError
 from dflop.planner.model import ClusterSpec, ModuleSpec, PlannerConfig, module_specs
 from dflop.planner.plan import LayoutPlan, ModulePlan, Plan, StepPrediction
 from dflop.planner.steps import StepAudit, _sample_record
@@ -110,7 +111,7 @@ def _as_distribution(shapes: Any, family: str) -> Any:
     if isinstance(shapes, SampleShapes):
         return _Bootstrap(shapes)
     if not callable(getattr(shapes, "sample", None)):
-        raise TypeError(
+        raise InputTypeError(
             "shapes must be None/'synthetic', a SampleShapes, or have .sample(n, seed), got "
             f"{type(shapes).__name__}"
         )
@@ -132,17 +133,17 @@ def prepare_inputs(
     their per-sample costs with ``performance_model``; ``forward_fraction`` (encoder, LLM)
     overrides the modules' forward share of a stage's time (1/3)."""
     if not isinstance(encoder, EncoderConfig):
-        raise TypeError(f"encoder must be an EncoderConfig, got {type(encoder).__name__}")
+        raise InputTypeError(f"encoder must be an EncoderConfig, got {type(encoder).__name__}")
     if not isinstance(llm, LLMConfig):
-        raise TypeError(f"llm must be an LLMConfig, got {type(llm).__name__}")
+        raise InputTypeError(f"llm must be an LLMConfig, got {type(llm).__name__}")
     if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)):
-        raise TypeError(f"global_batch must be an int, got {type(global_batch).__name__}")
+        raise InputTypeError(f"global_batch must be an int, got {type(global_batch).__name__}")
     if global_batch < 1:
         raise ValueError(f"global_batch={global_batch} must be >= 1")
     if not callable(getattr(performance_model, "costs", None)) or not hasattr(
         performance_model, "microbatch_constant_s"
     ):
-        raise TypeError(
+        raise InputTypeError(
             "performance_model must have .costs(shapes) and .microbatch_constant_s, got "
             f"{type(performance_model).__name__}"
         )
@@ -310,7 +311,7 @@ def search_layouts(
     and memory shortfall: ``{"stats": ..., "shortfall": ...}``.
     """
     if not isinstance(cluster, ClusterSpec):
-        raise TypeError(f"cluster must be a ClusterSpec, got {type(cluster).__name__}")
+        raise InputTypeError(f"cluster must be a ClusterSpec, got {type(cluster).__name__}")
     raw = _core.plan_layouts(
         cluster.to_dict(),
         inputs.encoder.to_dict(),
@@ -439,7 +440,7 @@ def plan(
         InfeasibleClusterError: (a ValueError) nothing fits in memory.
     """
     if not isinstance(config, PlannerConfig):
-        raise TypeError(f"config must be a PlannerConfig, got {type(config).__name__}")
+        raise InputTypeError(f"config must be a PlannerConfig, got {type(config).__name__}")
     start = time.perf_counter()
     inputs = prepare_inputs(
         performance_model,

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from dflop.data.shapes import SampleShapes
+from dflop.errors import InputTypeError
 from dflop.profiling.perf_model import (
     EncoderTimeCoefficients,
     LLMTimeCoefficients,
@@ -175,7 +176,7 @@ class _OnlineLinearFit:
 
 def _check_shapes(name: str, shapes: Any) -> SampleShapes:
     if not isinstance(shapes, SampleShapes):
-        raise TypeError(
+        raise InputTypeError(
             f"{name} must be a dflop.data.shapes.SampleShapes, got {type(shapes).__name__}"
         )
     return shapes
@@ -210,12 +211,14 @@ class CostModel:
         self, performance_model: PerformanceModel, adaptive: AdaptiveConfig | None = None
     ) -> None:
         if not isinstance(performance_model, PerformanceModel):
-            raise TypeError(
+            raise InputTypeError(
                 "performance_model must be a PerformanceModel, "
                 f"got {type(performance_model).__name__}"
             )
         if adaptive is not None and not isinstance(adaptive, AdaptiveConfig):
-            raise TypeError(f"adaptive must be an AdaptiveConfig, got {type(adaptive).__name__}")
+            raise InputTypeError(
+                f"adaptive must be an AdaptiveConfig, got {type(adaptive).__name__}"
+            )
         self._prior = performance_model
         self._config = adaptive or AdaptiveConfig()
         self._lock = threading.Lock()
@@ -311,7 +314,7 @@ class CostModel:
             An ``ObservationReport`` (residuals before the update, accepted/rejected counts).
         """
         if isinstance(shapes_per_microbatch, SampleShapes):
-            raise TypeError(
+            raise InputTypeError(
                 "shapes_per_microbatch must be a sequence of SampleShapes (one per microbatch)"
             )
         shapes_list = [

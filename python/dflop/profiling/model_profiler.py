@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from dflop.errors import InputTypeError
 from dflop.profiling.perf_model import (
     FitReport,
     PerformanceModel,
@@ -547,7 +548,7 @@ def profile_model(
         raise ValueError("vision and decoder are both None: nothing to profile")
     for name, module in (("vision", vision), ("decoder", decoder)):
         if module is not None and not isinstance(module, torch.nn.Module):
-            raise TypeError(f"{name} must be a torch.nn.Module, got {type(module).__name__}")
+            raise InputTypeError(f"{name} must be a torch.nn.Module, got {type(module).__name__}")
 
     on_gpu = device.type == "cuda"
     if unit_counts is None:
@@ -713,7 +714,9 @@ def _profile_decoder(
     decoder.train()
     dtype, _ = _module_dtype_device(decoder, "decoder")
     if not hasattr(decoder, "embed"):
-        raise TypeError("decoder must have an embed(token_ids) method (to infer the hidden size)")
+        raise InputTypeError(
+            "decoder must have an embed(token_ids) method (to infer the hidden size)"
+        )
     with torch.no_grad():
         probe = decoder.embed(torch.zeros(1, dtype=torch.long, device=device))
         hidden = int(probe.shape[-1])
@@ -779,7 +782,7 @@ def fit_performance_model(
     zero coefficients and an empty report.
     """
     if not isinstance(result, ProfileResult):
-        raise TypeError(f"result must be a ProfileResult, got {type(result).__name__}")
+        raise InputTypeError(f"result must be a ProfileResult, got {type(result).__name__}")
     from dflop.profiling.perf_model import (
         EncoderTimeCoefficients,
         LLMTimeCoefficients,

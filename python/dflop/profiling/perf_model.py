@@ -26,6 +26,8 @@ from typing import Any, Union
 
 import numpy as np
 
+from dflop.errors import InputTypeError
+
 __all__ = [
     "EncoderTimeCoefficients",
     "FitReport",
@@ -388,7 +390,7 @@ class PerformanceModel:
         )
         for name, kind in checks:
             if not isinstance(getattr(self, name), kind):
-                raise TypeError(
+                raise InputTypeError(
                     f"PerformanceModel.{name} must be a {kind.__name__}, "
                     f"got {type(getattr(self, name)).__name__}"
                 )

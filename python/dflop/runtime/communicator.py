@@ -62,6 +62,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dflop.errors import InputTypeError
 from dflop.runtime.routing import RoutingPlan
 from dflop.runtime.topology import Topology
 
@@ -507,7 +508,7 @@ class BridgeCommunicator:
 
     def _check_plan(self, plan: RoutingPlan) -> None:
         if not isinstance(plan, RoutingPlan):
-            raise TypeError(f"plan must be a RoutingPlan, got {type(plan).__name__}")
+            raise InputTypeError(f"plan must be a RoutingPlan, got {type(plan).__name__}")
         if plan.num_src != self.layout.encoder.dp or plan.num_dst != self.layout.llm.dp:
             raise ValueError(
                 f"the plan routes {plan.num_src} encoder x {plan.num_dst} LLM replicas but the "
@@ -542,7 +543,9 @@ class BridgeCommunicator:
             self._check_tensor(data, total_rows, what)
             return _slices(data.detach(), counts)
         if not isinstance(data, Mapping):
-            raise TypeError(f"{what} must be a dict of tensors or one tensor, got {type(data)}")
+            raise InputTypeError(
+                f"{what} must be a dict of tensors or one tensor, got {type(data)}"
+            )
         rows = plan.rows_of(order)
         pieces = []
         for item_id, item_rows in zip(order.tolist(), rows.tolist()):

@@ -108,6 +108,7 @@ from dflop.data.text_tokens import (
     make_text_counter,
     strip_visual_placeholders,
 )
+from dflop.errors import InputTypeError
 from dflop.models.config import ModelConfig
 from dflop.models.decoder import IGNORE_INDEX
 from dflop.runtime.synthetic_batch import (
@@ -216,7 +217,7 @@ def _text_encoder(tokenizer: Any, vocab_size: int) -> tuple[str, Callable[[str],
     elif callable(tokenizer):
         raw = tokenizer
     else:
-        raise TypeError(
+        raise InputTypeError(
             "tokenizer must be None, a local tokenizer folder, an object with encode(), or "
             f"a callable text -> list of ids; got {type(tokenizer).__name__}"
         )

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from dflop.errors import InputTypeError
 from dflop.models.config import ModelConfig
 from dflop.models.decoder import IGNORE_INDEX
 from dflop.models.spec import EncoderStageModule, LLMStageModule, ModelSpec, model_spec
@@ -112,7 +113,7 @@ def unit_grid(batch: Any, share: EncoderShare) -> Tensor:
     source = getattr(batch, "batch", batch)  # the prefetching wrapper's source
     get = getattr(source, "unit_grid", None)
     if get is None:
-        raise TypeError(
+        raise InputTypeError(
             f"{type(source).__name__} has no unit_grid(): a patch-sequence encoder "
             "(tokens_per_unit=None) needs each unit's patch grid"
         )
@@ -316,7 +317,7 @@ class PipelineEngine:
         self.tp_size = layout.module(info.module).tp
         expect = EncoderStageModule if info.module == "encoder" else LLMStageModule
         if not isinstance(stage, expect):
-            raise TypeError(
+            raise InputTypeError(
                 f"rank {info.rank} is an {info.module} rank: stage must be a {expect.__name__}"
             )
         self.topology = topology

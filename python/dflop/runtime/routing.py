@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from dflop import _core
+from dflop.errors import InputTypeError
 
 __all__ = ["RoutingPlan", "UnitSplit", "plan_routing", "split_units"]
 
@@ -44,13 +45,13 @@ def _int_array(name: str, value: Any) -> np.ndarray:
     if array.size == 0:
         array = array.astype(np.int64)
     if array.dtype == object or array.dtype.kind not in "iu" or array.ndim != 1:
-        raise TypeError(f"{name} must be a 1-D integer array, got {array.dtype} {array.shape}")
+        raise InputTypeError(f"{name} must be a 1-D integer array, got {array.dtype} {array.shape}")
     return np.ascontiguousarray(array, dtype=np.int64)
 
 
 def _count(name: str, value: Any) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
+        raise InputTypeError(f"{name} must be an integer, got {value!r}")
     return int(value)
 
 

@@ -23,6 +23,7 @@ sizes (more units / longer text stay bigger) so scheduling still has something t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ import torch
 from torch import Tensor
 
 from dflop.data.shapes import SampleShapes
+from dflop.errors import InputTypeError
 from dflop.models.config import ModelConfig
 from dflop.models.decoder import IGNORE_INDEX
 from dflop.models.spec import VisualItem
@@ -76,6 +78,21 @@ class ShapeScaler:
     visual_newline: bool = False
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "visual_newline":
+                ok = isinstance(value, (bool, np.bool_))
+            else:
+                optional = f.name in ("max_units_per_sample", "max_text_tokens")
+                ok = (value is None and optional) or (
+                    isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+                )
+            if not ok:
+                raise InputTypeError(
+                    f"ShapeScaler.{f.name} must be "
+                    + ("a bool" if f.name == "visual_newline" else "an integer")
+                    + f", got {type(value).__name__} {value!r}"
+                )
         if min(self.tokens_per_unit, self.unit_divisor, self.text_divisor) < 1:
             raise ValueError("ShapeScaler.tokens_per_unit and the divisors must be >= 1")
         if self.max_units_per_sample is not None and self.max_units_per_sample < 1:

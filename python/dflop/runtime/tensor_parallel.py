@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dflop.errors import InputTypeError
+
 __all__ = [
     "apply_tensor_parallel",
     "check_tensor_parallel",
@@ -66,7 +68,7 @@ def _check_tp_size(tp_size: Any) -> int:
 def _declared(stage: Any, method: str) -> Any:
     fn = getattr(stage, method, None)
     if not callable(fn):
-        raise TypeError(
+        raise InputTypeError(
             f"{type(stage).__name__} declares no tensor-parallel plan (its "
             "tensor_parallel_plan() and tensor_parallel_sizes())"
         )

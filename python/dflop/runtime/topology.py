@@ -28,6 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from dflop.errors import InputTypeError
+
 __all__ = [
     "DEFAULT_GROUP_TIMEOUT_S",
     "ModuleLayout",
@@ -47,7 +49,9 @@ for a slow first step on a big model, short enough that a dead peer surfaces as 
 
 def _positive_int(owner: str, name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{owner}.{name} must be an integer, got {type(value).__name__} {value!r}")
+        raise InputTypeError(
+            f"{owner}.{name} must be an integer, got {type(value).__name__} {value!r}"
+        )
     if value < 1:
         raise ValueError(f"{owner}.{name} must be >= 1, got {value}")
     return value
@@ -93,7 +97,7 @@ class ModuleLayout:
         try:
             ranges = tuple((int(a), int(b)) for a, b in self.layer_ranges)
         except (TypeError, ValueError):
-            raise TypeError(
+            raise InputTypeError(
                 f"{owner}.layer_ranges must be a sequence of (first, end) integer pairs, "
                 f"got {self.layer_ranges!r}"
             ) from None
@@ -171,7 +175,7 @@ class RuntimeLayout:
     def __post_init__(self) -> None:
         for name in ("encoder", "llm"):
             if not isinstance(getattr(self, name), ModuleLayout):
-                raise TypeError(f"RuntimeLayout.{name} must be a ModuleLayout")
+                raise InputTypeError(f"RuntimeLayout.{name} must be a ModuleLayout")
         _positive_int("RuntimeLayout", "num_microbatches", self.num_microbatches)
         _positive_int("RuntimeLayout", "global_batch", self.global_batch)
         bins = self.num_microbatches * self.llm.dp
@@ -303,7 +307,7 @@ class RankInfo:
 def rank_info(layout: RuntimeLayout, rank: int) -> RankInfo:
     """The place of ``rank`` in ``layout`` (pure: no torch.distributed)."""
     if isinstance(rank, bool) or not isinstance(rank, int):
-        raise TypeError(f"rank must be an integer, got {rank!r}")
+        raise InputTypeError(f"rank must be an integer, got {rank!r}")
     if not 0 <= rank < layout.world_size:
         raise ValueError(f"rank={rank} is out of range [0, {layout.world_size})")
     name: Module = "encoder" if rank < layout.encoder.num_gpus else "llm"

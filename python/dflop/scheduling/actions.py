@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from dflop import _core
+from dflop.errors import InputTypeError
 
 __all__ = ["MAX_ACTIONS_MICROBATCHES", "SCHEDULES", "pipeline_actions"]
 
@@ -22,7 +23,7 @@ SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
 
 def schedule_name(schedule: Any) -> str:
     if not isinstance(schedule, str):
-        raise TypeError(f"schedule must be a str, got {type(schedule).__name__} {schedule!r}")
+        raise InputTypeError(f"schedule must be a str, got {type(schedule).__name__} {schedule!r}")
     name = schedule.lower()
     if name not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -31,7 +32,7 @@ def schedule_name(schedule: Any) -> str:
 
 def as_int(name: str, value: Any) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+        raise InputTypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     return int(value)
 
 

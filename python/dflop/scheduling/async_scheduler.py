@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from dflop.errors import InputTypeError
 from dflop.scheduling.balance import Schedule, schedule
 from dflop.scheduling.pipeline import PipelineModel, pipeline_schedule
 
@@ -73,9 +74,9 @@ class AsyncScheduler:
         if lookahead < 1:
             raise ValueError(f"lookahead must be >= 1, got {lookahead}")
         if pipeline is not None and not isinstance(pipeline, PipelineModel):
-            raise TypeError(f"pipeline must be a dflop.PipelineModel, got {pipeline!r}")
+            raise InputTypeError(f"pipeline must be a dflop.PipelineModel, got {pipeline!r}")
         if isinstance(max_growth, bool) or not isinstance(max_growth, (int, float)):
-            raise TypeError(f"max_growth must be a number, got {max_growth!r}")
+            raise InputTypeError(f"max_growth must be a number, got {max_growth!r}")
         if not max_growth >= 1:
             raise ValueError(f"max_growth must be >= 1 (inf allowed), got {max_growth}")
         self._kwargs: dict[str, Any] = dict(
@@ -111,7 +112,7 @@ class AsyncScheduler:
         ``pipeline``: this step's pipeline model (default: the constructor's); ``units``:
         the samples' visual units, needed when the pipeline replicates a module."""
         if pipeline is not None and not isinstance(pipeline, PipelineModel):
-            raise TypeError(f"pipeline must be a dflop.PipelineModel, got {pipeline!r}")
+            raise InputTypeError(f"pipeline must be a dflop.PipelineModel, got {pipeline!r}")
         array = np.asarray(costs, dtype=np.float64)
         deadline = None if deadline_s is None else time.monotonic() + float(deadline_s)
         with self._cond:

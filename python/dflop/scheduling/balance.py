@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from dflop import _core
+from dflop.errors import InputTypeError
 
 __all__ = [
     "InfeasibleError",
@@ -106,7 +107,7 @@ def _as_costs(costs: Any) -> np.ndarray:
     except (ValueError, TypeError) as error:  # ragged nested lists and the like
         raise ValueError(f"costs must be a rectangular (N, D) array: {error}") from None
     if array.dtype == object or array.dtype.kind not in "iuf":
-        raise TypeError(
+        raise InputTypeError(
             f"costs must be a numeric (integer or float) array, got dtype {array.dtype}"
         )
     if array.ndim == 1:
@@ -125,7 +126,7 @@ def _real(name: str, value: Any) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(
         value, (int, float, np.integer, np.floating)
     ):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+        raise InputTypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     return float(value)
 
 
@@ -157,7 +158,7 @@ def as_time_limit_s(name: str, value: Any) -> float | None:
 
 def _as_int(name: str, value: Any, upper: int = 2**31 - 1) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+        raise InputTypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     if int(value) > upper:
         raise ValueError(f"{name}={value} is too large (at most {upper})")
     return int(value)
@@ -165,7 +166,7 @@ def _as_int(name: str, value: Any, upper: int = 2**31 - 1) -> int:
 
 def _as_dims(microbatch_dims: Any) -> tuple[int, ...]:
     if isinstance(microbatch_dims, (str, bytes)) or not hasattr(microbatch_dims, "__iter__"):
-        raise TypeError(
+        raise InputTypeError(
             f"microbatch_dims must be a sequence of column indices, got {microbatch_dims!r}"
         )
     return tuple(_as_int(f"microbatch_dims[{k}]", v) for k, v in enumerate(microbatch_dims))
@@ -225,7 +226,7 @@ def schedule(
     if capacity is not None:
         cap_array = np.asarray(capacity)
         if cap_array.dtype == object or cap_array.dtype.kind not in "iuf" or cap_array.ndim != 1:
-            raise TypeError(f"capacity must be a 1-D sequence of numbers, got {capacity!r}")
+            raise InputTypeError(f"capacity must be a 1-D sequence of numbers, got {capacity!r}")
         if cap_array.shape[0] != cost_array.shape[1]:
             raise ValueError(
                 f"capacity has length {cap_array.shape[0]} but costs has "

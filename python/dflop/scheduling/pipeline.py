@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from dflop import _core
+from dflop.errors import InputTypeError
 from dflop.scheduling.balance import (
     Schedule,
     _as_costs,
@@ -65,7 +66,7 @@ class PipelineModel:
         for name in ("stages", "forward_fraction", "microbatch_constant_s"):
             value = getattr(self, name)
             if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
-                raise TypeError(f"PipelineModel.{name} must be a sequence, got {value!r}")
+                raise InputTypeError(f"PipelineModel.{name} must be a sequence, got {value!r}")
             object.__setattr__(self, name, tuple(value))
         sizes = {len(self.stages), len(self.forward_fraction), len(self.microbatch_constant_s)}
         if len(sizes) != 1:
@@ -99,7 +100,9 @@ class PipelineModel:
             raise ValueError(f"PipelineModel.link_latency_s must be finite and >= 0, got {latency}")
         if self.replicas is not None:
             if isinstance(self.replicas, (str, bytes)) or not hasattr(self.replicas, "__len__"):
-                raise TypeError(f"PipelineModel.replicas must be a sequence, got {self.replicas!r}")
+                raise InputTypeError(
+                    f"PipelineModel.replicas must be a sequence, got {self.replicas!r}"
+                )
             if len(self.replicas) != len(stages):
                 raise ValueError(
                     f"PipelineModel.replicas needs one entry per module ({len(stages)}), got "
@@ -210,7 +213,7 @@ class PipelineModel:
 
 def _as_float(name: str, value: Any) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+        raise InputTypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     return float(value)
 
 
@@ -270,7 +273,7 @@ def pipeline_schedule(
         d = cost_array.shape[1]
         pipeline = PipelineModel((1,) * d, (1 / 3,) * d, (0.0,) * d)
     elif not isinstance(pipeline, PipelineModel):
-        raise TypeError(f"pipeline must be a dflop.PipelineModel, got {pipeline!r}")
+        raise InputTypeError(f"pipeline must be a dflop.PipelineModel, got {pipeline!r}")
     core_args = pipeline._core_args(cost_array.shape[1])
     replica_args = pipeline._replica_args(units, cost_array.shape[0])
     balance_costs = pipeline.balance_costs(cost_array)
@@ -282,7 +285,7 @@ def pipeline_schedule(
             f"microbatch_dims={dims} (its replicas share each microbatch)"
         )
     if isinstance(max_growth, bool) or not isinstance(max_growth, (int, float, np.number)):
-        raise TypeError(f"max_growth must be a number, got {max_growth!r}")
+        raise InputTypeError(f"max_growth must be a number, got {max_growth!r}")
     if time_limit_s is not None:
         limit = _as_float("time_limit_s", time_limit_s)
         if not (math.isfinite(limit) and limit >= 0):
@@ -309,7 +312,7 @@ def pipeline_schedule(
         )
         balance_solve_time_s = start.solve_time_s
     elif not isinstance(start, Schedule):
-        raise TypeError(f"start must be a dflop.Schedule, got {type(start).__name__}")
+        raise InputTypeError(f"start must be a dflop.Schedule, got {type(start).__name__}")
     elif (start.num_microbatches, start.dp_size, start.num_samples) != (
         num_microbatches,
         dp_size,

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflop.errors import InputTypeError
+
 __all__ = [
     "SCHEDULE_MODES",
     "TrainConfig",
@@ -219,7 +221,9 @@ class TrainConfig:
                 f"TrainConfig.data={self.data!r}: no such file (or use 'synthetic')"
             )
         if not isinstance(self.scaler, dict):
-            raise TypeError(f"TrainConfig.scaler must be a dict, got {type(self.scaler).__name__}")
+            raise InputTypeError(
+                f"TrainConfig.scaler must be a dict, got {type(self.scaler).__name__}"
+            )
         if not isinstance(self.model, str):
             raise bad("model", "a preset name or 'hf:PATH'")
         if self.model.startswith("hf:"):
@@ -260,6 +264,15 @@ class TrainConfig:
                 raise ValueError(
                     f"TrainConfig.scaler has unknown field {unknown[0]!r}; known: {sorted(known)}"
                 )
+            for name, value in self.scaler.items():
+                wanted = bool if name == "visual_newline" else int
+                if not isinstance(value, wanted) or (wanted is int and isinstance(value, bool)):
+                    if value is None and name in ("max_units_per_sample", "max_text_tokens"):
+                        continue
+                    raise InputTypeError(
+                        f"TrainConfig.scaler[{name!r}] must be {'a bool' if wanted is bool else 'an integer'}, "
+                        f"got {type(value).__name__} {value!r}"
+                    )
 
     @property
     def modes(self) -> tuple[str, ...]:
