@@ -282,7 +282,7 @@ def test_communicator_roundtrip_debug_and_timeout() -> None:
     mismatch = results[2]["mismatch"]
     assert "mismatch" in mismatch and "microbatch 7" in mismatch, mismatch
     assert "rank 1 (encoder replica 1)" in mismatch and "rank 2 (LLM replica 0)" in mismatch
-    assert "rows: sent 0, expected 4" in mismatch
+    assert "shape: sent (0, 4), expected (4, 4)" in mismatch
 
     timeout = results[3]["timeout"]
     assert "rank 3" in timeout and "microbatch 99" in timeout and "timed out" in timeout, timeout

@@ -269,7 +269,9 @@ def test_tensor_parallel_both_modules_matches_single_process(debug):
 def test_debug_mode_reports_a_shape_mismatch():
     """Encoder pp=2: rank 1's plan disagrees with rank 0's; the header check names both."""
     spec = dict(encoder_pp=2, num_microbatches=2)
-    with pytest.raises(SpawnError, match="rank 1 expected the activation of microbatch 0"):
+    with pytest.raises(
+        SpawnError, match=r"rank 1 expected the activation of microbatch 0 .*shape: sent \("
+    ):
         spawn_local(
             _rank_step,
             3,

@@ -63,32 +63,28 @@ import torch
 import torch.distributed as dist
 
 from dflop.errors import InputTypeError
+from dflop.runtime.p2p import (
+    BACKWARD,
+    FORWARD,
+    HEADER_LEN,
+    collective_device,
+    debug_header,
+    header_mismatch,
+    header_payload_bytes,
+    message_tag,
+)
 from dflop.runtime.routing import RoutingPlan
 from dflop.runtime.topology import Topology
 
 __all__ = ["BridgeCommunicator", "PendingTransfer"]
 
-FEATURES = 0
-GRADS = 1
+FEATURES = FORWARD
+GRADS = BACKWARD
 _DIRECTION_NAMES = {FEATURES: "features", GRADS: "gradients"}
-_HEADER_MAGIC = 0x0DF1_0B12  # tells a debug header from stray data
-_HEADER_LEN = 6  # magic, microbatch id, direction, rows, hidden, dtype code
-_DTYPE_CODES = {
-    torch.float32: 1,
-    torch.float16: 2,
-    torch.bfloat16: 3,
-    torch.float64: 4,
-}
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 FeatureInput = Union[Mapping[int, torch.Tensor], torch.Tensor]
 FeatureOutput = Union[dict[int, torch.Tensor], torch.Tensor]
-
-
-def _tag(microbatch_id: int, direction: int, header: bool) -> int:
-    """Distinct tag per (microbatch, direction, data|header): gloo matches a recv to the
-    send of the same peer and tag, so transfers of different microbatches or directions
-    can be in flight at once in any order."""
-    return (microbatch_id * 2 + direction) * 2 + (1 if header else 0)
 
 
 class PendingTransfer:
@@ -168,8 +164,8 @@ class BridgeCommunicator:
             )
         if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
             raise ValueError(f"hidden_size must be an integer >= 1, got {hidden_size!r}")
-        if dtype not in _DTYPE_CODES:
-            raise ValueError(f"dtype must be one of {list(_DTYPE_CODES)}, got {dtype}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
         self.topology = topology
         self.layout = topology.layout
         self.rank = info.rank
@@ -180,14 +176,7 @@ class BridgeCommunicator:
         self.debug = bool(debug)
         self.timeout_s = float(topology.timeout_s if timeout_s is None else timeout_s)
         self.group = topology.bridge_group
-        if device is None:
-            backend = dist.get_backend(self.group)
-            device = (
-                torch.device("cuda", torch.cuda.current_device())
-                if backend == "nccl"
-                else torch.device("cpu")
-            )
-        self.device = torch.device(device)
+        self.device = torch.device(device) if device is not None else collective_device(self.group)
         self._check_agreement()
 
     # ---- public API ---------------------------------------------------------------------
@@ -304,11 +293,15 @@ class BridgeCommunicator:
             if self.debug:
                 header = self._header(microbatch_id, direction, rows)
                 keep.append(header)
-                ops.append(self._op(dist.isend, header, peer, _tag(microbatch_id, direction, True)))
+                ops.append(
+                    self._op(
+                        dist.isend, header, peer, message_tag(microbatch_id, direction, header=True)
+                    )
+                )
             if rows > 0:
                 keep.append(buffer)
                 ops.append(
-                    self._op(dist.isend, buffer, peer, _tag(microbatch_id, direction, False))
+                    self._op(dist.isend, buffer, peer, message_tag(microbatch_id, direction))
                 )
         works = dist.batch_isend_irecv(ops) if ops else []
         active = [p for p, b in zip(peers, buffers) if self.debug or b.shape[0] > 0]
@@ -340,7 +333,7 @@ class BridgeCommunicator:
             parts.append((peer, arrived.narrow(0, start, rows)))
             start += rows
         active = [peer for peer, part in parts if part.shape[0] > 0]
-        tag = _tag(microbatch_id, direction, False)
+        tag = message_tag(microbatch_id, direction)
         if self.debug:
             works: list[Any] = []
             prepare = self._debug_prepare(microbatch_id, direction, counts, peers, parts)
@@ -362,15 +355,8 @@ class BridgeCommunicator:
     # ---- debug headers ------------------------------------------------------------------
 
     def _header(self, microbatch_id: int, direction: int, rows: int) -> torch.Tensor:
-        values = [
-            _HEADER_MAGIC,
-            microbatch_id,
-            direction,
-            rows,
-            self.hidden_size,
-            _DTYPE_CODES[self.dtype],
-        ]
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        shape = (rows, self.hidden_size)
+        return debug_header(microbatch_id, direction, shape, self.dtype, self.device)
 
     def _debug_prepare(
         self,
@@ -392,8 +378,8 @@ class BridgeCommunicator:
         mismatch the thread still drains the messages as the headers describe them (so
         the sender does not hang) and ``wait()`` raises the mismatch.
         """
-        headers = [torch.zeros(_HEADER_LEN, dtype=torch.int64, device=self.device) for _ in peers]
-        header_tag = _tag(microbatch_id, direction, True)
+        headers = [torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device) for _ in peers]
+        header_tag = message_tag(microbatch_id, direction, header=True)
         ops = [self._op(dist.irecv, h, p, header_tag) for h, p in zip(headers, peers)]
         header_works = dist.batch_isend_irecv(ops) if ops else []
         timeout = datetime.timedelta(seconds=self.timeout_s)
@@ -410,7 +396,7 @@ class BridgeCommunicator:
                 )
                 return
             mismatch = self._header_mismatch(microbatch_id, direction, counts, peers, headers)
-            tag = _tag(microbatch_id, direction, False)
+            tag = message_tag(microbatch_id, direction)
             if mismatch is None:
                 recvs = [self._op(dist.irecv, t, p, tag) for p, t in parts if t.shape[0]]
                 outcome["works"] = dist.batch_isend_irecv(recvs) if recvs else []
@@ -418,12 +404,9 @@ class BridgeCommunicator:
             outcome["error"] = RuntimeError(mismatch)
             drains = []
             for (peer, _), header in zip(parts, headers):
-                magic, _, _, rows, hidden, code = header.tolist()
-                itemsize = {v: k for k, v in _DTYPE_CODES.items()}.get(code, torch.uint8).itemsize
-                if magic == _HEADER_MAGIC and rows > 0 and hidden > 0:
-                    sink = torch.empty(
-                        rows * hidden * itemsize, dtype=torch.uint8, device=self.device
-                    )
+                size = header_payload_bytes(header)
+                if size > 0:
+                    sink = torch.empty(size, dtype=torch.uint8, device=self.device)
                     drains.append(self._op(dist.irecv, sink, peer, tag))
             for work in dist.batch_isend_irecv(drains) if drains else []:
                 with contextlib.suppress(RuntimeError):
@@ -456,18 +439,10 @@ class BridgeCommunicator:
         headers: list[torch.Tensor],
     ) -> str | None:
         """None if every header matches the plan, else a message naming both ranks."""
-        expected = self._header(microbatch_id, direction, 0).tolist()
-        fields = ["magic", "microbatch", "direction", "rows", "hidden_size", "dtype code"]
         for header, peer, rows in zip(headers, peers, counts.tolist()):
-            got = header.tolist()
-            expected[3] = rows
-            if got == expected:
+            diffs = header_mismatch(header, self._header(microbatch_id, direction, rows))
+            if diffs is None:
                 continue
-            diffs = ", ".join(
-                f"{name}: sent {g}, expected {e}"
-                for name, g, e in zip(fields, got, expected)
-                if g != e
-            )
             return (
                 f"bridge {_DIRECTION_NAMES[direction]} mismatch for microbatch {microbatch_id}: "
                 f"rank {peer} ({self._peer_role()} replica {self._peer_replica(peer)}) sent a "
@@ -481,7 +456,7 @@ class BridgeCommunicator:
 
     def _check_agreement(self) -> None:
         """One all-reduce over the bridge group: everyone's (hidden, dtype, debug) equal."""
-        mine = [self.hidden_size, _DTYPE_CODES[self.dtype], int(self.debug)]
+        mine = [self.hidden_size, _DTYPES.index(self.dtype), int(self.debug)]
         values = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=self.device)
         work = dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         try:

@@ -61,6 +61,7 @@ from dflop.errors import InputTypeError
 from dflop.models.config import ModelConfig
 from dflop.models.decoder import IGNORE_INDEX
 from dflop.models.spec import EncoderStageModule, LLMStageModule, ModelSpec, model_spec
+from dflop.runtime import p2p
 from dflop.runtime.communicator import BridgeCommunicator
 from dflop.runtime.step_data import EncoderShare, LLMShare, MicrobatchPlan, StepPlan
 from dflop.runtime.synthetic_batch import TextInputs
@@ -78,11 +79,6 @@ __all__ = [
 ]
 
 FORWARD, BACKWARD = "forward", "backward"
-
-# Debug header: [magic, microbatch, kind (0 activation / 1 gradient), ndim, dims...].
-_HEADER_MAGIC = 0x0DF10F
-_HEADER_DIMS = 4
-_HEADER_LEN = 4 + _HEADER_DIMS
 
 
 class ShapeMismatchError(RuntimeError):
@@ -461,7 +457,7 @@ class PipelineEngine:
             if self.bridge is not None:  # TP rank 0 (the other TP ranks hold the same rows)
                 self._bridge_send_features(mb, state.output.detach())
         else:
-            self._send(state.output.detach(), self.info.next_rank, mb.index, kind=0)
+            self._send(state.output.detach(), self.info.next_rank, mb.index, kind=p2p.FORWARD)
         return state, start
 
     def _llm_forward(
@@ -506,7 +502,7 @@ class PipelineEngine:
             start = self.clock.mark()
         if not self.info.is_last_stage:
             state.output = self.stage.hidden_states(x, cu_seqlens, **extra)
-            self._send(state.output.detach(), self.info.next_rank, mb.index, kind=0)
+            self._send(state.output.detach(), self.info.next_rank, mb.index, kind=p2p.FORWARD)
             return state, start
         labels = text.labels.masked_fill(text.image_token_mask, IGNORE_INDEX).to(self.device)
         sum_loss, num_targets = self.stage.loss(x, cu_seqlens, labels, **extra)
@@ -552,7 +548,7 @@ class PipelineEngine:
             start = self.clock.mark()
             torch.autograd.backward(state.output, grad)
             if state.stage_input is not None:
-                self._send(state.stage_input.grad, self.info.prev_rank, mb.index, kind=1)
+                self._send(state.stage_input.grad, self.info.prev_rank, mb.index, kind=p2p.BACKWARD)
         if not self.is_encoder and self.info.is_first_stage and self.bridge is not None:
             features = state.visual_features
             grad = self._empty_rows() if features is None else features.grad
@@ -635,52 +631,39 @@ class PipelineEngine:
                 return None
             shape = (share.tokens, self.stage.hidden_size)
         if is_forward:
-            return self._recv(shape, info.prev_rank, mb.index, kind=0)
-        return self._recv(shape, info.next_rank, mb.index, kind=1)
+            return self._recv(shape, info.prev_rank, mb.index, kind=p2p.FORWARD)
+        return self._recv(shape, info.next_rank, mb.index, kind=p2p.BACKWARD)
 
     # ------------------------------------------------------------------ p2p within a module
-
-    @staticmethod
-    def _tag(microbatch: int, kind: int, header: bool) -> int:
-        # Distinct tags per (microbatch, direction, header/payload) keep gloo's matching
-        # unambiguous even with several messages between two ranks in flight.
-        return (2 * microbatch + kind) * 2 + int(header)
 
     def _send(self, tensor: Tensor, dst: int, microbatch: int, kind: int) -> None:
         tensor = tensor.contiguous()
         if self.debug:
-            header = self._header(tuple(tensor.shape), microbatch, kind)
-            self._pending.append(
-                _Sent(dist.isend(header, dst, tag=self._tag(microbatch, kind, True)), header)
+            header = p2p.debug_header(
+                microbatch, kind, tuple(tensor.shape), tensor.dtype, self.device
             )
-        self._pending.append(
-            _Sent(dist.isend(tensor, dst, tag=self._tag(microbatch, kind, False)), tensor)
-        )
+            work = dist.isend(header, dst, tag=p2p.message_tag(microbatch, kind, header=True))
+            self._pending.append(_Sent(work, header))
+        work = dist.isend(tensor, dst, tag=p2p.message_tag(microbatch, kind))
+        self._pending.append(_Sent(work, tensor))
 
     def _recv(self, shape: Sequence[int], src: int, microbatch: int, kind: int) -> _Receiving:
         if self.debug:
             self._check_header(tuple(shape), src, microbatch, kind)
         buffer = torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
-        work = dist.irecv(buffer, src, tag=self._tag(microbatch, kind, False))
-        return _Receiving(work, buffer, requires_grad=kind == 0)
-
-    def _header(self, shape: tuple[int, ...], microbatch: int, kind: int) -> Tensor:
-        dims = list(shape) + [-1] * (_HEADER_DIMS - len(shape))
-        values = [_HEADER_MAGIC, microbatch, kind, len(shape), *dims]
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        work = dist.irecv(buffer, src, tag=p2p.message_tag(microbatch, kind))
+        return _Receiving(work, buffer, requires_grad=kind == p2p.FORWARD)
 
     def _check_header(self, shape: tuple[int, ...], src: int, microbatch: int, kind: int) -> None:
-        got = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-        dist.irecv(got, src, tag=self._tag(microbatch, kind, True)).wait()
-        expected = self._header(shape, microbatch, kind)
-        if not torch.equal(got, expected):
-            values = got.tolist()
-            sent = tuple(values[4 : 4 + values[3]]) if 0 <= values[3] <= _HEADER_DIMS else values
-            what = "activation" if kind == 0 else "gradient"
+        got = torch.empty(p2p.HEADER_LEN, dtype=torch.int64, device=self.device)
+        dist.irecv(got, src, tag=p2p.message_tag(microbatch, kind, header=True)).wait()
+        problem = p2p.header_mismatch(got, p2p.debug_header(microbatch, kind, shape, self.dtype))
+        if problem is not None:
+            what = "activation" if kind == p2p.FORWARD else "gradient"
             raise ShapeMismatchError(
                 f"rank {self.info.rank} expected the {what} of microbatch {microbatch} from "
-                f"rank {src} with shape {shape}, but rank {src} sent shape {sent} (microbatch "
-                f"{values[1]}): the ranks' StepPlans differ (build them from the same "
+                f"rank {src} with shape {shape}, but rank {src} sent a different one "
+                f"({problem}): the ranks' StepPlans differ (build them from the same "
                 "Schedule, shapes and layout on every rank)"
             )
 

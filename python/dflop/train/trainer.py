@@ -329,10 +329,9 @@ class Trainer:
 
     def _comm_device(self) -> Any:
         """Where collectives' tensors live: the GPU under NCCL, else the CPU."""
-        import torch
-        import torch.distributed as dist
+        from dflop.runtime.p2p import collective_device
 
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        return collective_device()
 
     def _step_batch(self, step: int) -> Any:
         """``step``'s batch source; with ``check_images``, its records' image files are
