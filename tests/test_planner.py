@@ -422,3 +422,27 @@ def test_accepts_custom_distribution_and_shapes() -> None:
         config=FAST,
     )
     assert np.isfinite(result.best.prediction.step_time_s)
+
+
+def test_the_core_reads_its_argument_dicts_strictly(monkeypatch) -> None:
+    """A misspelt optional key is an error naming it (it used to be ignored), and so is a
+    value of the wrong type (it used to be a bare cast error)."""
+    from dflop.planner import search
+
+    valid = search._options
+
+    def misspelt(*args, **kwargs):
+        options = valid(*args, **kwargs)
+        options["prunee"] = options.pop("prune")
+        return options
+
+    monkeypatch.setattr(search, "_options", misspelt)
+    with pytest.raises(ValueError, match=r'options has unknown key "prunee" \(known: strategy'):
+        _plan(8)
+
+    def wrong_type(*args, **kwargs):
+        return {**valid(*args, **kwargs), "top_k": "five"}
+
+    monkeypatch.setattr(search, "_options", wrong_type)
+    with pytest.raises(ValueError, match=r'options\["top_k"\] has the wrong type: str'):
+        _plan(8)

@@ -52,9 +52,9 @@ py::dict balance_py(const py::array_t<double, py::array::c_style | py::array::fo
 }  // namespace
 
 void register_balance(py::module_& m) {
-  m.def("balance", &balance_py, py::arg("costs"), py::arg("num_microbatches"), py::arg("dp_size"),
-        py::arg("microbatch_dims"), py::arg("capacity"), py::arg("seed"), py::arg("time_budget_ms"),
-        py::arg("time_limit_s") = py::none(),
+  m.def("balance", &balance_py, py::arg("costs"), py::kw_only(), py::arg("num_microbatches"),
+        py::arg("dp_size"), py::arg("microbatch_dims"), py::arg("capacity"), py::arg("seed"),
+        py::arg("time_budget_ms"), py::arg("time_limit_s") = py::none(),
         "Assign samples to num_microbatches x dp_size bins minimising the largest load. "
         "Returns a dict of numpy arrays and scalars; see dflop.schedule.");
   m.def("default_work_budget", &default_work_budget, py::arg("num_items"), py::arg("num_bins"),

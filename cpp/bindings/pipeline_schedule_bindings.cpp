@@ -97,18 +97,18 @@ double simulated_step_time_py(const CostArray& costs, std::vector<int64_t> assig
 }  // namespace
 
 void register_pipeline_schedule(py::module_& m) {
-  m.def("pipeline_schedule", &pipeline_schedule_py, py::arg("costs"), py::arg("start_assignment"),
-        py::arg("num_microbatches"), py::arg("dp_size"), py::arg("microbatch_dims"),
-        py::arg("stages"), py::arg("forward_fraction"), py::arg("microbatch_constant_s"),
-        py::arg("link_latency_s"), py::arg("capacity"), py::arg("max_growth"), py::arg("seed"),
-        py::arg("time_budget_ms"), py::arg("time_limit_s"),
+  m.def("pipeline_schedule", &pipeline_schedule_py, py::arg("costs"), py::kw_only(),
+        py::arg("start_assignment"), py::arg("num_microbatches"), py::arg("dp_size"),
+        py::arg("microbatch_dims"), py::arg("stages"), py::arg("forward_fraction"),
+        py::arg("microbatch_constant_s"), py::arg("link_latency_s"), py::arg("capacity"),
+        py::arg("max_growth"), py::arg("seed"), py::arg("time_budget_ms"), py::arg("time_limit_s"),
         py::arg("replicas") = std::vector<int64_t>{}, py::arg("units") = std::vector<int64_t>{},
         "Refine a schedule for the simulated module pipeline; see dflop.pipeline_schedule.");
-  m.def("simulated_step_time", &simulated_step_time_py, py::arg("costs"), py::arg("assignment"),
-        py::arg("num_microbatches"), py::arg("dp_size"), py::arg("microbatch_dims"),
-        py::arg("stages"), py::arg("forward_fraction"), py::arg("microbatch_constant_s"),
-        py::arg("link_latency_s"), py::arg("replicas") = std::vector<int64_t>{},
-        py::arg("units") = std::vector<int64_t>{});
+  m.def("simulated_step_time", &simulated_step_time_py, py::arg("costs"), py::kw_only(),
+        py::arg("assignment"), py::arg("num_microbatches"), py::arg("dp_size"),
+        py::arg("microbatch_dims"), py::arg("stages"), py::arg("forward_fraction"),
+        py::arg("microbatch_constant_s"), py::arg("link_latency_s"),
+        py::arg("replicas") = std::vector<int64_t>{}, py::arg("units") = std::vector<int64_t>{});
   m.def("pipeline_work_budget_for_ms", &pipeline_work_budget_for_ms, py::arg("time_budget_ms"));
 }
 

@@ -1,9 +1,11 @@
 // Planner bindings: the Python side (dflop.planner) passes plain dicts of numbers and
-// 1-D float64 arrays, and gets dicts back; validation happens in the core.
+// 1-D float64 arrays, read strictly (DictReader), and gets dicts back; the values are
+// validated once, in the core.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -19,73 +21,116 @@ namespace {
 using DoubleArray = py::array_t<double, py::array::c_style | py::array::forcecast>;
 using IntArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
-template <typename T>
-T get(const py::dict& d, const char* key, const char* where) {
-  if (!d.contains(key)) throw py::value_error(std::string(where) + " is missing \"" + key + "\"");
-  return d[key].cast<T>();
-}
+// Reads one dict of arguments strictly: a required key that is missing, a value of the
+// wrong type and a key nobody reads (a misspelt optional one) are ValueErrors naming the
+// dict and the key, instead of being cast errors or silently ignored.
+class DictReader {
+ public:
+  DictReader(const py::dict& d, std::string where) : d_(d), where_(std::move(where)) {}
 
-template <typename T>
-void get_opt(const py::dict& d, const char* key, T* out) {
-  if (d.contains(key) && !d[key].is_none()) *out = d[key].cast<T>();
-}
+  template <typename T>
+  T get(const char* key) {
+    known_.emplace_back(key);
+    if (!d_.contains(key)) throw py::value_error(where_ + " is missing \"" + key + "\"");
+    return cast<T>(key);
+  }
+
+  // Leaves *out as it is when the key is absent or None.
+  template <typename T>
+  void opt(const char* key, T* out) {
+    known_.emplace_back(key);
+    if (d_.contains(key) && !d_[key].is_none()) *out = cast<T>(key);
+  }
+
+  // Call after the last get/opt.
+  void finish() const {
+    for (const auto& item : d_) {
+      const std::string key = py::str(item.first);
+      if (std::find(known_.begin(), known_.end(), key) != known_.end()) continue;
+      std::string known;
+      for (const auto& k : known_) known += (known.empty() ? "" : ", ") + k;
+      throw py::value_error(where_ + " has unknown key \"" + key + "\" (known: " + known + ")");
+    }
+  }
+
+ private:
+  template <typename T>
+  T cast(const char* key) const {
+    try {
+      return d_[key].cast<T>();
+    } catch (const py::cast_error&) {
+      throw py::value_error(where_ + "[\"" + key + "\"] has the wrong type: " +
+                            std::string(py::str(py::type::of(d_[key]).attr("__name__"))));
+    }
+  }
+
+  const py::dict& d_;
+  std::string where_;
+  std::vector<std::string> known_;
+};
 
 ClusterParams to_cluster(const py::dict& d) {
   ClusterParams c;
-  const char* w = "cluster";
-  c.num_gpus = get<int64_t>(d, "num_gpus", w);
-  c.gpus_per_node = get<int64_t>(d, "gpus_per_node", w);
-  c.gpu_memory_bytes = get<double>(d, "gpu_memory_bytes", w);
-  c.intra_node_bandwidth_bytes_per_s = get<double>(d, "intra_node_bandwidth_bytes_per_s", w);
-  c.inter_node_bandwidth_bytes_per_s = get<double>(d, "inter_node_bandwidth_bytes_per_s", w);
-  get_opt(d, "link_latency_s", &c.link_latency_s);
-  get_opt(d, "tp_gemm_loss", &c.tp_gemm_loss);
-  get_opt(d, "memory_reserve_bytes", &c.memory_reserve_bytes);
+  DictReader r(d, "cluster");
+  c.num_gpus = r.get<int64_t>("num_gpus");
+  c.gpus_per_node = r.get<int64_t>("gpus_per_node");
+  c.gpu_memory_bytes = r.get<double>("gpu_memory_bytes");
+  c.intra_node_bandwidth_bytes_per_s = r.get<double>("intra_node_bandwidth_bytes_per_s");
+  c.inter_node_bandwidth_bytes_per_s = r.get<double>("inter_node_bandwidth_bytes_per_s");
+  r.opt("link_latency_s", &c.link_latency_s);
+  r.opt("tp_gemm_loss", &c.tp_gemm_loss);
+  r.opt("memory_reserve_bytes", &c.memory_reserve_bytes);
+  r.finish();
   return c;
 }
 
 ModuleParams to_module(const py::dict& d, const char* w) {
   ModuleParams p;
-  p.num_layers = get<int64_t>(d, "num_layers", w);
-  p.num_heads = get<int64_t>(d, "num_heads", w);
-  p.hidden_size = get<int64_t>(d, "hidden_size", w);
-  p.params_per_layer = get<double>(d, "params_per_layer", w);
-  get_opt(d, "first_stage_params", &p.first_stage_params);
-  get_opt(d, "last_stage_params", &p.last_stage_params);
-  p.activation_bytes_per_token_layer = get<double>(d, "activation_bytes_per_token_layer", w);
-  get_opt(d, "last_stage_activation_bytes_per_token", &p.last_stage_activation_bytes_per_token);
-  get_opt(d, "microbatch_constant_s", &p.microbatch_constant_s);
-  get_opt(d, "attention_compute_fraction", &p.attention_compute_fraction);
-  get_opt(d, "attention_param_fraction", &p.attention_param_fraction);
-  get_opt(d, "attention_activation_fraction", &p.attention_activation_fraction);
-  get_opt(d, "forward_fraction", &p.forward_fraction);
+  DictReader r(d, w);
+  p.num_layers = r.get<int64_t>("num_layers");
+  p.num_heads = r.get<int64_t>("num_heads");
+  p.hidden_size = r.get<int64_t>("hidden_size");
+  p.params_per_layer = r.get<double>("params_per_layer");
+  r.opt("first_stage_params", &p.first_stage_params);
+  r.opt("last_stage_params", &p.last_stage_params);
+  p.activation_bytes_per_token_layer = r.get<double>("activation_bytes_per_token_layer");
+  r.opt("last_stage_activation_bytes_per_token", &p.last_stage_activation_bytes_per_token);
+  r.opt("microbatch_constant_s", &p.microbatch_constant_s);
+  r.opt("attention_compute_fraction", &p.attention_compute_fraction);
+  r.opt("attention_param_fraction", &p.attention_param_fraction);
+  r.opt("attention_activation_fraction", &p.attention_activation_fraction);
+  r.opt("forward_fraction", &p.forward_fraction);
+  r.finish();
   return p;
 }
 
-std::vector<double> column(const py::dict& d, const char* key) {
-  auto a = get<DoubleArray>(d, key, "samples");
+std::vector<double> column(DictReader& r, const char* key) {
+  const auto a = r.get<DoubleArray>(key);
   return std::vector<double>(a.data(), a.data() + a.size());
 }
 
 PlannerSamples to_samples(const py::dict& d) {
   PlannerSamples x;
-  x.num_batches = get<int64_t>(d, "num_batches", "samples");
-  x.batch_size = get<int64_t>(d, "batch_size", "samples");
-  x.encoder_s = column(d, "encoder_s");
-  x.llm_s = column(d, "llm_s");
-  x.encoder_last_fraction = column(d, "encoder_last_fraction");
-  x.llm_last_fraction = column(d, "llm_last_fraction");
-  x.encoder_tokens = column(d, "encoder_tokens");
-  const auto units = get<IntArray>(d, "encoder_units", "samples");
+  DictReader r(d, "samples");
+  x.num_batches = r.get<int64_t>("num_batches");
+  x.batch_size = r.get<int64_t>("batch_size");
+  x.encoder_s = column(r, "encoder_s");
+  x.llm_s = column(r, "llm_s");
+  x.encoder_last_fraction = column(r, "encoder_last_fraction");
+  x.llm_last_fraction = column(r, "llm_last_fraction");
+  x.encoder_tokens = column(r, "encoder_tokens");
+  const auto units = r.get<IntArray>("encoder_units");
   x.encoder_units.assign(units.data(), units.data() + units.size());
-  x.llm_tokens = column(d, "llm_tokens");
-  x.visual_tokens = column(d, "visual_tokens");
+  x.llm_tokens = column(r, "llm_tokens");
+  x.visual_tokens = column(r, "visual_tokens");
+  r.finish();
   return x;
 }
 
 PlannerOptions to_options(const py::dict& d) {
   PlannerOptions o;
-  const auto strategy = get<std::string>(d, "strategy", "options");
+  DictReader r(d, "options");
+  const auto strategy = r.get<std::string>("strategy");
   if (strategy == "data_aware") {
     o.strategy = PlanStrategy::DataAware;
   } else if (strategy == "data_blind") {
@@ -97,24 +142,24 @@ PlannerOptions to_options(const py::dict& d) {
         "strategy must be \"data_aware\", \"data_blind\" or \"mean_shape\", got \"" + strategy +
         "\"");
   }
-  o.global_batch = get<int64_t>(d, "global_batch", "options");
-  get_opt(d, "prune", &o.prune);
-  get_opt(d, "top_k", &o.top_k);
-  get_opt(d, "order_microbatches", &o.order_microbatches);
-  get_opt(d, "balanced_layer_split", &o.balanced_layer_split);
-  get_opt(d, "zero1", &o.zero1);
-  get_opt(d, "max_tp", &o.max_tp);
-  get_opt(d, "microbatch_choices", &o.microbatch_choices);
-  get_opt(d, "balance_work_budget", &o.balance_work_budget);
-  get_opt(d, "seed", &o.seed);
-  get_opt(d, "num_threads", &o.num_threads);
-  get_opt(d, "colocated_candidates", &o.colocated_candidates);
-  get_opt(d, "screen_factor", &o.screen_factor);
-  get_opt(d, "patience", &o.patience);
-  get_opt(d, "encoder_max_tp", &o.encoder_max_tp);
-  get_opt(d, "encoder_gpu_choices", &o.encoder_gpu_choices);
+  o.global_batch = r.get<int64_t>("global_batch");
+  r.opt("prune", &o.prune);
+  r.opt("top_k", &o.top_k);
+  r.opt("order_microbatches", &o.order_microbatches);
+  r.opt("balanced_layer_split", &o.balanced_layer_split);
+  r.opt("zero1", &o.zero1);
+  r.opt("max_tp", &o.max_tp);
+  r.opt("microbatch_choices", &o.microbatch_choices);
+  r.opt("balance_work_budget", &o.balance_work_budget);
+  r.opt("seed", &o.seed);
+  r.opt("num_threads", &o.num_threads);
+  r.opt("colocated_candidates", &o.colocated_candidates);
+  r.opt("screen_factor", &o.screen_factor);
+  r.opt("patience", &o.patience);
+  r.opt("encoder_max_tp", &o.encoder_max_tp);
+  r.opt("encoder_gpu_choices", &o.encoder_gpu_choices);
   std::string split = "unit";
-  get_opt(d, "encoder_split", &split);
+  r.opt("encoder_split", &split);
   if (split == "unit") {
     o.encoder_split = EncoderSplit::Unit;
   } else if (split == "sample") {
@@ -125,26 +170,31 @@ PlannerOptions to_options(const py::dict& d) {
     throw py::value_error("encoder_split must be \"unit\", \"sample\" or \"even\", got \"" + split +
                           "\"");
   }
+  r.finish();
   return o;
 }
 
 ModuleLayout to_module_layout(const py::dict& d, const char* w) {
   ModuleLayout m;
-  m.tp = get<int64_t>(d, "tp", w);
-  m.pp = get<int64_t>(d, "pp", w);
-  m.dp = get<int64_t>(d, "dp", w);
-  m.first_rank = get<int64_t>(d, "first_rank", w);
-  m.layers_per_stage = get<std::vector<int64_t>>(d, "layers_per_stage", w);
-  get_opt(d, "recompute", &m.recompute);
+  DictReader r(d, w);
+  m.tp = r.get<int64_t>("tp");
+  m.pp = r.get<int64_t>("pp");
+  m.dp = r.get<int64_t>("dp");
+  m.first_rank = r.get<int64_t>("first_rank");
+  m.layers_per_stage = r.get<std::vector<int64_t>>("layers_per_stage");
+  r.opt("recompute", &m.recompute);
+  r.finish();
   return m;
 }
 
 Layout to_layout(const py::dict& d) {
   Layout l;
-  l.colocated = get<bool>(d, "colocated", "layout");
-  l.encoder = to_module_layout(get<py::dict>(d, "encoder", "layout"), "layout.encoder");
-  l.llm = to_module_layout(get<py::dict>(d, "llm", "layout"), "layout.llm");
-  l.num_microbatches = get<int64_t>(d, "num_microbatches", "layout");
+  DictReader r(d, "layout");
+  l.colocated = r.get<bool>("colocated");
+  l.encoder = to_module_layout(r.get<py::dict>("encoder"), "layout.encoder");
+  l.llm = to_module_layout(r.get<py::dict>("llm"), "layout.llm");
+  l.num_microbatches = r.get<int64_t>("num_microbatches");
+  r.finish();
   return l;
 }
 

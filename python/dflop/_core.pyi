@@ -9,6 +9,7 @@ class InfeasibleError(ValueError): ...
 
 def balance(
     costs: np.ndarray,
+    *,
     num_microbatches: int,
     dp_size: int,
     microbatch_dims: Sequence[int],
@@ -23,6 +24,7 @@ def work_budget_for_ms(time_budget_ms: float) -> int: ...
 # Pipeline-aware refinement (dflop.pipeline_schedule).
 def pipeline_schedule(
     costs: np.ndarray,
+    *,
     start_assignment: Sequence[int],
     num_microbatches: int,
     dp_size: int,
@@ -41,6 +43,7 @@ def pipeline_schedule(
 ) -> dict[str, Any]: ...
 def simulated_step_time(
     costs: np.ndarray,
+    *,
     assignment: Sequence[int],
     num_microbatches: int,
     dp_size: int,

@@ -238,7 +238,14 @@ def schedule(
     budget = as_time_budget_ms("time_budget_ms", time_budget_ms, limited)
     start_s = _perf_counter()
     raw = _core.balance(
-        cost_array, num_microbatches, dp_size, list(dims), cap_list, seed, budget, limit
+        cost_array,
+        num_microbatches=num_microbatches,
+        dp_size=dp_size,
+        microbatch_dims=list(dims),
+        capacity=cap_list,
+        seed=seed,
+        time_budget_ms=budget,
+        time_limit_s=limit,
     )
     solve_time_s = _perf_counter() - start_s
     return Schedule(

@@ -152,18 +152,19 @@ class PipelineModel:
         """Whether a module's replicas share microbatches by unit (``units`` needed)."""
         return self.replicas is not None and any(r > 1 for r in self.replicas)
 
-    def _core_args(self, num_dims: int) -> tuple[list[int], list[float], list[float], float]:
+    def _core_args(self, num_dims: int) -> dict[str, Any]:
+        """The core's keywords describing this pipeline."""
         if num_dims != self.num_modules:
             raise ValueError(
                 f"costs has D={num_dims} columns but the PipelineModel describes "
                 f"{self.num_modules} modules (one column per module, in pipeline order)"
             )
-        return (
-            list(self.stages),
-            list(self.forward_fraction),
-            list(self.microbatch_constant_s),
-            self.link_latency_s,
-        )
+        return {
+            "stages": list(self.stages),
+            "forward_fraction": list(self.forward_fraction),
+            "microbatch_constant_s": list(self.microbatch_constant_s),
+            "link_latency_s": self.link_latency_s,
+        }
 
     def _replica_args(self, units: Any, num_samples: int) -> dict[str, list[int]]:
         """The core's ``replicas`` / ``units`` keywords."""
@@ -201,11 +202,11 @@ class PipelineModel:
         return float(
             _core.simulated_step_time(
                 cost_array,
-                np.asarray(schedule.assignment, dtype=np.int64).tolist(),
-                schedule.num_microbatches,
-                schedule.dp_size,
-                list(schedule.microbatch_dims),
-                *self._core_args(cost_array.shape[1]),
+                assignment=np.asarray(schedule.assignment, dtype=np.int64).tolist(),
+                num_microbatches=schedule.num_microbatches,
+                dp_size=schedule.dp_size,
+                microbatch_dims=list(schedule.microbatch_dims),
+                **self._core_args(cost_array.shape[1]),
                 **self._replica_args(units, cost_array.shape[0]),
             )
         )
@@ -334,16 +335,16 @@ def pipeline_schedule(
     cap_list = None if capacity is None else [float(v) for v in capacity]
     raw = _core.pipeline_schedule(
         cost_array,
-        np.asarray(start.assignment, dtype=np.int64).tolist(),
-        num_microbatches,
-        dp_size,
-        list(dims),
-        *core_args,
-        cap_list,
-        float(max_growth),
-        seed,
-        time_budget_ms,
-        remaining,
+        start_assignment=np.asarray(start.assignment, dtype=np.int64).tolist(),
+        num_microbatches=num_microbatches,
+        dp_size=dp_size,
+        microbatch_dims=list(dims),
+        **core_args,
+        capacity=cap_list,
+        max_growth=float(max_growth),
+        seed=seed,
+        time_budget_ms=time_budget_ms,
+        time_limit_s=remaining,
         **replica_args,
     )
     refined = schedule_from_assignment(
