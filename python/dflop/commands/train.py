@@ -7,113 +7,82 @@ import json
 import sys
 from typing import Any
 
-from dflop.commands.args import positive_int
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "train",
         help="train the multimodal model: heterogeneous pipeline, per-step balancing",
-        description="Train dflop's reference model (encoder and LLM on disjoint ranks, 1F1B "
-        "pipeline) with every step's batch balanced by dflop.schedule() (or data-blind). "
-        "Spawns local processes (gloo on CPU), or runs as one rank under torchrun. Prints "
-        "loss, step time, samples/s, tokens/s and each stage's busy share per step, and a "
-        "summary; writes the measured timeline as Chrome-trace JSON and PNG.",
+        description="Train dflop's reference model or a Hugging Face model (encoder and LLM "
+        "on disjoint ranks, 1F1B pipeline) with every step's batch balanced by "
+        "dflop.schedule() (or data-blind). Spawns local processes (gloo on CPU), or runs as "
+        "one rank under torchrun. Prints loss, step time, samples/s, tokens/s and each "
+        "stage's busy share per step, and a summary; writes the measured timeline as "
+        "Chrome-trace JSON and PNG. Every setting is a TrainConfig field: a --config file "
+        "(TOML or YAML, one table per section below) and these flags (which override it) "
+        "set them.",
     )
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--plan", default=None, help="plan JSON from 'dflop plan' (best layout)")
-    where.add_argument(
-        "--layout",
+    p.add_argument(
+        "--config",
         default=None,
-        help="manual layout, e.g. 'enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1,m=4' "
-        "(default: plan for --nproc local processes)",
+        metavar="FILE",
+        help="settings file (.toml or .yaml): tables [model], [data], [optim], [schedule], "
+        "[output], [runtime] of the fields below",
     )
-    p.add_argument("--data", default="synthetic", help="synthetic, shapes file or LLaVA dataset")
-    p.add_argument("--image-folder", default=None, help="root of a dataset's image paths")
-    p.add_argument("--video-folder", default=None, help="root of a dataset's video paths")
-    p.add_argument("--family", default="llava-ov", help="dataset shape rules")
-    p.add_argument(
-        "--no-check-images",
-        action="store_true",
-        help="do not decode each record's images before its first step (a file that does "
-        "not decode then fails the run instead of being replaced by a redraw)",
-    )
-    p.add_argument(
-        "--model",
-        "--preset",
-        dest="model",
-        default="tiny",
-        help="reference model preset (tiny, small, small+tiny, ...) or hf:PATH, a local "
-        "Hugging Face model folder (needs --data: a LLaVA-style dataset)",
-    )
-    p.add_argument(
-        "--nproc", type=positive_int, default=None, help="local processes (default: layout's)"
-    )
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--global-batch", type=positive_int, default=None, help="samples per step")
-    p.add_argument("--num-microbatches", type=positive_int, default=None)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument(
-        "--grad-clip", type=float, default=1.0, help="global gradient norm limit (0: none)"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--schedule",
-        choices=("dflop", "blind", "compare"),
-        default="dflop",
-        help="dflop (balanced), blind (equal-count), compare (both on every step)",
-    )
-    p.add_argument("--perf", default=None, help="performance model JSON (default: quick profile)")
-    p.add_argument("--no-adaptive", action="store_true", help="no online cost-model correction")
-    p.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="no measured time reaches a schedule (fixed cost model: --perf, the plan's or "
-        "the analytic one; no correction, calibration or deadlines): the same command gives "
-        "the same schedules and losses in every run and resume",
-    )
-    p.add_argument(
-        "--no-pipeline-schedule",
-        action="store_true",
-        help="balanced schedule only, not refined for the encoder -> LLM pipeline",
-    )
-    p.add_argument(
-        "--max-growth",
-        type=float,
-        default=1.05,
-        help="pipeline refinement: microbatch load bound, x the balanced makespan",
-    )
-    p.add_argument("--mix", default=None, help="synthetic mix JSON, e.g. '{\"text\": 0.4, ...}'")
-    p.add_argument("--scaler", default=None, help="ShapeScaler arguments as JSON")
-    p.add_argument("--checkpoint-dir", default=None, help="save here; resume from here")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: at the end)")
-    p.add_argument(
-        "--save-hf",
-        default=None,
-        metavar="DIR",
-        help="hf:PATH models: save the trained model here at the end, in the Hugging Face layout",
-    )
-    p.add_argument("--trace", default=None, help="Chrome-trace JSON of the measured timeline")
-    p.add_argument("--png", default=None, help="PNG Gantt chart of the measured timeline")
-    p.add_argument("--trace-steps", type=int, default=2, help="last steps in the timeline")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument(
-        "--oversubscribe",
-        action="store_true",
-        help="start more local processes than this machine's limit (4 per core, 512 MiB each)",
-    )
-    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout (s)")
-    p.add_argument("--debug", action="store_true", help="shape headers on every message")
-    p.add_argument("--quiet", action="store_true", help="no per-step lines")
+    p.add_argument("--quiet", action="store_true", help="no per-step lines (log_every = 0)")
     p.add_argument("--json", default=None, metavar="PATH", help="write metrics JSON here")
-    p.add_argument(
-        "--calibrate-steps",
-        type=int,
-        default=0,
-        help="planning here: first run N steps of the chosen layout and re-plan with what "
-        "they measured (corrected cost model, link latency, forward shares)",
-    )
+    add_config_arguments(p)
     p.set_defaults(handler=run)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field (``--field-name``, plus the field's own spellings),
+    grouped by section, documented by the field; booleans get ``--x`` / ``--no-x``. A flag
+    not given leaves the field to the config file or its default."""
+    from dflop.train.config import _FIELDS, SECTIONS
+
+    groups = {
+        name: parser.add_argument_group(f"[{name}] {title}") for name, title in SECTIONS.items()
+    }
+    for name, f in _FIELDS.items():
+        meta = f.metadata
+        flags = meta.get("flags") or (f"--{name.replace('_', '-')}",)
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": meta["doc"]}
+        kind = str(f.type).split("|")[0].strip()
+        if kind == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif kind.startswith("dict"):
+            kwargs.update(type=_json_object(flags[0]), metavar="JSON")
+        elif kind in ("int", "float"):
+            kwargs["type"] = _number(int if kind == "int" else float, meta.get("zero_is_none"))
+        if "choices" in meta:
+            kwargs["choices"] = meta["choices"]
+        groups[meta["section"]].add_argument(*flags, **kwargs)
+
+
+def _number(kind: type, zero_is_none: bool = False) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a{'n integer' if kind is int else ' number'}"
+            ) from None
+        return None if zero_is_none and value == 0 else value
+
+    return parse
+
+
+def _json_object(flag: str) -> Any:
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise argparse.ArgumentTypeError(f"not valid JSON ({error})") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError("expected a JSON object")
+        return value
+
+    return parse
 
 
 def _json_arg(text: str | None, flag: str) -> dict | None:
@@ -141,44 +110,25 @@ def data_settings(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def config_from_args(args: argparse.Namespace) -> Any:
+    """The TrainConfig of a parsed ``dflop train`` command line: the --config file's
+    settings (if any), overridden by the flags given."""
     from dflop.train import TrainConfig
+    from dflop.train.config import _FIELDS
+
+    flags = {name: value for name, value in vars(args).items() if name in _FIELDS}
+    if args.quiet:
+        flags["log_every"] = 0
+    if args.config is not None:
+        return TrainConfig.load(args.config, **flags)
+    return TrainConfig(**flags)
+
+
+def run(args: argparse.Namespace) -> int:
     from dflop.train.config import check_output_path
 
     check_output_path("--json", args.json)  # before training, not after it
-    config = TrainConfig(
-        model=args.model,
-        plan=args.plan,
-        layout=args.layout,
-        nproc=args.nproc,
-        num_microbatches=args.num_microbatches,
-        **data_settings(args),
-        global_batch=args.global_batch,
-        check_images=not args.no_check_images,
-        steps=args.steps,
-        lr=args.lr,
-        grad_clip_norm=args.grad_clip or None,
-        seed=args.seed,
-        schedule=args.schedule,
-        perf=args.perf,
-        adaptive=not args.no_adaptive,
-        deterministic=args.deterministic,
-        pipeline_schedule=not args.no_pipeline_schedule,
-        max_growth=args.max_growth,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
-        save_hf=args.save_hf,
-        trace=args.trace,
-        png=args.png,
-        trace_steps=args.trace_steps,
-        log_every=0 if args.quiet else 1,
-        debug=args.debug,
-        device=args.device,
-        oversubscribe=args.oversubscribe,
-        timeout_s=args.timeout,
-        calibrate_steps=args.calibrate_steps,
-    )
-    return train_main(config, args.json)
+    return train_main(config_from_args(args), args.json)
 
 
 def train_main(config, json_path: str | None = None) -> int:

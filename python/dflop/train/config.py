@@ -7,8 +7,10 @@ config file fails at once, before any process starts.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +18,7 @@ from dflop.errors import InputTypeError
 
 __all__ = [
     "SCHEDULE_MODES",
+    "SECTIONS",
     "TrainConfig",
     "check_local_processes",
     "check_output_path",
@@ -29,137 +32,203 @@ SCHEDULE_MODES: tuple[str, ...] = ("dflop", "blind", "compare")
 optimizer steps once), to measure both on the same steps in the same run."""
 
 
+SECTIONS: dict[str, str] = {
+    "model": "model and layout",
+    "data": "data",
+    "optim": "optimisation",
+    "schedule": "scheduling",
+    "output": "output",
+    "runtime": "runtime",
+}
+"""The sections of :class:`TrainConfig` (the tables of a config file), with their titles."""
+
+
+def _field(section: str, default: Any, doc: str, **cli: Any) -> Any:
+    """A TrainConfig field in ``section`` with its documentation; ``cli``: how the
+    command line spells it (``flags``: names other than ``--field-name``; ``choices``;
+    ``zero_is_none``: the flag's 0 means None)."""
+    metadata = {"section": section, "doc": doc, **cli}
+    if callable(default) and not isinstance(default, (str, bool, int, float)):
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    """Settings of a training run.
+    """Settings of a training run, in sections (:data:`SECTIONS`): every field documents
+    itself (``TrainConfig.field_doc(name)``; ``dflop train --help`` lists them by section).
+    Build one from keywords, from nested sections (:meth:`from_sections`) or from a TOML or
+    YAML file (:meth:`load`); ``dflop train --config FILE`` reads one, and its flags
+    override the file."""
 
-    Model and layout:
-        model: dflop's reference model by preset (``dflop.models.model_config``:
-            ``tiny``, ``small``, ``VISION+DECODER`` such as ``small+tiny``), or
-            ``hf:PATH``: a Hugging Face model in a local folder (``config.json``; its
-            safetensors weights, image processor and tokenizer when present; needs
-            ``dflop[hf]``), trained on a LLaVA-style dataset by its own shape rules.
-        plan: a plan JSON from ``dflop plan`` (its best layout is used), or None.
-        layout: a manual layout ``"enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1[,m=4]"``, or None.
-            With neither, the planner plans for ``nproc`` local processes.
-        nproc: local processes to spawn (None: the layout's world size, else 2).
-        num_microbatches: microbatches per step (None: the plan's / layout's).
-
-    Data:
-        data: ``"synthetic"`` (the embedded LLaVA-OneVision-like mix), a ShapeDistribution
-            file (``.json``/``.parquet`` from ``dflop profile-data``), or a LLaVA-style
-            dataset (``.json``/``.jsonl``/``.yaml``; its images, frames and text are loaded,
-            each rank only its own samples: ``DatasetBatch``). For the embedded mix and
-            shape files the tensors are synthesised from the shapes (``SyntheticBatch``).
-        image_folder: a dataset's image paths are relative to it (default: the dataset
-            file's folder), as LLaVA's ``--image_folder``.
-        video_folder: a dataset's video paths are relative to it (default: image_folder).
-        family: shape rules of a dataset (``llava-ov`` or ``internvl``).
-        mix: synthetic mix override (``MixSpec`` fractions), e.g. ``{"text": 0.4, ...}``.
-        scaler: ``ShapeScaler`` arguments mapping real shapes onto the small model.
-        global_batch: samples per step (None: the plan's, else 16).
-        check_images: decode every dataset record's image files once before its first
-            step (spread over the ranks) and replace a record whose files do not decode
-            by a seeded redraw, counted and reported (False: such a file fails the run at
-            the step that decodes it, naming the file).
-
-    Optimisation:
-        steps: total steps (a resumed run continues up to it).
-        lr, weight_decay: AdamW settings.
-        grad_clip_norm: scale the gradients so that their global norm (all stages, TP
-            shards and modules; each parameter once) is at most this (None: no clipping;
-            the norm is still reported).
-        seed: model init and data seed (step k's batch is drawn with ``seed``, ``k``).
-
-    Scheduling:
-        schedule: one of :data:`SCHEDULE_MODES`.
-        perf: performance model JSON (``dflop profile-model``) or None: profile the model
-            quickly at start.
-        adaptive: correct the cost model from measured microbatch times.
-        pipeline_schedule: refine every balanced schedule for the encoder -> LLM pipeline
-            (:func:`dflop.pipeline_schedule`, in the scheduler's background thread): which
-            samples share a microbatch and the microbatch order, chosen on the simulated
-            1F1B step (False: the balanced schedule in index order).
-        max_growth: no microbatch's encoder or LLM load may grow past this x the balanced
-            schedule's largest (>= 1): the memory bound the balance gave.
-        lookahead: schedules computed ahead of training (>= 1).
-        schedule_deadline: give every schedule a deadline of one step time (True) or solve
-            to the end (False).
-        deterministic: no measured time reaches a schedule, so the same command gives the
-            same schedules and losses in every run and resume. By default ``dflop`` mode
-            depends on timing: the cost model comes from a quick timing profile and is
-            corrected from measured microbatches (``adaptive``), the step model's link
-            latency and forward shares are fitted to measured steps, and schedules have
-            deadlines. Deterministic runs use ``perf`` (or the plan's model; with neither,
-            the analytic FLOP model at a nominal rate), never correct or calibrate it, solve
-            every schedule to the end, and set ``torch.use_deterministic_algorithms``.
-
-    Output:
-        checkpoint_dir, checkpoint_every: where and how often (steps; 0: only at the end)
-            to checkpoint; a run resumes from the latest checkpoint there.
-        save_hf: a Hugging Face model: write the trained model here at the end, in the
-            Hugging Face layout (``from_pretrained`` loads it).
-        trace, png: measured timeline files (in ``compare`` mode one per mode, with
-            ``-dflop`` / ``-blind`` before the extension).
-        trace_steps: how many final steps the timeline shows.
-        log_every: print a line every this many steps (0: none).
-        progress: show a progress bar (tqdm) when stdout is a terminal.
-        debug: shape headers on every pipeline message.
-
-    Runtime:
-        device: ``auto`` (CUDA if available), ``cpu`` or ``cuda``.
-        oversubscribe: allow more local processes than :func:`local_process_limit` (by
-            default a run that would start more is refused before any process starts).
-        timeout_s: limit of every collective: a rank waiting longer on a peer fails.
-        run_timeout_s: limit of a whole local run (None: none beyond the collectives').
-        threads: torch threads per process (None: cores // processes).
-        calibrate_steps: local processes planned here (no plan file): first run this many
-            steps of the chosen layout, then re-plan with the performance model corrected
-            from the measured action times, the fitted per-transfer latency and the measured
-            forward shares (0: plan with the profile alone).
-    """
-
-    model: str = "tiny"
-    plan: str | None = None
-    layout: str | None = None
-    nproc: int | None = None
-    num_microbatches: int | None = None
-    data: str = "synthetic"
-    image_folder: str | None = None
-    video_folder: str | None = None
-    family: str = "llava-ov"
-    mix: dict[str, float] | None = None
-    scaler: dict[str, Any] = field(default_factory=dict)
-    global_batch: int | None = None
-    check_images: bool = True
-    steps: int = 20
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    grad_clip_norm: float | None = 1.0
-    seed: int = 0
-    schedule: str = "dflop"
-    perf: str | None = None
-    adaptive: bool = True
-    pipeline_schedule: bool = True
-    max_growth: float = 1.05
-    lookahead: int = 2
-    schedule_deadline: bool = True
-    deterministic: bool = False
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    save_hf: str | None = None
-    trace: str | None = None
-    png: str | None = None
-    trace_steps: int = 2
-    log_every: int = 1
-    progress: bool = True
-    debug: bool = False
-    device: str = "auto"
-    oversubscribe: bool = False
-    timeout_s: float = 300.0
-    run_timeout_s: float | None = None
-    threads: int | None = None
-    calibrate_steps: int = 0
+    # [model]
+    model: str = _field(
+        "model",
+        "tiny",
+        "dflop's reference model by preset (tiny, small, VISION+DECODER such as small+tiny), "
+        "or hf:PATH, a Hugging Face model in a local folder (config.json; its weights, image "
+        "processor and tokenizer when present; needs dflop[hf]), trained on a LLaVA-style "
+        "dataset by its own shape rules",
+        flags=("--model", "--preset"),
+    )
+    plan: str | None = _field(
+        "model", None, "a plan JSON from 'dflop plan' (its best layout is used)"
+    )
+    layout: str | None = _field(
+        "model",
+        None,
+        "a manual layout, e.g. enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1,m=4 (with neither plan "
+        "nor layout, the planner plans for nproc local processes)",
+    )
+    nproc: int | None = _field(
+        "model", None, "local processes to spawn (default: the layout's world size, else 2)"
+    )
+    num_microbatches: int | None = _field(
+        "model", None, "microbatches per step (default: the plan's / layout's)"
+    )
+    # [data]
+    data: str = _field(
+        "data",
+        "synthetic",
+        "synthetic (the embedded LLaVA-OneVision-like mix), a ShapeDistribution file "
+        "(.json/.parquet from 'dflop profile-data'; tensors synthesised from the shapes), or "
+        "a LLaVA-style dataset (.json/.jsonl/.yaml; its images, frames and text are loaded, "
+        "each rank only its own samples)",
+    )
+    image_folder: str | None = _field(
+        "data", None, "root of a dataset's image paths (default: the dataset file's folder)"
+    )
+    video_folder: str | None = _field(
+        "data", None, "root of a dataset's video paths (default: image_folder)"
+    )
+    family: str = _field("data", "llava-ov", "shape rules of a dataset (llava-ov or internvl)")
+    mix: dict[str, float] | None = _field(
+        "data", None, 'synthetic mix override (MixSpec fractions), e.g. {"text": 0.4, ...}'
+    )
+    scaler: dict[str, Any] = _field(
+        "data", dict, "ShapeScaler arguments mapping real shapes onto the small model"
+    )
+    global_batch: int | None = _field(
+        "data", None, "samples per step (default: the plan's, else 16)"
+    )
+    check_images: bool = _field(
+        "data",
+        True,
+        "decode every dataset record's image files once before its first step (spread over "
+        "the ranks) and replace a record whose files do not decode by a seeded redraw, "
+        "counted and reported (off: such a file fails the run at the step that decodes it)",
+    )
+    # [optim]
+    steps: int = _field("optim", 20, "total steps (a resumed run continues up to it)")
+    lr: float = _field("optim", 1e-3, "AdamW learning rate")
+    weight_decay: float = _field("optim", 0.0, "AdamW weight decay")
+    grad_clip_norm: float | None = _field(
+        "optim",
+        1.0,
+        "scale the gradients so that their global norm (all stages, TP shards and modules; "
+        "each parameter once) is at most this (none/0: no clipping; the norm is reported)",
+        flags=("--grad-clip-norm", "--grad-clip"),
+        zero_is_none=True,
+    )
+    seed: int = _field(
+        "optim", 0, "model init and data seed (step k's batch is drawn with (seed, k))"
+    )
+    # [schedule]
+    schedule: str = _field(
+        "schedule",
+        "dflop",
+        "dflop (balanced), blind (equal-count), compare (both on every step)",
+        choices=SCHEDULE_MODES,
+    )
+    perf: str | None = _field(
+        "schedule",
+        None,
+        "performance model JSON ('dflop profile-model'); default: profile the model quickly "
+        "at start",
+    )
+    adaptive: bool = _field(
+        "schedule", True, "correct the cost model from measured microbatch times"
+    )
+    pipeline_schedule: bool = _field(
+        "schedule",
+        True,
+        "refine every balanced schedule for the encoder -> LLM pipeline "
+        "(dflop.pipeline_schedule, in the scheduler's background thread): which samples "
+        "share a microbatch and the microbatch order, chosen on the simulated 1F1B step",
+    )
+    max_growth: float = _field(
+        "schedule",
+        1.05,
+        "no microbatch's encoder or LLM load may grow past this x the balanced schedule's "
+        "largest (>= 1): the memory bound the balance gave",
+    )
+    lookahead: int = _field("schedule", 2, "schedules computed ahead of training (>= 1)")
+    schedule_deadline: bool = _field(
+        "schedule",
+        True,
+        "give every schedule a deadline of one step time (off: solve to the end)",
+    )
+    deterministic: bool = _field(
+        "schedule",
+        False,
+        "no measured time reaches a schedule, so the same command gives the same schedules "
+        "and losses in every run and resume. By default dflop mode depends on timing (a "
+        "quick timing profile, online correction, fitted link latency and forward shares, "
+        "deadlines); deterministic runs use perf (or the plan's model; with neither, the "
+        "analytic FLOP model at a nominal rate), never correct or calibrate it, solve every "
+        "schedule to the end and set torch.use_deterministic_algorithms",
+    )
+    # [output]
+    checkpoint_dir: str | None = _field(
+        "output", None, "checkpoint here; a run resumes from the latest checkpoint here"
+    )
+    checkpoint_every: int = _field("output", 0, "checkpoint every this many steps (0: at the end)")
+    save_hf: str | None = _field(
+        "output",
+        None,
+        "a Hugging Face model: write the trained model here at the end, in the Hugging Face "
+        "layout (from_pretrained loads it)",
+    )
+    trace: str | None = _field(
+        "output",
+        None,
+        "Chrome-trace JSON of the measured timeline (compare mode: one per mode, -dflop / "
+        "-blind before the extension)",
+    )
+    png: str | None = _field("output", None, "PNG Gantt chart of the measured timeline")
+    trace_steps: int = _field("output", 2, "how many final steps the timeline shows")
+    log_every: int = _field("output", 1, "print a line every this many steps (0: none)")
+    progress: bool = _field("output", True, "a progress bar (tqdm) when stdout is a terminal")
+    debug: bool = _field("output", False, "shape headers on every pipeline message")
+    # [runtime]
+    device: str = _field(
+        "runtime", "auto", "auto (CUDA if available), cpu or cuda", choices=("auto", "cpu", "cuda")
+    )
+    oversubscribe: bool = _field(
+        "runtime",
+        False,
+        "allow more local processes than this machine's limit (4 per core, 512 MiB each); "
+        "by default a run that would start more is refused before any process starts",
+    )
+    timeout_s: float = _field(
+        "runtime",
+        300.0,
+        "limit of every collective (s): a rank waiting longer on a peer fails",
+        flags=("--timeout-s", "--timeout"),
+    )
+    run_timeout_s: float | None = _field(
+        "runtime", None, "limit of a whole local run (s; none: only the collectives')"
+    )
+    threads: int | None = _field(
+        "runtime", None, "torch threads per process (default: cores // processes)"
+    )
+    calibrate_steps: int = _field(
+        "runtime",
+        0,
+        "planning here (no plan file): first run this many steps of the chosen layout, then "
+        "re-plan with the performance model corrected from the measured action times, the "
+        "fitted per-transfer latency and the measured forward shares (0: the profile alone)",
+    )
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -284,6 +353,127 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ sections
+
+    @staticmethod
+    def field_doc(name: str) -> str:
+        """The documentation of field ``name``."""
+        return _FIELDS[name].metadata["doc"]
+
+    def to_sections(self) -> dict[str, dict[str, Any]]:
+        """The settings as nested sections (what :meth:`from_sections` reads). TOML has no
+        null: a field that is None is left out (its default), or written as 0 where 0
+        means none (``grad_clip_norm``)."""
+        out: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+        for name, f in _FIELDS.items():
+            value = getattr(self, name)
+            if value is None and f.metadata.get("zero_is_none"):
+                value = 0
+            if value is not None:
+                out[f.metadata["section"]][name] = value
+        return {section: values for section, values in out.items() if values}
+
+    @classmethod
+    def from_sections(
+        cls, sections: Any, *, source: str = "TrainConfig", **overrides: Any
+    ) -> TrainConfig:
+        """A config from nested sections (``{"optim": {"lr": 3e-4}, ...}``, the tables of a
+        config file), with ``overrides`` (flat field names) on top. Unknown sections and
+        fields, and fields in the wrong section, are errors that name them (``source``
+        says where they came from)."""
+        if not isinstance(sections, Mapping):
+            raise InputTypeError(
+                f"{source}: expected tables of settings ({', '.join(SECTIONS)}), got "
+                f"{type(sections).__name__}"
+            )
+        values: dict[str, Any] = {}
+        for section, table in sections.items():
+            if section not in SECTIONS:
+                hint = _did_you_mean(str(section), SECTIONS)
+                if section in _FIELDS:
+                    hint = f" ({section!r} is a field of [{_section_of(section)}])"
+                raise ValueError(
+                    f"{source}: unknown section [{section}]{hint}; sections: "
+                    + ", ".join(f"[{s}]" for s in SECTIONS)
+                )
+            if not isinstance(table, Mapping):
+                raise InputTypeError(
+                    f"{source}: [{section}] must be a table of settings, got {type(table).__name__}"
+                )
+            for name, value in table.items():
+                if name not in _FIELDS:
+                    raise ValueError(
+                        f"{source}: [{section}] has no field {name!r}"
+                        f"{_did_you_mean(str(name), _FIELDS)}; its fields: "
+                        + ", ".join(n for n in _FIELDS if _section_of(n) == section)
+                    )
+                if _section_of(name) != section:
+                    raise ValueError(
+                        f"{source}: {name!r} belongs in [{_section_of(name)}], not [{section}]"
+                    )
+                if value == 0 and _FIELDS[name].metadata.get("zero_is_none"):
+                    value = None  # a file has no null: 0 means none
+                values[name] = value
+        return cls(**{**values, **overrides})
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], **overrides: Any) -> TrainConfig:
+        """A config from a TOML (``.toml``) or YAML (``.yaml``/``.yml``) file of sections,
+        with ``overrides`` (flat field names) on top; e.g.
+
+        .. code-block:: toml
+
+            [data]
+            data = "llava.json"
+            global_batch = 32
+
+            [optim]
+            steps = 1000
+            lr = 3e-4
+        """
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"config file {path!r} does not exist (or is not a file)")
+        if path.endswith(".toml"):
+            try:
+                import tomllib  # Python 3.11+
+            except ImportError:  # pragma: no cover - older Pythons
+                try:
+                    import tomli as tomllib  # type: ignore[no-redef]
+                except ImportError:
+                    raise ImportError(
+                        f"reading {path} needs Python 3.11+ or 'pip install tomli' (or use "
+                        "a .yaml config)"
+                    ) from None
+            with open(path, "rb") as f:
+                try:
+                    sections = tomllib.load(f)
+                except tomllib.TOMLDecodeError as error:
+                    raise ValueError(f"{path}: not valid TOML: {error}") from None
+        elif path.endswith((".yaml", ".yml")):
+            import yaml
+
+            with open(path, encoding="utf-8") as f:
+                try:
+                    sections = yaml.safe_load(f) or {}
+                except yaml.YAMLError as error:
+                    raise ValueError(f"{path}: not valid YAML: {error}") from None
+        else:
+            raise ValueError(f"config file {path!r}: give a .toml or .yaml file")
+        return cls.from_sections(sections, source=path, **overrides)
+
+
+_FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _section_of(name: str) -> str:
+    return _FIELDS[name].metadata["section"]
+
+
+def _did_you_mean(name: str, known: Any) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def check_output_path(what: str, path: str | None, kind: str = "file") -> None:
