@@ -1,0 +1,3741 @@
+// Deterministic random-input fuzzer of the core's native entry points, meant to run under
+// AddressSanitizer + UndefinedBehaviorSanitizer (see .ci/run): every call gets mostly valid
+// inputs (so that the deep code paths run) mixed with malformed ones (NaN, +-inf, -0.0,
+// denormals, 1e308, negative and huge counts, empty and mismatched arrays, out-of-range
+// indices). Contract checked for every call: it returns, or throws dflop::InvalidArgument
+// or dflop::Infeasible (dflop::Interrupted only when the fuzzer's own interrupt check
+// fired); any other exception is a failure. On success, cheap invariants that the headers
+// document are checked, and where a header documents a model precisely, the result is
+// compared with an independent reference (the pipeline simulator, the routing plan,
+// pipeline_actions, the pipeline scheduler's step model, split_layers' optimum).
+//
+// Environment:
+//   DFLOP_FUZZ_ITERATIONS     base iteration count N (default kDefaultIterations); each case
+//                             runs N x its weight / 4 iterations (printed at its start)
+//   DFLOP_FUZZ_SEED           seed (default 1); iteration i of a case draws from a generator
+//                             seeded by (seed, case, i) only, so any iteration replays alone
+//   DFLOP_FUZZ_ONLY_ITERATION run only this iteration of every selected case; with the case
+//                             name as argv[1] it replays one failure:
+//                               DFLOP_FUZZ_SEED=1 DFLOP_FUZZ_ONLY_ITERATION=17
+//                               ./test_fuzz_core fuzz_balance
+//   DFLOP_FUZZ_KNOWN_BUGS=1   also run the inputs that hit the known bugs listed below
+//                             (skipped and counted by default, so the suite stays green;
+//                             to check a fix: some crash under the sanitizers, and without
+//                             them some hang or exhaust memory, so combine it with
+//                             DFLOP_FUZZ_ONLY_ITERATION or a small DFLOP_FUZZ_ITERATIONS)
+//   DFLOP_FUZZ_HANG_S         seconds after which one iteration counts as hung (default 120;
+//                             0: no watchdog): the watchdog prints it and aborts
+//   DFLOP_FUZZ_VERBOSE=1      print every iteration's input and time
+//
+// A failure prints the case, the iteration, the seed, the input (as C++-like initializers)
+// and the command that replays it.
+//
+// Known bugs (found by this fuzzer; inputs that hit one are skipped by the cases' known_bug
+// filters until it is fixed, and each that can fail without a sanitizer crash has a
+// regression case at the end of this file, marked KNOWN_BUG). Inputs that are merely
+// expensive (huge but legal search budgets, large clusters) are skipped the same way and
+// counted as "expensive (...)".
+//   KB1 balance: a work_budget near INT64_MAX with capacities overflows the budget
+//       arithmetic (signed overflow, balance.cpp Solver::run / search).
+//   KB2 balance: time_limit_s >= ~9.2e9 (or +inf) overflows the float -> integer
+//       conversion of the deadline (UB; the search stops at once in practice).
+//   KB3 split_units: num_replicas is unbounded: INT64_MAX overflows (encoder_split.cpp
+//       split_equal_units), large values allocate num_replicas entries.
+//   KB4 split_units: the unit split allocates and scans O(total units / replicas) (the
+//       `level` array of split_equal_units); huge unit counts throw std::length_error or
+//       exhaust memory; unit totals can overflow.
+//   KB5 plan_routing: num_src x num_dst is unbounded (signed overflow, huge allocations,
+//       std::length_error).
+//   KB6 plan_routing: send_rows sums overflow (signed) for large rows.
+//   KB7 pipeline_actions: num_microbatches is unbounded (2 x m overflows for m >= 2^62;
+//       std::length_error for m >= 2^59).
+//   KB8 split_layers: num_stages / num_layers are unbounded (std::length_error, huge
+//       allocations; the balanced split is O(num_layers x num_stages), so plan_layouts with
+//       a huge num_layers never finishes).
+//   KB9 padded_heads: heads + tp - 1 overflows (also reached by plan_layouts through
+//       encoder.num_heads near INT64_MAX).
+//   KB10 default_microbatch_choices: p *= 2 overflows for max_microbatches >= 2^62.
+//   KB11 validate_planner_input: num_batches x batch_size wraps around in size_t, so
+//       absurd counts pass validation with short sample arrays (std::length_error, or
+//       out-of-bounds reads).
+//   KB12 plan_layouts: 4 x top_k, 4 x patience and patience x 2048 / batch overflow.
+//   KB13 evaluate_layout & co (check_layout): num_microbatches x llm.dp, tp x pp x dp and the
+//       sum of layers_per_stage overflow.
+//   KB14 plan_layouts: num_gpus is unbounded and the search is linear in it (about 3 us per
+//       GPU), so absurd clusters (2^40 GPUs: about a month) never finish.
+//   KB15 validate_planner_input accepts balance_work_budget < -1; plan_layouts & co then fail
+//       inside balance() with "work budget must be >= 0", which names neither the option
+//       nor the value (and -1 is allowed).
+//   KB16 pipeline_schedule / simulated_step_time: a stage load that overflows to +inf (costs
+//       or microbatch_constant_s near DBL_MAX pass validation) makes backward = load -
+//       forward NaN; the simulator takes NaN for "not arrived yet": std::logic_error
+//       ("pipeline simulation deadlocked") or a silently wrong step time (0).
+//   KB17 split_units: a piece's cost is computed as cost x num_units / units, which overflows
+//       for costs near DBL_MAX (replica_cost and makespan +inf).
+//   KB18 balance with capacities: a larger work_budget can end worse, or Infeasible where a
+//       smaller one found a schedule (the header: "never worse").
+//   KB19 plan_layouts / evaluate_layout: a batch whose every simulated order takes +inf (extreme
+//       but valid inputs, e.g. link_latency_s = 1e308) keeps a default StepBreakdown
+//       (step_time_s 0, no stage arrays) while mean_step_time_s is +inf.
+//   KB20 plan_layouts with prune = false (or MeanShapeReference) returns the same layout
+//       several times when microbatch_choices lists a count twice.
+#include <cxxabi.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <initializer_list>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <type_traits>
+#include <typeinfo>
+#include <utility>
+#include <vector>
+
+#include "check.hpp"
+#include "dflop/balance.hpp"
+#include "dflop/encoder_split.hpp"
+#include "dflop/errors.hpp"
+#include "dflop/pipeline_schedule.hpp"
+#include "dflop/planner.hpp"
+#include "dflop/routing.hpp"
+#include "dflop/simulator.hpp"
+
+namespace {
+
+// About 5 s for the plain ctest run of this file in a Release build on a 2-core machine
+// (measured: 4.6 to 5.1 s for seeds 1 to 3).
+constexpr int64_t kDefaultIterations = 4000;
+// A case stops after this many failed checks (the first ones tell the story).
+constexpr int kMaxFailuresPerCase = 25;
+
+constexpr int64_t kI64Max = std::numeric_limits<int64_t>::max();
+constexpr int64_t kI64Min = std::numeric_limits<int64_t>::min();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kDenormMin = std::numeric_limits<double>::denorm_min();
+constexpr double kDblMin = std::numeric_limits<double>::min();
+constexpr double kDblMax = std::numeric_limits<double>::max();
+
+using Ints = std::vector<int64_t>;
+using Doubles = std::vector<double>;
+
+// ---------------------------------------------------------------------------------------
+// Configuration
+
+struct Config {
+  uint64_t seed = 1;
+  int64_t iterations = kDefaultIterations;
+  int64_t only_iteration = -1;
+  bool known_bugs = false;
+  bool verbose = false;
+  int64_t hang_s = 120;
+};
+
+bool parse_u64(const char* text, uint64_t* out) {
+  errno = 0;
+  char* end = nullptr;
+  const unsigned long long v = std::strtoull(text, &end, 0);
+  if (errno != 0 || end == text || *end != '\0' || text[0] == '-') return false;
+  *out = static_cast<uint64_t>(v);
+  return true;
+}
+
+bool parse_i64(const char* text, int64_t* out) {
+  errno = 0;
+  char* end = nullptr;
+  const long long v = std::strtoll(text, &end, 0);
+  if (errno != 0 || end == text || *end != '\0') return false;
+  *out = static_cast<int64_t>(v);
+  return true;
+}
+
+const Config& config() {
+  static const Config cfg = [] {
+    Config c;
+    auto text = [](const char* name) -> const char* {
+      const char* v = std::getenv(name);
+      return v != nullptr && *v != '\0' ? v : nullptr;
+    };
+    auto read = [&](const char* name, int64_t* out) {
+      if (const char* v = text(name)) {
+        if (!parse_i64(v, out)) std::printf("warning: ignoring %s=%s (not an integer)\n", name, v);
+      }
+    };
+    if (const char* v = text("DFLOP_FUZZ_SEED")) {
+      if (!parse_u64(v, &c.seed)) std::printf("warning: ignoring DFLOP_FUZZ_SEED=%s\n", v);
+    }
+    read("DFLOP_FUZZ_ITERATIONS", &c.iterations);
+    c.iterations = std::max<int64_t>(c.iterations, 0);
+    read("DFLOP_FUZZ_ONLY_ITERATION", &c.only_iteration);
+    int64_t known = 0;
+    read("DFLOP_FUZZ_KNOWN_BUGS", &known);
+    c.known_bugs = known != 0;
+    int64_t verbose = 0;
+    read("DFLOP_FUZZ_VERBOSE", &verbose);
+    c.verbose = verbose != 0;
+    read("DFLOP_FUZZ_HANG_S", &c.hang_s);
+    return c;
+  }();
+  return cfg;
+}
+
+// ---------------------------------------------------------------------------------------
+// Random numbers (SplitMix64: fully specified, identical on every platform)
+
+uint64_t mix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : state_(seed) {}
+  uint64_t next() {
+    state_ += 0x9E3779B97F4A7C15ULL;
+    uint64_t z = state_;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [0, n) (0 for n = 0); the modulo bias is irrelevant here.
+  uint64_t below(uint64_t n) { return n == 0 ? 0 : next() % n; }
+  // Uniform in [lo, hi], hi >= lo, hi - lo small.
+  int64_t range(int64_t lo, int64_t hi) {
+    return hi <= lo ? lo : lo + static_cast<int64_t>(below(static_cast<uint64_t>(hi - lo) + 1));
+  }
+  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
+  double uniform(double lo, double hi) { return lo + (hi - lo) * uniform(); }
+  double log_uniform(double lo, double hi) { return lo * std::pow(hi / lo, uniform()); }
+  bool chance(double p) { return uniform() < p; }
+  template <class T>
+  T pick(std::initializer_list<T> values) {
+    return *(values.begin() + below(values.size()));
+  }
+  template <class T>
+  const T& pick(const std::vector<T>& values) {
+    return values[below(values.size())];
+  }
+  template <class T>
+  void shuffle(std::vector<T>& v) {
+    for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[below(i)]);
+  }
+
+ private:
+  uint64_t state_;
+};
+
+// Malformed and boundary values.
+double weird_double(Rng& r) {
+  static const double kValues[] = {
+      kNaN,   -kNaN, kInf,  -kInf,   -0.0,     0.0, -1.0, -1e-300, kDenormMin, 1e-310, kDblMin,
+      1e-300, 1e300, 1e308, kDblMax, -kDblMax, 1.0, 0.5,  0x1p53,  1e18,       1e-12,  2.0};
+  return kValues[r.below(sizeof(kValues) / sizeof(kValues[0]))];
+}
+
+int64_t weird_int(Rng& r) {
+  static const int64_t kValues[] = {0,
+                                    1,
+                                    -1,
+                                    2,
+                                    -2,
+                                    3,
+                                    5,
+                                    64,
+                                    4097,
+                                    std::numeric_limits<int32_t>::max(),
+                                    int64_t{std::numeric_limits<int32_t>::max()} + 1,
+                                    int64_t{1} << 32,
+                                    int64_t{1} << 40,
+                                    int64_t{1} << 53,
+                                    int64_t{1} << 61,
+                                    int64_t{1} << 62,
+                                    kI64Max,
+                                    kI64Max - 1,
+                                    kI64Min,
+                                    kI64Min + 1,
+                                    -(int64_t{1} << 40)};
+  return kValues[r.below(sizeof(kValues) / sizeof(kValues[0]))];
+}
+
+// `count` non-negative values from one of several profiles (uniform, heavy-tailed, small
+// integers with ties, mostly zeros, all equal, six decades wide, denormal-tiny, huge).
+Doubles gen_values(Rng& r, int64_t count) {
+  Doubles v(static_cast<size_t>(std::max<int64_t>(count, 0)));
+  const int profile = static_cast<int>(r.below(8));
+  const double scale = r.chance(0.5) ? 1.0 : r.log_uniform(1e-3, 1e3);
+  const double equal = r.uniform(0.1, 2.0) * scale;
+  for (double& x : v) {
+    switch (profile) {
+      case 0:
+        x = r.uniform() * scale;
+        break;
+      case 1: {
+        const double e = -std::log(1.0 - r.uniform());
+        x = e * e * scale;
+        break;
+      }
+      case 2:
+        x = static_cast<double>(r.range(0, 5));
+        break;
+      case 3:
+        x = r.chance(0.7) ? 0.0 : r.uniform() * scale;
+        break;
+      case 4:
+        x = equal;
+        break;
+      case 5:
+        x = r.log_uniform(1e-6, 1e6);
+        break;
+      case 6:
+        x = r.chance(0.5) ? kDenormMin * static_cast<double>(r.range(1, 100))
+                          : 1e-300 * r.uniform();
+        break;
+      default:
+        x = r.log_uniform(1e100, 1e150);
+        break;
+    }
+  }
+  return v;
+}
+
+// Values small enough that sums over a few thousand of them stay far from overflow, so a
+// non-finite result would be a bug rather than an overflow the caller asked for.
+bool moderate(double v) { return std::isfinite(v) && std::fabs(v) <= 1e15; }
+bool moderate(const Doubles& v) {
+  return std::all_of(v.begin(), v.end(), [](double x) { return moderate(x); });
+}
+
+bool nonneg_finite(double v) { return std::isfinite(v) && v >= 0.0; }
+
+// |a - b| <= tol * max(1e-300, |a|, |b|): relative (also for tiny values); equal if infinite,
+// never if NaN.
+bool rel_near(double a, double b, double tol) {
+  if (a == b) return true;
+  if (!std::isfinite(a) || !std::isfinite(b)) return false;
+  const double scale = std::max({1e-300, std::fabs(a), std::fabs(b)});
+  return std::fabs(a - b) <= tol * scale;
+}
+
+// a + b, saturated (the generators nudge values that may already be extreme).
+int64_t add_sat(int64_t a, int64_t b) {
+  int64_t r = 0;
+  if (!__builtin_add_overflow(a, b, &r)) return r;
+  return b > 0 ? kI64Max : kI64Min;
+}
+
+bool mul_overflows(int64_t a, int64_t b, int64_t* out = nullptr) {
+  int64_t r = 0;
+  const bool over = __builtin_mul_overflow(a, b, &r);
+  if (out != nullptr) *out = r;
+  return over;
+}
+
+// ---------------------------------------------------------------------------------------
+// Printing inputs (as C++-like initializers, so that a failure can be pasted into a case)
+
+std::string num(double v) {
+  if (std::isnan(v)) return "kNaN";
+  if (std::isinf(v)) return v > 0 ? "kInf" : "-kInf";
+  if (v == 0.0 && std::signbit(v)) return "-0.0";
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+std::string num(int64_t v) {
+  if (v == kI64Max) return "kI64Max";
+  if (v == kI64Min) return "kI64Min";
+  return std::to_string(v);
+}
+
+template <class T>
+std::string vec(const std::vector<T>& v) {
+  std::string s = "{";
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i > 0) s += ", ";
+    if constexpr (std::is_floating_point_v<T>) {
+      s += num(static_cast<double>(v[i]));
+    } else {
+      s += num(static_cast<int64_t>(v[i]));
+    }
+  }
+  return s + "}";
+}
+
+std::string type_name(const std::exception& e) {
+  int status = 0;
+  char* demangled = abi::__cxa_demangle(typeid(e).name(), nullptr, nullptr, &status);
+  std::string name = status == 0 && demangled != nullptr ? demangled : typeid(e).name();
+  std::free(demangled);
+  return name;
+}
+
+// ---------------------------------------------------------------------------------------
+// Watchdog: an iteration running longer than DFLOP_FUZZ_HANG_S is reported and aborted.
+
+class Watchdog {
+ public:
+  static Watchdog& instance() {
+    static Watchdog w;
+    return w;
+  }
+  void start(int64_t limit_s) {
+    if (limit_s <= 0 || thread_.joinable()) return;
+    limit_s_ = limit_s;
+    thread_ = std::thread([this] { loop(); });
+  }
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  void arm(std::string label) {
+    std::lock_guard<std::mutex> lock(mu_);
+    label_ = std::move(label);
+    since_ = Clock::now();
+    armed_ = true;
+  }
+  void disarm() {
+    std::lock_guard<std::mutex> lock(mu_);
+    armed_ = false;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  void loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      cv_.wait_for(lock, std::chrono::milliseconds(250));
+      if (armed_ && Clock::now() - since_ > std::chrono::seconds(limit_s_)) {
+        std::printf("HANG: %s has run for more than %" PRId64 " s (DFLOP_FUZZ_HANG_S); aborting\n",
+                    label_.c_str(), limit_s_);
+        std::fflush(stdout);
+        std::abort();
+      }
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::thread thread_;
+  bool stop_ = false, armed_ = false;
+  int64_t limit_s_ = 0;
+  std::string label_;
+  Clock::time_point since_;
+};
+
+// ---------------------------------------------------------------------------------------
+// The fuzz loop of one case: iterations, outcome counts, failure reports.
+
+enum class Outcome { Returned, Invalid, Infeasible, Interrupted, Failed };
+
+const char* outcome_name(Outcome o) {
+  switch (o) {
+    case Outcome::Returned:
+      return "returned";
+    case Outcome::Invalid:
+      return "InvalidArgument";
+    case Outcome::Infeasible:
+      return "Infeasible";
+    case Outcome::Interrupted:
+      return "Interrupted";
+    default:
+      return "another exception";
+  }
+}
+
+class Fuzz {
+ public:
+  // `quarters`: the case runs DFLOP_FUZZ_ITERATIONS x quarters / 4 iterations (its cost).
+  Fuzz(const char* name, int64_t quarters) : name_(name), quarters_(quarters) { current_ = this; }
+  ~Fuzz() { current_ = nullptr; }
+  Fuzz(const Fuzz&) = delete;
+  Fuzz& operator=(const Fuzz&) = delete;
+
+  static Fuzz& current() { return *current_; }
+
+  template <class Body>
+  void run(Body&& body) {
+    const Config& cfg = config();
+    int64_t count = cfg.iterations * quarters_ / 4;
+    if (cfg.iterations > 0) count = std::max<int64_t>(count, 1);
+    int64_t first = 0, last = count;
+    if (cfg.only_iteration >= 0) first = cfg.only_iteration, last = cfg.only_iteration + 1;
+    std::printf("%s: iterations [%" PRId64 ", %" PRId64 "), DFLOP_FUZZ_SEED=%" PRIu64 "\n", name_,
+                first, last, cfg.seed);
+    std::fflush(stdout);
+    uint64_t name_hash = 1469598103934665603ULL;  // FNV-1a
+    for (const char* p = name_; *p != '\0'; ++p)
+      name_hash = (name_hash ^ uint8_t(*p)) * 1099511628211ULL;
+    const auto started = std::chrono::steady_clock::now();
+    for (int64_t it = first; it < last && !stopped_; ++it) {
+      iteration_ = it;
+      describe_ = nullptr;
+      reported_input_ = false;
+      Rng rng(mix64(cfg.seed ^ mix64(name_hash ^ mix64(static_cast<uint64_t>(it)))));
+      Watchdog::instance().arm(std::string(name_) + " iteration " + std::to_string(it) +
+                               " (replay: " + replay() + ")");
+      const auto t0 = std::chrono::steady_clock::now();
+      body(rng);
+      const double dt =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      Watchdog::instance().disarm();
+      if (cfg.verbose) std::printf("  #%" PRId64 ": %.3f ms\n", it, 1e3 * dt);
+      ++ran_;
+      if (dt > slowest_s_) slowest_s_ = dt, slowest_it_ = it;
+    }
+    const double total =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    std::printf("%s: %" PRId64 " iterations in %.2f s (%.3f ms each, slowest %.2f ms: #%" PRId64
+                ")\n",
+                name_, ran_, total, ran_ > 0 ? 1e3 * total / double(ran_) : 0.0, 1e3 * slowest_s_,
+                slowest_it_);
+    for (const auto& [label, c] : counts_) {
+      std::printf("  %-32s %6" PRId64 " returned %6" PRId64 " InvalidArgument %6" PRId64
+                  " Infeasible %4" PRId64 " Interrupted %4" PRId64 " other\n",
+                  label.c_str(), c[0], c[1], c[2], c[3], c[4]);
+    }
+    for (const auto& [bug, n] : skipped_) {
+      const bool is_bug = bug.rfind("KB", 0) == 0;
+      std::printf("  %6" PRId64 " inputs %s %s (%s)\n", n, is_bug ? "hit known bug" : "were",
+                  bug.c_str(),
+                  config().known_bugs ? "run anyway: DFLOP_FUZZ_KNOWN_BUGS" : "skipped");
+    }
+    std::fflush(stdout);
+  }
+
+  // The current iteration's input, printed with its first failure (DFLOP_FUZZ_VERBOSE: now).
+  // `d` may refer to the iteration's locals: it is not called after the iteration.
+  void describe(std::function<std::string()> d) {
+    describe_ = std::move(d);
+    if (config().verbose) {
+      std::printf("  #%" PRId64 " input: %s\n", iteration_, describe_().c_str());
+      std::fflush(stdout);
+    }
+  }
+
+  // An input that hits a known bug: counted; returns whether to run it anyway.
+  bool known_bug(const char* bug) {
+    auto it = std::find_if(skipped_.begin(), skipped_.end(),
+                           [&](const auto& e) { return e.first == bug; });
+    if (it == skipped_.end()) {
+      skipped_.emplace_back(bug, 1);
+    } else {
+      ++it->second;
+    }
+    return config().known_bugs;
+  }
+
+  void fail(const char* file, int line, const std::string& what) {
+    std::ostringstream s;
+    s << "[" << name_ << " iteration " << iteration_ << ", DFLOP_FUZZ_SEED=" << config().seed
+      << "] " << what;
+    ::dflop_test::check(false, file, line, s.str());
+    if (!reported_input_) {
+      reported_input_ = true;
+      std::printf("  input: %s\n  replay: %s\n",
+                  describe_ ? describe_().c_str() : "(not described)", replay().c_str());
+    }
+    if (++failures_ >= kMaxFailuresPerCase && !stopped_) {
+      stopped_ = true;
+      std::printf("  %s: %d failed checks, stopping this case\n", name_, failures_);
+    }
+    std::fflush(stdout);
+  }
+
+  // Runs f(); counts and returns how it ended. Any exception but InvalidArgument and
+  // Infeasible (and Interrupted when `interrupt_fired` says the fuzzer's check fired) fails.
+  template <class F>
+  Outcome call(const char* label, F&& f, const bool* interrupt_fired = nullptr,
+               std::string* what = nullptr) {
+    auto& c = counts(label);
+    Outcome o = Outcome::Returned;
+    std::string message;
+    try {
+      f();
+    } catch (const dflop::InvalidArgument& e) {
+      o = Outcome::Invalid;
+      message = e.what();
+    } catch (const dflop::Infeasible& e) {
+      o = Outcome::Infeasible;
+      message = e.what();
+    } catch (const dflop::Interrupted& e) {
+      o = Outcome::Interrupted;
+      message = e.what();
+      if (interrupt_fired == nullptr || !*interrupt_fired) {
+        fail(__FILE__, __LINE__,
+             std::string(label) + " threw Interrupted but no interrupt check returned true");
+      }
+    } catch (const std::exception& e) {
+      o = Outcome::Failed;
+      message = e.what();
+      fail(__FILE__, __LINE__,
+           std::string(label) + " threw " + type_name(e) +
+               " (only dflop::InvalidArgument / dflop::Infeasible are allowed): " + e.what());
+    } catch (...) {
+      o = Outcome::Failed;
+      fail(__FILE__, __LINE__, std::string(label) + " threw a non-standard exception");
+    }
+    ++c[static_cast<size_t>(o)];
+    if (what != nullptr) *what = message;
+    return o;
+  }
+
+  int64_t iteration() const { return iteration_; }
+
+ private:
+  std::string replay() const {
+    return "DFLOP_FUZZ_SEED=" + std::to_string(config().seed) +
+           " DFLOP_FUZZ_ONLY_ITERATION=" + std::to_string(iteration_) + " ./test_fuzz_core " +
+           name_;
+  }
+  std::array<int64_t, 5>& counts(const char* label) {
+    for (auto& [l, c] : counts_) {
+      if (l == label) return c;
+    }
+    counts_.emplace_back(label, std::array<int64_t, 5>{});
+    return counts_.back().second;
+  }
+
+  static inline Fuzz* current_ = nullptr;
+  const char* name_;
+  int64_t quarters_;
+  int64_t iteration_ = 0, ran_ = 0, slowest_it_ = 0;
+  double slowest_s_ = 0.0;
+  bool reported_input_ = false, stopped_ = false;
+  int failures_ = 0;
+  std::function<std::string()> describe_;
+  std::vector<std::pair<std::string, std::array<int64_t, 5>>> counts_;
+  std::vector<std::pair<std::string, int64_t>> skipped_;
+};
+
+// A check of the current iteration; on failure it reports the input and the replay command.
+#define FUZZ_CHECK(cond, msg)                                    \
+  do {                                                           \
+    if (cond) {                                                  \
+      ++::dflop_test::state().checks;                            \
+    } else {                                                     \
+      std::ostringstream fuzz_msg_;                              \
+      fuzz_msg_ << #cond << " -- " << msg;                       \
+      Fuzz::current().fail(__FILE__, __LINE__, fuzz_msg_.str()); \
+    }                                                            \
+  } while (0)
+
+// The same, returning from the enclosing (void) function on failure: for checks that the
+// following ones depend on (sizes before indexing).
+#define FUZZ_REQUIRE(cond, msg)                                  \
+  do {                                                           \
+    if (cond) {                                                  \
+      ++::dflop_test::state().checks;                            \
+    } else {                                                     \
+      std::ostringstream fuzz_msg_;                              \
+      fuzz_msg_ << #cond << " -- " << msg;                       \
+      Fuzz::current().fail(__FILE__, __LINE__, fuzz_msg_.str()); \
+      return;                                                    \
+    }                                                            \
+  } while (0)
+
+// An interrupt check that returns true on its `after`-th call (after < 0: none).
+struct Interrupter {
+  int64_t after = -1;
+  std::shared_ptr<int64_t> calls = std::make_shared<int64_t>(0);
+  std::shared_ptr<bool> fired = std::make_shared<bool>(false);
+  dflop::InterruptCheck check() const {
+    if (after < 0) return nullptr;
+    return [calls = calls, fired = fired, after = after] {
+      if (++*calls >= after) *fired = true;
+      return *fired;
+    };
+  }
+};
+
+// Every bin of `assignment` (values in [0, bins)) is used.
+bool all_bins_used(const Ints& assignment, int64_t bins) {
+  std::vector<char> used(static_cast<size_t>(bins), 0);
+  for (int64_t b : assignment) {
+    if (b < 0 || b >= bins) return false;
+    used[static_cast<size_t>(b)] = 1;
+  }
+  return std::all_of(used.begin(), used.end(), [](char u) { return u != 0; });
+}
+
+// A random assignment of n >= bins samples to bins, every bin used.
+Ints random_assignment(Rng& r, int64_t n, int64_t bins) {
+  Ints order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), int64_t{0});
+  r.shuffle(order);
+  Ints a(static_cast<size_t>(n), 0);
+  for (int64_t k = 0; k < n; ++k) {
+    a[size_t(order[size_t(k)])] = k < bins ? k : static_cast<int64_t>(r.below(uint64_t(bins)));
+  }
+  return a;
+}
+
+}  // namespace
+
+// =======================================================================================
+// balance / validate_balance_input
+
+namespace {
+
+struct BalanceCase {
+  int64_t n = 0, d = 0;
+  Doubles costs;  // n x d when both are positive, else empty
+  dflop::BalanceOptions o;
+  Interrupter interrupt;
+};
+
+std::string describe(const BalanceCase& c) {
+  std::ostringstream s;
+  s << "balance(n=" << c.n << ", d=" << c.d << ", costs=" << vec(c.costs)
+    << ", num_microbatches=" << num(c.o.num_microbatches) << ", dp_size=" << num(c.o.dp_size)
+    << ", microbatch_dims=" << vec(c.o.microbatch_dims) << ", capacity=" << vec(c.o.capacity)
+    << ", seed=" << c.o.seed << ", work_budget=" << num(c.o.work_budget)
+    << ", time_limit_s=" << num(c.o.time_limit_s) << ", interrupt_after=" << c.interrupt.after
+    << ")";
+  return s.str();
+}
+
+// Loads per bin and per microbatch, summed in sample order (as the header defines them).
+void balance_loads(const BalanceCase& c, const Ints& a, Doubles* bin, Doubles* mb) {
+  const int64_t m = c.o.num_microbatches, p = c.o.dp_size, d = c.d;
+  bin->assign(size_t(m * p * d), 0.0);
+  mb->assign(size_t(m * d), 0.0);
+  for (int64_t i = 0; i < c.n; ++i) {
+    for (int64_t k = 0; k < d; ++k) {
+      (*bin)[size_t(a[size_t(i)] * d + k)] += c.costs[size_t(i * d + k)];
+      (*mb)[size_t((a[size_t(i)] / p) * d + k)] += c.costs[size_t(i * d + k)];
+    }
+  }
+}
+
+BalanceCase gen_balance(Rng& r) {
+  BalanceCase c;
+  c.d = r.range(1, 4);
+  c.o.num_microbatches = r.range(1, 6);
+  c.o.dp_size = r.chance(0.5) ? 1 : r.range(1, 4);
+  const int64_t bins = c.o.num_microbatches * c.o.dp_size;
+  c.n = bins + r.range(0, r.chance(0.15) ? 100 : 20);
+  c.costs = gen_values(r, c.n * c.d);
+  for (int64_t k = 0; k < c.d; ++k) {
+    if (r.chance(0.3)) c.o.microbatch_dims.push_back(k);
+  }
+  r.shuffle(c.o.microbatch_dims);
+  if (r.chance(0.45)) {
+    // Per dimension: none, or a multiple of what the average bin (microbatch) needs.
+    std::vector<char> group(size_t(c.d), 0);
+    for (int64_t k : c.o.microbatch_dims) group[size_t(k)] = 1;
+    for (int64_t k = 0; k < c.d; ++k) {
+      double total = 0.0, largest = 0.0;
+      for (int64_t i = 0; i < c.n; ++i) {
+        total += c.costs[size_t(i * c.d + k)];
+        largest = std::max(largest, c.costs[size_t(i * c.d + k)]);
+      }
+      const double count = double(group[size_t(k)] ? c.o.num_microbatches : bins);
+      const double need = std::max(total / count, largest);
+      c.o.capacity.push_back(r.chance(0.25) ? kInf : need * r.pick({1.0, 1.05, 1.3, 2.0, 0.9}));
+    }
+  }
+  c.o.seed = r.next();
+  const int budget_kind = int(r.below(20));
+  c.o.work_budget = budget_kind < 2    ? 0
+                    : budget_kind < 13 ? r.range(1, 3000)
+                    : budget_kind < 18 ? r.range(3000, 30000)
+                                       : -1;
+  // Huge budgets end on the search's own stopping rules; keep the problem small then.
+  if (r.chance(0.03)) {
+    c.o.work_budget = r.pick<int64_t>({int64_t{1} << 40, kI64Max / 64, kI64Max});
+    c.n = std::min<int64_t>(c.n, bins + 4);
+    c.costs.resize(size_t(c.n * c.d));
+  }
+  if (r.chance(0.1)) c.o.time_limit_s = r.pick({0.0, -0.0, 1e-5, -kInf, kNaN, 0.5});
+  if (r.chance(0.03)) c.interrupt.after = r.range(1, 3);
+  return c;
+}
+
+void mutate_balance(Rng& r, BalanceCase& c) {
+  const int64_t count = r.range(1, 3);
+  for (int64_t k = 0; k < count; ++k) {
+    switch (r.below(12)) {
+      case 0:
+      case 1:
+        if (!c.costs.empty()) c.costs[r.below(c.costs.size())] = weird_double(r);
+        break;
+      case 2:  // fewer samples (the buffer stays consistent with n x d)
+        c.n = r.range(0, c.n);
+        c.costs.resize(c.d > 0 ? size_t(c.n * c.d) : 0);
+        break;
+      case 3:
+        c.d = r.pick<int64_t>({0, -1, kI64Min});
+        c.costs.clear();
+        break;
+      case 4:
+        c.o.num_microbatches = weird_int(r);
+        break;
+      case 5:
+        c.o.dp_size = weird_int(r);
+        break;
+      case 6:
+        c.o.microbatch_dims.push_back(r.chance(0.5) ? weird_int(r) : r.range(0, c.d));
+        break;
+      case 7:
+        if (r.chance(0.5) || c.o.capacity.empty()) {
+          c.o.capacity.resize(size_t(r.range(0, c.d + 1)), 1.0);
+        } else {
+          c.o.capacity[r.below(c.o.capacity.size())] = weird_double(r);
+        }
+        break;
+      case 8:
+        c.o.work_budget = weird_int(r);
+        break;
+      case 9:
+        c.o.time_limit_s = weird_double(r);
+        break;
+      case 10:
+        c.o.seed = static_cast<uint64_t>(weird_int(r));
+        break;
+      default:  // all costs equal or all zero
+        std::fill(c.costs.begin(), c.costs.end(), r.chance(0.5) ? 0.0 : weird_double(r));
+        break;
+    }
+  }
+  // A huge budget searches until its own stopping rules (thousands of perturbations): keep
+  // the problem small then, so that one iteration stays short.
+  if (c.o.work_budget > 100000 && c.d > 0 && c.n > 12) {
+    c.n = 12;
+    c.costs.resize(size_t(c.n * c.d));
+  }
+}
+
+const char* balance_known_bug(const BalanceCase& c) {
+  if (!c.o.capacity.empty() && c.o.work_budget > kI64Max / 64) return "KB1";
+  if (c.o.time_limit_s >= 9e9) return "KB2";
+  return nullptr;
+}
+
+void check_balance(const BalanceCase& c, const dflop::BalanceResult& res) {
+  const int64_t m = c.o.num_microbatches, p = c.o.dp_size, b = m * p, d = c.d;
+  FUZZ_REQUIRE(int64_t(res.assignment.size()) == c.n, "size " << res.assignment.size());
+  for (int64_t i = 0; i < c.n; ++i) {
+    FUZZ_REQUIRE(res.assignment[size_t(i)] >= 0 && res.assignment[size_t(i)] < b,
+                 "assignment[" << i << "]=" << res.assignment[size_t(i)] << ", bins=" << b);
+  }
+  FUZZ_CHECK(all_bins_used(res.assignment, b), "every bin receives at least one sample");
+  FUZZ_REQUIRE(int64_t(res.bin_loads.size()) == b * d, "bin_loads " << res.bin_loads.size());
+  FUZZ_REQUIRE(int64_t(res.microbatch_loads.size()) == m * d,
+               "microbatch_loads " << res.microbatch_loads.size());
+  Doubles bin, mb;
+  balance_loads(c, res.assignment, &bin, &mb);
+  for (size_t k = 0; k < bin.size(); ++k) {
+    FUZZ_CHECK(rel_near(res.bin_loads[k], bin[k], 1e-12),
+               "bin_loads[" << k << "]=" << num(res.bin_loads[k]) << " vs " << num(bin[k]));
+  }
+  for (size_t k = 0; k < mb.size(); ++k) {
+    FUZZ_CHECK(
+        rel_near(res.microbatch_loads[k], mb[k], 1e-12),
+        "microbatch_loads[" << k << "]=" << num(res.microbatch_loads[k]) << " vs " << num(mb[k]));
+  }
+  std::vector<char> group(size_t(d), 0);
+  for (int64_t k : c.o.microbatch_dims) group[size_t(k)] = 1;
+  double makespan = 0.0, lower = 0.0;
+  for (int64_t k = 0; k < d; ++k) {
+    double total = 0.0, largest = 0.0;
+    for (int64_t i = 0; i < c.n; ++i) {
+      total += c.costs[size_t(i * d + k)];
+      largest = std::max(largest, c.costs[size_t(i * d + k)]);
+    }
+    const bool g = group[size_t(k)] != 0;
+    const int64_t slots = g ? m : b;
+    lower = std::max({lower, total / double(slots), largest});
+    const double cap = c.o.capacity.empty() ? kInf : c.o.capacity[size_t(k)];
+    for (int64_t s = 0; s < slots; ++s) {
+      const double v = (g ? mb : bin)[size_t(s * d + k)];
+      makespan = std::max(makespan, v);
+      FUZZ_CHECK(v <= cap * (1 + 1e-9), "capacity[" << k << "]=" << num(cap) << " exceeded by "
+                                                    << (g ? "microbatch " : "bin ") << s << " with "
+                                                    << num(v));
+    }
+  }
+  FUZZ_CHECK(rel_near(res.makespan, makespan, 1e-12),
+             "makespan " << num(res.makespan) << " vs largest load " << num(makespan));
+  FUZZ_CHECK(rel_near(res.lower_bound, lower, 1e-12),
+             "lower_bound " << num(res.lower_bound) << " vs " << num(lower));
+  FUZZ_CHECK(res.makespan >= res.lower_bound * (1 - 1e-9),
+             "makespan " << num(res.makespan) << " below lower_bound " << num(res.lower_bound));
+  FUZZ_CHECK(std::isfinite(res.makespan) && std::isfinite(res.stats.initial_makespan),
+             "makespan " << num(res.makespan) << ", initial " << num(res.stats.initial_makespan));
+  const int64_t budget =
+      c.o.work_budget >= 0 ? c.o.work_budget : dflop::default_work_budget(c.n, b, d);
+  FUZZ_CHECK(res.stats.work_budget == budget,
+             "stats.work_budget " << res.stats.work_budget << " vs " << budget);
+  FUZZ_CHECK(
+      res.stats.work_used >= 0 && res.stats.improving_moves >= 0 && res.stats.perturbations >= 0,
+      "stats " << res.stats.work_used << " " << res.stats.improving_moves << " "
+               << res.stats.perturbations);
+  if (c.o.time_limit_s >= 0 || std::isnan(c.o.time_limit_s)) return;
+  FUZZ_CHECK(!res.stats.stopped_by_time_limit, "stopped by a time limit it does not have");
+}
+
+TEST_CASE(fuzz_balance) {
+  Fuzz fuzz("fuzz_balance", 6);
+  fuzz.run([&](Rng& r) {
+    BalanceCase c = gen_balance(r);
+    if (r.chance(0.35)) mutate_balance(r, c);
+    fuzz.describe([&c] { return describe(c); });
+    if (const char* bug = balance_known_bug(c)) {
+      if (!fuzz.known_bug(bug)) return;
+    }
+    c.o.interrupted = c.interrupt.check();
+    const double* costs = c.costs.empty() ? nullptr : c.costs.data();
+    std::string v_what, b_what;
+    const Outcome v = fuzz.call(
+        "validate_balance_input", [&] { dflop::validate_balance_input(costs, c.n, c.d, c.o); },
+        nullptr, &v_what);
+    dflop::BalanceResult res;
+    const Outcome b = fuzz.call(
+        "balance", [&] { res = dflop::balance(costs, c.n, c.d, c.o); }, c.interrupt.fired.get(),
+        &b_what);
+    // balance() validates first: the same error, else it may only find no feasible schedule.
+    if (v == Outcome::Invalid || v == Outcome::Infeasible) {
+      FUZZ_CHECK(b == v && b_what == v_what,
+                 "validate_balance_input: " << outcome_name(v) << " (" << v_what << "), balance: "
+                                            << outcome_name(b) << " (" << b_what << ")");
+    } else if (v == Outcome::Returned) {
+      FUZZ_CHECK(b == Outcome::Returned || b == Outcome::Infeasible || b == Outcome::Interrupted,
+                 "validated input, but balance: " << outcome_name(b) << " (" << b_what << ")");
+    }
+    FUZZ_CHECK((b == Outcome::Interrupted) == *c.interrupt.fired,
+               "interrupt check fired: " << *c.interrupt.fired << ", outcome " << outcome_name(b));
+    if (b != Outcome::Returned) return;
+    check_balance(c, res);
+    // Documented: reproducible, and a larger budget continues the same trajectory, so it is
+    // never worse.
+    const bool timed = c.o.time_limit_s >= 0;
+    if (timed || c.interrupt.after >= 0 || c.o.work_budget < 0 || c.o.work_budget > 100000) return;
+    if (r.chance(0.15)) {
+      dflop::BalanceResult res2;
+      const Outcome b2 =
+          fuzz.call("balance (again)", [&] { res2 = dflop::balance(costs, c.n, c.d, c.o); });
+      FUZZ_CHECK(
+          b2 == Outcome::Returned && res2.assignment == res.assignment &&
+              res2.makespan == res.makespan,
+          "not reproducible: makespan " << num(res.makespan) << " then " << num(res2.makespan));
+    }
+    if (r.chance(0.3)) {
+      if (!c.o.capacity.empty() && !fuzz.known_bug("KB18")) return;
+      BalanceCase more = c;
+      more.o.work_budget = c.o.work_budget + 1 + r.range(0, c.o.work_budget + 2000);
+      dflop::BalanceResult res2;
+      const Outcome b2 = fuzz.call("balance (larger budget)",
+                                   [&] { res2 = dflop::balance(costs, c.n, c.d, more.o); });
+      FUZZ_CHECK(b2 == Outcome::Returned, "budget " << c.o.work_budget << " found a schedule, "
+                                                    << more.o.work_budget << ": "
+                                                    << outcome_name(b2));
+      if (b2 == Outcome::Returned) {
+        FUZZ_CHECK(res2.makespan <= res.makespan * (1 + 1e-9),
+                   "budget " << more.o.work_budget << " gives makespan " << num(res2.makespan)
+                             << ", worse than " << num(res.makespan) << " with budget "
+                             << c.o.work_budget);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// =======================================================================================
+// pipeline_schedule / validate_pipeline_schedule_input / simulated_step_time
+
+namespace {
+
+struct ScheduleCase {
+  int64_t n = 0, d = 0;
+  Doubles costs;
+  Ints start;
+  dflop::PipelineScheduleOptions o;
+  Interrupter interrupt;
+  bool expect_reject = false;  // a value the header documents as invalid was injected
+};
+
+std::string describe(const ScheduleCase& c) {
+  std::ostringstream s;
+  const auto& o = c.o;
+  s << "pipeline_schedule(n=" << c.n << ", d=" << c.d << ", costs=" << vec(c.costs)
+    << ", start=" << vec(c.start) << ", num_microbatches=" << num(o.num_microbatches)
+    << ", dp_size=" << num(o.dp_size) << ", microbatch_dims=" << vec(o.microbatch_dims)
+    << ", replicas=" << vec(o.replicas) << ", units=" << vec(o.units)
+    << ", stages=" << vec(o.stages) << ", forward_fraction=" << vec(o.forward_fraction)
+    << ", microbatch_constant_s=" << vec(o.microbatch_constant_s)
+    << ", link_latency_s=" << num(o.link_latency_s) << ", capacity=" << vec(o.capacity)
+    << ", max_growth=" << num(o.max_growth) << ", seed=" << o.seed
+    << ", work_budget=" << num(o.work_budget) << ", time_limit_s=" << num(o.time_limit_s)
+    << ", interrupt_after=" << c.interrupt.after << ", expect_reject=" << c.expect_reject << ")";
+  return s.str();
+}
+
+int64_t replicas_of(const dflop::PipelineScheduleOptions& o, int64_t c) {
+  return o.replicas.empty() ? 1 : o.replicas[size_t(c)];
+}
+
+// The load a capacity (and the growth bound) applies to, per bin and dimension: the bin's
+// cost sum, or its microbatch's divided by the dimension's replicas (header).
+Doubles unit_loads(const ScheduleCase& c, const Ints& a) {
+  const int64_t dp = c.o.dp_size, bins = c.o.num_microbatches * dp, d = c.d;
+  std::vector<char> mb_dim(size_t(d), 0);
+  for (int64_t k : c.o.microbatch_dims) mb_dim[size_t(k)] = 1;
+  Doubles bin(size_t(bins * d), 0.0), mb(size_t(c.o.num_microbatches * d), 0.0);
+  for (int64_t i = 0; i < c.n; ++i) {
+    for (int64_t k = 0; k < d; ++k) {
+      bin[size_t(a[size_t(i)] * d + k)] += c.costs[size_t(i * d + k)];
+      mb[size_t(a[size_t(i)] / dp * d + k)] += c.costs[size_t(i * d + k)];
+    }
+  }
+  Doubles out(size_t(bins * d));
+  for (int64_t b = 0; b < bins; ++b) {
+    for (int64_t k = 0; k < d; ++k) {
+      out[size_t(b * d + k)] = mb_dim[size_t(k)]
+                                   ? mb[size_t(b / dp * d + k)] / double(replicas_of(c.o, k))
+                                   : bin[size_t(b * d + k)];
+    }
+  }
+  return out;
+}
+
+// The header's pipeline model of an assignment (microbatch index = execution order),
+// simulated with simulate_pipeline() once per data-parallel replica; the slowest counts.
+// Inputs must be valid.
+double model_step_time(const ScheduleCase& c, const Ints& a, double* max_stage_s = nullptr) {
+  const auto& o = c.o;
+  const int64_t m = o.num_microbatches, dp = o.dp_size, d = c.d;
+  std::vector<char> mb_dim(size_t(d), 0);
+  for (int64_t k : o.microbatch_dims) mb_dim[size_t(k)] = 1;
+  Ints stage_dim;
+  for (int64_t k = 0; k < d; ++k) {
+    for (int64_t s = 0; s < o.stages[size_t(k)]; ++s) stage_dim.push_back(k);
+  }
+  const int64_t S = int64_t(stage_dim.size());
+  // Seconds of one stage of module k for microbatch j on replica r.
+  auto stage_seconds = [&](int64_t j, int64_t k, int64_t r) {
+    double sum = 0.0;
+    bool work = false;
+    Ints members;
+    for (int64_t i = 0; i < c.n; ++i) {
+      const int64_t b = a[size_t(i)];
+      if (mb_dim[size_t(k)] ? b / dp != j : b != j * dp + r) continue;
+      const double cost = c.costs[size_t(i * d + k)];
+      sum += cost;
+      work = work || cost > 0.0;
+      members.push_back(i);
+    }
+    if (!work) return 0.0;
+    const double constant =
+        o.microbatch_constant_s.empty() ? 0.0 : o.microbatch_constant_s[size_t(k)];
+    const int64_t reps = replicas_of(o, k);
+    if (reps > 1) {
+      Ints units;
+      Doubles costs;
+      for (int64_t i : members) {
+        units.push_back(o.units[size_t(i)]);
+        costs.push_back(c.costs[size_t(i * d + k)]);
+      }
+      return dflop::split_units(units.data(), costs.data(), int64_t(members.size()), reps)
+                 .makespan +
+             constant;
+    }
+    return std::max(0.0, sum) + constant;
+  };
+  double step = 0.0;
+  for (int64_t r = 0; r < dp; ++r) {
+    dflop::PipelineSimInput in;
+    in.num_stages = S;
+    in.num_microbatches = m;
+    in.record_events = false;
+    in.forward_s.assign(size_t(S * m), 0.0);
+    in.backward_s.assign(size_t(S * m), 0.0);
+    in.link_latency_s.assign(size_t(S - 1), o.link_latency_s);
+    in.link_bandwidth_bytes_per_s.assign(size_t(S - 1), kInf);
+    for (int64_t j = 0; j < m; ++j) {
+      for (int64_t k = 0; k < d; ++k) {
+        const double load = stage_seconds(j, k, r);
+        if (max_stage_s != nullptr) *max_stage_s = std::max(*max_stage_s, load);
+        const double f = o.forward_fraction[size_t(k)] * load;
+        for (int64_t s = 0; s < S; ++s) {
+          if (stage_dim[size_t(s)] != k) continue;
+          in.forward_s[size_t(s * m + j)] = f;
+          in.backward_s[size_t(s * m + j)] = load - f;
+        }
+      }
+    }
+    step = std::max(step, dflop::simulate_pipeline(in).step_time_s);
+  }
+  return step;
+}
+
+ScheduleCase gen_schedule(Rng& r) {
+  ScheduleCase c;
+  auto& o = c.o;
+  c.d = r.range(1, 3);
+  o.num_microbatches = r.range(1, 5);
+  o.dp_size = r.chance(0.5) ? 1 : r.range(1, 3);
+  const int64_t bins = o.num_microbatches * o.dp_size;
+  c.n = bins + r.range(0, r.chance(0.2) ? 30 : 10);
+  c.costs = gen_values(r, c.n * c.d);
+  for (int64_t k = 0; k < c.d; ++k) {
+    if (r.chance(k == 0 ? 0.5 : 0.25)) o.microbatch_dims.push_back(k);
+  }
+  if (!o.microbatch_dims.empty() && r.chance(0.5)) {
+    o.replicas.assign(size_t(c.d), 1);
+    for (int64_t k : o.microbatch_dims) {
+      if (r.chance(0.7)) o.replicas[size_t(k)] = r.range(2, 4);
+    }
+  }
+  const bool replicated =
+      std::any_of(o.replicas.begin(), o.replicas.end(), [](int64_t x) { return x > 1; });
+  if (replicated || r.chance(0.2)) {
+    for (int64_t i = 0; i < c.n; ++i) {
+      o.units.push_back(r.chance(0.3) ? 0 : r.chance(0.05) ? r.range(7, 200) : r.range(1, 6));
+      for (int64_t k = 0; k < c.d && o.units.back() == 0; ++k) {
+        if (replicas_of(o, k) > 1) c.costs[size_t(i * c.d + k)] = 0.0;
+      }
+    }
+  }
+  for (int64_t k = 0; k < c.d; ++k) {
+    o.stages.push_back(r.chance(0.05) ? r.range(8, 64) : r.range(1, 3));
+    o.forward_fraction.push_back(r.pick({1.0 / 3.0, 0.0, 1.0, r.uniform()}));
+  }
+  if (c.d == 1 && r.chance(0.01)) o.stages[0] = 4096;
+  if (r.chance(0.6)) {
+    for (int64_t k = 0; k < c.d; ++k) {
+      o.microbatch_constant_s.push_back(r.chance(0.5) ? 0.0 : r.uniform(0, 0.1));
+    }
+  }
+  o.link_latency_s = r.chance(0.5) ? 0.0 : r.uniform(0, 0.01);
+  o.max_growth = r.pick({1.0, 1.05, 1.5, 4.0, kInf});
+  o.seed = r.next();
+  const int budget_kind = int(r.below(50));
+  o.work_budget = budget_kind < 5    ? 0
+                  : budget_kind < 38 ? r.range(1, 3000)
+                  : budget_kind < 49 ? r.range(3000, 20000)
+                                     : -1;
+  if (o.work_budget == -1 && c.n > 12) o.work_budget = 5000;  // the default is >= 1 ms of search
+  if (r.chance(0.15)) o.time_limit_s = r.pick({0.0, kInf, 1e-4, 1e300});
+  if (r.chance(0.03)) c.interrupt.after = r.range(1, 3);
+  // The start: balance()'s schedule, or a random one.
+  bool balanced = false;
+  if (r.chance(0.5)) {
+    dflop::BalanceOptions bo;
+    bo.num_microbatches = o.num_microbatches;
+    bo.dp_size = o.dp_size;
+    bo.microbatch_dims = o.microbatch_dims;
+    bo.work_budget = 500;
+    bo.seed = r.next();
+    try {
+      c.start = dflop::balance(c.costs.data(), c.n, c.d, bo).assignment;
+      balanced = true;
+    } catch (const dflop::InvalidArgument&) {
+    }
+  }
+  if (!balanced) c.start = random_assignment(r, c.n, bins);
+  if (r.chance(0.35)) {
+    // Capacities at or above the start's loads (below: the start itself is rejected).
+    const Doubles loads = unit_loads(c, c.start);
+    for (int64_t k = 0; k < c.d; ++k) {
+      double worst = 0.0;
+      for (int64_t b = 0; b < bins; ++b) worst = std::max(worst, loads[size_t(b * c.d + k)]);
+      const double factor = r.pick({1.0, 1.2, 2.0, kInf, 0.9});
+      o.capacity.push_back(worst * factor);
+    }
+  }
+  return c;
+}
+
+void mutate_schedule(Rng& r, ScheduleCase& c) {
+  auto& o = c.o;
+  const int64_t bins = o.num_microbatches * o.dp_size;
+  const int64_t count = r.range(1, 3);
+  for (int64_t m = 0; m < count; ++m) {
+    const size_t k = size_t(r.below(uint64_t(std::max<int64_t>(c.d, 1))));
+    switch (r.below(17)) {
+      case 0:
+        if (!c.costs.empty()) c.costs[r.below(c.costs.size())] = weird_double(r);
+        break;
+      case 1:
+        if (k < o.stages.size()) {
+          o.stages[k] = r.chance(0.5) ? weird_int(r) : r.pick<int64_t>({0, -1, 4096, 4097});
+        }
+        break;
+      case 2:
+        if (r.chance(0.5) || o.stages.empty()) {
+          o.stages.push_back(1);
+        } else {
+          o.stages.pop_back();
+        }
+        break;
+      case 3:
+        if (k < o.forward_fraction.size()) {
+          o.forward_fraction[k] =
+              r.chance(0.5) ? weird_double(r) : r.pick({-1e-9, 1.0 + 1e-9, -0.0});
+        }
+        break;
+      case 4:
+        o.forward_fraction.push_back(0.5);
+        break;
+      case 5:
+        if (!o.microbatch_constant_s.empty() && k < o.microbatch_constant_s.size() &&
+            r.chance(0.7)) {
+          o.microbatch_constant_s[k] = weird_double(r);
+        } else {
+          o.microbatch_constant_s.assign(size_t(c.d + 1), 0.0);
+        }
+        break;
+      case 6:
+        o.link_latency_s = weird_double(r);
+        break;
+      case 7:
+        o.max_growth = r.chance(0.5) ? weird_double(r) : r.pick({1.0 - 1e-12, 1.0, 1e308});
+        break;
+      case 8:
+        if (o.replicas.empty() || r.chance(0.3)) {
+          o.replicas.assign(size_t(c.d + r.range(0, 1)), 1);
+        } else if (k < o.replicas.size()) {
+          // Huge replica counts reach split_units (KB3): at most 64 here.
+          o.replicas[k] = r.chance(0.5) ? std::min<int64_t>(weird_int(r), 64) : r.range(0, 3);
+        }
+        break;
+      case 9:
+        if (!o.units.empty()) {
+          if (r.chance(0.3)) {
+            o.units.pop_back();
+          } else {
+            o.units[r.below(o.units.size())] = r.chance(0.5) ? -1 : 0;
+          }
+        }
+        break;
+      case 10:
+        if (r.chance(0.3)) {
+          c.start.resize(size_t(std::max<int64_t>(c.n + r.pick<int64_t>({-1, 1}), 0)), 0);
+        } else if (!c.start.empty()) {
+          c.start[r.below(c.start.size())] =
+              r.chance(0.5) ? weird_int(r) : r.pick<int64_t>({-1, bins});
+        }
+        break;
+      case 11:
+        if (bins >= 2) {  // empty bin 0
+          for (int64_t& b : c.start) {
+            if (b == 0) b = 1;
+          }
+        }
+        break;
+      case 12:
+        if (r.chance(0.5) || o.capacity.empty()) {
+          o.capacity.assign(size_t(r.range(0, c.d + 1)), kInf);
+        } else {
+          o.capacity[r.below(o.capacity.size())] = weird_double(r);
+        }
+        break;
+      case 13:
+        o.time_limit_s = weird_double(r);
+        break;
+      case 14:
+        o.work_budget = weird_int(r);
+        break;
+      case 15:
+        if (r.chance(0.5)) {
+          o.num_microbatches = weird_int(r);
+        } else {
+          o.dp_size = weird_int(r);
+        }
+        break;
+      default:
+        o.microbatch_dims.push_back(r.chance(0.5) ? weird_int(r) : r.range(0, c.d));
+        break;
+    }
+  }
+  // The search runs until its budget or time limit: a huge budget gets a short time limit.
+  if (o.work_budget > 1000000 && !(o.time_limit_s >= 0.0 && o.time_limit_s <= 0.01)) {
+    o.time_limit_s = 0.002;
+  }
+}
+
+// Whether the input breaks a rule that pipeline_schedule.hpp documents (so validation must
+// reject it): per-dimension lengths and ranges, replicas and units, the start assignment
+// and its capacities. False where the header says nothing (the caller then only checks the
+// exception type).
+bool schedule_documented_invalid(const ScheduleCase& c) {
+  const auto& o = c.o;
+  const int64_t d = c.d;
+  if (d < 1 || int64_t(c.costs.size()) != c.n * d) return false;
+  if (int64_t(o.stages.size()) != d || int64_t(o.forward_fraction.size()) != d) return true;
+  for (int64_t k = 0; k < d; ++k) {
+    const double f = o.forward_fraction[size_t(k)];
+    if (o.stages[size_t(k)] < 1 || !(f >= 0.0 && f <= 1.0)) return true;
+  }
+  if (!o.microbatch_constant_s.empty()) {
+    if (int64_t(o.microbatch_constant_s.size()) != d) return true;
+    for (double v : o.microbatch_constant_s) {
+      if (std::isnan(v) || v < 0.0) return true;
+    }
+  }
+  if (std::isnan(o.link_latency_s) || o.link_latency_s < 0.0) return true;
+  if (!(o.max_growth >= 1.0)) return true;
+  std::vector<char> mb_dim(size_t(d), 0);
+  bool dims_ok = true;
+  for (int64_t k : o.microbatch_dims) {
+    if (k < 0 || k >= d || mb_dim[size_t(k)]) {
+      dims_ok = false;
+      continue;
+    }
+    mb_dim[size_t(k)] = 1;
+  }
+  bool replicated = false;
+  if (!o.replicas.empty()) {
+    if (int64_t(o.replicas.size()) != d) return true;
+    for (int64_t k = 0; k < d; ++k) {
+      const int64_t x = o.replicas[size_t(k)];
+      if (x < 1 || (x > 1 && !mb_dim[size_t(k)])) return true;
+      replicated = replicated || x > 1;
+    }
+  }
+  if (replicated) {
+    if (int64_t(o.units.size()) != c.n) return true;
+    for (int64_t i = 0; i < c.n; ++i) {
+      if (o.units[size_t(i)] < 0) return true;
+      for (int64_t k = 0; k < d; ++k) {
+        if (o.replicas[size_t(k)] > 1 && o.units[size_t(i)] == 0 &&
+            c.costs[size_t(i * d + k)] > 0.0)
+          return true;
+      }
+    }
+  }
+  const int64_t m = o.num_microbatches, dp = o.dp_size;
+  if (m < 1 || dp < 1 || m > 4096 || dp > 4096) return false;
+  const int64_t bins = m * dp;
+  if (int64_t(c.start.size()) != c.n) return true;
+  if (!all_bins_used(c.start, bins)) return true;
+  if (o.capacity.empty() || !dims_ok) return false;
+  if (int64_t(o.capacity.size()) != d) return true;
+  if (!moderate(c.costs)) return false;
+  const Doubles loads = unit_loads(c, c.start);
+  for (int64_t b = 0; b < bins; ++b) {
+    for (int64_t k = 0; k < d; ++k) {
+      if (loads[size_t(b * d + k)] > o.capacity[size_t(k)] * (1 + 1e-6)) return true;
+    }
+  }
+  return false;
+}
+
+// KB16: some stage load (a bin's or microbatch's cost sum plus the constant, or a replicated
+// dimension's piece cost) could overflow to +inf.
+bool schedule_overflows(const ScheduleCase& c) {
+  const auto& o = c.o;
+  if (c.d < 1 || int64_t(c.costs.size()) != c.n * c.d) return false;
+  const double big = kDblMax / 4;
+  for (int64_t k = 0; k < c.d; ++k) {
+    double total = 0.0;
+    for (int64_t i = 0; i < c.n; ++i) {
+      const double x = c.costs[size_t(i * c.d + k)];
+      if (std::isfinite(x) && x > 0.0) total += x;
+      const int64_t reps = int64_t(o.replicas.size()) == c.d ? o.replicas[size_t(k)] : 1;
+      const int64_t units = int64_t(o.units.size()) == c.n ? o.units[size_t(i)] : 1;
+      if (reps > 1 && units > 1 && std::isfinite(x) && x > big / double(units)) return true;
+    }
+    const double constant = int64_t(o.microbatch_constant_s.size()) == c.d &&
+                                    std::isfinite(o.microbatch_constant_s[size_t(k)])
+                                ? std::max(0.0, o.microbatch_constant_s[size_t(k)])
+                                : 0.0;
+    if (!(total + constant <= big)) return true;
+  }
+  return false;
+}
+
+void check_schedule(const ScheduleCase& c, const dflop::PipelineScheduleResult& res,
+                    double start_step, Outcome start_outcome) {
+  const auto& o = c.o;
+  const int64_t bins = o.num_microbatches * o.dp_size, d = c.d;
+  FUZZ_REQUIRE(int64_t(res.assignment.size()) == c.n, "size " << res.assignment.size());
+  FUZZ_REQUIRE(all_bins_used(res.assignment, bins),
+               "every bin stays non-empty, values in [0, " << bins << "): " << vec(res.assignment));
+  const auto& st = res.stats;
+  FUZZ_CHECK(
+      res.step_time_s <= st.start_step_time_s * (1 + 1e-12),
+      "slower than the start: " << num(res.step_time_s) << " vs " << num(st.start_step_time_s));
+  FUZZ_CHECK(res.step_time_s <= st.ordered_step_time_s * (1 + 1e-12) &&
+                 st.ordered_step_time_s <= st.start_step_time_s * (1 + 1e-12),
+             "step " << num(res.step_time_s) << ", ordered " << num(st.ordered_step_time_s)
+                     << ", start " << num(st.start_step_time_s));
+  if (start_outcome == Outcome::Returned) {
+    FUZZ_CHECK(rel_near(st.start_step_time_s, start_step, 1e-12),
+               "stats.start_step_time_s " << num(st.start_step_time_s)
+                                          << " vs simulated_step_time(start) " << num(start_step));
+  }
+  // The result's microbatch indices are the execution order: simulating it gives its step.
+  double again = 0.0;
+  const Outcome a = Fuzz::current().call("simulated_step_time(result)", [&] {
+    again = dflop::simulated_step_time(c.costs.data(), c.n, d, res.assignment, o);
+  });
+  FUZZ_CHECK(a == Outcome::Returned, outcome_name(a));
+  if (a == Outcome::Returned) {
+    FUZZ_CHECK(rel_near(again, res.step_time_s, 1e-9),
+               "step_time_s " << num(res.step_time_s) << " but simulated_step_time(result) "
+                              << num(again));
+  }
+  if (moderate(c.costs) && moderate(o.link_latency_s) && moderate(o.microbatch_constant_s)) {
+    FUZZ_CHECK(std::isfinite(res.step_time_s) && res.step_time_s >= 0.0,
+               "step_time_s " << num(res.step_time_s));
+  }
+  // Hard capacities and the growth bound (max_growth x the start's makespan).
+  const Doubles before = unit_loads(c, c.start), after = unit_loads(c, res.assignment);
+  for (int64_t k = 0; k < d; ++k) {
+    double start_makespan = 0.0, total = 0.0;
+    for (int64_t b = 0; b < bins; ++b) {
+      start_makespan = std::max(start_makespan, before[size_t(b * d + k)]);
+    }
+    for (int64_t i = 0; i < c.n; ++i) total += c.costs[size_t(i * d + k)];
+    double bound = start_makespan > 0.0 ? o.max_growth * start_makespan : 0.0;
+    if (!o.capacity.empty()) bound = std::min(bound, o.capacity[size_t(k)]);
+    bound = std::max(bound, start_makespan);
+    for (int64_t b = 0; b < bins; ++b) {
+      const double v = after[size_t(b * d + k)];
+      FUZZ_CHECK(v <= bound * (1 + 1e-9) + 1e-12 * total,
+                 "dimension " << k << " bin " << b << " load " << num(v) << " over the bound "
+                              << num(bound) << " (start makespan " << num(start_makespan) << ")");
+    }
+  }
+  if (o.work_budget >= 0) {
+    FUZZ_CHECK(st.work_budget == o.work_budget, "stats.work_budget " << st.work_budget);
+    FUZZ_CHECK(st.work_used <= o.work_budget || st.evaluations <= 3,
+               "work_used " << st.work_used << " > budget " << o.work_budget << " after "
+                            << st.evaluations << " evaluations");
+  }
+  FUZZ_CHECK(st.evaluations >= 1 && st.improving_moves >= 0 && st.perturbations >= 0,
+             "stats " << st.evaluations << " " << st.improving_moves << " " << st.perturbations);
+}
+
+TEST_CASE(fuzz_pipeline_schedule) {
+  Fuzz fuzz("fuzz_pipeline_schedule", 8);
+  fuzz.run([&](Rng& r) {
+    ScheduleCase c = gen_schedule(r);
+    if (r.chance(0.35)) mutate_schedule(r, c);
+    c.expect_reject = schedule_documented_invalid(c);
+    fuzz.describe([&c] { return describe(c); });
+    if (schedule_overflows(c)) {
+      if (!fuzz.known_bug("KB16")) return;
+    }
+    c.o.interrupted = c.interrupt.check();
+    const double* costs = c.costs.empty() ? nullptr : c.costs.data();
+    std::string v_what, p_what;
+    const Outcome v = fuzz.call(
+        "validate_pipeline_schedule_input",
+        [&] { dflop::validate_pipeline_schedule_input(costs, c.n, c.d, c.start, c.o); }, nullptr,
+        &v_what);
+    if (c.expect_reject) {
+      FUZZ_CHECK(v == Outcome::Invalid || v == Outcome::Infeasible,
+                 "documented-invalid input: " << outcome_name(v));
+    }
+    dflop::PipelineScheduleResult res;
+    const Outcome p = fuzz.call(
+        "pipeline_schedule", [&] { res = dflop::pipeline_schedule(costs, c.n, c.d, c.start, c.o); },
+        c.interrupt.fired.get(), &p_what);
+    if (v == Outcome::Returned) {
+      FUZZ_CHECK(
+          p == Outcome::Returned || p == Outcome::Interrupted,
+          "validated input, but pipeline_schedule: " << outcome_name(p) << " (" << p_what << ")");
+    } else if (v != Outcome::Failed) {
+      FUZZ_CHECK(p == v && p_what == v_what,
+                 "validate: " << outcome_name(v) << " (" << v_what << "), pipeline_schedule: "
+                              << outcome_name(p) << " (" << p_what << ")");
+    }
+    FUZZ_CHECK((p == Outcome::Interrupted) == *c.interrupt.fired,
+               "interrupt fired: " << *c.interrupt.fired << ", outcome " << outcome_name(p));
+    // The start's step (simulated_step_time ignores the capacities).
+    double start_step = 0.0;
+    const Outcome s = fuzz.call("simulated_step_time", [&] {
+      start_step = dflop::simulated_step_time(costs, c.n, c.d, c.start, c.o);
+    });
+    if (v == Outcome::Returned) FUZZ_CHECK(s == Outcome::Returned, outcome_name(s));
+    if (p != Outcome::Returned) return;
+    check_schedule(c, res, start_step, s);
+    if (c.o.time_limit_s < 0 && c.interrupt.after < 0 && r.chance(0.1)) {
+      dflop::PipelineScheduleResult res2;
+      const Outcome p2 = fuzz.call("pipeline_schedule (again)", [&] {
+        res2 = dflop::pipeline_schedule(costs, c.n, c.d, c.start, c.o);
+      });
+      FUZZ_CHECK(p2 == Outcome::Returned && res2.assignment == res.assignment &&
+                     res2.step_time_s == res.step_time_s,
+                 "not reproducible: " << num(res.step_time_s) << " then " << num(res2.step_time_s));
+    }
+  });
+}
+
+// simulated_step_time on random assignments against the header's model (simulate_pipeline
+// per replica, split_units for replicated dimensions).
+TEST_CASE(fuzz_simulated_step_time) {
+  Fuzz fuzz("fuzz_simulated_step_time", 4);
+  fuzz.run([&](Rng& r) {
+    ScheduleCase c = gen_schedule(r);
+    c.o.capacity.clear();  // ignored by simulated_step_time
+    c.start = random_assignment(r, c.n, c.o.num_microbatches * c.o.dp_size);
+    if (r.chance(0.3)) mutate_schedule(r, c);
+    c.o.capacity.clear();
+    c.expect_reject = schedule_documented_invalid(c);
+    fuzz.describe([&c] { return describe(c); });
+    if (schedule_overflows(c)) {
+      if (!fuzz.known_bug("KB16")) return;
+    }
+    const double* costs = c.costs.empty() ? nullptr : c.costs.data();
+    double step = 0.0;
+    const Outcome s = fuzz.call("simulated_step_time", [&] {
+      step = dflop::simulated_step_time(costs, c.n, c.d, c.start, c.o);
+    });
+    if (c.expect_reject) {
+      FUZZ_CHECK(s == Outcome::Invalid || s == Outcome::Infeasible,
+                 "documented-invalid input: " << outcome_name(s));
+    }
+    if (s != Outcome::Returned) return;
+    double model = 0.0, max_stage = 0.0;
+    const Outcome m = fuzz.call("model (simulate_pipeline)",
+                                [&] { model = model_step_time(c, c.start, &max_stage); });
+    // A step holds every stage's forward and backward of every microbatch.
+    FUZZ_CHECK(step >= max_stage * (1 - 1e-12),
+               "step " << num(step) << " shorter than one stage's microbatch " << num(max_stage));
+    FUZZ_CHECK(m == Outcome::Returned, "the model of a valid input: " << outcome_name(m));
+    if (m == Outcome::Returned) {
+      FUZZ_CHECK(rel_near(step, model, 1e-12),
+                 "simulated_step_time " << num(step) << " vs the header's model " << num(model));
+    }
+    FUZZ_CHECK(step >= 0.0, num(step));
+    if (moderate(c.costs) && moderate(c.o.link_latency_s) && moderate(c.o.microbatch_constant_s)) {
+      FUZZ_CHECK(std::isfinite(step), num(step));
+    }
+  });
+}
+
+}  // namespace
+
+// =======================================================================================
+// plan_routing
+
+namespace {
+
+struct RoutingCase {
+  Ints src, dst, rows;
+  int64_t n = 0, num_src = 1, num_dst = 1;
+};
+
+std::string describe(const RoutingCase& c) {
+  std::ostringstream s;
+  s << "plan_routing(src_replica=" << vec(c.src) << ", dst_replica=" << vec(c.dst)
+    << ", rows=" << vec(c.rows) << ", num_samples=" << num(c.n) << ", num_src=" << num(c.num_src)
+    << ", num_dst=" << num(c.num_dst) << ")";
+  return s.str();
+}
+
+// The header's validity rule (n < 0 counts as invalid too).
+bool routing_valid(const RoutingCase& c) {
+  if (c.n < 0 || c.num_src < 1 || c.num_dst < 1) return false;
+  for (int64_t i = 0; i < c.n; ++i) {
+    const size_t k = size_t(i);
+    if (c.src[k] < 0 || c.src[k] >= c.num_src || c.dst[k] < 0 || c.dst[k] >= c.num_dst ||
+        c.rows[k] < 0)
+      return false;
+  }
+  return true;
+}
+
+const char* routing_known_bug(const RoutingCase& c) {
+  if (c.num_src >= 1 && c.num_dst >= 1) {
+    int64_t pairs = 0;
+    if (mul_overflows(c.num_src, c.num_dst, &pairs) || pairs > (int64_t{1} << 24)) return "KB5";
+  }
+  if (!routing_valid(c)) return nullptr;
+  // Rows summed per (src, dst) pair.
+  std::vector<std::pair<std::pair<int64_t, int64_t>, int64_t>> sums;
+  for (int64_t i = 0; i < c.n; ++i) {
+    const auto key = std::make_pair(c.src[size_t(i)], c.dst[size_t(i)]);
+    auto it = std::find_if(sums.begin(), sums.end(), [&](const auto& e) { return e.first == key; });
+    if (it == sums.end()) {
+      sums.push_back({key, c.rows[size_t(i)]});
+    } else if (__builtin_add_overflow(it->second, c.rows[size_t(i)], &it->second)) {
+      return "KB6";
+    }
+  }
+  return nullptr;
+}
+
+RoutingCase gen_routing(Rng& r) {
+  RoutingCase c;
+  c.num_src = r.chance(0.1) ? r.range(5, 64) : r.range(1, 4);
+  c.num_dst = r.chance(0.1) ? r.range(5, 64) : r.range(1, 4);
+  c.n = r.chance(0.1) ? 0 : r.range(1, r.chance(0.1) ? 200 : 30);
+  const int rows_kind = int(r.below(4));
+  for (int64_t i = 0; i < c.n; ++i) {
+    c.src.push_back(r.range(0, c.num_src - 1));
+    c.dst.push_back(r.range(0, c.num_dst - 1));
+    c.rows.push_back(rows_kind == 0   ? 0
+                     : rows_kind == 1 ? r.range(0, 1000)
+                     : rows_kind == 2 ? r.range(0, int64_t{1} << 40)
+                                      : r.range(1, 8));
+  }
+  return c;
+}
+
+void mutate_routing(Rng& r, RoutingCase& c) {
+  const int64_t count = r.range(1, 3);
+  for (int64_t m = 0; m < count; ++m) {
+    const size_t i = size_t(r.below(uint64_t(std::max<int64_t>(c.n, 1))));
+    switch (r.below(7)) {
+      case 0:
+        c.num_src = r.chance(0.5) ? weird_int(r) : r.range(-1, 1);
+        break;
+      case 1:
+        c.num_dst = r.chance(0.5) ? weird_int(r) : r.range(-1, 1);
+        break;
+      case 2:
+        if (i < c.src.size()) c.src[i] = r.chance(0.5) ? weird_int(r) : c.num_src;
+        break;
+      case 3:
+        if (i < c.dst.size()) c.dst[i] = r.chance(0.5) ? weird_int(r) : c.num_dst;
+        break;
+      case 4:
+        if (i < c.rows.size()) c.rows[i] = weird_int(r);
+        break;
+      case 5:  // fewer samples than the arrays hold, or a negative count
+        c.n = r.chance(0.8) ? r.range(0, c.n) : r.pick<int64_t>({-1, kI64Min});
+        break;
+      default:
+        if (i < c.rows.size()) c.rows[i] = kI64Max - r.range(0, 3);
+        break;
+    }
+  }
+}
+
+void check_routing(const RoutingCase& c, const dflop::RoutingPlan& p) {
+  const int64_t S = c.num_src, D = c.num_dst, n = c.n;
+  FUZZ_CHECK(p.num_samples == n && p.num_src == S && p.num_dst == D,
+             p.num_samples << " " << p.num_src << " " << p.num_dst);
+  FUZZ_REQUIRE(int64_t(p.send_rows.size()) == S * D, "send_rows " << p.send_rows.size());
+  FUZZ_REQUIRE(int64_t(p.pair_offsets.size()) == S * D + 1,
+               "pair_offsets " << p.pair_offsets.size());
+  FUZZ_REQUIRE(int64_t(p.pair_samples.size()) == n, "pair_samples " << p.pair_samples.size());
+  FUZZ_REQUIRE(int64_t(p.send_offsets.size()) == S + 1, "send_offsets " << p.send_offsets.size());
+  FUZZ_REQUIRE(int64_t(p.send_order.size()) == n, "send_order " << p.send_order.size());
+  FUZZ_REQUIRE(int64_t(p.recv_offsets.size()) == D + 1, "recv_offsets " << p.recv_offsets.size());
+  FUZZ_REQUIRE(int64_t(p.recv_order.size()) == n, "recv_order " << p.recv_order.size());
+  for (const Ints* offsets : {&p.pair_offsets, &p.send_offsets, &p.recv_offsets}) {
+    FUZZ_REQUIRE(offsets->front() == 0 && offsets->back() == n, vec(*offsets));
+    FUZZ_REQUIRE(std::is_sorted(offsets->begin(), offsets->end()),
+                 "not monotone: " << vec(*offsets));
+  }
+  // The documented orders, built naively.
+  for (int64_t s = 0; s < S; ++s) {
+    Ints send;
+    for (int64_t d = 0; d < D; ++d) {
+      Ints pair;
+      int64_t rows = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        if (c.src[size_t(i)] == s && c.dst[size_t(i)] == d) {
+          pair.push_back(i);
+          if (__builtin_add_overflow(rows, c.rows[size_t(i)], &rows)) rows = -1;  // KB6
+        }
+      }
+      const size_t q = size_t(s * D + d);
+      FUZZ_CHECK(p.send_rows[q] == rows,
+                 "send_rows[" << q << "]=" << p.send_rows[q] << " vs " << rows);
+      const Ints got(p.pair_samples.begin() + p.pair_offsets[q],
+                     p.pair_samples.begin() + p.pair_offsets[q + 1]);
+      FUZZ_CHECK(got == pair,
+                 "pair (" << s << ", " << d << "): " << vec(got) << " vs " << vec(pair));
+      send.insert(send.end(), pair.begin(), pair.end());
+    }
+    const Ints got(p.send_order.begin() + p.send_offsets[size_t(s)],
+                   p.send_order.begin() + p.send_offsets[size_t(s) + 1]);
+    FUZZ_CHECK(got == send, "send order of " << s << ": " << vec(got) << " vs " << vec(send));
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    Ints recv;
+    for (int64_t i = 0; i < n; ++i) {
+      if (c.dst[size_t(i)] == d) recv.push_back(i);
+    }
+    const Ints got(p.recv_order.begin() + p.recv_offsets[size_t(d)],
+                   p.recv_order.begin() + p.recv_offsets[size_t(d) + 1]);
+    FUZZ_CHECK(got == recv, "recv order of " << d << ": " << vec(got) << " vs " << vec(recv));
+  }
+}
+
+TEST_CASE(fuzz_plan_routing) {
+  Fuzz fuzz("fuzz_plan_routing", 16);
+  fuzz.run([&](Rng& r) {
+    RoutingCase c = gen_routing(r);
+    if (r.chance(0.4)) mutate_routing(r, c);
+    fuzz.describe([&c] { return describe(c); });
+    if (const char* bug = routing_known_bug(c)) {
+      if (!fuzz.known_bug(bug)) return;
+    }
+    const bool valid = routing_valid(c);
+    dflop::RoutingPlan plan;
+    const Outcome o = fuzz.call("plan_routing", [&] {
+      plan =
+          dflop::plan_routing(c.src.data(), c.dst.data(), c.rows.data(), c.n, c.num_src, c.num_dst);
+    });
+    FUZZ_CHECK(o == (valid ? Outcome::Returned : Outcome::Invalid),
+               (valid ? "valid" : "invalid") << " input: " << outcome_name(o));
+    if (o == Outcome::Returned) check_routing(c, plan);
+  });
+}
+
+}  // namespace
+
+// =======================================================================================
+// split_units
+
+namespace {
+
+struct SplitCase {
+  Ints units;
+  Doubles costs;
+  int64_t n = 0, replicas = 1;
+  dflop::SplitGranularity granularity = dflop::SplitGranularity::Unit;
+  double unit_cost = -1.0;  // >= 0: every costly sample costs units x unit_cost exactly
+};
+
+std::string describe(const SplitCase& c) {
+  std::ostringstream s;
+  s << "split_units(units=" << vec(c.units) << ", costs=" << vec(c.costs)
+    << ", num_samples=" << num(c.n) << ", num_replicas=" << num(c.replicas)
+    << ", granularity=" << int(c.granularity) << ")";
+  return s.str();
+}
+
+bool split_valid(const SplitCase& c) {
+  if (c.n < 0 || c.replicas < 1) return false;
+  if (c.granularity != dflop::SplitGranularity::Unit &&
+      c.granularity != dflop::SplitGranularity::Sample)
+    return false;
+  for (int64_t i = 0; i < c.n; ++i) {
+    const int64_t u = c.units[size_t(i)];
+    const double x = c.costs[size_t(i)];
+    if (u < 0 || !nonneg_finite(x) || (u == 0 && x > 0.0)) return false;
+  }
+  return true;
+}
+
+const char* split_known_bug(const SplitCase& c) {
+  if (c.replicas > (int64_t{1} << 20)) return "KB3";
+  if (c.n < 0) return nullptr;
+  for (int64_t i = 0; i < c.n; ++i) {
+    const int64_t u = c.units[size_t(i)];
+    const double x = c.costs[size_t(i)];
+    if (u > 1 && std::isfinite(x) && x > kDblMax / double(u) / 2) return "KB17";
+  }
+  int64_t total = 0;
+  for (int64_t i = 0; i < c.n; ++i) {
+    const int64_t u = c.units[size_t(i)];
+    if (u > 0 && __builtin_add_overflow(total, u, &total)) return "KB4";
+  }
+  if (c.replicas >= 1 && total / c.replicas > (int64_t{1} << 20)) return "KB4";
+  return nullptr;
+}
+
+SplitCase gen_split(Rng& r) {
+  SplitCase c;
+  c.n = r.chance(0.1) ? r.range(20, 80) : r.range(0, 20);
+  c.replicas = r.chance(0.1) ? r.range(7, 64) : r.range(1, 6);
+  c.granularity = r.chance(0.7) ? dflop::SplitGranularity::Unit : dflop::SplitGranularity::Sample;
+  const bool equal = r.chance(0.5);
+  if (equal) c.unit_cost = r.chance(0.1) ? 1.0 : r.log_uniform(1e-3, 10.0);
+  const Doubles raw = gen_values(r, c.n);
+  for (int64_t i = 0; i < c.n; ++i) {
+    const int64_t u = r.chance(0.25) ? 0 : r.chance(0.05) ? r.range(9, 300) : r.range(1, 8);
+    c.units.push_back(u);
+    c.costs.push_back(u == 0 || r.chance(0.1) ? 0.0
+                      : equal                 ? double(u) * c.unit_cost
+                                              : raw[size_t(i)]);
+  }
+  return c;
+}
+
+void mutate_split(Rng& r, SplitCase& c) {
+  c.unit_cost = -1.0;
+  const int64_t count = r.range(1, 3);
+  for (int64_t m = 0; m < count; ++m) {
+    const size_t i = size_t(r.below(uint64_t(std::max<int64_t>(c.n, 1))));
+    switch (r.below(6)) {
+      case 0:
+        c.replicas = r.chance(0.5) ? weird_int(r) : r.range(-1, 1);
+        break;
+      case 1:
+        if (i < c.units.size()) c.units[i] = r.chance(0.5) ? weird_int(r) : r.range(-1, 0);
+        break;
+      case 2:
+        if (i < c.costs.size()) c.costs[i] = weird_double(r);
+        break;
+      case 3:
+        c.granularity = static_cast<dflop::SplitGranularity>(r.pick<int>({2, -1, 127, 0, 1}));
+        break;
+      case 4:
+        c.n = r.chance(0.8) ? r.range(0, c.n) : r.pick<int64_t>({-1, kI64Min});
+        break;
+      default:  // zero cost with units (free samples), or cost without units
+        if (i < c.costs.size()) c.costs[i] = r.chance(0.5) ? 0.0 : 1.0;
+        break;
+    }
+  }
+}
+
+// Plain LPT of whole samples (costliest first, ties by index, onto the least loaded
+// replica, ties by index): the bound the header promises the unit split never exceeds.
+double lpt_makespan(const SplitCase& c) {
+  Ints order;
+  for (int64_t i = 0; i < c.n; ++i) {
+    if (c.costs[size_t(i)] > 0.0) order.push_back(i);
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return c.costs[size_t(a)] > c.costs[size_t(b)]; });
+  Doubles load(size_t(std::min<int64_t>(c.replicas, std::max<int64_t>(int64_t(order.size()), 1))),
+               0.0);
+  double worst = 0.0;
+  for (int64_t i : order) {
+    const size_t r = size_t(std::min_element(load.begin(), load.end()) - load.begin());
+    load[r] += c.costs[size_t(i)];
+    worst = std::max(worst, load[r]);
+  }
+  return worst;
+}
+
+void check_split(const SplitCase& c, const dflop::UnitSplit& s) {
+  const int64_t R = c.replicas, n = c.n;
+  if (R > (int64_t{1} << 20)) return;  // KB3, run with DFLOP_FUZZ_KNOWN_BUGS
+  FUZZ_CHECK(s.num_replicas == R, s.num_replicas);
+  const size_t pieces = s.sample.size();
+  FUZZ_REQUIRE(
+      s.first_unit.size() == pieces && s.num_units.size() == pieces && s.replica.size() == pieces,
+      "piece arrays of different lengths");
+  FUZZ_REQUIRE(int64_t(s.replica_cost.size()) == R && int64_t(s.replica_units.size()) == R,
+               "replica arrays " << s.replica_cost.size() << " " << s.replica_units.size());
+  Ints next(size_t(n), 0), replica_units(size_t(R), 0);
+  Doubles replica_cost(size_t(R), 0.0);
+  for (size_t p = 0; p < pieces; ++p) {
+    const int64_t i = s.sample[p];
+    FUZZ_REQUIRE(i >= 0 && i < n, "piece " << p << " sample " << i);
+    FUZZ_REQUIRE(s.replica[p] >= 0 && s.replica[p] < R,
+                 "piece " << p << " replica " << s.replica[p]);
+    FUZZ_REQUIRE(s.num_units[p] >= 1, "piece " << p << " has " << s.num_units[p] << " units");
+    if (p > 0) {
+      FUZZ_REQUIRE(
+          std::make_pair(s.sample[p - 1], s.first_unit[p - 1]) < std::make_pair(i, s.first_unit[p]),
+          "pieces not ordered by (sample, first_unit) at " << p);
+    }
+    FUZZ_REQUIRE(s.first_unit[p] == next[size_t(i)], "sample " << i << ": piece starts at unit "
+                                                               << s.first_unit[p] << ", expected "
+                                                               << next[size_t(i)]);
+    next[size_t(i)] += s.num_units[p];
+    replica_units[size_t(s.replica[p])] += s.num_units[p];
+    replica_cost[size_t(s.replica[p])] +=
+        c.costs[size_t(i)] * double(s.num_units[p]) / double(c.units[size_t(i)]);
+    if (c.granularity == dflop::SplitGranularity::Sample) {
+      FUZZ_CHECK(s.first_unit[p] == 0 && s.num_units[p] == c.units[size_t(i)],
+                 "sample granularity cut sample " << i);
+    }
+  }
+  double total = 0.0, largest_unit = 0.0, largest_sample = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    FUZZ_CHECK(next[size_t(i)] == c.units[size_t(i)], "sample " << i << ": " << next[size_t(i)]
+                                                                << " of " << c.units[size_t(i)]
+                                                                << " units covered");
+    if (c.units[size_t(i)] > 0) {
+      total += c.costs[size_t(i)];
+      largest_unit = std::max(largest_unit, c.costs[size_t(i)] / double(c.units[size_t(i)]));
+      largest_sample = std::max(largest_sample, c.costs[size_t(i)]);
+    }
+  }
+  double makespan = 0.0;
+  for (int64_t r = 0; r < R; ++r) {
+    FUZZ_CHECK(s.replica_units[size_t(r)] == replica_units[size_t(r)],
+               "replica_units[" << r << "]=" << s.replica_units[size_t(r)] << " vs "
+                                << replica_units[size_t(r)]);
+    FUZZ_CHECK(rel_near(s.replica_cost[size_t(r)], replica_cost[size_t(r)], 1e-9),
+               "replica_cost[" << r << "]=" << num(s.replica_cost[size_t(r)]) << " vs "
+                               << num(replica_cost[size_t(r)]));
+    makespan = std::max(makespan, s.replica_cost[size_t(r)]);
+  }
+  FUZZ_CHECK(s.makespan == makespan, "makespan " << num(s.makespan) << " vs " << num(makespan));
+  if (std::isfinite(total)) {  // no replica holds more than everything
+    FUZZ_CHECK(s.makespan <= total * (1 + 1e-9) + 1e-300,
+               "makespan " << num(s.makespan) << " above the total cost " << num(total));
+  }
+  if (!moderate(c.costs)) return;
+  const bool unit = c.granularity == dflop::SplitGranularity::Unit;
+  const double lower = std::max(total / double(R), unit ? largest_unit : largest_sample);
+  FUZZ_CHECK(s.makespan >= lower * (1 - 1e-9) - 1e-300,
+             "makespan " << num(s.makespan) << " below the lower bound " << num(lower));
+  if (!unit) return;
+  const double lpt = lpt_makespan(c);
+  FUZZ_CHECK(s.makespan <= lpt * (1 + 1e-9) + 1e-300,
+             "unit split " << num(s.makespan) << " worse than whole-sample LPT " << num(lpt));
+  if (c.unit_cost > 0.0) {  // equal unit costs: c x ceil(U / R), the optimum
+    int64_t costly_units = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (c.costs[size_t(i)] > 0.0) costly_units += c.units[size_t(i)];
+    }
+    const double optimum = c.unit_cost * double((costly_units + R - 1) / R);
+    FUZZ_CHECK(s.makespan <= optimum * (1 + 1e-9) + 1e-300,
+               "equal unit costs " << num(c.unit_cost) << ": makespan " << num(s.makespan)
+                                   << " above the optimum " << num(optimum));
+  }
+}
+
+TEST_CASE(fuzz_split_units) {
+  Fuzz fuzz("fuzz_split_units", 12);
+  fuzz.run([&](Rng& r) {
+    SplitCase c = gen_split(r);
+    if (r.chance(0.35)) mutate_split(r, c);
+    fuzz.describe([&c] { return describe(c); });
+    if (const char* bug = split_known_bug(c)) {
+      if (!fuzz.known_bug(bug)) return;
+    }
+    const bool valid = split_valid(c);
+    dflop::UnitSplit s;
+    const Outcome o = fuzz.call("split_units", [&] {
+      s = dflop::split_units(c.units.data(), c.costs.data(), c.n, c.replicas, c.granularity);
+    });
+    FUZZ_CHECK(o == (valid ? Outcome::Returned : Outcome::Invalid),
+               (valid ? "valid" : "invalid") << " input: " << outcome_name(o));
+    if (o != Outcome::Returned) return;
+    check_split(c, s);
+    if (r.chance(0.1)) {
+      const dflop::UnitSplit again =
+          dflop::split_units(c.units.data(), c.costs.data(), c.n, c.replicas, c.granularity);
+      FUZZ_CHECK(again.sample == s.sample && again.first_unit == s.first_unit &&
+                     again.num_units == s.num_units && again.replica == s.replica,
+                 "not deterministic");
+    }
+  });
+}
+
+}  // namespace
+
+// =======================================================================================
+// pipeline_actions, parse_schedule_kind, simulate_pipeline
+
+namespace {
+
+using dflop::PipelineAction;
+using dflop::ScheduleKind;
+
+// The header's second formulation of 1F1B ("run a forward while forwards remain and fewer
+// than S - stage microbatches are in flight, else the oldest backward"), and GPipe.
+std::vector<PipelineAction> reference_actions(ScheduleKind kind, int64_t S, int64_t m,
+                                              int64_t stage) {
+  std::vector<PipelineAction> out;
+  if (kind == ScheduleKind::GPipe) {
+    for (int64_t k = 0; k < m; ++k) out.push_back({true, k});
+    for (int64_t k = 0; k < m; ++k) out.push_back({false, k});
+    return out;
+  }
+  int64_t forwards = 0, backwards = 0;
+  while (backwards < m) {
+    if (forwards < m && forwards - backwards < S - stage) {
+      out.push_back({true, forwards++});
+    } else {
+      out.push_back({false, backwards++});
+    }
+  }
+  return out;
+}
+
+std::string actions_text(const std::vector<PipelineAction>& a) {
+  std::string s;
+  for (const auto& x : a) s += (x.is_forward ? " F" : " B") + std::to_string(x.microbatch);
+  return s;
+}
+
+TEST_CASE(fuzz_pipeline_actions) {
+  Fuzz fuzz("fuzz_pipeline_actions", 16);
+  fuzz.run([&](Rng& r) {
+    auto kind = r.chance(0.5) ? ScheduleKind::OneFOneB : ScheduleKind::GPipe;
+    int64_t S = r.range(1, 10), m = r.chance(0.1) ? r.range(13, 300) : r.range(1, 12);
+    int64_t stage = r.range(0, S - 1);
+    if (r.chance(0.3)) {
+      switch (r.below(4)) {
+        case 0:
+          S = weird_int(r);
+          break;
+        case 1:
+          m = r.chance(0.5) ? weird_int(r) : r.range(-1, 0);
+          break;
+        case 2:
+          stage = r.chance(0.5) ? weird_int(r) : r.pick<int64_t>({-1, S});
+          break;
+        default:
+          kind = static_cast<ScheduleKind>(r.pick<int>({2, -1, 127}));
+          break;
+      }
+    }
+    fuzz.describe([=] {
+      return "pipeline_actions(kind=" + std::to_string(int(kind)) + ", num_stages=" + num(S) +
+             ", num_microbatches=" + num(m) + ", stage=" + num(stage) + ")";
+    });
+    if (m > (int64_t{1} << 24)) {  // the result has 2 m actions: unbounded m is KB7
+      if (!fuzz.known_bug("KB7")) return;
+    }
+    const bool valid = S >= 1 && m >= 1 && stage >= 0 && stage < S &&
+                       (kind == ScheduleKind::OneFOneB || kind == ScheduleKind::GPipe);
+    std::vector<PipelineAction> got;
+    const Outcome o =
+        fuzz.call("pipeline_actions", [&] { got = dflop::pipeline_actions(kind, S, m, stage); });
+    FUZZ_CHECK(o == (valid ? Outcome::Returned : Outcome::Invalid),
+               (valid ? "valid" : "invalid") << " input: " << outcome_name(o));
+    if (o != Outcome::Returned || m > (int64_t{1} << 24)) return;
+    const auto expected = reference_actions(kind, S, m, stage);
+    bool same = got.size() == expected.size();
+    for (size_t i = 0; same && i < got.size(); ++i) {
+      same = got[i].is_forward == expected[i].is_forward &&
+             got[i].microbatch == expected[i].microbatch;
+    }
+    FUZZ_CHECK(same, "got" << actions_text(got) << ", documented" << actions_text(expected));
+    // The first formulation: w = min(S - 1 - stage, m) warm-up forwards, steady pairs,
+    // cool-down backwards.
+    if (kind == ScheduleKind::OneFOneB) {
+      const int64_t w = std::min(S - 1 - stage, m);
+      std::vector<PipelineAction> first;
+      for (int64_t k = 0; k < w; ++k) first.push_back({true, k});
+      for (int64_t i = 0; i < m - w; ++i)
+        first.push_back({true, w + i}), first.push_back({false, i});
+      for (int64_t k = m - w; k < m; ++k) first.push_back({false, k});
+      FUZZ_CHECK(actions_text(first) == actions_text(expected),
+                 "the header's two 1F1B formulations differ:" << actions_text(first) << " vs"
+                                                              << actions_text(expected));
+    }
+  });
+}
+
+TEST_CASE(fuzz_parse_schedule_kind) {
+  Fuzz fuzz("fuzz_parse_schedule_kind", 8);
+  fuzz.run([&](Rng& r) {
+    std::string name;
+    switch (r.below(4)) {
+      case 0:  // the two names in random case
+        name = r.chance(0.5) ? "1f1b" : "gpipe";
+        for (char& ch : name) {
+          if (r.chance(0.5)) ch = char(std::toupper(static_cast<unsigned char>(ch)));
+        }
+        break;
+      case 1: {  // near misses
+        name = r.pick<std::string>({"1f1b", "gpipe", "GPipe", "1F1B"});
+        const int edit = int(r.below(4));
+        if (edit == 0) name += r.pick<std::string>({" ", "\n", std::string(1, '\0'), "x"});
+        if (edit == 1) name = r.pick<std::string>({" ", "\t", "x"}) + name;
+        if (edit == 2 && !name.empty()) name.erase(r.below(name.size()), 1);
+        if (edit == 3) name[r.below(name.size())] = char(r.range(-128, 127));
+        break;
+      }
+      case 2: {  // random bytes
+        const int64_t len = r.range(0, 12);
+        for (int64_t i = 0; i < len; ++i) name += char(r.range(-128, 127));
+        break;
+      }
+      default:
+        name = r.pick<std::string>({"", "1f1b\xc3\xa9", "GPIPE", "1F1B", "ｇｐｉｐｅ", "gpipe\xff",
+                                    std::string(1000, 'g'), "1f1b1f1b", "interleaved"});
+        break;
+    }
+    fuzz.describe([=] {
+      return "parse_schedule_kind(\"" + name + "\") (" + std::to_string(name.size()) + " bytes)";
+    });
+    std::string lower = name;
+    for (char& ch : lower) ch = char(std::tolower(static_cast<unsigned char>(ch)));
+    ScheduleKind kind = ScheduleKind::OneFOneB;
+    const Outcome o =
+        fuzz.call("parse_schedule_kind", [&] { kind = dflop::parse_schedule_kind(name); });
+    if (lower == "1f1b" || lower == "gpipe") {
+      FUZZ_CHECK(o == Outcome::Returned, outcome_name(o));
+      if (o == Outcome::Returned) {
+        FUZZ_CHECK(kind == (lower == "1f1b" ? ScheduleKind::OneFOneB : ScheduleKind::GPipe),
+                   int(kind));
+        FUZZ_CHECK(dflop::schedule_kind_name(kind) == lower, dflop::schedule_kind_name(kind));
+      }
+    } else {
+      FUZZ_CHECK(o == Outcome::Invalid, outcome_name(o));
+    }
+  });
+}
+
+// ---- simulate_pipeline against an independent implementation of the header's model -----
+
+struct SimCase {
+  dflop::PipelineSimInput in;
+};
+
+std::string describe(const SimCase& c) {
+  const auto& in = c.in;
+  std::ostringstream s;
+  s << "simulate_pipeline(num_replicas=" << num(in.num_replicas)
+    << ", num_stages=" << num(in.num_stages) << ", num_microbatches=" << num(in.num_microbatches)
+    << ", schedule=" << int(in.schedule) << ", forward_s=" << vec(in.forward_s)
+    << ", backward_s=" << vec(in.backward_s) << ", link_latency_s=" << vec(in.link_latency_s)
+    << ", link_bandwidth_bytes_per_s=" << vec(in.link_bandwidth_bytes_per_s)
+    << ", activation_bytes=" << vec(in.activation_bytes) << ", allreduce_s=" << vec(in.allreduce_s)
+    << ", record_events=" << in.record_events << ")";
+  return s.str();
+}
+
+bool all_nonneg_finite(const Doubles& v) {
+  return std::all_of(v.begin(), v.end(), [](double x) { return nonneg_finite(x); });
+}
+
+// The header's validity rules.
+bool sim_valid(const dflop::PipelineSimInput& in) {
+  const int64_t R = in.num_replicas, S = in.num_stages, m = in.num_microbatches;
+  if (R < 1 || S < 1 || m < 1) return false;
+  if (in.schedule != ScheduleKind::OneFOneB && in.schedule != ScheduleKind::GPipe) return false;
+  int64_t rs = 0, cells = 0, links = 0;
+  if (mul_overflows(R, S, &rs) || mul_overflows(rs, m, &cells)) return false;
+  if (int64_t(in.forward_s.size()) != cells || int64_t(in.backward_s.size()) != cells) return false;
+  if (!all_nonneg_finite(in.forward_s) || !all_nonneg_finite(in.backward_s)) return false;
+  if (int64_t(in.link_latency_s.size()) != S - 1 || !all_nonneg_finite(in.link_latency_s))
+    return false;
+  if (int64_t(in.link_bandwidth_bytes_per_s.size()) != S - 1) return false;
+  for (double b : in.link_bandwidth_bytes_per_s) {
+    if (!(b > 0.0)) return false;
+  }
+  if (!in.activation_bytes.empty()) {
+    if (mul_overflows(R * (S - 1), m, &links) || int64_t(in.activation_bytes.size()) != links ||
+        !all_nonneg_finite(in.activation_bytes))
+      return false;
+  }
+  if (!in.allreduce_s.empty() &&
+      (int64_t(in.allreduce_s.size()) != S || !all_nonneg_finite(in.allreduce_s)))
+    return false;
+  return true;
+}
+
+struct RefSim {
+  Doubles compute_end, busy;
+  double step = 0.0;
+  std::vector<dflop::SimEvent> events;
+  bool deadlock = false;
+};
+
+// The step as the header describes it, stage by stage in passes until nothing moves (no
+// worklist, no shared code with the core).
+RefSim reference_simulate(const dflop::PipelineSimInput& in) {
+  const int64_t R = in.num_replicas, S = in.num_stages, m = in.num_microbatches;
+  RefSim out;
+  out.compute_end.assign(size_t(R * S), 0.0);
+  out.busy.assign(size_t(R * S), 0.0);
+  std::vector<std::vector<PipelineAction>> orders;
+  for (int64_t s = 0; s < S; ++s) orders.push_back(reference_actions(in.schedule, S, m, s));
+  using dflop::EventKind;
+  for (int64_t r = 0; r < R; ++r) {
+    Doubles fwd_arrival(size_t(S * m), 0.0), bwd_arrival(size_t(S * m), 0.0);
+    std::vector<char> fwd_known(size_t(S * m), 0), bwd_known(size_t(S * m), 0);
+    Doubles free_s(size_t(S), 0.0), link_fwd(size_t(S), 0.0), link_bwd(size_t(S), 0.0);
+    std::vector<size_t> next(size_t(S), 0);
+    auto send = [&](int64_t from, int64_t to, int64_t k, double ready) {
+      const int64_t link = std::min(from, to);
+      const double bytes = in.activation_bytes.empty()
+                               ? 0.0
+                               : in.activation_bytes[size_t((r * (S - 1) + link) * m + k)];
+      const double transfer =
+          bytes == 0.0 ? 0.0 : bytes / in.link_bandwidth_bytes_per_s[size_t(link)];
+      double& link_free = (to > from ? link_fwd : link_bwd)[size_t(link)];
+      const double start = std::max(ready, link_free);
+      link_free = start + transfer;
+      const double arrival = link_free + in.link_latency_s[size_t(link)];
+      out.events.push_back({r, from, EventKind::Send, k, to, start, arrival});
+      return arrival;
+    };
+    for (bool moved = true; moved;) {
+      moved = false;
+      for (int64_t s = 0; s < S; ++s) {
+        const auto& order = orders[size_t(s)];
+        while (next[size_t(s)] < order.size()) {
+          const PipelineAction a = order[next[size_t(s)]];
+          const size_t sk = size_t(s * m + a.microbatch);
+          double input = 0.0;
+          if (a.is_forward && s > 0) {
+            if (!fwd_known[sk]) break;
+            input = fwd_arrival[sk];
+          }
+          if (!a.is_forward && s < S - 1) {
+            if (!bwd_known[sk]) break;
+            input = bwd_arrival[sk];
+          }
+          const size_t cell = size_t((r * S + s) * m + a.microbatch);
+          const double duration = a.is_forward ? in.forward_s[cell] : in.backward_s[cell];
+          const double start = std::max(free_s[size_t(s)], input);
+          const double end = start + duration;
+          free_s[size_t(s)] = end;
+          out.busy[size_t(r * S + s)] += duration;
+          out.events.push_back({r, s, a.is_forward ? EventKind::Forward : EventKind::Backward,
+                                a.microbatch, -1, start, end});
+          ++next[size_t(s)];
+          moved = true;
+          if (a.is_forward && s < S - 1) {
+            const size_t to = size_t((s + 1) * m + a.microbatch);
+            fwd_arrival[to] = send(s, s + 1, a.microbatch, end);
+            fwd_known[to] = 1;
+          } else if (!a.is_forward && s > 0) {
+            const size_t to = size_t((s - 1) * m + a.microbatch);
+            bwd_arrival[to] = send(s, s - 1, a.microbatch, end);
+            bwd_known[to] = 1;
+          }
+        }
+      }
+    }
+    for (int64_t s = 0; s < S; ++s) {
+      if (next[size_t(s)] != orders[size_t(s)].size()) out.deadlock = true;
+      out.compute_end[size_t(r * S + s)] = free_s[size_t(s)];
+    }
+  }
+  for (int64_t s = 0; s < S; ++s) {
+    double start = 0.0;
+    for (int64_t r = 0; r < R; ++r) start = std::max(start, out.compute_end[size_t(r * S + s)]);
+    double end = start;
+    if (!in.allreduce_s.empty()) {
+      end = start + in.allreduce_s[size_t(s)];
+      for (int64_t r = 0; r < R; ++r) {
+        out.events.push_back({r, s, dflop::EventKind::AllReduce, -1, -1, start, end});
+      }
+    }
+    out.step = std::max(out.step, end);
+  }
+  auto key = [](const dflop::SimEvent& e) {
+    return std::make_tuple(e.start_s, e.replica, e.stage, int(e.kind), e.microbatch, e.peer_stage);
+  };
+  std::sort(out.events.begin(), out.events.end(),
+            [&](const auto& a, const auto& b) { return key(a) < key(b); });
+  return out;
+}
+
+SimCase gen_sim(Rng& r) {
+  SimCase c;
+  auto& in = c.in;
+  in.num_replicas = r.range(1, 3);
+  in.num_stages = r.range(1, 6);
+  in.num_microbatches = r.chance(0.1) ? r.range(9, 40) : r.range(1, 8);
+  in.schedule = r.chance(0.5) ? ScheduleKind::OneFOneB : ScheduleKind::GPipe;
+  const int64_t R = in.num_replicas, S = in.num_stages, m = in.num_microbatches;
+  in.forward_s = gen_values(r, R * S * m);
+  in.backward_s = gen_values(r, R * S * m);
+  for (int64_t l = 0; l + 1 < S; ++l) {
+    in.link_latency_s.push_back(r.chance(0.4) ? 0.0 : r.uniform(0, 1e-3));
+    in.link_bandwidth_bytes_per_s.push_back(r.pick({kInf, 1e9, 3e11, r.uniform(1.0, 100.0)}));
+  }
+  if (r.chance(0.6)) {
+    in.activation_bytes = gen_values(r, R * (S - 1) * m);
+    const double scale = r.pick({1.0, 1e6, 1e9});
+    for (double& b : in.activation_bytes) b *= scale;
+  }
+  if (r.chance(0.5)) in.allreduce_s = gen_values(r, S);
+  in.record_events = r.chance(0.8);
+  return c;
+}
+
+void mutate_sim(Rng& r, SimCase& c) {
+  auto& in = c.in;
+  auto poke = [&](Doubles& v) {
+    if (!v.empty()) v[r.below(v.size())] = weird_double(r);
+  };
+  const int64_t count = r.range(1, 3);
+  for (int64_t k = 0; k < count; ++k) {
+    switch (r.below(12)) {
+      case 0:
+        in.num_replicas =
+            r.chance(0.5) ? weird_int(r) : add_sat(in.num_replicas, r.pick<int64_t>({-1, 1}));
+        break;
+      case 1:
+        in.num_stages =
+            r.chance(0.5) ? weird_int(r) : add_sat(in.num_stages, r.pick<int64_t>({-1, 1}));
+        break;
+      case 2:
+        in.num_microbatches =
+            r.chance(0.5) ? weird_int(r) : add_sat(in.num_microbatches, r.pick<int64_t>({-1, 1}));
+        break;
+      case 3:
+        in.schedule = static_cast<ScheduleKind>(r.pick<int>({2, -1, 127}));
+        break;
+      case 4:
+        poke(r.chance(0.5) ? in.forward_s : in.backward_s);
+        break;
+      case 5:
+        poke(in.link_latency_s);
+        break;
+      case 6:
+        if (!in.link_bandwidth_bytes_per_s.empty()) {
+          in.link_bandwidth_bytes_per_s[r.below(in.link_bandwidth_bytes_per_s.size())] =
+              r.chance(0.5) ? weird_double(r) : r.pick({0.0, -0.0, kDenormMin, -kInf});
+        }
+        break;
+      case 7:
+        poke(in.activation_bytes);
+        break;
+      case 8:
+        poke(in.allreduce_s);
+        break;
+      case 9: {  // a length off by one, or emptied
+        Doubles* v = r.pick<Doubles*>({&in.forward_s, &in.backward_s, &in.link_latency_s,
+                                       &in.link_bandwidth_bytes_per_s, &in.activation_bytes,
+                                       &in.allreduce_s});
+        if (r.chance(0.3)) {
+          v->clear();
+        } else if (r.chance(0.5) || v->empty()) {
+          v->push_back(1.0);
+        } else {
+          v->pop_back();
+        }
+        break;
+      }
+      case 10:  // zero durations everywhere (ties in the event order)
+        std::fill(in.forward_s.begin(), in.forward_s.end(), 0.0);
+        std::fill(in.backward_s.begin(), in.backward_s.end(), 0.0);
+        break;
+      default:
+        in.record_events = !in.record_events;
+        break;
+    }
+  }
+}
+
+void check_sim(const dflop::PipelineSimInput& in, const dflop::PipelineSimResult& res) {
+  const int64_t R = in.num_replicas, S = in.num_stages, m = in.num_microbatches;
+  const size_t grid = size_t(R * S);
+  FUZZ_REQUIRE(
+      res.compute_end_s.size() == grid && res.busy_s.size() == grid && res.idle_s.size() == grid,
+      "result arrays " << res.compute_end_s.size() << " " << res.busy_s.size() << " "
+                       << res.idle_s.size() << ", expected " << grid);
+  const RefSim ref = reference_simulate(in);
+  FUZZ_REQUIRE(!ref.deadlock, "the reference deadlocked (the action orders are wrong)");
+  FUZZ_CHECK(rel_near(res.step_time_s, ref.step, 1e-12),
+             "step_time_s " << num(res.step_time_s) << ", reference " << num(ref.step));
+  double step = 0.0;
+  for (int64_t s = 0; s < S; ++s) {
+    double end = 0.0;
+    for (int64_t r = 0; r < R; ++r) end = std::max(end, res.compute_end_s[size_t(r * S + s)]);
+    step = std::max(step, end + (in.allreduce_s.empty() ? 0.0 : in.allreduce_s[size_t(s)]));
+  }
+  FUZZ_CHECK(res.step_time_s == step, "step_time_s " << num(res.step_time_s)
+                                                     << " vs max over stages of last backward + "
+                                                     << "all-reduce " << num(step));
+  for (size_t i = 0; i < grid; ++i) {
+    FUZZ_CHECK(rel_near(res.compute_end_s[i], ref.compute_end[i], 1e-12),
+               "compute_end_s[" << i << "]=" << num(res.compute_end_s[i]) << ", reference "
+                                << num(ref.compute_end[i]));
+    FUZZ_CHECK(rel_near(res.busy_s[i], ref.busy[i], 1e-12),
+               "busy_s[" << i << "]=" << num(res.busy_s[i]) << ", reference " << num(ref.busy[i]));
+    FUZZ_CHECK(res.step_time_s >= res.compute_end_s[i],
+               "step " << num(res.step_time_s) << " before compute_end_s[" << i << "]");
+    FUZZ_CHECK(res.idle_s[i] == res.step_time_s - res.busy_s[i], "idle_s[" << i << "]");
+  }
+  const bool moderate_input =
+      moderate(in.forward_s) && moderate(in.backward_s) && moderate(in.link_latency_s) &&
+      moderate(in.allreduce_s) && moderate(in.activation_bytes) &&
+      std::all_of(in.link_bandwidth_bytes_per_s.begin(), in.link_bandwidth_bytes_per_s.end(),
+                  [](double b) { return b >= 1e-3; });
+  if (moderate_input) {
+    FUZZ_CHECK(std::isfinite(res.step_time_s), num(res.step_time_s));
+  }
+  if (!in.record_events) {
+    FUZZ_CHECK(res.events.empty(), res.events.size() << " events recorded");
+    return;
+  }
+  const size_t expected =
+      size_t(2 * R * S * m + 2 * R * (S - 1) * m) + (in.allreduce_s.empty() ? 0 : grid);
+  FUZZ_REQUIRE(
+      res.events.size() == expected && ref.events.size() == expected,
+      res.events.size() << " events, reference " << ref.events.size() << ", expected " << expected);
+  for (size_t i = 0; i < expected; ++i) {
+    const auto& a = res.events[i];
+    const auto& b = ref.events[i];
+    FUZZ_REQUIRE(a.replica == b.replica && a.stage == b.stage && a.kind == b.kind &&
+                     a.microbatch == b.microbatch && a.peer_stage == b.peer_stage &&
+                     rel_near(a.start_s, b.start_s, 1e-12) && rel_near(a.end_s, b.end_s, 1e-12),
+                 "event " << i << ": (r" << a.replica << " s" << a.stage << " kind " << int(a.kind)
+                          << " mb " << a.microbatch << " peer " << a.peer_stage << " "
+                          << num(a.start_s) << ".." << num(a.end_s) << "), reference (r"
+                          << b.replica << " s" << b.stage << " kind " << int(b.kind) << " mb "
+                          << b.microbatch << " peer " << b.peer_stage << " " << num(b.start_s)
+                          << ".." << num(b.end_s) << ")");
+  }
+}
+
+TEST_CASE(fuzz_simulate_pipeline) {
+  Fuzz fuzz("fuzz_simulate_pipeline", 12);
+  fuzz.run([&](Rng& r) {
+    SimCase c = gen_sim(r);
+    if (r.chance(0.35)) mutate_sim(r, c);
+    fuzz.describe([&c] { return describe(c); });
+    const bool valid = sim_valid(c.in);
+    dflop::PipelineSimResult res;
+    const Outcome o = fuzz.call("simulate_pipeline", [&] { res = dflop::simulate_pipeline(c.in); });
+    FUZZ_CHECK(o == (valid ? Outcome::Returned : Outcome::Invalid),
+               (valid ? "valid" : "invalid") << " input: " << outcome_name(o));
+    const Outcome v =
+        fuzz.call("validate_pipeline_input", [&] { dflop::validate_pipeline_input(c.in); });
+    FUZZ_CHECK(v == (valid ? Outcome::Returned : Outcome::Invalid),
+               (valid ? "valid" : "invalid") << " input: " << outcome_name(v));
+    if (o == Outcome::Returned) check_sim(c.in, res);
+  });
+}
+
+}  // namespace
+
+// =======================================================================================
+// Planner: split_layers, padded_heads, default_microbatch_choices
+
+namespace {
+
+TEST_CASE(fuzz_planner_helpers) {
+  Fuzz fuzz("fuzz_planner_helpers", 16);
+  fuzz.run([&](Rng& r) {
+    // split_layers: brute-force optimum for small sizes.
+    int64_t L = r.range(1, 14), S = r.range(1, std::min<int64_t>(L, 5));
+    double per_layer = r.pick({1.0, r.uniform(0.1, 3.0), 0.0});
+    double first = r.chance(0.5) ? 0.0 : r.uniform(0, 5);
+    double last = r.chance(0.3) ? 0.0 : r.uniform(0, 5);
+    const bool balanced = r.chance(0.7);
+    if (r.chance(0.3)) {
+      switch (r.below(5)) {
+        case 0:
+          L = weird_int(r);
+          break;
+        case 1:
+          S = r.chance(0.5) ? weird_int(r) : L + 1;
+          break;
+        case 2:
+          per_layer = weird_double(r);
+          break;
+        case 3:
+          first = weird_double(r);
+          break;
+        default:
+          last = weird_double(r);
+          break;
+      }
+    }
+    int64_t heads = r.range(1, 64), tp = r.range(1, 16), max_m = r.range(-2, 100);
+    if (r.chance(0.2)) heads = weird_int(r);
+    if (r.chance(0.2)) tp = weird_int(r);
+    if (r.chance(0.2)) max_m = weird_int(r);
+    fuzz.describe([=] {
+      return "split_layers(" + num(L) + ", " + num(S) + ", " + num(per_layer) + ", " + num(first) +
+             ", " + num(last) + ", " + (balanced ? "true" : "false") + "); padded_heads(" +
+             num(heads) + ", " + num(tp) + "); default_microbatch_choices(" + num(max_m) + ")";
+    });
+    if (S > (int64_t{1} << 20) || (L > (int64_t{1} << 20) && balanced)) {
+      if (!fuzz.known_bug("KB8")) goto heads;
+    }
+    {
+      Ints got;
+      const Outcome o = fuzz.call("split_layers", [&] {
+        got = dflop::split_layers(L, S, per_layer, first, last, balanced);
+      });
+      const bool valid = S >= 1 && S <= L;
+      FUZZ_CHECK(o == (valid ? Outcome::Returned : Outcome::Invalid),
+                 (valid ? "valid" : "invalid") << " input: " << outcome_name(o));
+      if (o == Outcome::Returned && int64_t(got.size()) == S) {
+        FUZZ_CHECK(std::accumulate(got.begin(), got.end(), int64_t{0}) == L, vec(got));
+        FUZZ_CHECK(std::all_of(got.begin(), got.end(), [](int64_t x) { return x >= 1; }), vec(got));
+        Ints uniform(size_t(S), L / S);
+        for (int64_t s = 0; s < L % S; ++s) ++uniform[size_t(s)];
+        if (!balanced || S == 1 || !(per_layer > 0)) {
+          FUZZ_CHECK(got == uniform, vec(got) << " vs uniform " << vec(uniform));
+        } else if (first == 0.0 && per_layer > 0 && std::isfinite(per_layer) && last >= 0 &&
+                   std::isfinite(last) && L <= 14) {
+          // Documented optimal for min-max with one extra on the last stage.
+          auto load = [&](const Ints& split) {
+            double worst = 0.0;
+            for (int64_t s = 0; s < S; ++s) {
+              worst =
+                  std::max(worst, double(split[size_t(s)]) * per_layer + (s == S - 1 ? last : 0.0));
+            }
+            return worst;
+          };
+          double best = kInf;
+          Ints split(size_t(S), 1);
+          std::function<void(int64_t, int64_t)> enumerate = [&](int64_t s, int64_t left) {
+            if (s == S - 1) {
+              split[size_t(s)] = left;
+              best = std::min(best, load(split));
+              return;
+            }
+            for (int64_t x = 1; x <= left - (S - 1 - s); ++x) {
+              split[size_t(s)] = x;
+              enumerate(s + 1, left - x);
+            }
+          };
+          enumerate(0, L);
+          FUZZ_CHECK(load(got) <= best * (1 + 1e-12),
+                     "balanced split " << vec(got) << " has max load " << num(load(got))
+                                       << ", the optimum is " << num(best));
+        }
+      } else if (o == Outcome::Returned) {
+        FUZZ_CHECK(int64_t(got.size()) == S, got.size() << " stages, expected " << S);
+      }
+    }
+  heads:
+    if (heads >= 1 && tp >= 1 && heads > kI64Max - tp) {
+      if (!fuzz.known_bug("KB9")) goto choices;
+    }
+    {
+      int64_t padded = 0;
+      const Outcome o = fuzz.call("padded_heads", [&] { padded = dflop::padded_heads(heads, tp); });
+      const bool valid = heads >= 1 && tp >= 1;
+      FUZZ_CHECK(o == (valid ? Outcome::Returned : Outcome::Invalid),
+                 (valid ? "valid" : "invalid") << " input: " << outcome_name(o));
+      if (o == Outcome::Returned) {
+        FUZZ_CHECK(padded >= heads && padded % tp == 0 && padded - heads < tp,
+                   "padded_heads(" << heads << ", " << tp << ") = " << padded);
+      }
+    }
+  choices:
+    if (max_m >= (int64_t{1} << 62)) {
+      if (!fuzz.known_bug("KB10")) return;
+    }
+    Ints choices;
+    const Outcome o = fuzz.call("default_microbatch_choices",
+                                [&] { choices = dflop::default_microbatch_choices(max_m); });
+    FUZZ_CHECK(o == Outcome::Returned, outcome_name(o));
+    if (o != Outcome::Returned) return;
+    // 1, 2, 3, 4, 6, 8, 12, 16, ... up to max_m, and max_m itself.
+    Ints expected;
+    for (int64_t p = 1; max_m >= 1 && p <= max_m; p *= 2) {
+      expected.push_back(p);
+      if (p >= 2 && p <= max_m - p / 2) expected.push_back(p + p / 2);
+      if (p > max_m / 2) break;
+    }
+    if (max_m >= 1) expected.push_back(max_m);
+    std::sort(expected.begin(), expected.end());
+    expected.erase(std::unique(expected.begin(), expected.end()), expected.end());
+    FUZZ_CHECK(choices == expected, vec(choices) << " vs " << vec(expected));
+  });
+}
+
+}  // namespace
+
+// =======================================================================================
+// Planner: plan_layouts, evaluate_layout, build_step, stage_costs, step_from_assignment
+
+namespace {
+
+struct PlannerCase {
+  dflop::ClusterParams cluster;
+  dflop::ModuleParams enc, llm;
+  dflop::PlannerSamples x;
+  dflop::PlannerOptions o;
+  Interrupter interrupt;
+};
+
+std::string describe(const dflop::ModuleParams& p) {
+  std::ostringstream s;
+  s << "{" << num(p.num_layers) << ", " << num(p.num_heads) << ", " << num(p.hidden_size) << ", "
+    << num(p.params_per_layer) << ", " << num(p.first_stage_params) << ", "
+    << num(p.last_stage_params) << ", " << num(p.activation_bytes_per_token_layer) << ", "
+    << num(p.last_stage_activation_bytes_per_token) << ", " << num(p.microbatch_constant_s) << ", "
+    << num(p.attention_compute_fraction) << ", " << num(p.attention_param_fraction) << ", "
+    << num(p.attention_activation_fraction) << ", " << num(p.forward_fraction) << "}";
+  return s.str();
+}
+
+std::string describe(const dflop::ModuleLayout& l) {
+  std::ostringstream s;
+  s << "{tp=" << num(l.tp) << ", pp=" << num(l.pp) << ", dp=" << num(l.dp)
+    << ", first_rank=" << num(l.first_rank) << ", layers_per_stage=" << vec(l.layers_per_stage)
+    << ", recompute=" << l.recompute << "}";
+  return s.str();
+}
+
+std::string describe(const dflop::Layout& l) {
+  return std::string("Layout{colocated=") + (l.colocated ? "1" : "0") +
+         ", encoder=" + describe(l.encoder) + ", llm=" + describe(l.llm) +
+         ", num_microbatches=" + num(l.num_microbatches) + "}";
+}
+
+std::string describe(const PlannerCase& c) {
+  std::ostringstream s;
+  const auto& cl = c.cluster;
+  const auto& o = c.o;
+  s << "cluster{" << num(cl.num_gpus) << ", " << num(cl.gpus_per_node) << ", "
+    << num(cl.gpu_memory_bytes) << ", " << num(cl.intra_node_bandwidth_bytes_per_s) << ", "
+    << num(cl.inter_node_bandwidth_bytes_per_s) << ", " << num(cl.link_latency_s) << ", "
+    << num(cl.tp_gemm_loss) << ", " << num(cl.memory_reserve_bytes) << "}, encoder"
+    << describe(c.enc) << ", llm" << describe(c.llm)
+    << ", samples{num_batches=" << num(c.x.num_batches) << ", batch_size=" << num(c.x.batch_size)
+    << ", encoder_s=" << vec(c.x.encoder_s) << ", llm_s=" << vec(c.x.llm_s)
+    << ", encoder_last_fraction=" << vec(c.x.encoder_last_fraction)
+    << ", llm_last_fraction=" << vec(c.x.llm_last_fraction)
+    << ", encoder_tokens=" << vec(c.x.encoder_tokens)
+    << ", encoder_units=" << vec(c.x.encoder_units) << ", llm_tokens=" << vec(c.x.llm_tokens)
+    << ", visual_tokens=" << vec(c.x.visual_tokens) << "}, options{strategy=" << int(o.strategy)
+    << ", global_batch=" << num(o.global_batch) << ", prune=" << o.prune
+    << ", top_k=" << num(o.top_k) << ", order_microbatches=" << o.order_microbatches
+    << ", balanced_layer_split=" << o.balanced_layer_split << ", zero1=" << o.zero1
+    << ", max_tp=" << num(o.max_tp) << ", microbatch_choices=" << vec(o.microbatch_choices)
+    << ", balance_work_budget=" << num(o.balance_work_budget) << ", seed=" << o.seed
+    << ", num_threads=" << num(o.num_threads) << ", encoder_split=" << int(o.encoder_split)
+    << ", colocated_candidates=" << o.colocated_candidates
+    << ", screen_factor=" << num(o.screen_factor) << ", patience=" << num(o.patience)
+    << ", encoder_max_tp=" << num(o.encoder_max_tp)
+    << ", encoder_gpu_choices=" << vec(o.encoder_gpu_choices)
+    << ", interrupt_after=" << c.interrupt.after << "}";
+  return s.str();
+}
+
+dflop::ModuleParams gen_module(Rng& r, bool encoder) {
+  dflop::ModuleParams p;
+  p.num_layers = encoder ? r.range(1, 12) : r.range(1, 16);
+  p.num_heads =
+      encoder ? r.pick<int64_t>({1, 5, 8, 12, 16, 25}) : r.pick<int64_t>({1, 2, 4, 8, 16, 32, 40});
+  p.hidden_size = r.pick<int64_t>({64, 256, 1024, 2048, 4096});
+  p.params_per_layer = r.log_uniform(1e5, 1e8);
+  p.first_stage_params = r.chance(0.3) ? 0.0 : r.log_uniform(1e5, 1e8);
+  p.last_stage_params = r.chance(0.3) ? 0.0 : r.log_uniform(1e5, 1e8);
+  p.activation_bytes_per_token_layer =
+      34.0 * double(p.hidden_size) * (r.chance(0.2) ? r.uniform() : 1.0);
+  p.last_stage_activation_bytes_per_token = encoder || r.chance(0.3) ? 0.0 : 4.0 * 32000;
+  p.microbatch_constant_s = r.chance(0.3) ? 0.0 : r.uniform(0, 3e-3);
+  p.attention_compute_fraction = r.chance(0.5) ? 1.0 : r.uniform();
+  p.attention_param_fraction = r.chance(0.5) ? 1.0 : r.uniform();
+  p.attention_activation_fraction = r.chance(0.5) ? 1.0 : r.uniform();
+  p.forward_fraction = r.chance(0.6) ? 1.0 / 3.0 : r.pick({0.0, 1.0, r.uniform()});
+  return p;
+}
+
+PlannerCase gen_planner(Rng& r) {
+  PlannerCase c;
+  auto& cl = c.cluster;
+  cl.gpus_per_node = r.pick<int64_t>({1, 2, 4, 8, 3});
+  cl.num_gpus = r.chance(0.1) ? r.range(9, 32) : r.range(2, 8);
+  cl.gpu_memory_bytes = r.pick({80e9, 40e9, 8e9, 1e9, 1e13});
+  cl.intra_node_bandwidth_bytes_per_s = r.log_uniform(5e10, 1e12);
+  cl.inter_node_bandwidth_bytes_per_s = r.log_uniform(5e9, 1e11);
+  cl.link_latency_s = r.chance(0.2) ? 0.0 : r.uniform(0, 2e-5);
+  cl.tp_gemm_loss = r.chance(0.2) ? 0.0 : r.uniform(0, 0.15);
+  cl.memory_reserve_bytes = r.chance(0.2) ? 2e9 : 0.0;
+  c.enc = gen_module(r, true);
+  c.llm = gen_module(r, false);
+  auto& x = c.x;
+  x.num_batches = r.chance(0.1) ? 3 : r.range(1, 2);
+  x.batch_size = r.chance(0.1) ? r.range(17, 64) : r.range(1, 16);
+  const bool equal_units = r.chance(0.6);
+  const double unit_s = r.log_uniform(0.005, 0.1);
+  const double tokens_per_unit = r.pick({729.0, 256.0, 1.0});
+  for (int64_t i = 0; i < x.num_batches * x.batch_size; ++i) {
+    const int64_t units = r.chance(1.0 / 3.0) ? 0
+                          : r.chance(0.03)    ? r.range(11, 400)
+                                              : r.range(1, 10);
+    const double seq = r.uniform(100, 4000) + double(units) * 100.0;
+    x.encoder_units.push_back(units);
+    x.encoder_s.push_back(units == 0 || r.chance(0.05) ? 0.0
+                          : equal_units                ? double(units) * unit_s
+                                                       : r.uniform(0.0, 0.5));
+    x.encoder_last_fraction.push_back(r.chance(0.2) ? 0.0 : r.uniform(0, 0.2));
+    x.llm_s.push_back(r.chance(0.03) ? 0.0 : seq * 1e-4);
+    x.llm_last_fraction.push_back(r.uniform(0, 0.3));
+    x.encoder_tokens.push_back(double(units) * tokens_per_unit);
+    x.llm_tokens.push_back(seq);
+    x.visual_tokens.push_back(double(units) * 100.0);
+  }
+  auto& o = c.o;
+  const int strategy = int(r.below(20));
+  o.strategy = strategy < 12   ? dflop::PlanStrategy::DataAware
+               : strategy < 17 ? dflop::PlanStrategy::DataBlindColocated
+                               : dflop::PlanStrategy::MeanShapeReference;
+  o.global_batch = x.batch_size;
+  o.prune = r.chance(0.85);
+  o.top_k = r.chance(0.05) ? 100 : r.range(1, 5);
+  o.order_microbatches = r.chance(0.8);
+  o.balanced_layer_split = r.chance(0.8);
+  o.zero1 = r.chance(0.7);
+  o.max_tp = r.chance(0.7) ? 0 : r.range(1, 8);
+  if (r.chance(0.25)) {
+    for (int64_t k = r.range(1, 3); k > 0; --k)
+      o.microbatch_choices.push_back(r.range(1, x.batch_size));
+  }
+  o.balance_work_budget = r.chance(0.07) ? 0 : r.range(1, 1500);
+  if (r.chance(0.02) && x.batch_size <= 8) o.balance_work_budget = -1;
+  o.seed = r.next();
+  o.num_threads = r.chance(0.85) ? 1 : 2;
+  const int split = int(r.below(20));
+  o.encoder_split = split < 14   ? dflop::EncoderSplit::Unit
+                    : split < 17 ? dflop::EncoderSplit::Sample
+                                 : dflop::EncoderSplit::Even;
+  o.colocated_candidates = r.chance(0.25);
+  o.screen_factor = r.pick({0.9, 0.0, 1.0, r.uniform()});
+  o.patience = r.pick<int64_t>({1000, 0, 1, 7});
+  o.encoder_max_tp = r.chance(0.8) ? 0 : r.range(1, 8);
+  if (r.chance(0.15)) {
+    for (int64_t k = r.range(1, 3); k > 0; --k)
+      o.encoder_gpu_choices.push_back(r.range(1, cl.num_gpus - 1));
+  }
+  if (r.chance(0.03)) c.interrupt.after = r.range(1, 3);
+  return c;
+}
+
+// Whether a mutated input breaks a documented rule (global_batch, sample columns, negative
+// seconds / counts, fractions): validation must reject it.
+bool planner_documented_invalid(const PlannerCase& c) {
+  const auto& x = c.x;
+  const auto& cl = c.cluster;
+  if (c.o.global_batch != x.batch_size) return true;
+  if (x.num_batches < 1 || x.batch_size < 1) return true;
+  if (cl.num_gpus < 2 || cl.gpus_per_node < 1) return true;
+  for (double v : {cl.gpu_memory_bytes, cl.intra_node_bandwidth_bytes_per_s,
+                   cl.inter_node_bandwidth_bytes_per_s}) {
+    if (!(v > 0.0)) return true;
+  }
+  for (double v : {cl.link_latency_s, cl.tp_gemm_loss, cl.memory_reserve_bytes}) {
+    if (std::isnan(v) || v < 0.0) return true;
+  }
+  for (const auto* p : {&c.enc, &c.llm}) {
+    if (p->num_layers < 1 || p->num_heads < 1 || p->hidden_size < 1) return true;
+    for (double v : {p->params_per_layer, p->first_stage_params, p->last_stage_params,
+                     p->activation_bytes_per_token_layer, p->last_stage_activation_bytes_per_token,
+                     p->microbatch_constant_s}) {
+      if (std::isnan(v) || v < 0.0) return true;
+    }
+    for (double v : {p->attention_compute_fraction, p->attention_param_fraction,
+                     p->attention_activation_fraction, p->forward_fraction}) {
+      if (!(v >= 0.0 && v <= 1.0)) return true;
+    }
+  }
+  if (c.o.top_k < 1 || c.o.num_threads < 0 || c.o.patience < 0 || c.o.max_tp < 0 ||
+      c.o.encoder_max_tp < 0)
+    return true;
+  uint64_t total = 0;
+  if (__builtin_mul_overflow(uint64_t(x.num_batches), uint64_t(x.batch_size), &total)) return false;
+  for (const Doubles* v : {&x.encoder_s, &x.llm_s, &x.encoder_last_fraction, &x.llm_last_fraction,
+                           &x.encoder_tokens, &x.llm_tokens, &x.visual_tokens}) {
+    if (v->size() != total) return true;
+    for (double e : *v) {
+      if (std::isnan(e) || e < 0.0) return true;
+    }
+  }
+  for (const Doubles* v : {&x.encoder_last_fraction, &x.llm_last_fraction}) {
+    for (double e : *v) {
+      if (e > 1.0) return true;
+    }
+  }
+  if (x.encoder_units.size() != total) return true;
+  for (int64_t u : x.encoder_units) {
+    if (u < 0) return true;
+  }
+  return false;
+}
+
+// Known bugs and inputs too expensive to fuzz (not bugs: the planner's cost grows with them).
+const char* planner_known_bug(const PlannerCase& c) {
+  const auto& x = c.x;
+  uint64_t total = 0;
+  if (x.num_batches >= 1 && x.batch_size >= 1 &&
+      (__builtin_mul_overflow(uint64_t(x.num_batches), uint64_t(x.batch_size), &total) ||
+       total > (uint64_t{1} << 32)))
+    return "KB11";
+  if (c.o.top_k > kI64Max / 4 || c.o.patience > kI64Max / 4096) return "KB12";
+  if (c.enc.num_heads > (int64_t{1} << 62)) return "KB9";
+  if (c.enc.num_layers > 4096 || c.llm.num_layers > 4096) return "KB8";
+  if (c.cluster.num_gpus > (int64_t{1} << 20)) return "KB14";
+  if (c.cluster.num_gpus > 64) return "expensive (num_gpus)";
+  for (int64_t u : x.encoder_units) {
+    if (u > (int64_t{1} << 20)) return "KB4";
+  }
+  if (c.o.balance_work_budget < -1) return "KB15";
+  if (c.o.balance_work_budget > 20000) return "expensive (balance_work_budget)";
+  return nullptr;
+}
+
+void mutate_planner(Rng& r, PlannerCase& c) {
+  auto& cl = c.cluster;
+  auto& x = c.x;
+  auto& o = c.o;
+  auto column = [&]() -> Doubles& {
+    return *r.pick<Doubles*>({&x.encoder_s, &x.llm_s, &x.encoder_last_fraction,
+                              &x.llm_last_fraction, &x.encoder_tokens, &x.llm_tokens,
+                              &x.visual_tokens});
+  };
+  const int64_t count = r.range(1, 2);
+  for (int64_t k = 0; k < count; ++k) {
+    dflop::ModuleParams& p = r.chance(0.5) ? c.enc : c.llm;
+    switch (r.below(20)) {
+      case 0:
+        cl.num_gpus = r.chance(0.5) ? weird_int(r) : r.range(-1, 2);
+        break;
+      case 1:
+        cl.gpus_per_node = r.chance(0.5) ? weird_int(r) : r.range(-1, 16);
+        break;
+      case 2: {
+        double* f = r.pick<double*>({&cl.gpu_memory_bytes, &cl.intra_node_bandwidth_bytes_per_s,
+                                     &cl.inter_node_bandwidth_bytes_per_s, &cl.link_latency_s,
+                                     &cl.tp_gemm_loss, &cl.memory_reserve_bytes});
+        *f = weird_double(r);
+        break;
+      }
+      case 3: {
+        int64_t* f = r.pick<int64_t*>({&p.num_layers, &p.num_heads, &p.hidden_size});
+        *f = r.chance(0.5) ? weird_int(r) : r.range(-1, 40);
+        break;
+      }
+      case 4: {
+        double* f =
+            r.pick<double*>({&p.params_per_layer, &p.first_stage_params, &p.last_stage_params,
+                             &p.activation_bytes_per_token_layer,
+                             &p.last_stage_activation_bytes_per_token, &p.microbatch_constant_s});
+        *f = weird_double(r);
+        break;
+      }
+      case 5: {
+        double* f = r.pick<double*>({&p.attention_compute_fraction, &p.attention_param_fraction,
+                                     &p.attention_activation_fraction, &p.forward_fraction});
+        *f = r.chance(0.5) ? weird_double(r) : r.pick({0.0, 1.0, 1.0 + 1e-12});
+        break;
+      }
+      case 6: {
+        Doubles& v = column();
+        if (!v.empty()) v[r.below(v.size())] = weird_double(r);
+        break;
+      }
+      case 7:
+        if (r.chance(0.5)) {
+          column().push_back(0.0);
+        } else {
+          x.encoder_units.pop_back();
+        }
+        break;
+      case 8:
+        if (!x.encoder_units.empty()) {
+          const size_t i = r.below(x.encoder_units.size());
+          x.encoder_units[i] = r.chance(0.5) ? weird_int(r) : r.range(-1, 0);
+        }
+        break;
+      case 9:
+        if (r.chance(0.5)) {
+          x.num_batches =
+              r.chance(0.5) ? weird_int(r) : add_sat(x.num_batches, r.pick<int64_t>({-1, 1}));
+        } else {
+          x.batch_size =
+              r.chance(0.5) ? weird_int(r) : add_sat(x.batch_size, r.pick<int64_t>({-1, 1}));
+        }
+        break;
+      case 10:
+        o.global_batch = r.chance(0.5) ? weird_int(r) : add_sat(o.global_batch, 1);
+        break;
+      case 11:
+        o.top_k = r.chance(0.5) ? weird_int(r) : r.range(-1, 1);
+        break;
+      case 12:
+        if (r.chance(0.5)) {
+          o.max_tp = weird_int(r);
+        } else {
+          o.encoder_max_tp = weird_int(r);
+        }
+        break;
+      case 13:
+        o.num_threads = r.chance(0.5) ? r.pick<int64_t>({-1, 0, 3, 64}) : weird_int(r);
+        break;
+      case 14:
+        if (r.chance(0.5)) {
+          o.strategy = static_cast<dflop::PlanStrategy>(r.pick<int>({3, -1, 127}));
+        } else {
+          o.encoder_split = static_cast<dflop::EncoderSplit>(r.pick<int>({3, -1, 127}));
+        }
+        break;
+      case 15:
+        o.screen_factor = weird_double(r);
+        break;
+      case 16:
+        o.patience = weird_int(r);
+        break;
+      case 17:
+        if (r.chance(0.5)) {
+          o.microbatch_choices.push_back(weird_int(r));
+        } else {
+          o.encoder_gpu_choices.push_back(r.chance(0.5) ? weird_int(r) : cl.num_gpus);
+        }
+        break;
+      case 18:
+        o.balance_work_budget = r.chance(0.5) ? weird_int(r) : r.pick<int64_t>({-2, -1, 0});
+        break;
+      default:  // extreme but valid magnitudes
+        *r.pick<double*>({&cl.intra_node_bandwidth_bytes_per_s,
+                          &cl.inter_node_bandwidth_bytes_per_s, &cl.tp_gemm_loss,
+                          &cl.gpu_memory_bytes, &p.params_per_layer}) =
+            r.pick({kDenormMin, 1e-300, 1e300, kDblMax});
+        break;
+    }
+  }
+}
+
+bool planner_moderate(const PlannerCase& c) {
+  const auto& cl = c.cluster;
+  const auto& x = c.x;
+  if (!(cl.intra_node_bandwidth_bytes_per_s >= 1.0 && cl.inter_node_bandwidth_bytes_per_s >= 1.0 &&
+        cl.tp_gemm_loss <= 1e3 && moderate(cl.gpu_memory_bytes) && moderate(cl.link_latency_s) &&
+        moderate(cl.memory_reserve_bytes)))
+    return false;
+  for (const auto* p : {&c.enc, &c.llm}) {
+    if (p->hidden_size > (int64_t{1} << 40)) return false;
+    for (double v : {p->params_per_layer, p->first_stage_params, p->last_stage_params,
+                     p->activation_bytes_per_token_layer, p->last_stage_activation_bytes_per_token,
+                     p->microbatch_constant_s}) {
+      if (!moderate(v)) return false;
+    }
+  }
+  return moderate(x.encoder_s) && moderate(x.llm_s) && moderate(x.encoder_tokens) &&
+         moderate(x.llm_tokens) && moderate(x.visual_tokens);
+}
+
+// Layout rules the header documents (planner.hpp's model and ModuleLayout / Layout).
+std::string layout_problem(const PlannerCase& c, const dflop::Layout& l) {
+  const auto& cl = c.cluster;
+  std::ostringstream s;
+  // tp x pp x dp (-1 if it overflows).
+  auto gpus = [](const dflop::ModuleLayout& m) {
+    int64_t x = 0;
+    return mul_overflows(m.tp, m.pp, &x) || mul_overflows(x, m.dp, &x) ? -1 : x;
+  };
+  auto module = [&](const char* name, const dflop::ModuleParams& p, const dflop::ModuleLayout& m,
+                    bool heads_divide) {
+    if (m.tp < 1 || m.pp < 1 || m.dp < 1) s << name << ": degrees < 1; ";
+    if (m.tp >= 1 &&
+        (cl.gpus_per_node < 1 || cl.gpus_per_node % m.tp != 0 || m.first_rank % m.tp != 0))
+      s << name << ": a TP group crosses a node; ";
+    if (heads_divide && m.tp >= 1 && p.num_heads % m.tp != 0)
+      s << name << ": tp does not divide heads; ";
+    if (int64_t(m.layers_per_stage.size()) != m.pp) s << name << ": layers_per_stage size; ";
+    int64_t sum = 0;
+    bool over = false;
+    for (int64_t x : m.layers_per_stage) over = over || __builtin_add_overflow(sum, x, &sum);
+    if (over || sum != p.num_layers) s << name << ": layers do not sum to num_layers; ";
+    if (std::any_of(m.layers_per_stage.begin(), m.layers_per_stage.end(),
+                    [](int64_t x) { return x < 1; }))
+      s << name << ": an empty stage; ";
+  };
+  module("llm", c.llm, l.llm, true);
+  int64_t bins = 0;
+  if (l.num_microbatches < 1 || mul_overflows(l.num_microbatches, l.llm.dp, &bins) ||
+      bins > c.o.global_batch)
+    s << "num_microbatches x dp > global_batch; ";
+  const int64_t llm_gpus = gpus(l.llm);
+  if (l.colocated) {
+    if (llm_gpus != cl.num_gpus || l.llm.first_rank != 0)
+      s << "colocated layout does not cover the cluster; ";
+  } else {
+    module("encoder", c.enc, l.encoder, true);
+    const int64_t v = gpus(l.encoder);
+    int64_t all = 0;
+    if (v < 0 || llm_gpus < 0 || l.encoder.first_rank != 0 || l.llm.first_rank != v ||
+        __builtin_add_overflow(v, llm_gpus, &all) || all != cl.num_gpus)
+      s << "encoder and LLM ranks do not cover the cluster; ";
+  }
+  return s.str();
+}
+
+// One scored layout: its documented invariants.
+void check_score(const PlannerCase& c, const dflop::LayoutScore& s, bool moderate_input,
+                 const char* what) {
+  const std::string problem = layout_problem(c, s.layout);
+  FUZZ_CHECK(problem.empty(), what << ": " << problem << describe(s.layout));
+  FUZZ_CHECK(s.peak_memory_bytes <= c.cluster.gpu_memory_bytes,
+             what << ": peak memory " << num(s.peak_memory_bytes) << " over "
+                  << num(c.cluster.gpu_memory_bytes));
+  FUZZ_REQUIRE(int64_t(s.steps.size()) == c.x.num_batches,
+               what << ": " << s.steps.size() << " steps");
+  if (std::isinf(s.mean_step_time_s)) {  // some batch's step overflowed
+    if (!Fuzz::current().known_bug("KB19")) return;
+  }
+  const int64_t stages =
+      s.layout.colocated ? s.layout.llm.pp : s.layout.encoder.pp + s.layout.llm.pp;
+  double total = 0.0;
+  for (const auto& step : s.steps) {
+    total += step.step_time_s;
+    FUZZ_CHECK(int64_t(step.stage_compute_s.size()) == stages &&
+                   int64_t(step.stage_allreduce_s.size()) == stages,
+               what << ": stage arrays " << step.stage_compute_s.size() << " "
+                    << step.stage_allreduce_s.size() << ", stages " << stages);
+    if (moderate_input) {
+      FUZZ_CHECK(std::isfinite(step.step_time_s) && step.step_time_s >= 0.0, num(step.step_time_s));
+      FUZZ_CHECK(step.idle_fraction >= -1e-9 && step.idle_fraction <= 1.0 + 1e-9,
+                 what << ": idle_fraction " << num(step.idle_fraction));
+    }
+  }
+  FUZZ_CHECK(rel_near(s.mean_step_time_s, total / double(c.x.num_batches), 1e-12),
+             what << ": mean_step_time_s " << num(s.mean_step_time_s) << " vs the steps' mean "
+                  << num(total / double(c.x.num_batches)));
+  FUZZ_CHECK(s.mean_step_time_as_scheduled_s >= s.mean_step_time_s * (1 - 1e-12),
+             what << ": as scheduled " << num(s.mean_step_time_as_scheduled_s) << " < best order "
+                  << num(s.mean_step_time_s));
+  if (moderate_input) {
+    FUZZ_CHECK(s.mean_step_time_s >= s.lower_bound_s * (1 - 1e-9),
+               what << ": mean_step_time_s " << num(s.mean_step_time_s) << " below lower_bound_s "
+                    << num(s.lower_bound_s) << " for " << describe(s.layout));
+  }
+}
+
+// The step model of a layout and batch: shapes and the encoder split.
+void check_step(const PlannerCase& c, const dflop::Layout& l, int64_t batch,
+                const dflop::StepModel& st, const char* what) {
+  const int64_t m = l.num_microbatches, dp = l.llm.dp;
+  const int64_t stages = l.colocated ? l.llm.pp : l.encoder.pp + l.llm.pp;
+  FUZZ_CHECK(
+      st.sim.num_replicas == dp && st.sim.num_stages == stages && st.sim.num_microbatches == m,
+      what << ": sim " << st.sim.num_replicas << " x " << st.sim.num_stages << " x "
+           << st.sim.num_microbatches);
+  FUZZ_REQUIRE(
+      int64_t(st.assignment.size()) == c.x.batch_size && all_bins_used(st.assignment, m * dp),
+      what << ": assignment " << vec(st.assignment));
+  Ints order = st.microbatch_order;
+  std::sort(order.begin(), order.end());
+  Ints identity(static_cast<size_t>(m));
+  std::iota(identity.begin(), identity.end(), int64_t{0});
+  FUZZ_CHECK(order == identity, what << ": microbatch_order " << vec(st.microbatch_order));
+  FUZZ_CHECK(st.num_encoder_stages == (l.colocated ? 0 : l.encoder.pp), st.num_encoder_stages);
+  if (l.colocated) return;
+  const int64_t e_dp = l.encoder.dp, e_pp = l.encoder.pp;
+  FUZZ_CHECK(st.num_encoder_replicas == e_dp, st.num_encoder_replicas);
+  FUZZ_CHECK(int64_t(st.encoder_forward_s.size()) == e_dp * e_pp * m &&
+                 int64_t(st.encoder_backward_s.size()) == e_dp * e_pp * m,
+             what << ": encoder arrays " << st.encoder_forward_s.size());
+  const size_t pieces = st.piece_sample.size();
+  FUZZ_REQUIRE(st.piece_microbatch.size() == pieces && st.piece_first_unit.size() == pieces &&
+                   st.piece_num_units.size() == pieces && st.piece_replica.size() == pieces,
+               what << ": piece arrays");
+  if (c.o.encoder_split == dflop::EncoderSplit::Even) return;
+  // Every visual sample's units, once, in its own microbatch, by an encoder replica.
+  Ints covered(size_t(c.x.batch_size), 0);
+  for (size_t p = 0; p < pieces; ++p) {
+    const int64_t i = st.piece_sample[p];
+    FUZZ_REQUIRE(i >= 0 && i < c.x.batch_size, what << ": piece sample " << i);
+    FUZZ_CHECK(st.piece_microbatch[p] == st.assignment[size_t(i)] / dp,
+               what << ": piece of sample " << i << " in microbatch " << st.piece_microbatch[p]);
+    FUZZ_CHECK(st.piece_replica[p] >= 0 && st.piece_replica[p] < e_dp,
+               what << ": piece replica " << st.piece_replica[p]);
+    FUZZ_CHECK(st.piece_first_unit[p] == covered[size_t(i)],
+               what << ": piece of sample " << i << " starts at " << st.piece_first_unit[p]
+                    << ", expected " << covered[size_t(i)]);
+    covered[size_t(i)] += st.piece_num_units[p];
+  }
+  for (int64_t i = 0; i < c.x.batch_size; ++i) {
+    const int64_t units = c.x.encoder_units[size_t(batch * c.x.batch_size + i)];
+    FUZZ_CHECK(covered[size_t(i)] == units, what << ": sample " << i << " has " << units
+                                                 << " units, pieces cover " << covered[size_t(i)]);
+  }
+}
+
+void planner_follow_ups(Rng& r, const PlannerCase& c, const dflop::LayoutScore& best,
+                        bool moderate_input) {
+  Fuzz& fuzz = Fuzz::current();
+  const dflop::Layout& l = best.layout;
+  // The same layout scored alone: the same schedules, the same simulation.
+  dflop::LayoutScore alone;
+  const Outcome e = fuzz.call("evaluate_layout(best)", [&] {
+    alone = dflop::evaluate_layout(c.cluster, c.enc, c.llm, c.x, c.o, l);
+  });
+  FUZZ_CHECK(e == Outcome::Returned, "a layout plan_layouts returned: " << outcome_name(e));
+  if (e == Outcome::Returned) {
+    check_score(c, alone, moderate_input, "evaluate_layout(best)");
+    FUZZ_CHECK(rel_near(alone.mean_step_time_s, best.mean_step_time_s, 1e-9),
+               "evaluate_layout " << num(alone.mean_step_time_s) << " vs plan_layouts "
+                                  << num(best.mean_step_time_s) << " for " << describe(l));
+  }
+  // build_step of every batch reproduces the step the score took; its assignments, given
+  // back to evaluate_layout, reproduce the score.
+  std::vector<Ints> assignments;
+  for (int64_t b = 0; b < c.x.num_batches; ++b) {
+    dflop::StepModel st;
+    const Outcome o = fuzz.call("build_step(best)", [&] {
+      st = dflop::build_step(c.cluster, c.enc, c.llm, c.x, c.o, l, b);
+    });
+    FUZZ_CHECK(o == Outcome::Returned, outcome_name(o));
+    if (o != Outcome::Returned) return;
+    check_step(c, l, b, st, "build_step(best)");
+    double t = 0.0;
+    const Outcome s = fuzz.call("simulate_pipeline(build_step)",
+                                [&] { t = dflop::simulate_pipeline(st.sim).step_time_s; });
+    FUZZ_CHECK(s == Outcome::Returned, outcome_name(s));
+    if (s == Outcome::Returned && size_t(b) < best.steps.size() &&
+        (std::isfinite(best.mean_step_time_s) || fuzz.known_bug("KB19"))) {
+      FUZZ_CHECK(rel_near(t, best.steps[size_t(b)].step_time_s, 1e-9),
+                 "batch " << b << ": build_step simulates " << num(t) << ", the score took "
+                          << num(best.steps[size_t(b)].step_time_s));
+    }
+    if (r.chance(0.5)) {
+      dflop::StepModel again;
+      const Outcome a = fuzz.call("step_from_assignment(best)", [&] {
+        again = dflop::step_from_assignment(c.cluster, c.enc, c.llm, c.x, c.o, l, b, st.assignment);
+      });
+      FUZZ_CHECK(a == Outcome::Returned, outcome_name(a));
+      if (a == Outcome::Returned) {
+        FUZZ_CHECK(again.sim.forward_s == st.sim.forward_s &&
+                       again.sim.backward_s == st.sim.backward_s &&
+                       again.sim.activation_bytes == st.sim.activation_bytes,
+                   "step_from_assignment(build_step's assignment) differs from build_step");
+      }
+    }
+    if (!l.colocated) {
+      dflop::StageCosts sc;
+      const Outcome k = fuzz.call("stage_costs(best)", [&] {
+        sc = dflop::stage_costs(c.cluster, c.enc, c.llm, c.x, c.o, l, b);
+      });
+      FUZZ_CHECK(k == Outcome::Returned, outcome_name(k));
+      if (k == Outcome::Returned) {
+        FUZZ_CHECK(int64_t(sc.costs.size()) == 2 * c.x.batch_size, sc.costs.size());
+        if (moderate_input) {
+          FUZZ_CHECK(all_nonneg_finite(sc.costs) && nonneg_finite(sc.constants[0]) &&
+                         nonneg_finite(sc.constants[1]),
+                     "stage costs " << vec(sc.costs));
+        }
+      }
+    }
+    assignments.push_back(st.assignment);
+  }
+  dflop::LayoutScore given;
+  const Outcome g = fuzz.call("evaluate_layout(best, assignments)", [&] {
+    given = dflop::evaluate_layout(c.cluster, c.enc, c.llm, c.x, c.o, l, &assignments);
+  });
+  FUZZ_CHECK(g == Outcome::Returned, outcome_name(g));
+  if (g == Outcome::Returned) {
+    FUZZ_CHECK(rel_near(given.mean_step_time_s, best.mean_step_time_s, 1e-9),
+               "evaluate_layout(build_step's schedules) " << num(given.mean_step_time_s) << " vs "
+                                                          << num(best.mean_step_time_s));
+  }
+}
+
+bool same_layout(const dflop::Layout& a, const dflop::Layout& b) {
+  auto same = [](const dflop::ModuleLayout& x, const dflop::ModuleLayout& y) {
+    return x.tp == y.tp && x.pp == y.pp && x.dp == y.dp && x.first_rank == y.first_rank &&
+           x.layers_per_stage == y.layers_per_stage && x.recompute == y.recompute;
+  };
+  return a.colocated == b.colocated && a.num_microbatches == b.num_microbatches &&
+         same(a.llm, b.llm) && (a.colocated || same(a.encoder, b.encoder)) &&
+         (!a.colocated || a.encoder.recompute == b.encoder.recompute);
+}
+
+bool has_duplicates(Ints v) {
+  std::sort(v.begin(), v.end());
+  return std::adjacent_find(v.begin(), v.end()) != v.end();
+}
+
+void check_plan(const PlannerCase& c, const dflop::PlanResult& res, bool moderate_input) {
+  const auto& o = c.o;
+  FUZZ_CHECK(int64_t(res.best.size()) <= o.top_k, res.best.size() << " > top_k");
+  for (size_t i = 0; i < res.best.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      FUZZ_CHECK(!same_layout(res.best[i].layout, res.best[j].layout),
+                 "best[" << j << "] and best[" << i << "] are the same layout "
+                         << describe(res.best[i].layout));
+    }
+  }
+  const bool reference = o.strategy == dflop::PlanStrategy::MeanShapeReference;
+  for (size_t i = 0; i < res.best.size(); ++i) {
+    const auto& s = res.best[i];
+    const auto& l = s.layout;
+    check_score(c, s, moderate_input, "plan_layouts");
+    if (o.strategy == dflop::PlanStrategy::DataBlindColocated)
+      FUZZ_CHECK(l.colocated, "data-blind");
+    if (reference || (o.strategy == dflop::PlanStrategy::DataAware && !o.colocated_candidates))
+      FUZZ_CHECK(!l.colocated, "a colocated layout without colocated candidates");
+    if (o.max_tp > 0) FUZZ_CHECK(l.llm.tp <= o.max_tp && l.encoder.tp <= o.max_tp, "max_tp");
+    if (!l.colocated) {
+      const int64_t v = l.encoder.tp * l.encoder.pp * l.encoder.dp;
+      if (o.encoder_max_tp > 0) FUZZ_CHECK(l.encoder.tp <= o.encoder_max_tp, "encoder_max_tp");
+      if (!o.encoder_gpu_choices.empty()) {
+        FUZZ_CHECK(std::find(o.encoder_gpu_choices.begin(), o.encoder_gpu_choices.end(), v) !=
+                       o.encoder_gpu_choices.end(),
+                   "encoder GPUs " << v << " not in encoder_gpu_choices");
+      }
+    }
+    if (!o.microbatch_choices.empty()) {
+      FUZZ_CHECK(std::find(o.microbatch_choices.begin(), o.microbatch_choices.end(),
+                           l.num_microbatches) != o.microbatch_choices.end(),
+                 "num_microbatches " << l.num_microbatches << " not in microbatch_choices");
+    }
+    if (reference) {
+      FUZZ_CHECK(s.lower_bound_s == 0.0 && s.estimate_s >= 0.0, "reference bound/estimate");
+      if (i > 0) FUZZ_CHECK(s.estimate_s >= res.best[i - 1].estimate_s, "not ordered by estimate");
+    } else {
+      FUZZ_CHECK(s.estimate_s == 0.0, "estimate_s " << num(s.estimate_s));
+      if (i > 0) {
+        FUZZ_CHECK(s.mean_step_time_s >= res.best[i - 1].mean_step_time_s,
+                   "best not ordered: " << num(res.best[i - 1].mean_step_time_s) << " then "
+                                        << num(s.mean_step_time_s));
+      }
+    }
+    if (!o.order_microbatches || o.strategy != dflop::PlanStrategy::DataAware) {
+      for (const auto& step : s.steps) {
+        FUZZ_CHECK(step.order == dflop::MicrobatchOrder::AsScheduled, "order " << int(step.order));
+      }
+    }
+  }
+  const auto& st = res.stats;
+  FUZZ_CHECK(st.num_candidates >= 0 && st.num_memory_rejected >= 0 && st.num_bounded >= 0 &&
+                 st.num_simulated >= int64_t(res.best.size()) && st.num_pruned >= 0 &&
+                 st.num_scheduled >= 0 && st.num_balanced >= 0 &&
+                 st.num_pruned_after_schedule >= 0 && st.num_unexplored >= 0,
+             "stats " << st.num_candidates << " " << st.num_memory_rejected << " " << st.num_bounded
+                      << " " << st.num_simulated << " " << st.num_pruned << " " << st.num_scheduled
+                      << " " << st.num_balanced << " " << st.num_pruned_after_schedule << " "
+                      << st.num_unexplored);
+  // patience 0: no limit; what is left unexplored is counted only when patience stopped it.
+  if (o.patience == 0) FUZZ_CHECK(!st.stopped_by_patience, "stopped by patience 0");
+  if (!st.stopped_by_patience) FUZZ_CHECK(st.num_unexplored == 0, st.num_unexplored);
+  if (res.best.empty() && res.shortfall.found && moderate_input) {
+    FUZZ_CHECK(res.shortfall.needed_bytes > c.cluster.gpu_memory_bytes,
+               "shortfall " << num(res.shortfall.needed_bytes) << " fits in "
+                            << num(c.cluster.gpu_memory_bytes));
+  }
+}
+
+TEST_CASE(fuzz_plan_layouts) {
+  Fuzz fuzz("fuzz_plan_layouts", 2);
+  fuzz.run([&](Rng& r) {
+    PlannerCase c = gen_planner(r);
+    if (r.chance(0.3)) mutate_planner(r, c);
+    fuzz.describe([&c] { return describe(c); });
+    if (const char* bug = planner_known_bug(c)) {
+      if (!fuzz.known_bug(bug)) return;
+    }
+    const bool duplicate_choices = has_duplicates(c.o.microbatch_choices);
+    if (duplicate_choices &&
+        (!c.o.prune || c.o.strategy == dflop::PlanStrategy::MeanShapeReference)) {
+      if (!fuzz.known_bug("KB20")) return;
+    }
+    c.o.interrupted = c.interrupt.check();
+    const bool reject = planner_documented_invalid(c);
+    const bool moderate_input = !reject && planner_moderate(c);
+    dflop::PlanResult res;
+    std::string what;
+    const Outcome o = fuzz.call(
+        "plan_layouts", [&] { res = dflop::plan_layouts(c.cluster, c.enc, c.llm, c.x, c.o); },
+        c.interrupt.fired.get(), &what);
+    const Outcome v = fuzz.call("validate_planner_input", [&] {
+      dflop::validate_planner_input(c.cluster, c.enc, c.llm, c.x, c.o);
+    });
+    if (reject) FUZZ_CHECK(v == Outcome::Invalid, "documented-invalid input: " << outcome_name(v));
+    if (v == Outcome::Invalid) FUZZ_CHECK(o == Outcome::Invalid, outcome_name(o));
+    if (v == Outcome::Returned && moderate_input) {
+      FUZZ_CHECK(o == Outcome::Returned || o == Outcome::Interrupted,
+                 "validated input, but plan_layouts: " << outcome_name(o) << " (" << what << ")");
+    }
+    FUZZ_CHECK((o == Outcome::Interrupted) == *c.interrupt.fired,
+               "interrupt fired: " << *c.interrupt.fired << ", outcome " << outcome_name(o));
+    if (o != Outcome::Returned) return;
+    check_plan(c, res, moderate_input);
+    if (!res.best.empty() && r.chance(0.5)) planner_follow_ups(r, c, res.best[0], moderate_input);
+    if (c.interrupt.after >= 0 || c.o.strategy == dflop::PlanStrategy::MeanShapeReference) return;
+    // Documented: screen_factor 0 (and no patience limit) makes the pruned search return what
+    // the exhaustive one does; the result and statistics do not depend on num_threads.
+    if (r.chance(0.08) && c.o.prune && c.cluster.num_gpus <= 8 && c.x.batch_size <= 12 &&
+        (!duplicate_choices || fuzz.known_bug("KB20"))) {
+      PlannerCase a = c, b = c;
+      a.o.screen_factor = 0.0;
+      a.o.patience = 0;
+      b.o.prune = false;
+      dflop::PlanResult pruned, full;
+      const Outcome pa = fuzz.call("plan_layouts (screen 0, patience 0)", [&] {
+        pruned = dflop::plan_layouts(a.cluster, a.enc, a.llm, a.x, a.o);
+      });
+      const Outcome pb = fuzz.call("plan_layouts (exhaustive)", [&] {
+        full = dflop::plan_layouts(b.cluster, b.enc, b.llm, b.x, b.o);
+      });
+      FUZZ_CHECK(pa == Outcome::Returned && pb == Outcome::Returned,
+                 outcome_name(pa) << ", " << outcome_name(pb));
+      bool same = pruned.best.size() == full.best.size();
+      for (size_t i = 0; same && i < full.best.size(); ++i) {
+        same = pruned.best[i].mean_step_time_s == full.best[i].mean_step_time_s &&
+               same_layout(pruned.best[i].layout, full.best[i].layout);
+      }
+      if (!same && config().verbose) {
+        for (const auto* res_ : {&pruned, &full}) {
+          std::printf("  %s:\n", res_ == &pruned ? "pruned" : "exhaustive");
+          for (const auto& sc : res_->best) {
+            std::printf("    %.17g lb %.17g %s\n", sc.mean_step_time_s, sc.lower_bound_s,
+                        describe(sc.layout).c_str());
+          }
+        }
+      }
+      FUZZ_CHECK(same, "prune (screen_factor 0, patience 0) found "
+                           << pruned.best.size() << " layouts, exhaustive " << full.best.size()
+                           << ": " << (pruned.best.empty() ? 0.0 : pruned.best[0].mean_step_time_s)
+                           << " vs " << (full.best.empty() ? 0.0 : full.best[0].mean_step_time_s));
+    } else if (r.chance(0.05)) {
+      PlannerCase t = c;
+      t.o.num_threads = c.o.num_threads == 1 ? 2 : 1;
+      dflop::PlanResult other;
+      const Outcome po = fuzz.call("plan_layouts (other num_threads)", [&] {
+        other = dflop::plan_layouts(t.cluster, t.enc, t.llm, t.x, t.o);
+      });
+      FUZZ_CHECK(po == Outcome::Returned, outcome_name(po));
+      bool same = other.best.size() == res.best.size() &&
+                  other.stats.num_simulated == res.stats.num_simulated &&
+                  other.stats.num_pruned == res.stats.num_pruned &&
+                  other.stats.num_balanced == res.stats.num_balanced;
+      for (size_t i = 0; same && i < res.best.size(); ++i) {
+        same = other.best[i].mean_step_time_s == res.best[i].mean_step_time_s &&
+               same_layout(other.best[i].layout, res.best[i].layout);
+      }
+      FUZZ_CHECK(same, "num_threads changes the result");
+    }
+  });
+}
+
+// ---- random (mostly valid) layouts for evaluate_layout & co ----------------------------
+
+bool random_module(Rng& r, const dflop::ClusterParams& cl, const dflop::ModuleParams& p,
+                   int64_t gpus, int64_t first_rank, bool heads_divide, dflop::ModuleLayout* out) {
+  std::vector<std::array<int64_t, 3>> degrees;
+  if (gpus < 1 || gpus > 64 || cl.gpus_per_node < 1 || p.num_layers < 1 || p.num_heads < 1)
+    return false;
+  for (int64_t tp = 1; tp <= gpus; ++tp) {
+    if (cl.gpus_per_node % tp || gpus % tp || first_rank % tp || (heads_divide && p.num_heads % tp))
+      continue;
+    const int64_t rest = gpus / tp;
+    for (int64_t pp = 1; pp <= std::min(rest, p.num_layers); ++pp) {
+      if (rest % pp == 0) degrees.push_back({tp, pp, rest / pp});
+    }
+  }
+  if (degrees.empty()) return false;
+  const auto d = r.pick(degrees);
+  out->tp = d[0];
+  out->pp = d[1];
+  out->dp = d[2];
+  out->first_rank = first_rank;
+  // A random composition of num_layers into pp stages of >= 1 layers.
+  Ints cuts;
+  while (int64_t(cuts.size()) < d[1] - 1) {  // pp - 1 distinct cuts in [1, num_layers)
+    const int64_t k = r.range(1, p.num_layers - 1);
+    if (std::find(cuts.begin(), cuts.end(), k) == cuts.end()) cuts.push_back(k);
+  }
+  std::sort(cuts.begin(), cuts.end());
+  out->layers_per_stage.clear();
+  int64_t prev = 0;
+  for (int64_t cut : cuts) out->layers_per_stage.push_back(cut - prev), prev = cut;
+  out->layers_per_stage.push_back(p.num_layers - prev);
+  out->recompute = r.chance(0.3);
+  return true;
+}
+
+dflop::Layout gen_layout(Rng& r, const PlannerCase& c) {
+  dflop::Layout l;
+  const int64_t N = c.cluster.num_gpus;
+  l.colocated =
+      c.o.strategy == dflop::PlanStrategy::DataBlindColocated ? r.chance(0.9) : r.chance(0.3);
+  if (l.colocated) {
+    random_module(r, c.cluster, c.llm, N, 0, true, &l.llm);
+    l.encoder.tp = l.llm.tp;
+    l.encoder.layers_per_stage = {c.enc.num_layers};
+  } else if (N >= 2 && N <= 64) {
+    const int64_t v = r.range(1, N - 1);
+    random_module(r, c.cluster, c.enc, v, 0, true, &l.encoder);
+    random_module(r, c.cluster, c.llm, N - v, v, true, &l.llm);
+  }
+  const int64_t max_m = l.llm.dp >= 1 ? c.x.batch_size / l.llm.dp : 1;
+  l.num_microbatches = max_m >= 1 ? r.range(1, max_m) : 1;
+  return l;
+}
+
+void mutate_layout(Rng& r, dflop::Layout& l) {
+  dflop::ModuleLayout& m = r.chance(0.5) ? l.llm : l.encoder;
+  switch (r.below(6)) {
+    case 0:
+      *r.pick<int64_t*>({&m.tp, &m.pp, &m.dp}) = r.chance(0.5) ? weird_int(r) : r.range(0, 3);
+      break;
+    case 1:
+      m.first_rank = r.chance(0.5) ? weird_int(r) : add_sat(m.first_rank, 1);
+      break;
+    case 2:
+      if (!m.layers_per_stage.empty() && r.chance(0.6)) {
+        m.layers_per_stage[r.below(m.layers_per_stage.size())] =
+            r.chance(0.5) ? weird_int(r) : r.range(-1, 2);
+      } else if (r.chance(0.5)) {
+        m.layers_per_stage.push_back(1);
+      } else if (!m.layers_per_stage.empty()) {
+        m.layers_per_stage.pop_back();
+      }
+      break;
+    case 3:
+      l.num_microbatches =
+          r.chance(0.5) ? weird_int(r) : add_sat(l.num_microbatches, r.pick<int64_t>({-1, 1}));
+      break;
+    case 4:
+      l.colocated = !l.colocated;
+      break;
+    default:
+      m.recompute = !m.recompute;
+      break;
+  }
+}
+
+const char* layout_known_bug(const dflop::Layout& l) {
+  int64_t x = 0;
+  for (const auto* m : {&l.llm, &l.encoder}) {
+    if (mul_overflows(m->tp, m->pp, &x) || mul_overflows(x, m->dp, &x)) return "KB13";
+    for (int64_t layers : m->layers_per_stage) {
+      if (layers > (int64_t{1} << 40) || layers < -(int64_t{1} << 40)) return "KB13";
+    }
+  }
+  if (mul_overflows(l.num_microbatches, l.llm.dp, &x)) return "KB13";
+  int64_t enc = 0, llm = 0;
+  if (!mul_overflows(l.encoder.tp, l.encoder.pp, &enc) && !mul_overflows(enc, l.encoder.dp, &enc) &&
+      !mul_overflows(l.llm.tp, l.llm.pp, &llm) && !mul_overflows(llm, l.llm.dp, &llm) &&
+      __builtin_add_overflow(enc, llm, &x))
+    return "KB13";
+  return nullptr;
+}
+
+TEST_CASE(fuzz_evaluate_layout) {
+  Fuzz fuzz("fuzz_evaluate_layout", 4);
+  fuzz.run([&](Rng& r) {
+    PlannerCase c = gen_planner(r);
+    if (r.chance(0.15)) mutate_planner(r, c);
+    dflop::Layout l = gen_layout(r, c);
+    if (r.chance(0.3)) mutate_layout(r, l);
+    int64_t batch = r.range(0, std::clamp<int64_t>(c.x.num_batches, 1, 64) - 1);
+    if (r.chance(0.05)) batch = r.chance(0.5) ? weird_int(r) : c.x.num_batches;
+    // Given schedules: random ones, sometimes malformed.
+    std::vector<Ints> assignments;
+    const bool give = r.chance(0.3) && c.x.batch_size <= 1024 && l.llm.dp >= 1 &&
+                      l.llm.dp <= 1024 && l.num_microbatches >= 1 &&
+                      l.num_microbatches <= c.x.batch_size &&
+                      l.num_microbatches * l.llm.dp <= c.x.batch_size && c.x.num_batches >= 1 &&
+                      c.x.num_batches <= 4;
+    if (give) {
+      for (int64_t b = 0; b < c.x.num_batches; ++b) {
+        assignments.push_back(random_assignment(r, c.x.batch_size, l.num_microbatches * l.llm.dp));
+      }
+      if (r.chance(0.2)) {
+        Ints& a = assignments[r.below(assignments.size())];
+        if (r.chance(0.5) || a.empty()) {
+          a.push_back(0);
+        } else {
+          a[r.below(a.size())] = weird_int(r);
+        }
+      }
+    }
+    fuzz.describe(
+        [&c, &l, batch] { return describe(c) + ", " + describe(l) + ", batch=" + num(batch); });
+    if (const char* bug = planner_known_bug(c)) {
+      if (!fuzz.known_bug(bug)) return;
+    }
+    if (const char* bug = layout_known_bug(l)) {
+      if (!fuzz.known_bug(bug)) return;
+    }
+    const bool moderate_input = !planner_documented_invalid(c) && planner_moderate(c);
+    const std::string problem = layout_problem(c, l);
+    dflop::LayoutScore score;
+    const Outcome e = fuzz.call("evaluate_layout", [&] {
+      score = dflop::evaluate_layout(c.cluster, c.enc, c.llm, c.x, c.o, l,
+                                     give ? &assignments : nullptr);
+    });
+    if (!problem.empty()) {
+      FUZZ_CHECK(e == Outcome::Invalid,
+                 "layout against the documented rules (" << problem << "): " << outcome_name(e));
+    }
+    if (e == Outcome::Returned) check_score(c, score, moderate_input, "evaluate_layout");
+    if (problem.empty() && moderate_input && !give) {
+      FUZZ_CHECK(e == Outcome::Returned || e == Outcome::Infeasible || e == Outcome::Invalid,
+                 outcome_name(e));
+    }
+    dflop::StepModel st;
+    const Outcome b = fuzz.call(
+        "build_step", [&] { st = dflop::build_step(c.cluster, c.enc, c.llm, c.x, c.o, l, batch); });
+    if (!problem.empty()) FUZZ_CHECK(b == Outcome::Invalid, outcome_name(b));
+    if (b == Outcome::Returned) {
+      check_step(c, l, batch, st, "build_step");
+      double t = 0.0;
+      const Outcome s = fuzz.call("simulate_pipeline(build_step)",
+                                  [&] { t = dflop::simulate_pipeline(st.sim).step_time_s; });
+      FUZZ_CHECK(s == Outcome::Returned, outcome_name(s));
+      if (s == Outcome::Returned && e == Outcome::Returned && !give &&
+          size_t(batch) < score.steps.size() &&
+          (std::isfinite(score.mean_step_time_s) || fuzz.known_bug("KB19"))) {
+        FUZZ_CHECK(rel_near(t, score.steps[size_t(batch)].step_time_s, 1e-9),
+                   "build_step simulates " << num(t) << ", evaluate_layout's step "
+                                           << num(score.steps[size_t(batch)].step_time_s));
+      }
+      if (moderate_input && s == Outcome::Returned) FUZZ_CHECK(std::isfinite(t), num(t));
+    }
+    dflop::StageCosts sc;
+    const Outcome k = fuzz.call("stage_costs", [&] {
+      sc = dflop::stage_costs(c.cluster, c.enc, c.llm, c.x, c.o, l, batch);
+    });
+    if (l.colocated)
+      FUZZ_CHECK(k == Outcome::Invalid, "stage_costs of a colocated layout: " << outcome_name(k));
+    if (k == Outcome::Returned) {
+      FUZZ_CHECK(int64_t(sc.costs.size()) == 2 * c.x.batch_size, sc.costs.size());
+      if (moderate_input) FUZZ_CHECK(all_nonneg_finite(sc.costs), vec(sc.costs));
+    }
+    if (give) {
+      dflop::StepModel given;
+      const Outcome g = fuzz.call("step_from_assignment", [&] {
+        given = dflop::step_from_assignment(
+            c.cluster, c.enc, c.llm, c.x, c.o, l, batch,
+            assignments[size_t(std::clamp<int64_t>(batch, 0, int64_t(assignments.size()) - 1))]);
+      });
+      if (g == Outcome::Returned) check_step(c, l, batch, given, "step_from_assignment");
+    }
+  });
+}
+
+}  // namespace
+
+// =======================================================================================
+// Regression cases of the bugs this fuzzer found, minimised (see KB1..KB20 at the top).
+// Those marked KNOWN_BUG still fail; once fixed, make them CHECKs and drop the matching
+// known_bug filter above. KB1, KB2, KB6, KB9, KB10, KB12, KB13 are signed-overflow /
+// float-to-integer UB that the sanitizers abort on (so they have no case here) and KB14 is
+// a hang; the filters keep the fuzzer away from them.
+
+namespace {
+
+// How a call ended: "returned", the exception's type, "InvalidArgument", ...
+template <class F>
+std::string ending(F&& f) {
+  try {
+    f();
+    return "returned";
+  } catch (const dflop::InvalidArgument&) {
+    return "InvalidArgument";
+  } catch (const dflop::Infeasible&) {
+    return "Infeasible";
+  } catch (const std::exception& e) {
+    std::printf("  (threw %s: %s)\n", type_name(e).c_str(), e.what());
+    return type_name(e);
+  }
+}
+
+// KB3: num_replicas is unbounded (2^61: std::length_error; INT64_MAX: signed overflow).
+TEST_CASE(regression_split_units_huge_replica_count) {
+  const std::string e = ending([] { dflop::split_units(nullptr, nullptr, 0, int64_t{1} << 61); });
+  KNOWN_BUG(e == "InvalidArgument", "split_units(num_replicas = 2^61) throws std::length_error");
+}
+
+// KB4: the unit split's `level` array has total units / replicas + 1 entries.
+TEST_CASE(regression_split_units_huge_unit_count) {
+  const Ints units{int64_t{1} << 60, 1, 1};
+  const Doubles costs{0x1p60, 1.0, 1.0};  // equal unit costs
+  const std::string e = ending([&] { dflop::split_units(units.data(), costs.data(), 3, 2); });
+  KNOWN_BUG(e == "returned" || e == "InvalidArgument",
+            "split_units(units = {2^60, 1, 1}, 2 replicas) throws std::length_error");
+}
+
+// KB17: piece costs computed as cost x num_units / units overflow.
+TEST_CASE(regression_split_units_cost_near_dbl_max) {
+  const Ints units{2};
+  const Doubles costs{1e308};
+  const dflop::UnitSplit s = dflop::split_units(units.data(), costs.data(), 1, 1);
+  KNOWN_BUG(std::isfinite(s.makespan) && s.makespan <= 1e308,
+            "split_units({2 units, cost 1e308}, 1 replica): makespan is +inf");
+}
+
+// KB5: num_src x num_dst is unbounded.
+TEST_CASE(regression_plan_routing_huge_replica_count) {
+  const std::string e =
+      ending([] { dflop::plan_routing(nullptr, nullptr, nullptr, 0, int64_t{1} << 61, 1); });
+  KNOWN_BUG(e == "InvalidArgument", "plan_routing(num_src = 2^61) throws std::length_error");
+}
+
+// KB7: the result has 2 m actions, m unbounded.
+TEST_CASE(regression_pipeline_actions_huge_microbatch_count) {
+  const std::string e = ending(
+      [] { dflop::pipeline_actions(dflop::ScheduleKind::OneFOneB, 1, int64_t{1} << 61, 0); });
+  KNOWN_BUG(e == "InvalidArgument",
+            "pipeline_actions(num_microbatches = 2^61) throws std::length_error");
+}
+
+// KB8: split_layers allocates num_stages entries, unbounded.
+TEST_CASE(regression_split_layers_huge_stage_count) {
+  const int64_t n = int64_t{1} << 61;
+  const std::string e = ending([=] { dflop::split_layers(n, n, 1.0, 0.0, 0.0, false); });
+  KNOWN_BUG(e == "InvalidArgument",
+            "split_layers(2^61 layers, 2^61 stages) throws std::length_error");
+}
+
+// KB16: a stage load that overflows to +inf (cost 1e307 + microbatch constant 1.7e308, both
+// accepted) makes backward = inf - inf = NaN, which the simulator takes for "not arrived".
+TEST_CASE(regression_pipeline_stage_load_overflow) {
+  dflop::PipelineScheduleOptions o;
+  o.forward_fraction = {0.5};
+  o.microbatch_constant_s = {1.7e308};
+  const Doubles costs{1e307};
+  const Ints start{0};
+  o.stages = {1};
+  double one = -1.0;
+  const std::string e1 =
+      ending([&] { one = dflop::simulated_step_time(costs.data(), 1, 1, start, o); });
+  KNOWN_BUG(e1 == "InvalidArgument" || (e1 == "returned" && one == kInf),
+            "simulated_step_time(cost 1e307, constant 1.7e308, 1 stage) returns 0");
+  o.stages = {2};
+  const std::string e2 = ending([&] { dflop::simulated_step_time(costs.data(), 1, 1, start, o); });
+  KNOWN_BUG(e2 == "InvalidArgument" || e2 == "returned",
+            "simulated_step_time(cost 1e307, constant 1.7e308, 2 stages) throws std::logic_error "
+            "(pipeline simulation deadlocked)");
+  const std::string e3 = ending([&] { dflop::pipeline_schedule(costs.data(), 1, 1, start, o); });
+  KNOWN_BUG(e3 == "InvalidArgument" || e3 == "returned",
+            "pipeline_schedule(cost 1e307, constant 1.7e308, 2 stages) throws std::logic_error");
+}
+
+// KB18: the header says a larger budget "continues the same trajectory, so it is never
+// worse"; with capacities it can end worse, or Infeasible where a smaller budget found a
+// schedule (Solver::run's second attempt and search()'s budget extension start at the
+// point the budget runs out, so the trajectories part there).
+TEST_CASE(regression_balance_larger_budget_with_capacities) {
+  const Doubles costs{3, 4, 1, 3, 5, 1, 4, 0, 0, 2, 2, 0};  // 6 samples x 2 dims
+  dflop::BalanceOptions o;
+  o.num_microbatches = 2;
+  o.capacity = {9, 5};
+  o.seed = 1;
+  o.work_budget = 27;
+  const dflop::BalanceResult small = dflop::balance(costs.data(), 6, 2, o);
+  CHECK_EQ(small.makespan, 8.0);
+  o.work_budget = 179;
+  dflop::BalanceResult large;
+  const std::string e = ending([&] { large = dflop::balance(costs.data(), 6, 2, o); });
+  KNOWN_BUG(e == "returned" && large.makespan <= small.makespan,
+            "balance(capacity {9, 5}): work_budget 27 finds makespan 8, 179 throws Infeasible");
+  const Doubles costs5{5, 3, 3, 3, 1, 1, 5, 0, 0, 5};  // 5 samples x 2 dims
+  dflop::BalanceOptions q;
+  q.num_microbatches = 3;
+  q.capacity = {6, 5};
+  q.seed = 3;
+  q.work_budget = 4;
+  const double four = dflop::balance(costs5.data(), 5, 2, q).makespan;
+  q.work_budget = 15;
+  const double fifteen = dflop::balance(costs5.data(), 5, 2, q).makespan;
+  KNOWN_BUG(fifteen <= four,
+            "balance(capacity {6, 5}): work_budget 4 gives makespan 5, 15 gives 6");
+}
+
+// A small planner problem (as in test_planner.cpp): 4 GPUs, one batch of 6 samples.
+PlannerCase small_planner_problem() {
+  PlannerCase c;
+  c.cluster.num_gpus = 4;
+  c.cluster.gpus_per_node = 4;
+  c.enc = {4, 8, 1024, 12.6e6, 1e6, 4e6, 34.0 * 1024, 0.0, 1e-3};
+  c.llm = {8, 16, 2048, 50e6, 64e6, 64e6, 34.0 * 2048, 4.0 * 32000, 2e-3};
+  c.x.num_batches = 1;
+  c.x.batch_size = 6;
+  for (int64_t i = 0; i < 6; ++i) {
+    const double units = i % 3 == 0 ? 0.0 : double(1 + i);
+    const double seq = 300.0 + 200.0 * double(i) + units * 100.0;
+    c.x.encoder_s.push_back(units * 0.05);
+    c.x.llm_s.push_back(seq * 1e-4);
+    c.x.encoder_last_fraction.push_back(units > 0 ? 0.05 : 0.0);
+    c.x.llm_last_fraction.push_back(0.1);
+    c.x.encoder_tokens.push_back(units * 729);
+    c.x.encoder_units.push_back(int64_t(units));
+    c.x.llm_tokens.push_back(seq);
+    c.x.visual_tokens.push_back(units * 100.0);
+  }
+  c.o.global_batch = 6;
+  c.o.top_k = 3;
+  c.o.num_threads = 1;
+  c.o.balance_work_budget = 2000;
+  return c;
+}
+
+// KB11: num_batches x batch_size wraps around in size_t: (2^62 + 1) x 4 = 4 (mod 2^64), so
+// four samples pass validation.
+TEST_CASE(regression_planner_sample_count_wraps) {
+  PlannerCase c = small_planner_problem();
+  c.x.num_batches = (int64_t{1} << 62) + 1;
+  c.x.batch_size = 4;
+  c.o.global_batch = 4;
+  for (Doubles* v : {&c.x.encoder_s, &c.x.llm_s, &c.x.encoder_last_fraction, &c.x.llm_last_fraction,
+                     &c.x.encoder_tokens, &c.x.llm_tokens, &c.x.visual_tokens}) {
+    v->resize(4);
+  }
+  c.x.encoder_units.resize(4);
+  const std::string e = ending([&] { dflop::plan_layouts(c.cluster, c.enc, c.llm, c.x, c.o); });
+  KNOWN_BUG(e == "InvalidArgument",
+            "plan_layouts(num_batches = 2^62 + 1, batch_size = 4, 4 samples) throws "
+            "std::length_error");
+}
+
+// KB15: balance_work_budget < -1 is not validated; balance() rejects it later with a
+// message that names neither the option nor the value.
+TEST_CASE(regression_planner_balance_work_budget_not_validated) {
+  PlannerCase c = small_planner_problem();
+  c.o.balance_work_budget = -2;
+  const std::string e =
+      ending([&] { dflop::validate_planner_input(c.cluster, c.enc, c.llm, c.x, c.o); });
+  KNOWN_BUG(e == "InvalidArgument", "validate_planner_input accepts balance_work_budget = -2");
+  std::string what;
+  try {
+    dflop::plan_layouts(c.cluster, c.enc, c.llm, c.x, c.o);
+  } catch (const dflop::InvalidArgument& err) {
+    what = err.what();
+  }
+  CHECK(!what.empty());
+  KNOWN_BUG(dflop_test::contains(what, "balance_work_budget"),
+            "plan_layouts(balance_work_budget = -2) fails with \"work budget must be >= 0\"");
+}
+
+// KB19: every order of the batch simulates to +inf (link_latency_s = 1e308 is accepted), so
+// the step keeps a default StepBreakdown while the mean is +inf.
+TEST_CASE(regression_planner_infinite_step_has_empty_breakdown) {
+  PlannerCase c = small_planner_problem();
+  c.cluster.link_latency_s = 1e308;
+  dflop::Layout l;
+  l.encoder = {1, 1, 1, 0, {4}, false};
+  l.llm = {1, 3, 1, 1, {3, 3, 2}, false};
+  l.num_microbatches = 2;
+  dflop::LayoutScore s;
+  const std::string e =
+      ending([&] { s = dflop::evaluate_layout(c.cluster, c.enc, c.llm, c.x, c.o, l); });
+  CHECK_EQ(e, std::string("returned"));
+  if (e != "returned" || s.steps.size() != 1) return;
+  KNOWN_BUG(s.steps[0].stage_compute_s.size() == 4 && s.steps[0].step_time_s == s.mean_step_time_s,
+            "evaluate_layout(link_latency_s = 1e308): steps[0] is a default StepBreakdown "
+            "(step_time_s 0, no stage arrays), mean_step_time_s +inf");
+}
+
+// KB20: the exhaustive search enumerates a microbatch count listed twice twice.
+TEST_CASE(regression_planner_duplicate_microbatch_choices) {
+  PlannerCase c = small_planner_problem();
+  c.o.microbatch_choices = {2, 2};
+  c.o.prune = false;
+  const auto res = dflop::plan_layouts(c.cluster, c.enc, c.llm, c.x, c.o);
+  bool distinct = true;
+  for (size_t i = 0; i < res.best.size(); ++i) {
+    for (size_t j = 0; j < i; ++j)
+      distinct = distinct && !same_layout(res.best[i].layout, res.best[j].layout);
+  }
+  CHECK(!res.best.empty());
+  KNOWN_BUG(distinct,
+            "plan_layouts(prune = false, microbatch_choices = {2, 2}) returns a layout twice");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Config& cfg = config();
+  std::printf("test_fuzz_core: DFLOP_FUZZ_SEED=%" PRIu64 " DFLOP_FUZZ_ITERATIONS=%" PRId64
+              " DFLOP_FUZZ_ONLY_ITERATION=%" PRId64
+              " DFLOP_FUZZ_KNOWN_BUGS=%d DFLOP_FUZZ_HANG_S=%" PRId64 "\n",
+              cfg.seed, cfg.iterations, cfg.only_iteration, cfg.known_bugs ? 1 : 0, cfg.hang_s);
+  std::fflush(stdout);
+  Watchdog::instance().start(cfg.hang_s);
+  const int rc = dflop_test::run_all(argc, argv);
+  Watchdog::instance().stop();
+  return rc;
+}
