@@ -27,6 +27,8 @@ constexpr double kCapRelTol = 1e-9;
 // Work units per millisecond for work_budget_for_ms: about one core of a current x86 server
 // (measured with benchmarks/bench_schedule.py; D = 2).
 constexpr double kWorkUnitsPerMs = 75000.0;
+// Time limits from here on (about 30 years) mean none (and would overflow the clock).
+constexpr double kNoTimeLimitS = 1e9;
 // Work units between polls of the InterruptCheck (a fraction of a millisecond).
 constexpr int64_t kWorkPerInterruptPoll = 15000;
 // The search stops once the makespan is this close to the lower bound (relative): far
@@ -110,7 +112,7 @@ class Solver {
   Solver(const Problem& pr, uint64_t seed, int64_t budget, double time_limit_s,
          const InterruptCheck& interrupted)
       : pr_(pr), rng_(seed), budget_(budget), interrupt_(interrupted, kWorkPerInterruptPoll) {
-    if (time_limit_s >= 0) {
+    if (time_limit_s >= 0 && time_limit_s < kNoTimeLimitS) {  // beyond: no limit
       has_deadline_ = true;
       deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                      std::chrono::duration<double>(time_limit_s));
@@ -646,7 +648,9 @@ void validate_balance_input(const double* costs, int64_t n, int64_t d, const Bal
       throw InvalidArgument("capacity[" + std::to_string(k) + "]=" + fmt(v) +
                             " must be a non-negative number (use inf for no bound)");
   }
-  if (o.work_budget < -1) throw InvalidArgument("work budget must be >= 0");
+  if (o.work_budget < -1)
+    throw InvalidArgument("work_budget must be >= 0 (or -1: the default by size), got " +
+                          std::to_string(o.work_budget));
   std::vector<double> total(d, 0.0);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t k = 0; k < d; ++k) {
@@ -694,7 +698,8 @@ int64_t default_work_budget(int64_t num_items, int64_t num_bins, int64_t num_dim
   (void)num_bins;
   // About 1 us of search per sample (0.2 ms to 100 ms at D = 2): on the synthetic
   // workload this is well past the point of diminishing returns (benchmarks/README.md).
-  const double units = 200.0 * static_cast<double>(num_items) / static_cast<double>(num_dims);
+  const double units =
+      200.0 * static_cast<double>(num_items) / static_cast<double>(std::max<int64_t>(num_dims, 1));
   return static_cast<int64_t>(std::clamp(units, 0.2 * kWorkUnitsPerMs, 100.0 * kWorkUnitsPerMs));
 }
 
@@ -702,14 +707,16 @@ int64_t work_budget_for_ms(double time_budget_ms) {
   if (!(time_budget_ms >= 0) || !std::isfinite(time_budget_ms))
     throw InvalidArgument("time_budget_ms must be a finite number >= 0, got " +
                           fmt(time_budget_ms));
-  // Clamp: beyond ~1e18 units the search ends on its own stopping rules anyway.
-  return static_cast<int64_t>(std::min(time_budget_ms * kWorkUnitsPerMs, 1e18));
+  // Clamp: far beyond any useful search (balance() caps budgets at kMaxWorkBudget).
+  return static_cast<int64_t>(std::min(time_budget_ms * kWorkUnitsPerMs, double(kMaxWorkBudget)));
 }
 
 BalanceResult balance(const double* costs, int64_t n, int64_t d, const BalanceOptions& o) {
   validate_balance_input(costs, n, d, o);
   const Problem pr = make_problem(costs, n, d, o);
-  const int64_t budget = o.work_budget >= 0 ? o.work_budget : default_work_budget(n, pr.b, d);
+  // Capped, so that the extensions of an infeasible search cannot overflow.
+  const int64_t budget = std::min(
+      o.work_budget >= 0 ? o.work_budget : default_work_budget(n, pr.b, d), kMaxWorkBudget);
   Solver solver(pr, o.seed, budget, o.time_limit_s, o.interrupted);
   return solver.run();
 }

@@ -279,10 +279,13 @@ std::vector<int64_t> whole_samples(const std::vector<Visual>& by_cost, int64_t R
 UnitSplit split_units(const int64_t* units, const double* costs, int64_t num_samples,
                       int64_t num_replicas, SplitGranularity granularity) {
   if (num_samples < 0) invalid("num_samples must be >= 0, got " + std::to_string(num_samples));
-  if (num_replicas < 1) invalid("num_replicas must be >= 1, got " + std::to_string(num_replicas));
+  if (num_replicas < 1 || num_replicas > kMaxSplitReplicas)
+    invalid("num_replicas must be in [1, " + std::to_string(kMaxSplitReplicas) + "], got " +
+            std::to_string(num_replicas));
   if (granularity != SplitGranularity::Unit && granularity != SplitGranularity::Sample)
     invalid("granularity must be Unit or Sample");
   std::vector<Visual> visual;
+  int64_t total_units = 0;
   for (int64_t i = 0; i < num_samples; ++i) {
     if (units[i] < 0)
       invalid("units[" + std::to_string(i) + "]=" + std::to_string(units[i]) + " must be >= 0");
@@ -292,6 +295,10 @@ UnitSplit split_units(const int64_t* units, const double* costs, int64_t num_sam
       invalid("costs[" + std::to_string(i) + "]=" + num(costs[i]) +
               " is encoder work for a sample with units[" + std::to_string(i) +
               "]=0 (a text-only sample costs the encoder nothing)");
+    if (units[i] > kMaxSplitUnits - total_units)
+      invalid("units sum to more than " + std::to_string(kMaxSplitUnits) + " at units[" +
+              std::to_string(i) + "]=" + std::to_string(units[i]));
+    total_units += units[i];
     if (units[i] > 0)
       visual.push_back({i, units[i], costs[i], costs[i] / static_cast<double>(units[i])});
   }
@@ -317,9 +324,9 @@ UnitSplit split_units(const int64_t* units, const double* costs, int64_t num_sam
   } else {
     const double M = target_capacity(canonical, R);
     // No placement uses more replicas than there are units: the others stay empty.
-    int64_t total_units = 0;
-    for (const Visual& v : costly) total_units += v.units;
-    const int64_t K = std::min(R, total_units);
+    int64_t costly_units = 0;
+    for (const Visual& v : costly) costly_units += v.units;
+    const int64_t K = std::min(R, costly_units);
     if (lpt_makespan(by_cost, K, &pieces) <= M * (1.0 + kSlack)) {
       // Whole samples already reach M: nothing to split.
     } else if (pieces.clear(), !whole_then_pour(by_cost, K, M, &pieces)) {
@@ -348,8 +355,9 @@ UnitSplit split_units(const int64_t* units, const double* costs, int64_t num_sam
     out.first_unit.push_back(p.first_unit);
     out.num_units.push_back(p.num_units);
     out.replica.push_back(p.replica);
+    // The fraction first: cost x units could overflow for costs near the double range.
     out.replica_cost[p.replica] +=
-        costs[p.sample] * static_cast<double>(p.num_units) / static_cast<double>(units[p.sample]);
+        costs[p.sample] * (static_cast<double>(p.num_units) / static_cast<double>(units[p.sample]));
   }
   for (const double c : out.replica_cost) out.makespan = std::max(out.makespan, c);
   return out;

@@ -34,6 +34,9 @@ namespace {
 constexpr double kWorkUnitsPerMs = 60000.0;
 // Work between two reads of the clock under a time limit (about a quarter millisecond).
 constexpr int64_t kWorkPerClockCheck = 15000;
+// The largest step (seconds) a simulation accepts: far above any real one, far below
+// where sums overflow.
+constexpr double kMaxStepSeconds = 1e200;
 // A capacity check allows this relative excess (loads are sums in different orders).
 constexpr double kCapacityTolerance = 1e-9;
 constexpr int64_t kMaxStages = 4096;
@@ -541,6 +544,20 @@ void validate_pipeline_schedule_input(const double* costs, int64_t n, int64_t d,
   }
   if (!(std::isfinite(o.link_latency_s) && o.link_latency_s >= 0.0)) {
     throw InvalidArgument("link_latency_s must be finite and >= 0, got " + fmt(o.link_latency_s));
+  }
+  // No simulated step may overflow: every stage's loads, constants and links of a step
+  // add up to at most this (it would turn times into inf - inf = nan).
+  double step_bound = 2.0 * double(total_stages) * double(o.num_microbatches) * o.link_latency_s;
+  for (int64_t c = 0; c < d; ++c) {
+    double column = 0.0;
+    for (int64_t i = 0; i < n; ++i) column += costs[i * d + c];
+    const double constant = o.microbatch_constant_s.empty() ? 0.0 : o.microbatch_constant_s[c];
+    step_bound += column + double(o.num_microbatches) * constant;
+  }
+  if (!(step_bound <= kMaxStepSeconds)) {
+    throw InvalidArgument("costs, microbatch_constant_s and link_latency_s add up to " +
+                          fmt(step_bound) + " s per step, more than " + fmt(kMaxStepSeconds) +
+                          " (the simulation would overflow)");
   }
   if (!o.replicas.empty()) {
     check_length("replicas", o.replicas, d);

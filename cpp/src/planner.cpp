@@ -71,9 +71,12 @@ void require(bool ok, const std::string& message) {
   if (!ok) throw InvalidArgument(message);
 }
 
+// Times, sizes and counts above this are no real input and would overflow the step model.
+constexpr double kMaxPlannerValue = 1e100;
+
 void check_finite_nonneg(const char* name, double v) {
-  require(std::isfinite(v) && v >= 0.0,
-          std::string(name) + " must be finite and >= 0, got " + fmt(v));
+  require(v >= 0.0 && v <= kMaxPlannerValue,
+          std::string(name) + " must be in [0, 1e100], got " + fmt(v));
 }
 
 void check_positive(const char* name, double v) {
@@ -83,8 +86,12 @@ void check_positive(const char* name, double v) {
 
 void check_module(const char* module, const ModuleParams& p) {
   const std::string m(module);
-  require(p.num_layers >= 1, m + ".num_layers must be >= 1, got " + std::to_string(p.num_layers));
-  require(p.num_heads >= 1, m + ".num_heads must be >= 1, got " + std::to_string(p.num_heads));
+  require(p.num_layers >= 1 && p.num_layers <= kMaxPlannerLayers,
+          m + ".num_layers must be in [1, " + std::to_string(kMaxPlannerLayers) + "], got " +
+              std::to_string(p.num_layers));
+  require(p.num_heads >= 1 && p.num_heads <= kMaxPlannerHeads,
+          m + ".num_heads must be in [1, " + std::to_string(kMaxPlannerHeads) + "], got " +
+              std::to_string(p.num_heads));
   require(p.hidden_size >= 1,
           m + ".hidden_size must be >= 1, got " + std::to_string(p.hidden_size));
   const std::pair<const char*, double> fields[] = {
@@ -113,10 +120,10 @@ void check_column(const char* name, const std::vector<double>& v, size_t expecte
                                     std::to_string(v.size()) + " values, expected " +
                                     std::to_string(expected));
   for (size_t i = 0; i < v.size(); ++i) {
-    const bool ok = std::isfinite(v[i]) && v[i] >= 0.0 && (!fraction || v[i] <= 1.0);
+    const bool ok = v[i] >= 0.0 && v[i] <= (fraction ? 1.0 : kMaxPlannerValue);
     if (!ok) {
       throw InvalidArgument(std::string("samples.") + name + "[" + std::to_string(i) +
-                            "] must be finite and in [0, " + (fraction ? "1" : "inf") + "), got " +
+                            "] must be in [0, " + (fraction ? "1" : "1e100") + "], got " +
                             fmt(v[i]));
     }
   }
@@ -1719,6 +1726,8 @@ class Search {
       for (int64_t m : ctx_.o.microbatch_choices) {
         if (m >= 1 && m <= max_m) out.push_back(m);
       }
+      std::sort(out.begin(), out.end());  // a repeated choice is one candidate
+      out.erase(std::unique(out.begin(), out.end()), out.end());
     }
     return out;
   }
@@ -1936,6 +1945,8 @@ void check_layout(const ClusterParams& c, const ModuleParams& enc, const ModuleP
   auto check_module_layout = [&](const char* name, const ModuleParams& p, const ModuleLayout& m) {
     const std::string n(name);
     require(m.tp >= 1 && m.pp >= 1 && m.dp >= 1, n + ": tp, pp, dp must be >= 1");
+    require(m.tp <= c.num_gpus && m.pp <= c.num_gpus && m.dp <= c.num_gpus,
+            n + ": tp, pp, dp must be <= num_gpus=" + std::to_string(c.num_gpus));
     require(c.gpus_per_node % m.tp == 0 && p.num_heads % m.tp == 0,
             n + ".tp=" + std::to_string(m.tp) + " must divide gpus_per_node and num_heads");
     require(m.first_rank % m.tp == 0, n + ".first_rank must be a multiple of tp");
@@ -1943,14 +1954,16 @@ void check_layout(const ClusterParams& c, const ModuleParams& enc, const ModuleP
             n + ".layers_per_stage must have pp entries");
     int64_t sum = 0;
     for (int64_t x : m.layers_per_stage) {
-      require(x >= 1, n + ".layers_per_stage entries must be >= 1");
-      sum += x;
+      require(x >= 1 && x <= p.num_layers,
+              n + ".layers_per_stage entries must be in [1, num_layers]");
+      sum += x;  // at most pp (<= num_gpus) entries of at most kMaxPlannerLayers each
     }
     require(sum == p.num_layers,
             n + ".layers_per_stage must sum to num_layers=" + std::to_string(p.num_layers));
   };
   check_module_layout("llm", llm, l.llm);
-  require(l.num_microbatches >= 1, "num_microbatches must be >= 1");
+  require(l.num_microbatches >= 1 && l.num_microbatches <= o.global_batch,
+          "num_microbatches must be in [1, global_batch]");
   require(l.num_microbatches * l.llm.dp <= o.global_batch,
           "num_microbatches x llm.dp must be <= global_batch (one sample per bin at least)");
   if (l.colocated) {
@@ -1969,7 +1982,9 @@ void check_layout(const ClusterParams& c, const ModuleParams& enc, const ModuleP
 }  // namespace
 
 int64_t padded_heads(int64_t heads, int64_t tp) {
-  require(heads >= 1 && tp >= 1, "padded_heads: heads and tp must be >= 1");
+  require(heads >= 1 && tp >= 1 && heads <= kMaxPlannerHeads && tp <= kMaxPlannerGpus,
+          "padded_heads: heads must be in [1, " + std::to_string(kMaxPlannerHeads) +
+              "] and tp in [1, " + std::to_string(kMaxPlannerGpus) + "]");
   return (heads + tp - 1) / tp * tp;
 }
 
@@ -1979,6 +1994,7 @@ std::vector<int64_t> default_microbatch_choices(int64_t max_microbatches) {
   for (int64_t p = 1; p <= max_microbatches; p *= 2) {
     out.push_back(p);
     if (p >= 2 && p + p / 2 <= max_microbatches) out.push_back(p + p / 2);
+    if (p > max_microbatches / 2) break;  // p * 2 would pass the end (or overflow)
   }
   if (max_microbatches >= 1 && (out.empty() || out.back() != max_microbatches)) {
     // Also the largest count (one sample per bin): it can beat the rounded steps.
@@ -1992,6 +2008,9 @@ std::vector<int64_t> default_microbatch_choices(int64_t max_microbatches) {
 std::vector<int64_t> split_layers(int64_t num_layers, int64_t num_stages, double per_layer,
                                   double first_stage_extra, double last_stage_extra,
                                   bool balanced) {
+  require(num_layers >= 1 && num_layers <= kMaxPlannerLayers,
+          "num_layers must be in [1, " + std::to_string(kMaxPlannerLayers) + "], got " +
+              std::to_string(num_layers));
   require(num_stages >= 1 && num_stages <= num_layers,
           "num_stages must be in [1, num_layers=" + std::to_string(num_layers) + "], got " +
               std::to_string(num_stages));
@@ -2018,10 +2037,9 @@ std::vector<int64_t> split_layers(int64_t num_layers, int64_t num_stages, double
 void validate_planner_input(const ClusterParams& c, const ModuleParams& enc,
                             const ModuleParams& llm, const PlannerSamples& x,
                             const PlannerOptions& o) {
-  require(c.num_gpus >= 2,
-          "cluster.num_gpus must be >= 2 (the encoder and the LLM need one "
-          "GPU each), got " +
-              std::to_string(c.num_gpus));
+  require(c.num_gpus >= 2 && c.num_gpus <= kMaxPlannerGpus,
+          "cluster.num_gpus must be in [2, " + std::to_string(kMaxPlannerGpus) +
+              "] (the encoder and the LLM need one GPU each), got " + std::to_string(c.num_gpus));
   require(c.gpus_per_node >= 1,
           "cluster.gpus_per_node must be >= 1, got " + std::to_string(c.gpus_per_node));
   check_positive("cluster.gpu_memory_bytes", c.gpu_memory_bytes);
@@ -2032,14 +2050,21 @@ void validate_planner_input(const ClusterParams& c, const ModuleParams& enc,
   check_finite_nonneg("cluster.memory_reserve_bytes", c.memory_reserve_bytes);
   check_module("encoder", enc);
   check_module("llm", llm);
-  require(x.num_batches >= 1,
-          "samples.num_batches must be >= 1, got " + std::to_string(x.num_batches));
-  require(x.batch_size >= 1,
-          "samples.batch_size must be >= 1, got " + std::to_string(x.batch_size));
+  require(x.num_batches >= 1 && x.num_batches <= kMaxPlannerBatches,
+          "samples.num_batches must be in [1, " + std::to_string(kMaxPlannerBatches) + "], got " +
+              std::to_string(x.num_batches));
+  require(x.batch_size >= 1 && x.batch_size <= kMaxPlannerBatchSize,
+          "samples.batch_size must be in [1, " + std::to_string(kMaxPlannerBatchSize) + "], got " +
+              std::to_string(x.batch_size));
   require(o.global_batch == x.batch_size, "global_batch=" + std::to_string(o.global_batch) +
                                               " must equal the sampled batch size " +
                                               std::to_string(x.batch_size));
-  require(o.top_k >= 1, "top_k must be >= 1, got " + std::to_string(o.top_k));
+  require(o.top_k >= 1 && o.top_k <= kMaxPlannerGpus, "top_k must be in [1, " +
+                                                          std::to_string(kMaxPlannerGpus) +
+                                                          "], got " + std::to_string(o.top_k));
+  require(o.balance_work_budget >= -1,
+          "balance_work_budget must be >= 0 (or -1: the default by size), got " +
+              std::to_string(o.balance_work_budget));
   require(o.max_tp >= 0, "max_tp must be >= 0, got " + std::to_string(o.max_tp));
   require(o.num_threads >= 0, "num_threads must be >= 0, got " + std::to_string(o.num_threads));
   require(int(o.strategy) >= 0 && int(o.strategy) <= 2, "strategy is not a PlanStrategy");
@@ -2047,7 +2072,9 @@ void validate_planner_input(const ClusterParams& c, const ModuleParams& enc,
           "encoder_split is not an EncoderSplit");
   require(std::isfinite(o.screen_factor) && o.screen_factor >= 0.0 && o.screen_factor <= 1.0,
           "screen_factor must be in [0, 1], got " + fmt(o.screen_factor));
-  require(o.patience >= 0, "patience must be >= 0, got " + std::to_string(o.patience));
+  require(o.patience >= 0 && o.patience <= kMaxPlannerGpus,
+          "patience must be in [0, " + std::to_string(kMaxPlannerGpus) + "], got " +
+              std::to_string(o.patience));
   require(o.encoder_max_tp >= 0,
           "encoder_max_tp must be >= 0, got " + std::to_string(o.encoder_max_tp));
   for (size_t i = 0; i < o.encoder_gpu_choices.size(); ++i) {

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <sstream>
 #include <string>
@@ -28,8 +29,10 @@ RoutingPlan plan_routing(const int64_t* src_replica, const int64_t* dst_replica,
                          const int64_t* rows, int64_t num_samples, int64_t num_src,
                          int64_t num_dst) {
   if (num_samples < 0) invalid("num_samples must be >= 0, got " + str(num_samples));
-  if (num_src < 1) invalid("num_src must be >= 1, got " + str(num_src));
-  if (num_dst < 1) invalid("num_dst must be >= 1, got " + str(num_dst));
+  if (num_src < 1 || num_src > kMaxRoutingReplicas)
+    invalid("num_src must be in [1, " + str(kMaxRoutingReplicas) + "], got " + str(num_src));
+  if (num_dst < 1 || num_dst > kMaxRoutingReplicas)
+    invalid("num_dst must be in [1, " + str(kMaxRoutingReplicas) + "], got " + str(num_dst));
   for (int64_t i = 0; i < num_samples; ++i) {
     if (src_replica[i] < 0 || src_replica[i] >= num_src)
       invalid("src_replica[" + str(i) + "]=" + str(src_replica[i]) + " is out of range [0, " +
@@ -52,6 +55,9 @@ RoutingPlan plan_routing(const int64_t* src_replica, const int64_t* dst_replica,
   // Counting sort by pair: visiting samples in ascending index keeps each pair ascending.
   for (int64_t i = 0; i < num_samples; ++i) {
     const int64_t pair = src_replica[i] * num_dst + dst_replica[i];
+    if (rows[i] > std::numeric_limits<int64_t>::max() - plan.send_rows[pair])
+      invalid("rows of the (src " + str(src_replica[i]) + ", dst " + str(dst_replica[i]) +
+              ") pair overflow int64 at rows[" + str(i) + "]=" + str(rows[i]));
     plan.send_rows[pair] += rows[i];
     ++plan.pair_offsets[pair + 1];
     ++plan.recv_offsets[dst_replica[i] + 1];

@@ -69,6 +69,10 @@ void check_nonnegative_1d(const char* name, const std::vector<double>& values, c
 void check_stage_args(int64_t num_stages, int64_t num_microbatches) {
   check_count("num_stages", num_stages);
   check_count("num_microbatches", num_microbatches);
+  if (num_microbatches > kMaxPipelineMicrobatches)
+    throw InvalidArgument(
+        "num_microbatches must be <= " + std::to_string(kMaxPipelineMicrobatches) + ", got " +
+        std::to_string(num_microbatches));
 }
 
 }  // namespace

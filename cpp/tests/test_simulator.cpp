@@ -308,7 +308,7 @@ void test_validation() {
         in.num_microbatches = int64_t{1} << 40;
         dflop::simulate_pipeline(in);
       },
-      "too large", __LINE__);
+      "num_microbatches must be <= 10000000", __LINE__);
 }
 
 }  // namespace

@@ -14,6 +14,9 @@
 
 namespace dflop {
 
+// The largest work budget a search runs under (larger ones are capped to it).
+constexpr int64_t kMaxWorkBudget = int64_t{1} << 50;
+
 struct BalanceOptions {
   int64_t num_microbatches = 1;
   int64_t dp_size = 1;
@@ -23,8 +26,12 @@ struct BalanceOptions {
   std::vector<double> capacity;
   uint64_t seed = 0;
   // Search effort in work units (one unit ~ one candidate move evaluated). The search
-  // counts work instead of reading a clock so that results are reproducible; a larger
-  // budget continues the same trajectory, so it is never worse. Negative = default by size.
+  // counts work instead of reading a clock so that results are reproducible. Without
+  // capacities a larger budget continues the same trajectory, so it is never worse; with
+  // capacities it need not be (the repair attempts start where the budget runs out, so a
+  // larger budget can take another path, rarely to a worse or infeasible end). Negative =
+  // default by size; budgets above kMaxWorkBudget (hours of search) count as
+  // kMaxWorkBudget.
   int64_t work_budget = -1;
   // Optional wall-clock limit in seconds (negative = none): past it the search returns the
   // best schedule found so far. Results then depend on machine speed and load, so this is

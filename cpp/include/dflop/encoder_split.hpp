@@ -49,9 +49,15 @@ struct UnitSplit {
   double makespan = 0.0;               // max of replica_cost (0 without units)
 };
 
+// The largest num_replicas and total units (over all samples) split_units accepts: far
+// above any microbatch, and small enough that its work and memory stay bounded.
+constexpr int64_t kMaxSplitReplicas = int64_t{1} << 20;
+constexpr int64_t kMaxSplitUnits = int64_t{1} << 24;
+
 // Throws InvalidArgument naming the argument and the first offending index for
-// num_replicas < 1, units[i] < 0, a negative or non-finite costs[i], or costs[i] > 0 with
-// units[i] == 0 (encoder work without visual units).
+// num_replicas outside [1, kMaxSplitReplicas], units[i] < 0, units summing to more than
+// kMaxSplitUnits, a negative or non-finite costs[i], or costs[i] > 0 with units[i] == 0
+// (encoder work without visual units).
 UnitSplit split_units(const int64_t* units, const double* costs, int64_t num_samples,
                       int64_t num_replicas, SplitGranularity granularity = SplitGranularity::Unit);
 

@@ -132,6 +132,14 @@ struct PlannerSamples {
   std::vector<double> visual_tokens;          // features the encoder hands the LLM
 };
 
+// Bounds of the planner's inputs: far above any real model and cluster, small enough that
+// no size computation overflows and the search stays bounded.
+constexpr int64_t kMaxPlannerGpus = int64_t{1} << 20;       // num_gpus, tp/pp/dp, top_k, patience
+constexpr int64_t kMaxPlannerLayers = int64_t{1} << 16;     // num_layers per module
+constexpr int64_t kMaxPlannerHeads = int64_t{1} << 20;      // num_heads per module
+constexpr int64_t kMaxPlannerBatches = int64_t{1} << 16;    // sampled batches
+constexpr int64_t kMaxPlannerBatchSize = int64_t{1} << 24;  // samples per batch
+
 struct PlannerOptions {
   PlanStrategy strategy = PlanStrategy::DataAware;
   int64_t global_batch = 0;  // must equal PlannerSamples::batch_size

@@ -40,9 +40,13 @@ struct RoutingPlan {
   std::vector<int64_t> recv_order;
 };
 
+// The most replicas per side (its S x D pair arrays stay below 2^24 entries).
+constexpr int64_t kMaxRoutingReplicas = int64_t{1} << 12;
+
 // Validates and builds the plan in O(N + S * D). Throws InvalidArgument naming the
-// argument and the first offending index when num_src or num_dst < 1, a replica is out of
-// [0, num_src) / [0, num_dst), or rows[i] < 0.
+// argument and the first offending index when num_src or num_dst is outside [1,
+// kMaxRoutingReplicas], a replica is out of [0, num_src) / [0, num_dst), rows[i] < 0, or
+// a pair's rows overflow int64.
 RoutingPlan plan_routing(const int64_t* src_replica, const int64_t* dst_replica,
                          const int64_t* rows, int64_t num_samples, int64_t num_src,
                          int64_t num_dst);

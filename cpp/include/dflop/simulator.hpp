@@ -44,7 +44,11 @@ struct PipelineAction {
 //   forwards F0..F(w-1); then for i = 0 .. m-w-1 the steady pair F(w+i), B(i); then the
 //   cool-down backwards B(m-w)..B(m-1). Equivalently: run a forward while forwards
 //   remain and fewer than S - stage microbatches are in flight, else the oldest backward.
-// Throws InvalidArgument for num_stages < 1, num_microbatches < 1 or stage out of range.
+// The most microbatches of one step (a stage lists 2 actions per microbatch).
+constexpr int64_t kMaxPipelineMicrobatches = 10'000'000;
+
+// Throws InvalidArgument for num_stages < 1, num_microbatches outside [1,
+// kMaxPipelineMicrobatches] or stage out of range.
 std::vector<PipelineAction> pipeline_actions(ScheduleKind kind, int64_t num_stages,
                                              int64_t num_microbatches, int64_t stage);
 
