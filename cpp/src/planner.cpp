@@ -80,8 +80,8 @@ void check_finite_nonneg(const char* name, double v) {
 }
 
 void check_positive(const char* name, double v) {
-  require(std::isfinite(v) && v > 0.0,
-          std::string(name) + " must be finite and > 0, got " + fmt(v));
+  require(std::isfinite(v) && v >= 1.0,
+          std::string(name) + " must be finite and >= 1, got " + fmt(v));
 }
 
 void check_module(const char* module, const ModuleParams& p) {
@@ -1045,7 +1045,9 @@ class Evaluator {
             kind == MicrobatchOrder::AsScheduled ? base : permuted(base, order);
         const PipelineSimResult res = simulate_pipeline(in);
         if (kind == MicrobatchOrder::AsScheduled) plain = res.step_time_s;
-        if (res.step_time_s < best) {
+        // The first order always counts: a batch every order of which takes +inf (or
+        // NaN) seconds still gets its breakdown.
+        if (res.step_time_s < best || kind == MicrobatchOrder::AsScheduled) {
           best = res.step_time_s;
           best_breakdown = breakdown(l, p.sums[size_t(b)], in, res, kind);
         }
@@ -2096,10 +2098,17 @@ void validate_planner_input(const ClusterParams& c, const ModuleParams& enc,
   require(x.encoder_units.size() == total, "samples.encoder_units has " +
                                                std::to_string(x.encoder_units.size()) +
                                                " values, expected " + std::to_string(total));
+  int64_t batch_units = 0;  // a microbatch's units are split by split_units: bounded
   for (size_t i = 0; i < total; ++i) {
     require(x.encoder_units[i] >= 0, "samples.encoder_units[" + std::to_string(i) +
                                          "] must be >= 0, got " +
                                          std::to_string(x.encoder_units[i]));
+    if (i % size_t(x.batch_size) == 0) batch_units = 0;
+    require(x.encoder_units[i] <= kMaxSplitUnits - batch_units,
+            "samples.encoder_units of batch " + std::to_string(i / size_t(x.batch_size)) +
+                " sum to more than " + std::to_string(kMaxSplitUnits) + " at encoder_units[" +
+                std::to_string(i) + "]=" + std::to_string(x.encoder_units[i]));
+    batch_units += x.encoder_units[i];
     require(x.encoder_units[i] > 0 || x.encoder_s[i] == 0.0,
             "samples.encoder_s[" + std::to_string(i) + "]=" + fmt(x.encoder_s[i]) +
                 " is encoder time for a sample with encoder_units[" + std::to_string(i) +

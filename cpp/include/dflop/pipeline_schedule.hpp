@@ -87,6 +87,9 @@ struct PipelineScheduleResult {
 // Checks every argument (names the argument, index and value) and the starting
 // assignment: one bin per sample in [0, num_microbatches x dp_size), no empty bin, within
 // the capacities. Throws InvalidArgument, or Infeasible where balance() would.
+// Inputs whose step could overflow are refused: the column sums of the costs plus
+// num_microbatches x microbatch_constant_s, plus 2 x stages x num_microbatches x
+// link_latency_s, must stay <= 1e200 s.
 void validate_pipeline_schedule_input(const double* costs, int64_t num_items, int64_t num_dims,
                                       const std::vector<int64_t>& start_assignment,
                                       const PipelineScheduleOptions& options);

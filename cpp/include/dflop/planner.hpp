@@ -57,6 +57,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "dflop/encoder_split.hpp"
 #include "dflop/errors.hpp"
 #include "dflop/simulator.hpp"
 
@@ -139,6 +140,8 @@ constexpr int64_t kMaxPlannerLayers = int64_t{1} << 16;     // num_layers per mo
 constexpr int64_t kMaxPlannerHeads = int64_t{1} << 20;      // num_heads per module
 constexpr int64_t kMaxPlannerBatches = int64_t{1} << 16;    // sampled batches
 constexpr int64_t kMaxPlannerBatchSize = int64_t{1} << 24;  // samples per batch
+// Also: a batch's encoder_units sum to at most kMaxSplitUnits (encoder_split.hpp); times,
+// sizes and counts are in [0, 1e100]; memory and bandwidths are finite and >= 1.
 
 struct PlannerOptions {
   PlanStrategy strategy = PlanStrategy::DataAware;

@@ -40,7 +40,7 @@ struct RoutingPlan {
   std::vector<int64_t> recv_order;
 };
 
-// The most replicas per side (its S x D pair arrays stay below 2^24 entries).
+// The most replicas per side (its S x D pair arrays hold at most 2^24 (+1) entries).
 constexpr int64_t kMaxRoutingReplicas = int64_t{1} << 12;
 
 // Validates and builds the plan in O(N + S * D). Throws InvalidArgument naming the
