@@ -270,7 +270,8 @@ class Trainer:
                 if not _same_shapes(self._submitted.pop(step), shapes):
                     # A record was replaced since the step was submitted (its images did
                     # not decode): solve for the batch as it is now, with no search.
-                    self._submit(step, shapes, deadline=0.0)
+                    # (A deterministic run solves it to the end, as every step.)
+                    self._submit(step, shapes, deadline=None if self.config.deterministic else 0.0)
                     out[mode] = self.scheduler.get(step)
                 nxt = step + self.config.lookahead
                 if nxt < self.config.steps:
@@ -351,7 +352,7 @@ class Trainer:
             replaced = True
             if self.is_leader:
                 for why in found.values():
-                    print(f"step {step}: skipped a record, replaced by a redraw: {why}")
+                    print(f"step {step}: skipped a record, replaced by a redraw: {why}", flush=True)
             batch = source.batch(step, data_seed)
         if replaced:
             drawn = source.records.indices(source.global_batch, seed=_step_seed(source.seed, step))
