@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 
-__all__ = ["non_negative_int", "positive_int"]
+__all__ = ["json_object", "non_negative_int", "positive_int"]
 
 
 def _int(text: str, minimum: int, rule: str) -> int:
@@ -25,3 +26,14 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     """An argparse type: an integer >= 0."""
     return _int(text, 0, ">= 0")
+
+
+def json_object(text: str) -> dict:
+    """An argparse type: a JSON object (``'{"text": 0.4}'``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value

@@ -9,7 +9,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from dflop.commands.args import positive_int
+from dflop.commands.args import json_object, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -74,8 +74,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     local.add_argument(
         "--num-microbatches", type=positive_int, default=None, help="restrict m (local)"
     )
-    local.add_argument("--mix", default=None, help="synthetic mix JSON (local)")
-    local.add_argument("--scaler", default=None, help="ShapeScaler arguments as JSON (local)")
+    local.add_argument("--mix", type=json_object, default=None, help="synthetic mix JSON (local)")
+    local.add_argument(
+        "--scaler", type=json_object, default={}, help="ShapeScaler arguments as JSON (local)"
+    )
     local.add_argument(
         "--calibrate-steps",
         type=int,
@@ -222,7 +224,6 @@ def run_plan(args: argparse.Namespace) -> int:
 def _run_local_plan(args: argparse.Namespace) -> int:
     """``dflop plan --local N``: the plan 'dflop train --nproc N' would make (or, with
     --layout, the given layout scored the same way), saved for 'dflop train --plan'."""
-    from dflop.commands.train import data_settings
     from dflop.train import TrainConfig
     from dflop.train.run import prepare
 
@@ -231,7 +232,12 @@ def _run_local_plan(args: argparse.Namespace) -> int:
         layout=args.layout,
         nproc=args.local,
         num_microbatches=args.num_microbatches,
-        **data_settings(args),
+        data=args.data,
+        image_folder=args.image_folder,
+        video_folder=args.video_folder,
+        family=args.family,
+        mix=args.mix,
+        scaler=args.scaler,
         global_batch=args.global_batch or 16,
         seed=args.seed,
         perf=None if args.perf == "analytic" else args.perf,

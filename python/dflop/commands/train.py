@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from dflop.commands.args import json_object
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -51,7 +53,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         if kind == "bool":
             kwargs["action"] = argparse.BooleanOptionalAction
         elif kind.startswith("dict"):
-            kwargs.update(type=_json_object(flags[0]), metavar="JSON")
+            kwargs.update(type=json_object, metavar="JSON")
         elif kind in ("int", "float"):
             kwargs["type"] = _number(int if kind == "int" else float, meta.get("zero_is_none"))
         if "choices" in meta:
@@ -70,44 +72,6 @@ def _number(kind: type, zero_is_none: bool = False) -> Any:
         return None if zero_is_none and value == 0 else value
 
     return parse
-
-
-def _json_object(flag: str) -> Any:
-    def parse(text: str) -> dict:
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise argparse.ArgumentTypeError(f"not valid JSON ({error})") from None
-        if not isinstance(value, dict):
-            raise argparse.ArgumentTypeError("expected a JSON object")
-        return value
-
-    return parse
-
-
-def _json_arg(text: str | None, flag: str) -> dict | None:
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{flag}: not valid JSON ({error})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{flag}: expected a JSON object")
-    return value
-
-
-def data_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The TrainConfig fields of the data options that 'dflop train' and 'dflop plan
-    --local' share."""
-    return {
-        "data": args.data,
-        "image_folder": args.image_folder,
-        "video_folder": args.video_folder,
-        "family": args.family,
-        "mix": _json_arg(args.mix, "--mix"),
-        "scaler": _json_arg(args.scaler, "--scaler") or {},
-    }
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
