@@ -120,7 +120,7 @@ def test_replicas_and_allreduce():
 
 def test_pipeline_actions_orders():
     def fmt(actions):
-        return " ".join(("F" if f else "B") + str(k) for f, k in actions)
+        return " ".join(f"{a.kind}{a.microbatch}" for a in actions)
 
     assert fmt(pipeline_actions("1f1b", 4, 6, 1)) == "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5"
     assert fmt(pipeline_actions("1f1b", 4, 6, 3)) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5"
@@ -134,7 +134,9 @@ def test_pipeline_actions_orders():
 def test_pipeline_actions_match_in_flight_rule(schedule, num_stages, num_microbatches):
     for stage in range(num_stages):
         expected = _reference_order(schedule, num_stages, num_microbatches, stage)
-        assert pipeline_actions(schedule, num_stages, num_microbatches, stage) == expected
+        got = pipeline_actions(schedule, num_stages, num_microbatches, stage)
+        assert all(a.stage == stage for a in got)
+        assert [(a.is_forward, a.microbatch) for a in got] == expected
 
 
 # ---- independent reference: a time-ordered event loop ------------------------------------

@@ -33,11 +33,55 @@ std::vector<double> checked_1d(const DoubleArray& a, const char* name) {
   return to_vector(a);
 }
 
+using IntArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+// Action lists as (n, 3) int64 arrays of (virtual stage, kind code, microbatch).
+std::vector<PipelineAction> to_actions(const IntArray& a, size_t stage) {
+  if (a.ndim() != 2 || a.shape(1) != 3) {
+    throw py::value_error("actions[" + std::to_string(stage) +
+                          "] must have shape (n, 3): (virtual stage, kind, microbatch) rows");
+  }
+  std::vector<PipelineAction> out(static_cast<size_t>(a.shape(0)));
+  const auto v = a.unchecked<2>();
+  for (py::ssize_t i = 0; i < a.shape(0); ++i) {
+    const int64_t kind = v(i, 1);
+    if (kind < 0 || kind > 3) {
+      throw py::value_error("actions[" + std::to_string(stage) + "][" + std::to_string(i) +
+                            "] has kind code " + std::to_string(kind) + " (0 F, 1 B, 2 I, 3 W)");
+    }
+    out[size_t(i)] = {v(i, 0), static_cast<ActionKind>(kind), v(i, 2)};
+  }
+  return out;
+}
+
+py::list to_arrays(const std::vector<std::vector<PipelineAction>>& lists) {
+  py::list out;
+  for (const auto& list : lists) {
+    std::vector<int64_t> flat;
+    flat.reserve(3 * list.size());
+    for (const auto& a : list) {
+      flat.push_back(a.stage);
+      flat.push_back(static_cast<int64_t>(a.kind));
+      flat.push_back(a.microbatch);
+    }
+    out.append(to_numpy(std::move(flat), {static_cast<py::ssize_t>(list.size()), 3}));
+  }
+  return out;
+}
+
+PipelineShape to_shape(const std::vector<int64_t>& stages, const std::vector<int64_t>& chunks) {
+  return {stages, chunks};
+}
+
 py::dict simulate_pipeline_py(const DoubleArray& forward_s, const DoubleArray& backward_s,
                               const std::string& schedule, const DoubleArray& link_latency_s,
                               const DoubleArray& link_bandwidth_bytes_per_s,
                               const std::optional<DoubleArray>& activation_bytes,
-                              const std::optional<DoubleArray>& allreduce_s, bool record_events) {
+                              const std::optional<DoubleArray>& allreduce_s, bool record_events,
+                              const std::vector<int64_t>& stages,
+                              const std::vector<int64_t>& chunks,
+                              const std::optional<std::vector<IntArray>>& actions,
+                              double weight_grad_fraction) {
   PipelineSimInput in;
   in.record_events = record_events;
   in.schedule = parse_schedule_kind(schedule);
@@ -45,9 +89,14 @@ py::dict simulate_pipeline_py(const DoubleArray& forward_s, const DoubleArray& b
   in.backward_s = checked_3d(backward_s, "backward_s");
   // Sizes of the other arrays are checked in the core against these dimensions.
   in.num_replicas = forward_s.shape(0);
-  in.num_stages = forward_s.shape(1);
   in.num_microbatches = forward_s.shape(2);
-  if (backward_s.shape(0) != in.num_replicas || backward_s.shape(1) != in.num_stages ||
+  in.shape = to_shape(stages, chunks);
+  in.num_stages = stages.empty() ? forward_s.shape(1) : num_physical_stages(in.shape);
+  in.weight_grad_fraction = weight_grad_fraction;
+  if (actions) {
+    for (size_t s = 0; s < actions->size(); ++s) in.actions.push_back(to_actions((*actions)[s], s));
+  }
+  if (backward_s.shape(0) != in.num_replicas || backward_s.shape(1) != forward_s.shape(1) ||
       backward_s.shape(2) != in.num_microbatches) {
     throw py::value_error("backward_s must have the shape of forward_s");
   }
@@ -64,7 +113,7 @@ py::dict simulate_pipeline_py(const DoubleArray& forward_s, const DoubleArray& b
   }
   // Events as parallel columns; the Python side assembles a structured array.
   const size_t n = res.events.size();
-  std::vector<int64_t> replica(n), stage(n), microbatch(n), peer_stage(n);
+  std::vector<int64_t> replica(n), stage(n), microbatch(n), peer_stage(n), virtual_stage(n);
   std::vector<int8_t> kind(n);
   std::vector<double> start_s(n), end_s(n);
   for (size_t i = 0; i < n; ++i) {
@@ -74,6 +123,7 @@ py::dict simulate_pipeline_py(const DoubleArray& forward_s, const DoubleArray& b
     kind[i] = static_cast<int8_t>(e.kind);
     microbatch[i] = e.microbatch;
     peer_stage[i] = e.peer_stage;
+    virtual_stage[i] = e.virtual_stage;
     start_s[i] = e.start_s;
     end_s[i] = e.end_s;
   }
@@ -90,21 +140,32 @@ py::dict simulate_pipeline_py(const DoubleArray& forward_s, const DoubleArray& b
   events["kind"] = to_numpy(std::move(kind), {num_events});
   events["microbatch"] = to_numpy(std::move(microbatch), {num_events});
   events["peer_stage"] = to_numpy(std::move(peer_stage), {num_events});
+  events["virtual_stage"] = to_numpy(std::move(virtual_stage), {num_events});
   events["start_s"] = to_numpy(std::move(start_s), {num_events});
   events["end_s"] = to_numpy(std::move(end_s), {num_events});
   out["events"] = events;
   return out;
 }
 
-std::vector<std::pair<bool, int64_t>> pipeline_actions_py(const std::string& schedule,
-                                                          int64_t num_stages,
-                                                          int64_t num_microbatches, int64_t stage) {
-  const auto actions =
-      pipeline_actions(parse_schedule_kind(schedule), num_stages, num_microbatches, stage);
-  std::vector<std::pair<bool, int64_t>> out;
-  out.reserve(actions.size());
-  for (const auto& a : actions) out.emplace_back(a.is_forward, a.microbatch);
-  return out;
+py::tuple pipeline_program_py(const std::string& schedule, const std::vector<int64_t>& stages,
+                              const std::vector<int64_t>& chunks, int64_t num_microbatches) {
+  PipelineProgram program;
+  {
+    py::gil_scoped_release release;
+    program =
+        pipeline_program(parse_schedule_kind(schedule), to_shape(stages, chunks), num_microbatches);
+  }
+  return py::make_tuple(program.owner, to_arrays(program.actions));
+}
+
+void validate_program_py(const std::vector<int64_t>& owner, const std::vector<IntArray>& actions,
+                         int64_t num_microbatches) {
+  PipelineProgram program;
+  program.num_microbatches = num_microbatches;
+  program.owner = owner;
+  for (size_t s = 0; s < actions.size(); ++s) program.actions.push_back(to_actions(actions[s], s));
+  py::gil_scoped_release release;
+  validate_program(program);
 }
 
 }  // namespace
@@ -113,12 +174,28 @@ void register_simulator(py::module_& m) {
   m.def("simulate_pipeline", &simulate_pipeline_py, py::arg("forward_s"), py::arg("backward_s"),
         py::arg("schedule"), py::arg("link_latency_s"), py::arg("link_bandwidth_bytes_per_s"),
         py::arg("activation_bytes"), py::arg("allreduce_s"), py::arg("record_events") = true,
+        py::arg("stages") = std::vector<int64_t>{}, py::arg("chunks") = std::vector<int64_t>{},
+        py::arg("actions") = py::none(), py::arg("weight_grad_fraction") = 0.5,
         "Simulate one training step of (R, S, m) pipelines. Returns a dict of numpy arrays "
-        "and scalars; event kinds are 0 fwd, 1 bwd, 2 send, 3 allreduce. See "
+        "and scalars; event kinds are 0 fwd, 1 bwd, 2 send, 3 allreduce, 4 bwd_input, 5 "
+        "bwd_weight. See "
         "dflop.simulator.simulate_pipeline.");
-  m.def("pipeline_actions", &pipeline_actions_py, py::arg("schedule"), py::arg("num_stages"),
-        py::arg("num_microbatches"), py::arg("stage"),
-        "The order of (is_forward, microbatch) actions one stage executes.");
+  m.def("pipeline_program", &pipeline_program_py, py::arg("schedule"), py::arg("stages"),
+        py::arg("chunks"), py::arg("num_microbatches"),
+        "(owner per virtual stage, per physical stage an (n, 3) int64 array of (virtual "
+        "stage, kind code 0 F / 1 B / 2 I / 3 W, microbatch)); see "
+        "dflop.scheduling.pipeline_program.");
+  m.def("validate_program", &validate_program_py, py::arg("owner"), py::arg("actions"),
+        py::arg("num_microbatches"), "Check a pipeline program; see dflop.scheduling.");
+  m.def(
+      "peak_in_flight",
+      [](const std::string& schedule, const std::vector<int64_t>& stages,
+         const std::vector<int64_t>& chunks, int64_t num_microbatches, int64_t stage) {
+        return peak_in_flight(parse_schedule_kind(schedule), to_shape(stages, chunks),
+                              num_microbatches, stage);
+      },
+      py::arg("schedule"), py::arg("stages"), py::arg("chunks"), py::arg("num_microbatches"),
+      py::arg("stage"), "The memory rule of a generated schedule; see dflop.scheduling.");
 }
 
 }  // namespace dflop::bindings

@@ -1,5 +1,5 @@
-// Pipeline step simulator: validation, the 1F1B / GPipe action orders, and the step of
-// several replicas (each simulated by detail::ReplicaSimulator) with their all-reduces.
+// Pipeline step simulator: validation and the step of several replicas (each simulated by
+// detail::ReplicaSimulator) with their all-reduces.
 #include "dflop/simulator.hpp"
 
 #include <algorithm>
@@ -66,103 +66,84 @@ void check_nonnegative_1d(const char* name, const std::vector<double>& values, c
   }
 }
 
-void check_stage_args(int64_t num_stages, int64_t num_microbatches) {
-  check_count("num_stages", num_stages);
-  check_count("num_microbatches", num_microbatches);
-  if (num_microbatches > kMaxPipelineMicrobatches)
-    throw InvalidArgument(
-        "num_microbatches must be <= " + std::to_string(kMaxPipelineMicrobatches) + ", got " +
-        std::to_string(num_microbatches));
+}  // namespace
+
+PipelineShape input_shape(const PipelineSimInput& in) {
+  return in.shape.stages.empty() ? PipelineShape::plain(in.num_stages) : in.shape;
+}
+
+namespace {
+
+// The program an input runs (validated).
+PipelineProgram input_program(const PipelineSimInput& in) {
+  const PipelineShape shape = input_shape(in);
+  if (in.actions.empty()) return pipeline_program(in.schedule, shape, in.num_microbatches);
+  PipelineProgram program;
+  program.num_microbatches = in.num_microbatches;
+  program.owner = virtual_stage_owners(shape);
+  program.actions = in.actions;
+  validate_program(program);
+  return program;
 }
 
 }  // namespace
 
-ScheduleKind parse_schedule_kind(const std::string& name) {
-  std::string lower(name);
-  std::transform(lower.begin(), lower.end(), lower.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  if (lower == "1f1b") return ScheduleKind::OneFOneB;
-  if (lower == "gpipe") return ScheduleKind::GPipe;
-  throw InvalidArgument("schedule must be \"1f1b\" or \"gpipe\", got \"" + name + "\"");
-}
-
-const char* schedule_kind_name(ScheduleKind kind) {
-  return kind == ScheduleKind::GPipe ? "gpipe" : "1f1b";
-}
-
-std::vector<PipelineAction> pipeline_actions(ScheduleKind kind, int64_t num_stages,
-                                             int64_t num_microbatches, int64_t stage) {
-  check_stage_args(num_stages, num_microbatches);
-  if (stage < 0 || stage >= num_stages) {
-    throw InvalidArgument("stage must be in [0, " + std::to_string(num_stages) + "), got " +
-                          std::to_string(stage));
-  }
-  if (kind != ScheduleKind::OneFOneB && kind != ScheduleKind::GPipe) {
-    throw InvalidArgument("schedule kind " + std::to_string(static_cast<int>(kind)) +
-                          " is not a ScheduleKind");
-  }
-  const int64_t m = num_microbatches;
-  std::vector<PipelineAction> actions;
-  actions.reserve(static_cast<size_t>(2 * m));
-  if (kind == ScheduleKind::GPipe) {
-    for (int64_t k = 0; k < m; ++k) actions.push_back({true, k});
-    for (int64_t k = 0; k < m; ++k) actions.push_back({false, k});
-    return actions;
-  }
-  // 1F1B: the warm-up fills the pipeline below this stage, so that the steady state
-  // keeps num_stages - stage microbatches in flight (bounding activation memory).
-  const int64_t warmup = std::min(num_stages - 1 - stage, m);
-  for (int64_t k = 0; k < warmup; ++k) actions.push_back({true, k});
-  for (int64_t i = 0; i < m - warmup; ++i) {
-    actions.push_back({true, warmup + i});
-    actions.push_back({false, i});
-  }
-  for (int64_t k = m - warmup; k < m; ++k) actions.push_back({false, k});
-  return actions;
-}
-
 void validate_pipeline_input(const PipelineSimInput& in) {
   check_count("num_replicas", in.num_replicas);
-  check_stage_args(in.num_stages, in.num_microbatches);
-  if (in.schedule != ScheduleKind::OneFOneB && in.schedule != ScheduleKind::GPipe) {
-    throw InvalidArgument("schedule kind " + std::to_string(static_cast<int>(in.schedule)) +
-                          " is not a ScheduleKind");
+  check_count("num_stages", in.num_stages);
+  const PipelineShape shape = input_shape(in);
+  validate_shape(shape);
+  if (num_physical_stages(shape) != in.num_stages) {
+    throw InvalidArgument("shape.stages sum to " + std::to_string(num_physical_stages(shape)) +
+                          " physical stages, num_stages is " + std::to_string(in.num_stages));
   }
-  const int64_t r = in.num_replicas, s = in.num_stages, m = in.num_microbatches;
-  const int64_t num_links = s - 1;
-  const int64_t times = checked_product(checked_product(r, s, "forward_s"), m, "forward_s");
-  check_size("forward_s", in.forward_s, times, "num_replicas x num_stages x num_microbatches");
-  check_size("backward_s", in.backward_s, times, "num_replicas x num_stages x num_microbatches");
-  check_nonnegative_3d("forward_s", in.forward_s, s, m, "stage");
-  check_nonnegative_3d("backward_s", in.backward_s, s, m, "stage");
-  check_size("link_latency_s", in.link_latency_s, num_links, "num_stages - 1");
+  if (!in.actions.empty() && static_cast<int64_t>(in.actions.size()) != in.num_stages) {
+    throw InvalidArgument("actions has " + std::to_string(in.actions.size()) +
+                          " lists, expected one per physical stage (" +
+                          std::to_string(in.num_stages) + ")");
+  }
+  if (!(in.weight_grad_fraction >= 0.0 && in.weight_grad_fraction <= 1.0)) {
+    throw InvalidArgument("weight_grad_fraction must be in [0, 1], got " +
+                          fmt(in.weight_grad_fraction));
+  }
+  input_program(in);  // the schedule, shape and microbatches (or the given actions)
+  const int64_t r = in.num_replicas, v = num_virtual_stages(shape), m = in.num_microbatches;
+  const int64_t num_links = v - 1;
+  const int64_t times = checked_product(checked_product(r, v, "forward_s"), m, "forward_s");
+  const char* cells = "num_replicas x virtual stages x num_microbatches";
+  check_size("forward_s", in.forward_s, times, cells);
+  check_size("backward_s", in.backward_s, times, cells);
+  check_nonnegative_3d("forward_s", in.forward_s, v, m, "stage");
+  check_nonnegative_3d("backward_s", in.backward_s, v, m, "stage");
+  check_size("link_latency_s", in.link_latency_s, num_links, "virtual stages - 1");
   check_nonnegative_1d("link_latency_s", in.link_latency_s, "link");
   check_size("link_bandwidth_bytes_per_s", in.link_bandwidth_bytes_per_s, num_links,
-             "num_stages - 1");
+             "virtual stages - 1");
   for (size_t l = 0; l < in.link_bandwidth_bytes_per_s.size(); ++l) {
-    const double v = in.link_bandwidth_bytes_per_s[l];
+    const double bw = in.link_bandwidth_bytes_per_s[l];
     // +inf is allowed: an infinitely fast link still has its latency.
-    if (!(v > 0.0)) {
+    if (!(bw > 0.0)) {
       throw InvalidArgument("link_bandwidth_bytes_per_s[link " + std::to_string(l) +
-                            "] must be > 0 (inf allowed), got " + fmt(v));
+                            "] must be > 0 (inf allowed), got " + fmt(bw));
     }
   }
   if (!in.activation_bytes.empty()) {
     check_size("activation_bytes", in.activation_bytes,
                checked_product(r * num_links, m, "activation_bytes"),
-               "num_replicas x (num_stages - 1) x num_microbatches (or empty)");
+               "num_replicas x (virtual stages - 1) x num_microbatches (or empty)");
     check_nonnegative_3d("activation_bytes", in.activation_bytes, num_links, m, "link");
   }
   if (!in.allreduce_s.empty()) {
-    check_size("allreduce_s", in.allreduce_s, s, "num_stages (or empty)");
+    check_size("allreduce_s", in.allreduce_s, in.num_stages, "num_stages (or empty)");
     check_nonnegative_1d("allreduce_s", in.allreduce_s, "stage");
   }
 }
 
 PipelineSimResult simulate_pipeline(const PipelineSimInput& in) {
   validate_pipeline_input(in);
-  const int64_t num_replicas = in.num_replicas, num_stages = in.num_stages, m = in.num_microbatches,
-                num_links = num_stages - 1;
+  const int64_t num_replicas = in.num_replicas, num_stages = in.num_stages, m = in.num_microbatches;
+  detail::ReplicaSimulator replica(input_program(in));
+  const int64_t num_virtual = int64_t(replica.program().owner.size()), num_links = num_virtual - 1;
   PipelineSimResult out;
   const size_t grid = static_cast<size_t>(num_replicas * num_stages);
   out.compute_end_s.assign(grid, 0.0);
@@ -172,18 +153,20 @@ PipelineSimResult simulate_pipeline(const PipelineSimInput& in) {
     out.events.reserve(static_cast<size_t>(4 * num_replicas * num_stages * m) +
                        (in.allreduce_s.empty() ? 0 : grid));
   }
-  detail::ReplicaSimulator replica(in.schedule, num_stages, m);
   for (int64_t r = 0; r < num_replicas; ++r) {
-    const size_t offset = static_cast<size_t>(r * num_stages * m);
+    const size_t offset = static_cast<size_t>(r * num_virtual * m);
     const double* bytes = in.activation_bytes.empty()
                               ? nullptr
                               : in.activation_bytes.data() + static_cast<size_t>(r * num_links * m);
-    replica.run(
-        in.forward_s.data() + offset, in.backward_s.data() + offset, in.link_latency_s.data(),
-        in.link_bandwidth_bytes_per_s.data(), bytes,
-        [&](int64_t stage, EventKind kind, int64_t k, int64_t peer, double start_s, double end_s) {
-          if (in.record_events) out.events.push_back({r, stage, kind, k, peer, start_s, end_s});
-        });
+    replica.run(in.forward_s.data() + offset, in.backward_s.data() + offset,
+                in.link_latency_s.data(), in.link_bandwidth_bytes_per_s.data(), bytes,
+                in.weight_grad_fraction,
+                [&](int64_t stage, EventKind kind, int64_t k, int64_t peer, double start_s,
+                    double end_s, int64_t virtual_stage) {
+                  if (in.record_events) {
+                    out.events.push_back({r, stage, kind, k, peer, start_s, end_s, virtual_stage});
+                  }
+                });
     for (int64_t s = 0; s < num_stages; ++s) {
       out.compute_end_s[static_cast<size_t>(r * num_stages + s)] = replica.stage_end_s()[s];
       out.busy_s[static_cast<size_t>(r * num_stages + s)] = replica.busy_s()[s];
@@ -202,7 +185,7 @@ PipelineSimResult simulate_pipeline(const PipelineSimInput& in) {
     if (!in.allreduce_s.empty()) {
       end_s = start_s + in.allreduce_s[static_cast<size_t>(s)];
       for (int64_t r = 0; r < num_replicas && in.record_events; ++r) {
-        out.events.push_back({r, s, EventKind::AllReduce, -1, -1, start_s, end_s});
+        out.events.push_back({r, s, EventKind::AllReduce, -1, -1, start_s, end_s, -1});
       }
     }
     step_time_s = std::max(step_time_s, end_s);
@@ -217,10 +200,10 @@ PipelineSimResult simulate_pipeline(const PipelineSimInput& in) {
   std::sort(keys.begin(), keys.end(), [&ev](const auto& x, const auto& y) {
     if (x.first != y.first) return x.first < y.first;
     const SimEvent &a = ev[x.second], &b = ev[y.second];
-    return std::make_tuple(a.replica, a.stage, static_cast<int>(a.kind), a.microbatch,
-                           a.peer_stage) < std::make_tuple(b.replica, b.stage,
-                                                           static_cast<int>(b.kind), b.microbatch,
-                                                           b.peer_stage);
+    return std::make_tuple(a.replica, a.stage, static_cast<int>(a.kind), a.microbatch, a.peer_stage,
+                           a.virtual_stage) <
+           std::make_tuple(b.replica, b.stage, static_cast<int>(b.kind), b.microbatch, b.peer_stage,
+                           b.virtual_stage);
   });
   std::vector<SimEvent> sorted;
   sorted.reserve(ev.size());

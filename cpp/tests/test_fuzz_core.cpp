@@ -1958,20 +1958,26 @@ using dflop::ScheduleKind;
 
 // The header's second formulation of 1F1B ("run a forward while forwards remain and fewer
 // than S - stage microbatches are in flight, else the oldest backward"), and GPipe.
+// A plain pipeline's action of `stage` (its only virtual stage).
+PipelineAction plain_action(int64_t stage, bool is_forward, int64_t k) {
+  return {stage, is_forward ? dflop::ActionKind::Forward : dflop::ActionKind::Backward, k};
+}
+bool is_fwd(const PipelineAction& a) { return a.kind == dflop::ActionKind::Forward; }
+
 std::vector<PipelineAction> reference_actions(ScheduleKind kind, int64_t S, int64_t m,
                                               int64_t stage) {
   std::vector<PipelineAction> out;
   if (kind == ScheduleKind::GPipe) {
-    for (int64_t k = 0; k < m; ++k) out.push_back({true, k});
-    for (int64_t k = 0; k < m; ++k) out.push_back({false, k});
+    for (int64_t k = 0; k < m; ++k) out.push_back(plain_action(stage, true, k));
+    for (int64_t k = 0; k < m; ++k) out.push_back(plain_action(stage, false, k));
     return out;
   }
   int64_t forwards = 0, backwards = 0;
   while (backwards < m) {
     if (forwards < m && forwards - backwards < S - stage) {
-      out.push_back({true, forwards++});
+      out.push_back(plain_action(stage, true, forwards++));
     } else {
-      out.push_back({false, backwards++});
+      out.push_back(plain_action(stage, false, backwards++));
     }
   }
   return out;
@@ -1979,7 +1985,7 @@ std::vector<PipelineAction> reference_actions(ScheduleKind kind, int64_t S, int6
 
 std::string actions_text(const std::vector<PipelineAction>& a) {
   std::string s;
-  for (const auto& x : a) s += (x.is_forward ? " F" : " B") + std::to_string(x.microbatch);
+  for (const auto& x : a) s += (is_fwd(x) ? " F" : " B") + std::to_string(x.microbatch);
   return s;
 }
 
@@ -2003,7 +2009,7 @@ TEST_CASE(fuzz_pipeline_actions) {
           stage = r.chance(0.5) ? weird_int(r) : r.pick<int64_t>({-1, S});
           break;
         default:
-          kind = static_cast<ScheduleKind>(r.pick<int>({2, -1, 127}));
+          kind = static_cast<ScheduleKind>(r.pick<int>({3, -1, 127}));
           break;
       }
     }
@@ -2011,8 +2017,9 @@ TEST_CASE(fuzz_pipeline_actions) {
       return "pipeline_actions(kind=" + std::to_string(int(kind)) + ", num_stages=" + num(S) +
              ", num_microbatches=" + num(m) + ", stage=" + num(stage) + ")";
     });
-    const bool valid = S >= 1 && m >= 1 && m <= dflop::kMaxPipelineMicrobatches && stage >= 0 &&
-                       stage < S && (kind == ScheduleKind::OneFOneB || kind == ScheduleKind::GPipe);
+    const bool valid = S >= 1 && S <= dflop::kMaxVirtualStages && m >= 1 &&
+                       m <= dflop::kMaxPipelineMicrobatches && stage >= 0 && stage < S &&
+                       int(kind) >= 0 && int(kind) <= 2;
     std::vector<PipelineAction> got;
     const Outcome o =
         fuzz.call("pipeline_actions", [&] { got = dflop::pipeline_actions(kind, S, m, stage); });
@@ -2022,19 +2029,19 @@ TEST_CASE(fuzz_pipeline_actions) {
     const auto expected = reference_actions(kind, S, m, stage);
     bool same = got.size() == expected.size();
     for (size_t i = 0; same && i < got.size(); ++i) {
-      same = got[i].is_forward == expected[i].is_forward &&
-             got[i].microbatch == expected[i].microbatch;
+      same = got[i] == expected[i];
     }
     FUZZ_CHECK(same, "got" << actions_text(got) << ", documented" << actions_text(expected));
     // The first formulation: w = min(S - 1 - stage, m) warm-up forwards, steady pairs,
     // cool-down backwards.
-    if (kind == ScheduleKind::OneFOneB) {
+    if (kind != ScheduleKind::GPipe) {
       const int64_t w = std::min(S - 1 - stage, m);
       std::vector<PipelineAction> first;
-      for (int64_t k = 0; k < w; ++k) first.push_back({true, k});
+      for (int64_t k = 0; k < w; ++k) first.push_back(plain_action(stage, true, k));
       for (int64_t i = 0; i < m - w; ++i)
-        first.push_back({true, w + i}), first.push_back({false, i});
-      for (int64_t k = m - w; k < m; ++k) first.push_back({false, k});
+        first.push_back(plain_action(stage, true, w + i)),
+            first.push_back(plain_action(stage, false, i));
+      for (int64_t k = m - w; k < m; ++k) first.push_back(plain_action(stage, false, k));
       FUZZ_CHECK(actions_text(first) == actions_text(expected),
                  "the header's two 1F1B formulations differ:" << actions_text(first) << " vs"
                                                               << actions_text(expected));
@@ -2119,8 +2126,10 @@ bool all_nonneg_finite(const Doubles& v) {
 // The header's validity rules.
 bool sim_valid(const dflop::PipelineSimInput& in) {
   const int64_t R = in.num_replicas, S = in.num_stages, m = in.num_microbatches;
-  if (R < 1 || S < 1 || m < 1 || m > dflop::kMaxPipelineMicrobatches) return false;
-  if (in.schedule != ScheduleKind::OneFOneB && in.schedule != ScheduleKind::GPipe) return false;
+  if (R < 1 || S < 1 || S > dflop::kMaxVirtualStages || m < 1 ||
+      m > dflop::kMaxPipelineMicrobatches)
+    return false;
+  if (int(in.schedule) < 0 || int(in.schedule) > 2) return false;
   int64_t rs = 0, cells = 0, links = 0;
   if (mul_overflows(R, S, &rs) || mul_overflows(rs, m, &cells)) return false;
   if (int64_t(in.forward_s.size()) != cells || int64_t(in.backward_s.size()) != cells) return false;
@@ -2175,7 +2184,7 @@ RefSim reference_simulate(const dflop::PipelineSimInput& in) {
       const double start = std::max(ready, link_free);
       link_free = start + transfer;
       const double arrival = link_free + in.link_latency_s[size_t(link)];
-      out.events.push_back({r, from, EventKind::Send, k, to, start, arrival});
+      out.events.push_back({r, from, EventKind::Send, k, to, start, arrival, from});
       return arrival;
     };
     for (bool moved = true; moved;) {
@@ -2186,29 +2195,29 @@ RefSim reference_simulate(const dflop::PipelineSimInput& in) {
           const PipelineAction a = order[next[size_t(s)]];
           const size_t sk = size_t(s * m + a.microbatch);
           double input = 0.0;
-          if (a.is_forward && s > 0) {
+          if (is_fwd(a) && s > 0) {
             if (!fwd_known[sk]) break;
             input = fwd_arrival[sk];
           }
-          if (!a.is_forward && s < S - 1) {
+          if (!is_fwd(a) && s < S - 1) {
             if (!bwd_known[sk]) break;
             input = bwd_arrival[sk];
           }
           const size_t cell = size_t((r * S + s) * m + a.microbatch);
-          const double duration = a.is_forward ? in.forward_s[cell] : in.backward_s[cell];
+          const double duration = is_fwd(a) ? in.forward_s[cell] : in.backward_s[cell];
           const double start = std::max(free_s[size_t(s)], input);
           const double end = start + duration;
           free_s[size_t(s)] = end;
           out.busy[size_t(r * S + s)] += duration;
-          out.events.push_back({r, s, a.is_forward ? EventKind::Forward : EventKind::Backward,
-                                a.microbatch, -1, start, end});
+          out.events.push_back({r, s, is_fwd(a) ? EventKind::Forward : EventKind::Backward,
+                                a.microbatch, -1, start, end, s});
           ++next[size_t(s)];
           moved = true;
-          if (a.is_forward && s < S - 1) {
+          if (is_fwd(a) && s < S - 1) {
             const size_t to = size_t((s + 1) * m + a.microbatch);
             fwd_arrival[to] = send(s, s + 1, a.microbatch, end);
             fwd_known[to] = 1;
-          } else if (!a.is_forward && s > 0) {
+          } else if (!is_fwd(a) && s > 0) {
             const size_t to = size_t((s - 1) * m + a.microbatch);
             bwd_arrival[to] = send(s, s - 1, a.microbatch, end);
             bwd_known[to] = 1;

@@ -90,7 +90,7 @@ std::string order_string(const std::vector<PipelineAction>& actions) {
   std::string s;
   for (const auto& a : actions) {
     if (!s.empty()) s += ' ';
-    s += (a.is_forward ? 'F' : 'B') + std::to_string(a.microbatch);
+    s += dflop::action_kind_name(a.kind) + std::to_string(a.microbatch);
   }
   return s;
 }
@@ -308,7 +308,7 @@ void test_validation() {
         in.num_microbatches = int64_t{1} << 40;
         dflop::simulate_pipeline(in);
       },
-      "num_microbatches must be <= 10000000", __LINE__);
+      "num_microbatches must be in [1, 10000000]", __LINE__);
 }
 
 }  // namespace

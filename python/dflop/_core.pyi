@@ -67,10 +67,20 @@ def simulate_pipeline(
     activation_bytes: np.ndarray | None,
     allreduce_s: np.ndarray | None,
     record_events: bool = True,
+    stages: list[int] = ...,
+    chunks: list[int] = ...,
+    actions: list[np.ndarray] | None = None,
+    weight_grad_fraction: float = 0.5,
 ) -> dict[str, Any]: ...
-def pipeline_actions(
-    schedule: str, num_stages: int, num_microbatches: int, stage: int
-) -> list[tuple[bool, int]]: ...
+def pipeline_program(
+    schedule: str, stages: list[int], chunks: list[int], num_microbatches: int
+) -> tuple[list[int], list[np.ndarray]]: ...
+def validate_program(
+    owner: list[int], actions: list[np.ndarray], num_microbatches: int
+) -> None: ...
+def peak_in_flight(
+    schedule: str, stages: list[int], chunks: list[int], num_microbatches: int, stage: int
+) -> int: ...
 
 # Planner (dflop.planner): dicts of numbers in, dicts out; see cpp/include/dflop/planner.hpp.
 def plan_layouts(

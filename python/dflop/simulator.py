@@ -1,15 +1,18 @@
 """Pipeline step simulator: ``dflop.simulator.simulate_pipeline()``.
 
-Simulates one training step of one or more pipeline replicas (data parallelism) under
-1F1B or GPipe with the native discrete-event core. The model:
+Simulates one training step of one or more pipeline replicas (data parallelism) running a
+pipeline program (1F1B, GPipe, interleaved 1F1B, or any valid action list; see
+:mod:`dflop.scheduling.actions`) with the native discrete-event core. The model:
 
-- Each stage runs its actions in the order :func:`dflop.scheduling.pipeline_actions` gives (the order
-  dflop's runtime executes), one at a time. An action starts when its stage is free and
-  its input has arrived: forward k at stage s waits for forward k of stage s-1 plus the
-  transfer; backward k at stage s waits for backward k of stage s+1 plus the transfer.
-- A transfer over link l (stage l <-> l+1) takes ``activation_bytes / bandwidth`` seconds
-  of that link direction, FIFO in the sender's order, and arrives ``link_latency_s`` later.
-  Gradients are as large as activations. Transfers never occupy a stage's compute.
+- Each physical stage runs its actions in the program's order (the order dflop's runtime
+  executes), one at a time. An action starts when its stage is free and its input has
+  arrived: forward k at virtual stage v waits for forward k of v-1 plus the transfer;
+  backward k at v waits for backward k of v+1 plus the transfer (a weight-gradient
+  backward waits for nothing).
+- A transfer over boundary l (virtual stage l <-> l+1) takes ``activation_bytes /
+  bandwidth`` seconds of the link between their physical stages in that direction, FIFO
+  in the senders' order, and arrives ``link_latency_s`` later. Gradients are as large as
+  activations. Transfers never occupy a stage's compute.
 - After its last backward, each stage waits for the same stage of every replica and then
   all-reduces gradients for ``allreduce_s[stage]`` seconds; the step ends when the last
   all-reduce does (step barrier).
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +32,7 @@ import numpy as np
 
 from dflop import _core
 from dflop.errors import InputTypeError
-from dflop.scheduling.actions import schedule_name
+from dflop.scheduling.actions import PipelineProgram, action_arrays, as_int, schedule_name
 from dflop.timeline import EVENT_DTYPE, EVENT_KINDS, write_chrome_trace, write_gantt_png
 
 __all__ = ["SimulationResult", "simulate_pipeline"]
@@ -81,6 +85,19 @@ def _numeric(name: str, value: Any) -> np.ndarray:
     return array.astype(np.float64)
 
 
+def _segments(
+    stages: Sequence[int] | None, chunks: Sequence[int] | None, num_virtual: int
+) -> tuple[list[int], list[int]]:
+    if stages is None:
+        if chunks is not None:
+            raise ValueError("chunks needs stages (the physical stages of each segment)")
+        return [num_virtual], [1]
+    stage_counts = [as_int(f"stages[{i}]", s) for i, s in enumerate(stages)]
+    if chunks is None:
+        return stage_counts, [1] * len(stage_counts)
+    return stage_counts, [as_int(f"chunks[{i}]", c) for i, c in enumerate(chunks)]
+
+
 def _broadcast(name: str, value: Any, shape: tuple[int, ...], accepted: str) -> np.ndarray:
     array = _numeric(name, value)
     if array.ndim != 0 and array.shape != shape:
@@ -95,6 +112,10 @@ def simulate_pipeline(
     backward_s: Any,
     *,
     schedule: str = "1f1b",
+    stages: Sequence[int] | None = None,
+    chunks: Sequence[int] | None = None,
+    program: PipelineProgram | None = None,
+    weight_grad_fraction: float = 0.5,
     link_latency_s: Any = 0.0,
     activation_bytes: Any = None,
     link_bandwidth_bytes_per_s: Any = math.inf,
@@ -104,24 +125,35 @@ def simulate_pipeline(
     """Simulate one training step of pipelines.
 
     Args:
-        forward_s: forward seconds per (stage, microbatch), shape (S, m), or per (replica,
-            stage, microbatch), shape (R, S, m), for R data-parallel replicas.
+        forward_s: forward seconds per (virtual stage, microbatch), shape (V, m), or per
+            (replica, virtual stage, microbatch), shape (R, V, m), for R data-parallel
+            replicas. Without chunks, virtual stages are the physical stages (V = S).
         backward_s: backward seconds, the same shape as ``forward_s``.
-        schedule: "1f1b" (non-interleaved, Megatron-LM style) or "gpipe"; the order of
-            each stage is :func:`dflop.scheduling.pipeline_actions`.
-        link_latency_s: point-to-point latency of link l (stage l -> l+1): a scalar or
-            shape (S-1,).
-        activation_bytes: bytes of microbatch k's activation over link l (the gradient back
-            is as large): None (nothing is sent; transfers take only the latency), a scalar,
-            shape (S-1, m), or (R, S-1, m).
-        link_bandwidth_bytes_per_s: bandwidth of each link, a scalar or shape (S-1,); > 0,
-            ``inf`` means free transfers.
-        allreduce_s: gradient all-reduce seconds of each stage after its last backward: a
-            scalar or shape (S,). All zeros means no all-reduce (no all-reduce events).
+        schedule: "1f1b" (non-interleaved, Megatron-LM style), "gpipe" or
+            "interleaved-1f1b"; the order of each stage is
+            :func:`dflop.scheduling.pipeline_program`'s.
+        stages, chunks: the pipeline's segments (physical stages and chunks per stage of
+            each module; see :mod:`dflop.scheduling.actions`). Default: one segment of V
+            stages, one chunk each.
+        program: a :class:`~dflop.scheduling.PipelineProgram` to run instead of the
+            schedule's (validated; its owners must be those of ``stages`` / ``chunks``).
+        weight_grad_fraction: the share of ``backward_s`` a ``"W"`` action takes (its ``"I"``
+            the rest); used only by programs that split the backward.
+        link_latency_s: point-to-point latency of boundary l (virtual stage l -> l+1): a
+            scalar or shape (V-1,).
+        activation_bytes: bytes of microbatch k's activation over boundary l (the gradient
+            back is as large): None (nothing is sent; transfers take only the latency), a
+            scalar, shape (V-1, m), or (R, V-1, m).
+        link_bandwidth_bytes_per_s: bandwidth of each boundary, a scalar or shape (V-1,);
+            > 0, ``inf`` means free transfers.
+        allreduce_s: gradient all-reduce seconds of each physical stage after its last
+            action: a scalar or shape (S,). All zeros means no all-reduce (no all-reduce
+            events).
         record_events: False leaves ``events`` empty (faster when only times matter).
 
     Returns:
-        A :class:`SimulationResult`; its per-stage arrays are (R, S) (R = 1 for 2-D input).
+        A :class:`SimulationResult`; its per-stage arrays are (R, S) over physical stages
+        (R = 1 for 2-D input).
 
     Raises:
         TypeError: non-numeric arrays or a non-str schedule.
@@ -134,8 +166,8 @@ def simulate_pipeline(
         fwd = fwd[np.newaxis]
     if fwd.ndim != 3:
         raise ValueError(f"forward_s must have shape (S, m) or (R, S, m), got shape {fwd.shape}")
-    num_replicas, num_stages, num_microbatches = fwd.shape
-    for dim, size in zip(("R", "S", "m"), fwd.shape):
+    num_replicas, num_virtual, num_microbatches = fwd.shape
+    for dim, size in zip(("R", "V", "m"), fwd.shape):
         if size < 1:
             raise ValueError(f"forward_s must have {dim} >= 1, got shape {fwd.shape}")
     bwd = _numeric("backward_s", backward_s)
@@ -146,10 +178,38 @@ def simulate_pipeline(
             f"backward_s must have the shape of forward_s {np.shape(forward_s)}, "
             f"got {np.shape(backward_s)}"
         )
-    num_links = num_stages - 1
-    latency = _broadcast("link_latency_s", link_latency_s, (num_links,), "(S-1,)")
+    stage_counts, chunk_counts = _segments(stages, chunks, num_virtual)
+    num_stages = sum(stage_counts)
+    expected_virtual = sum(s * c for s, c in zip(stage_counts, chunk_counts))
+    if expected_virtual != num_virtual:
+        raise ValueError(
+            f"forward_s has {num_virtual} virtual stages, the segments stages={stage_counts}, "
+            f"chunks={chunk_counts} have {expected_virtual}"
+        )
+    actions = None
+    if program is not None:
+        if not isinstance(program, PipelineProgram):
+            raise InputTypeError(f"program must be a PipelineProgram, got {program!r}")
+        if program.num_microbatches != num_microbatches:
+            raise ValueError(
+                f"program has {program.num_microbatches} microbatches, forward_s {num_microbatches}"
+            )
+        owners = [
+            sum(stage_counts[:g]) + p
+            for g, (count, chunk) in enumerate(zip(stage_counts, chunk_counts))
+            for _ in range(chunk)
+            for p in range(count)
+        ]
+        if list(program.owner) != owners:
+            raise ValueError(
+                f"program's owners {list(program.owner)} are not those of stages="
+                f"{stage_counts}, chunks={chunk_counts} ({owners})"
+            )
+        actions = action_arrays(program.actions)
+    num_links = num_virtual - 1
+    latency = _broadcast("link_latency_s", link_latency_s, (num_links,), "(V-1,)")
     bandwidth = _broadcast(
-        "link_bandwidth_bytes_per_s", link_bandwidth_bytes_per_s, (num_links,), "(S-1,)"
+        "link_bandwidth_bytes_per_s", link_bandwidth_bytes_per_s, (num_links,), "(V-1,)"
     )
     sizes: np.ndarray | None = None
     if activation_bytes is not None:
@@ -163,7 +223,7 @@ def simulate_pipeline(
             or sizes.shape[0] not in (1, num_replicas)
         ):
             raise ValueError(
-                "activation_bytes must be a scalar or have shape (S-1, m) or (R, S-1, m) = "
+                "activation_bytes must be a scalar or have shape (V-1, m) or (R, V-1, m) = "
                 f"{target}, got shape {np.shape(activation_bytes)}"
             )
         sizes = np.ascontiguousarray(np.broadcast_to(sizes, target))
@@ -177,6 +237,10 @@ def simulate_pipeline(
         sizes,
         None if np.all(allreduce == 0.0) else allreduce,
         bool(record_events),
+        stages=stage_counts,
+        chunks=chunk_counts,
+        actions=actions,
+        weight_grad_fraction=float(weight_grad_fraction),
     )
     if not (np.isfinite(raw["step_time_s"]) and np.isfinite(raw["busy_s"]).all()):
         raise ValueError(
@@ -186,7 +250,15 @@ def simulate_pipeline(
     columns = raw["events"]
     events = np.empty(columns["start_s"].shape[0], dtype=EVENT_DTYPE)
     events["kind"] = np.asarray(EVENT_KINDS)[columns["kind"].astype(np.intp)]
-    for field in ("replica", "stage", "microbatch", "peer_stage", "start_s", "end_s"):
+    for field in (
+        "replica",
+        "stage",
+        "microbatch",
+        "peer_stage",
+        "start_s",
+        "end_s",
+        "virtual_stage",
+    ):
         events[field] = columns[field]
     return SimulationResult(
         step_time_s=float(raw["step_time_s"]),

@@ -25,10 +25,10 @@ __all__ = [
     "write_gantt_png",
 ]
 
-EVENT_KINDS: tuple[str, ...] = ("fwd", "bwd", "send", "allreduce")
-"""Kinds the simulator emits, in the order of the native codes 0..3. Measured timelines
+EVENT_KINDS: tuple[str, ...] = ("fwd", "bwd", "send", "allreduce", "bwd_input", "bwd_weight")
+"""Kinds the simulator emits, in the order of the native codes 0..5. Measured timelines
 may use other kind names; they are drawn as communication."""
-COMPUTE_KINDS: frozenset[str] = frozenset({"fwd", "bwd"})
+COMPUTE_KINDS: frozenset[str] = frozenset({"fwd", "bwd", "bwd_input", "bwd_weight"})
 
 EVENT_DTYPE = np.dtype(
     [
@@ -39,8 +39,11 @@ EVENT_DTYPE = np.dtype(
         ("peer_stage", np.int64),  # send: the receiving stage; else -1
         ("start_s", np.float64),
         ("end_s", np.float64),
+        # The model chunk's virtual stage (interleaved schedules); -1 where unknown.
+        ("virtual_stage", np.int64),
     ]
 )
+_OPTIONAL_FIELDS = ("peer_stage", "virtual_stage")
 
 # Communication of stage s goes on its own track (tid = stage + _COMM_TID_OFFSET) because
 # transfers overlap compute, and trace viewers only nest slices that are properly nested.
@@ -49,6 +52,8 @@ _COMM_TID_OFFSET = 100_000
 _COLORS = {
     "fwd": "#4C72B0",
     "bwd": "#55A868",
+    "bwd_input": "#55A868",
+    "bwd_weight": "#8172B2",
     "send": "#8C8C8C",
     "allreduce": "#C44E52",
 }
@@ -59,7 +64,8 @@ EventsLike = Union[np.ndarray, Iterable[Mapping[str, Any]], Any]
 
 def make_events(records: Iterable[Mapping[str, Any]]) -> np.ndarray:
     """Build a timeline from mappings with keys ``replica``, ``stage``, ``kind``,
-    ``microbatch``, ``start_s``, ``end_s`` and optionally ``peer_stage`` (default -1).
+    ``microbatch``, ``start_s``, ``end_s`` and optionally ``peer_stage`` and
+    ``virtual_stage`` (default -1).
 
     Raises:
         ValueError: a missing key, an unknown value type, or ``end_s < start_s``, naming the
@@ -76,6 +82,7 @@ def make_events(records: Iterable[Mapping[str, Any]]) -> np.ndarray:
                 int(rec.get("peer_stage", -1)),
                 float(rec["start_s"]),
                 float(rec["end_s"]),
+                int(rec.get("virtual_stage", -1)),
             )
         except KeyError as exc:
             raise ValueError(f"records[{i}] lacks key {exc.args[0]!r}") from None
@@ -96,7 +103,7 @@ def as_events(timeline: EventsLike) -> np.ndarray:
         if timeline.dtype.names is None:
             raise ValueError("events must be a structured array with EVENT_DTYPE fields")
         missing = [name for name in EVENT_DTYPE.names if name not in timeline.dtype.names]
-        if missing == ["peer_stage"]:
+        if missing and set(missing) <= set(_OPTIONAL_FIELDS):
             out = np.full(timeline.shape, -1, dtype=EVENT_DTYPE).reshape(-1)
             for name in timeline.dtype.names:
                 if name in EVENT_DTYPE.names:
@@ -123,11 +130,12 @@ def _check_events(events: np.ndarray) -> None:
         )
 
 
+_COMPUTE_LETTERS = {"fwd": "F", "bwd": "B", "bwd_input": "I", "bwd_weight": "W"}
+
+
 def _event_name(kind: str, microbatch: int, peer_stage: int) -> str:
-    if kind == "fwd":
-        return f"F{microbatch}"
-    if kind == "bwd":
-        return f"B{microbatch}"
+    if kind in _COMPUTE_LETTERS:
+        return f"{_COMPUTE_LETTERS[kind]}{microbatch}"
     if kind == "send":
         return f"send mb{microbatch} -> stage {peer_stage}"
     return kind if microbatch < 0 else f"{kind} mb{microbatch}"
@@ -162,6 +170,8 @@ def to_chrome_trace(timeline: EventsLike) -> dict[str, Any]:
         args: dict[str, Any] = {"microbatch": microbatch}
         if peer_stage >= 0:
             args["peer_stage"] = peer_stage
+        if int(e["virtual_stage"]) >= 0:
+            args["virtual_stage"] = int(e["virtual_stage"])
         trace.append(
             {
                 "ph": "X",

@@ -6,14 +6,24 @@
   simulated encoder -> LLM step (:class:`PipelineModel`).
 - :mod:`~dflop.scheduling.async_scheduler`: :class:`AsyncScheduler`, schedules computed
   in a background thread a few steps ahead, with deadlines.
-- :mod:`~dflop.scheduling.actions`: :func:`pipeline_actions`, the order of a pipeline
-  stage's actions that the simulator and the runtime both execute.
+- :mod:`~dflop.scheduling.actions`: :func:`pipeline_program`, pipeline schedules (1F1B,
+  GPipe, interleaved 1F1B) as per-stage lists of ``(stage, kind, microbatch)`` actions
+  that the simulator, the planner's memory model and the runtime all execute, and
+  :func:`validate_program` for any hand-written one.
 
 ``dflop.schedule``, ``dflop.pipeline_schedule`` and ``dflop.Schedule`` are re-exported at
 the package's top level.
 """
 
-from dflop.scheduling.actions import SCHEDULES, pipeline_actions
+from dflop.scheduling.actions import (
+    SCHEDULES,
+    PipelineAction,
+    PipelineProgram,
+    peak_in_flight,
+    pipeline_actions,
+    pipeline_program,
+    validate_program,
+)
 from dflop.scheduling.async_scheduler import AsyncScheduler
 from dflop.scheduling.balance import (
     InfeasibleError,
@@ -28,11 +38,16 @@ __all__ = [
     "SCHEDULES",
     "AsyncScheduler",
     "InfeasibleError",
+    "PipelineAction",
     "PipelineModel",
+    "PipelineProgram",
     "Schedule",
     "data_blind_schedule",
+    "peak_in_flight",
     "pipeline_actions",
+    "pipeline_program",
     "pipeline_schedule",
     "schedule",
     "schedule_from_assignment",
+    "validate_program",
 ]
