@@ -22,7 +22,7 @@ from dflop.runtime.pipeline import PipelineEngine, build_stage  # noqa: E402
 from dflop.runtime.step_data import StepPlan  # noqa: E402
 from dflop.runtime.synthetic_batch import ShapeScaler, SyntheticBatch  # noqa: E402
 from dflop.runtime.tensor_parallel import full_tensor  # noqa: E402
-from dflop.scheduling.actions import pipeline_actions  # noqa: E402
+from dflop.scheduling.actions import pipeline_program  # noqa: E402
 from dflop.scheduling.balance import schedule_from_assignment  # noqa: E402
 
 PRESET = "tiny"
@@ -65,18 +65,18 @@ def _shapes(config=CONFIG) -> SampleShapes:
     )
 
 
-def _layout(spec: dict) -> RuntimeLayout:
+def _layout(spec: dict, config=CONFIG) -> RuntimeLayout:
     return RuntimeLayout.simple(
         **spec,
-        encoder_layers=CONFIG.vision.layers,
-        llm_layers=CONFIG.decoder.layers,
+        encoder_layers=config.vision.layers,
+        llm_layers=config.decoder.layers,
         global_batch=len(UNITS),
     )
 
 
 def _step_inputs(spec: dict, assignment: list[int], config=CONFIG):
     """(layout, plan, batch): what every rank derives on its own, identically."""
-    layout = _layout(spec)
+    layout = _layout(spec, config)
     shapes = _shapes(config)
     costs = np.stack([shapes.encoder_tokens, shapes.seq_len], axis=1).astype(float)
     schedule = schedule_from_assignment(
@@ -124,17 +124,23 @@ def _rank_step(
         seed=MODEL_SEED,
         tp_group=topology.tp_group,
         tp_size=layout.module(info.module).tp,
+        layout=layout,
     )
     engine = PipelineEngine(topology, stage, debug=debug)
     result = engine.run_step(plan, batch)
+    chunked = info.num_chunks > 1  # a StageChunks: names start with the chunk's index
     grads = {  # full_tensor gathers tensor-parallel shards (a no-op for plain tensors)
-        _full_name(info.module, name): full_tensor(p.grad).numpy().copy()
+        _full_name(info.module, name.split(".", 1)[1] if chunked else name): full_tensor(p.grad)
+        .numpy()
+        .copy()
         for name, p in stage.named_parameters()
         if p.grad is not None
     }
-    expected = pipeline_actions(
-        "1f1b", info.num_global_stages, plan.num_microbatches, info.global_stage
+    stages, chunks = layout.pipeline_stages
+    program = pipeline_program(
+        layout.default_schedule, stages, plan.num_microbatches, chunks=chunks
     )
+    expected = list(program.actions[info.global_stage])
     return {
         "loss_sum": result.loss_sum,
         "num_target_tokens": result.num_target_tokens,
@@ -186,6 +192,25 @@ def test_encoder_dp2_llm_pp2_matches_single_process():
         num_threads=1,
     )
     _check_against_reference(results)
+
+
+# Case (d): interleaved 1F1B: LLM pp=2 with 2 virtual stages (4 chunks of one layer each),
+# 3 ranks, 4 microbatches; the last LLM stage's chunk 0 feeds the first stage's chunk 1.
+LAYOUT_D = dict(llm_pp=2, llm_virtual_stages=2, num_microbatches=4)
+DEEP_CONFIG = dataclasses.replace(CONFIG, decoder=dataclasses.replace(CONFIG.decoder, layers=4))
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug_headers"])
+def test_interleaved_llm_matches_single_process(debug):
+    results = spawn_local(
+        _rank_step,
+        3,
+        args=(LAYOUT_D, ASSIGN_A, debug, False, DEEP_CONFIG),
+        timeout_s=SPAWN_TIMEOUT_S,
+        num_threads=1,
+    )
+    assert [len({a.stage for a in r["actions"]}) for r in results] == [1, 2, 2]
+    _check_against_reference(results, DEEP_CONFIG)
 
 
 # Case (c): encoder dp=3 (4 ranks), 5 microbatches: mb 0 holds samples of 2 and 3 units (5

@@ -1,7 +1,8 @@
 """Point-to-point messages between ranks: what the pipeline engine (stage to stage) and
 the bridge communicator (encoder replicas to LLM replicas) share.
 
-- :func:`message_tag`: one tag per (microbatch, direction, header or payload). gloo
+- :func:`message_tag`: one tag per (microbatch, receiving chunk, direction, header or
+  payload). gloo
   matches a receive to the send of the same peer and tag, so messages of different
   microbatches or directions can be in flight between two ranks in any order (NCCL
   ignores tags and matches per peer in issue order, which both users respect).
@@ -47,9 +48,14 @@ _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.flo
 _DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
 
-def message_tag(microbatch: int, direction: int, header: bool = False) -> int:
-    """The tag of the payload (or debug header) of ``microbatch`` in ``direction``."""
-    return (2 * int(microbatch) + int(direction)) * 2 + int(header)
+def message_tag(
+    microbatch: int, direction: int, header: bool = False, *, chunk: int = 0, num_chunks: int = 1
+) -> int:
+    """The tag of the payload (or debug header) of ``microbatch`` in ``direction``, to the
+    receiving model chunk ``chunk`` of ``num_chunks`` (interleaved stages exchange several
+    chunks' messages of one microbatch between the same two ranks)."""
+    slot = int(microbatch) * int(num_chunks) + int(chunk)
+    return (2 * slot + int(direction)) * 2 + int(header)
 
 
 def collective_device(group: Any = None) -> torch.device:

@@ -1,8 +1,13 @@
 """dflop's pipeline engine: one training step (forward + backward) over encoder stages
-then LLM stages, with 1F1B and a different tensor shape in every microbatch.
+then LLM stages, under 1F1B, GPipe or interleaved 1F1B, with a different tensor shape in
+every microbatch.
 
-Each rank runs exactly ``pipeline_actions(schedule, S, m, global_stage)`` (the order the
-simulator models), where S = encoder stages + LLM stages. Per action:
+Each rank runs exactly its stage's actions of ``pipeline_program(schedule,
+layout.pipeline_stages, m)`` (the program the simulator and the planner model). With LLM
+virtual stages (``llm.virtual_stages = v > 1``, the interleaved schedule) an LLM rank holds
+v model chunks (:class:`StageChunks`; chunk c of stage p is virtual stage c * pp + p) and
+an action names the chunk it runs; the last LLM stage's chunk c sends its output to the
+first LLM stage's chunk c + 1. Per action:
 
 - forward of microbatch j: receive the stage input (pixels from the batch source on the
   first encoder stage, read for the whole step before its clock starts, as a data
@@ -66,14 +71,15 @@ from dflop.runtime.communicator import BridgeCommunicator
 from dflop.runtime.step_data import EncoderShare, LLMShare, MicrobatchPlan, StepPlan
 from dflop.runtime.synthetic_batch import TextInputs
 from dflop.runtime.tensor_parallel import local_tensor
-from dflop.runtime.topology import RankInfo, Topology
-from dflop.scheduling.actions import pipeline_actions
+from dflop.runtime.topology import RankInfo, Topology, chunk_infos
+from dflop.scheduling.actions import PipelineAction, pipeline_program
 
 __all__ = [
     "ActionTiming",
     "BatchSource",
     "PipelineEngine",
     "ShapeMismatchError",
+    "StageChunks",
     "StepResult",
     "build_stage",
 ]
@@ -128,6 +134,8 @@ class ActionTiming:
     end_s: float
     wait_s: float
     """Seconds before ``start_s`` spent waiting for its inputs (receives)."""
+    virtual_stage: int = -1
+    """The virtual stage (model chunk) it ran."""
 
     @property
     def duration_s(self) -> float:
@@ -158,9 +166,28 @@ class StepResult:
         return self.loss_sum / max(self.num_target_tokens, 1)
 
     @property
-    def actions(self) -> list[tuple[bool, int]]:
-        """Executed ``(is_forward, microbatch)`` order (compare with ``pipeline_actions``)."""
-        return [(t.kind == FORWARD, t.microbatch) for t in self.timings]
+    def actions(self) -> list[PipelineAction]:
+        """Executed actions in order (compare with ``pipeline_program``'s)."""
+        return [
+            PipelineAction(t.virtual_stage, "F" if t.kind == FORWARD else "B", t.microbatch)
+            for t in self.timings
+        ]
+
+
+class StageChunks(nn.ModuleList):
+    """The model chunks of one rank of an interleaved pipeline, in model order (chunk c is
+    virtual stage ``c * pp + pp_rank`` of its module). Parameters, ``state_dict`` and
+    gradients cover every chunk."""
+
+    def tied_parameter(self) -> Tensor | None:
+        """The chunk holding the token embedding's or the tied head's copy (first chunk of
+        the first stage, last chunk of the last stage), as the stage protocol gives it."""
+        for chunk in (self[0], self[-1]):
+            tied = getattr(chunk, "tied_parameter", None)
+            param = tied() if callable(tied) else None
+            if param is not None:
+                return param
+        return None
 
 
 def build_stage(
@@ -172,6 +199,7 @@ def build_stage(
     dtype: torch.dtype | None = None,
     tp_group: Any = None,
     tp_size: int = 1,
+    layout: Any = None,
 ) -> nn.Module:
     """This rank's part of ``model`` (a :class:`~dflop.models.spec.ModelSpec`, a reference
     ``ModelConfig`` or anything :func:`~dflop.models.spec.model_spec` takes): an encoder
@@ -179,10 +207,20 @@ def build_stage(
     last), an LLM stage on LLM ranks (token embedding on the first stage, head on the
     last). The reference model's stages get the full model's weights for ``seed``
     (name-keyed init) and, with ``tp_size > 1``, are sharded over ``tp_group``
-    (``Topology.tp_group``; see :func:`dflop.runtime.tensor_parallel.apply_tensor_parallel`)."""
-    return model_spec(model).build_stage(
-        info, seed=seed, device=device, dtype=dtype, tp_group=tp_group, tp_size=tp_size
-    )
+    (``Topology.tp_group``; see :func:`dflop.runtime.tensor_parallel.apply_tensor_parallel`).
+    A rank of a module with virtual stages (``info.num_chunks > 1``) gets a
+    :class:`StageChunks` of one stage per chunk; that needs ``layout`` (the
+    :class:`~dflop.runtime.topology.RuntimeLayout`)."""
+    spec = model_spec(model)
+    kw = {"seed": seed, "device": device, "dtype": dtype, "tp_group": tp_group, "tp_size": tp_size}
+    if info.num_chunks == 1:
+        return spec.build_stage(info, **kw)
+    if layout is None:
+        raise InputTypeError(
+            f"rank {info.rank} holds {info.num_chunks} model chunks: pass build_stage the "
+            "RuntimeLayout (layout=...)"
+        )
+    return StageChunks(spec.build_stage(chunk, **kw) for chunk in chunk_infos(layout, info.rank))
 
 
 class _Clock:
@@ -258,6 +296,10 @@ def _piece_key(share: EncoderShare) -> tuple[tuple[int, ...], ...]:
     return (_key(share.sample_ids), _key(share.first_unit), _key(share.num_units))
 
 
+_Chunk = tuple[nn.Module, RankInfo]
+"""One model chunk of a rank: its module and its :class:`RankInfo` (neighbours, flags)."""
+
+
 @dataclass
 class _Receiving:
     """A stage-to-stage receive in flight; ``wait()`` returns the filled buffer."""
@@ -289,8 +331,10 @@ class PipelineEngine:
     Args:
         topology: this rank's :class:`Topology` (``Topology.create`` on every rank).
         stage: this rank's stage (:func:`build_stage`): an ``EncoderStageModule`` on
-            encoder ranks, an ``LLMStageModule`` on LLM ranks, already on ``device``.
-        schedule: ``"1f1b"`` (default) or ``"gpipe"``, as in ``pipeline_actions``.
+            encoder ranks, an ``LLMStageModule`` on LLM ranks (a :class:`StageChunks` of
+            them with virtual stages), already on ``device``.
+        schedule: ``"1f1b"``, ``"gpipe"`` or ``"interleaved-1f1b"``, as in
+            ``pipeline_program``; default: ``layout.default_schedule``.
         debug: send a shape header before every stage-to-stage tensor (and ask the bridge
             to do the same) to report plan mismatches clearly.
         device: where activations live; default: the stage's parameters' device.
@@ -303,7 +347,7 @@ class PipelineEngine:
         topology: Topology,
         stage: nn.Module,
         *,
-        schedule: str = "1f1b",
+        schedule: str | None = None,
         debug: bool = False,
         device: torch.device | str | None = None,
         synchronized_start: bool = True,
@@ -312,15 +356,29 @@ class PipelineEngine:
         layout = topology.layout
         self.tp_size = layout.module(info.module).tp
         expect = EncoderStageModule if info.module == "encoder" else LLMStageModule
-        if not isinstance(stage, expect):
-            raise InputTypeError(
-                f"rank {info.rank} is an {info.module} rank: stage must be a {expect.__name__}"
+        modules = list(stage) if isinstance(stage, StageChunks) else [stage]
+        if len(modules) != info.num_chunks:
+            raise ValueError(
+                f"rank {info.rank} holds {info.num_chunks} model chunks, the stage has "
+                f"{len(modules)} (build it with build_stage(..., layout=layout))"
             )
+        for module in modules:
+            if not isinstance(module, expect):
+                raise InputTypeError(
+                    f"rank {info.rank} is an {info.module} rank: stage must be a {expect.__name__}"
+                    + (" (or a StageChunks of them)" if info.num_chunks > 1 else "")
+                )
         self.topology = topology
         self.info = info
         self.layout = layout
         self.stage = stage
-        self.schedule = schedule
+        # Virtual stage -> (the chunk's module, its RankInfo: neighbours, first / last).
+        self._chunks = {
+            ci.virtual_stage: (module, ci)
+            for module, ci in zip(modules, chunk_infos(layout, info.rank))
+        }
+        self.schedule = layout.default_schedule if schedule is None else schedule
+        self._programs: dict[int, tuple[PipelineAction, ...]] = {}
         self.debug = debug
         self.synchronized_start = synchronized_start
         param = next(stage.parameters())
@@ -328,16 +386,17 @@ class PipelineEngine:
         self.dtype = param.dtype
         self.is_encoder = info.module == "encoder"
         self._token_positions = not self.is_encoder and callable(
-            getattr(stage, "position_ids", None)
+            getattr(modules[0], "position_ids", None)
         )
         self.bridge: BridgeCommunicator | None = None
         if info.is_bridge_sender or info.is_bridge_receiver:
-            hidden = stage.output_size if self.is_encoder else stage.hidden_size
+            hidden = modules[-1].output_size if self.is_encoder else modules[0].hidden_size
             self.bridge = BridgeCommunicator(
                 topology, hidden, self.dtype, device=self.device, debug=debug
             )
         self._pending: list[Any] = []  # sends in flight (waited for at the end of the step)
-        self._posted: dict[tuple[bool, int], Any] = {}  # receives posted ahead of their action
+        # Receives posted ahead of their action, by (is_forward, virtual stage, microbatch).
+        self._posted: dict[tuple[bool, int, int], Any] = {}
         self._post_ahead = not debug and dist.get_backend() == "gloo"
 
     # ------------------------------------------------------------------ step
@@ -353,7 +412,7 @@ class PipelineEngine:
                 f"{self.layout.num_microbatches}"
             )
         if not self.is_encoder and self.info.is_first_stage:
-            expected = self.stage.visual_newline
+            expected = self._chunks[self.info.virtual_stage][0].visual_newline
             if expected is not None and plan.visual_newline != expected:
                 raise ValueError(
                     f"the StepPlan has visual_newline={plan.visual_newline} but the model's "
@@ -370,30 +429,27 @@ class PipelineEngine:
             # the step of the ranks that would otherwise wait for it inside their clock.
             dist.barrier()
         clock = self.clock = _Clock(self.device)
-        stamps: list[tuple[str, int, Any, Any, Any]] = []
-        in_flight: dict[int, _InFlight] = {}
-        actions = pipeline_actions(
-            self.schedule,
-            self.info.num_global_stages,
-            plan.num_microbatches,
-            self.info.global_stage,
-        )
+        stamps: list[tuple[str, int, Any, Any, Any, int]] = []
+        in_flight: dict[tuple[int, int], _InFlight] = {}
+        actions = self._actions(plan.num_microbatches)
         self._posted.clear()  # nothing left over from a step that failed
-        for i, (is_forward, j) in enumerate(actions):
+        for i, (v, kind, j) in enumerate(actions):
             mb = plan.microbatches[j]
+            chunk = self._chunks[v]
             if self._post_ahead:
                 for ahead in actions[i : i + 2]:  # this action's receive first, then the next
-                    self._post(ahead[0], plan.microbatches[ahead[1]])
+                    self._post(ahead, plan.microbatches[ahead.microbatch])
             arrive = clock.mark()
-            if not is_forward:
-                start = self._backward(mb, in_flight.pop(j))
+            if kind == "B":
+                start = self._backward(chunk, mb, in_flight.pop((v, j)))
             elif self.is_encoder:
-                in_flight[j], start = self._encoder_forward(mb, batch)
+                in_flight[(v, j)], start = self._encoder_forward(chunk, mb, batch)
             else:
-                in_flight[j], start = self._llm_forward(mb, plan, batch)
+                in_flight[(v, j)], start = self._llm_forward(chunk, mb, plan, batch)
             # start is None for an empty share: it waited for nothing and computed nothing.
             start = arrive if start is None else start
-            stamps.append((FORWARD if is_forward else BACKWARD, j, arrive, start, clock.mark()))
+            kind_name = FORWARD if kind == "F" else BACKWARD
+            stamps.append((kind_name, j, arrive, start, clock.mark(), v))
         self._wait_sends()
         self._all_reduce_grads()
         self._sum_tied_grads()
@@ -402,6 +458,14 @@ class PipelineEngine:
         if clock.cuda:
             torch.cuda.synchronize(self.device)
         return self._result(plan, clock, stamps, end, loss_sum)
+
+    def _actions(self, num_microbatches: int) -> tuple[PipelineAction, ...]:
+        """This rank's actions of the layout's pipeline program (cached per count)."""
+        if num_microbatches not in self._programs:
+            stages, chunks = self.layout.pipeline_stages
+            program = pipeline_program(self.schedule, stages, num_microbatches, chunks=chunks)
+            self._programs[num_microbatches] = program.actions[self.info.global_stage]
+        return self._programs[num_microbatches]
 
     def _result(
         self, plan: StepPlan, clock: _Clock, stamps: list, end: Any, loss_sum: float
@@ -413,8 +477,9 @@ class PipelineEngine:
                 clock.seconds(start),
                 clock.seconds(stop),
                 clock.seconds(start) - clock.seconds(arrive),
+                v,
             )
-            for kind, j, arrive, start, stop in stamps
+            for kind, j, arrive, start, stop, v in stamps
         )
         step_time_s = clock.seconds(end)
         busy_s = sum(t.duration_s for t in timings)
@@ -430,8 +495,11 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ forward
 
-    def _encoder_forward(self, mb: MicrobatchPlan, batch: _Prefetched) -> tuple[_InFlight, Any]:
+    def _encoder_forward(
+        self, chunk: _Chunk, mb: MicrobatchPlan, batch: _Prefetched
+    ) -> tuple[_InFlight, Any]:
         """Returns the saved state and the clock mark at which compute began."""
+        stage, ci = chunk
         share = mb.encoder[self.info.dp_rank]
         state = _InFlight()
         if share.is_empty:
@@ -440,8 +508,8 @@ class PipelineEngine:
             if self.bridge is not None:
                 self._bridge_send_features(mb, self._empty_rows())
             return state, None
-        patches = self.stage.tokens_per_unit is None  # a patch-sequence encoder
-        if self.info.is_first_stage:
+        patches = stage.tokens_per_unit is None  # a patch-sequence encoder
+        if ci.is_first_stage:
             x = batch.pixel_values(share)
             rows, what = (share.tokens, "patch rows") if patches else (share.units, "units")
             if x.shape[0] != rows:
@@ -450,62 +518,63 @@ class PipelineEngine:
                     f"{rows} in the StepPlan"
                 )
         else:
-            x = state.stage_input = self._received(True, mb)
+            x = state.stage_input = self._received(True, ci, mb)
         start = self.clock.mark()
-        state.output = self.stage(x, unit_grid(batch, share)) if patches else self.stage(x)
-        if self.info.is_last_stage:  # projected features [rows, llm hidden]: over the bridge
+        state.output = stage(x, unit_grid(batch, share)) if patches else stage(x)
+        if ci.is_last_stage:  # projected features [rows, llm hidden]: over the bridge
             if self.bridge is not None:  # TP rank 0 (the other TP ranks hold the same rows)
                 self._bridge_send_features(mb, state.output.detach())
         else:
-            self._send(state.output.detach(), self.info.next_rank, mb.index, kind=p2p.FORWARD)
+            self._send(state.output.detach(), ci, mb.index, kind=p2p.FORWARD)
         return state, start
 
     def _llm_forward(
-        self, mb: MicrobatchPlan, plan: StepPlan, batch: BatchSource
+        self, chunk: _Chunk, mb: MicrobatchPlan, plan: StepPlan, batch: BatchSource
     ) -> tuple[_InFlight, Any]:
+        stage, ci = chunk
         share = mb.llm[self.info.dp_rank]
         state = _InFlight()
         features = None
-        if self.info.is_first_stage:
+        if ci.is_first_stage:
             # Called even for zero rows, to keep the bridge's debug headers in step.
             if self.bridge is not None:  # TP rank 0
-                features = self._received(True, mb)
+                features = self._received(True, ci, mb)
             if self.tp_size > 1 and share.visual_rows > 0:
-                shape = (share.visual_rows, self.stage.hidden_size)
+                shape = (share.visual_rows, stage.hidden_size)
                 features = self._tp_broadcast(features, shape)
         if share.is_empty:  # an empty bin: nothing to run
             return state, None
         text = None
-        if self.info.is_first_stage or self.info.is_last_stage or self._token_positions:
+        if ci.is_first_stage or ci.is_last_stage or self._token_positions:
             text = batch.text_inputs(share.sample_ids)
             self._check_text(mb, share.cu_seqlens, text)
         cu_seqlens = torch.from_numpy(np.array(share.cu_seqlens)).to(self.device)
         # A model whose rotary positions come from the tokens (Qwen-VL's mRoPE) gets them
         # on every stage.
         extra = (
-            {"position_ids": self.stage.position_ids(text).to(self.device)}
+            {"position_ids": stage.position_ids(text).to(self.device)}
             if self._token_positions
             else {}
         )
-        if self.info.is_first_stage:
+        if ci.is_first_stage:
             start = self.clock.mark()
-            x = self.stage.embed(text.token_ids.to(self.device))
+            x = stage.embed(text.token_ids.to(self.device))
             if share.visual_rows > 0:
                 features = features.to(self.device).requires_grad_(True)
                 state.visual_features = features
                 # Per-sample visual operations (newline rows, unpadding, pooling) run here,
                 # where all of a sample's units have arrived from the encoder replicas.
                 rows = share.sample_visual_rows.tolist()
-                x = self.stage.merge_visual(x, features, text, rows)
+                x = stage.merge_visual(x, features, text, rows)
         else:
-            x = state.stage_input = self._received(True, mb)
+            x = state.stage_input = self._received(True, ci, mb)
             start = self.clock.mark()
-        if not self.info.is_last_stage:
-            state.output = self.stage.hidden_states(x, cu_seqlens, **extra)
-            self._send(state.output.detach(), self.info.next_rank, mb.index, kind=p2p.FORWARD)
+        if not ci.is_last_stage:
+            state.output = stage.hidden_states(x, cu_seqlens, **extra)
+            self._send(state.output.detach(), ci, mb.index, kind=p2p.FORWARD)
             return state, start
         labels = text.labels.masked_fill(text.image_token_mask, IGNORE_INDEX).to(self.device)
-        sum_loss, num_targets = self.stage.loss(x, cu_seqlens, labels, **extra)
+        sum_loss, num_targets = stage.loss(x, cu_seqlens, labels, **extra)
         if self.debug and int(num_targets) != share.target_tokens:
             raise ShapeMismatchError(
                 f"rank {self.info.rank}, microbatch {mb.index}: {int(num_targets)} target "
@@ -528,28 +597,29 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ backward
 
-    def _backward(self, mb: MicrobatchPlan, state: _InFlight) -> Any:
+    def _backward(self, chunk: _Chunk, mb: MicrobatchPlan, state: _InFlight) -> Any:
         """Returns the clock mark at which compute began (None: nothing to compute)."""
+        _, ci = chunk
         start = None
-        if self.is_encoder and self.info.is_last_stage:
+        if self.is_encoder and ci.is_last_stage:
             # Called even for an empty share, to keep the bridge's debug headers in step.
             grad = None
             if self.bridge is not None:  # TP rank 0
-                grad = self._received(False, mb)
+                grad = self._received(False, ci, mb)
             if self.tp_size > 1 and state.output is not None:
                 grad = self._tp_broadcast(grad, tuple(state.output.shape))
         if state.output is not None:  # else an empty share: its forward did nothing either
-            if self.is_encoder and self.info.is_last_stage:
+            if self.is_encoder and ci.is_last_stage:
                 grad = grad.to(self.device)
-            elif self.info.is_last_stage:
+            elif ci.is_last_stage:
                 grad = None  # the loss is a scalar: backward starts from 1
             else:
-                grad = self._received(False, mb)
+                grad = self._received(False, ci, mb)
             start = self.clock.mark()
             torch.autograd.backward(state.output, grad)
             if state.stage_input is not None:
-                self._send(state.stage_input.grad, self.info.prev_rank, mb.index, kind=p2p.BACKWARD)
-        if not self.is_encoder and self.info.is_first_stage and self.bridge is not None:
+                self._send(state.stage_input.grad, ci, mb.index, kind=p2p.BACKWARD)
+        if not self.is_encoder and ci.is_first_stage and self.bridge is not None:
             features = state.visual_features
             grad = self._empty_rows() if features is None else features.grad
             self._pending.append(self.bridge.send_grads(mb.index, mb.routing, grad, wait=False))
@@ -588,34 +658,35 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ receives
 
-    def _post(self, is_forward: bool, mb: MicrobatchPlan) -> None:
-        """Post the receive that action ``(is_forward, mb)`` will wait for, if any."""
-        key = (is_forward, mb.index)
+    def _post(self, action: PipelineAction, mb: MicrobatchPlan) -> None:
+        """Post the receive that ``action`` will wait for, if any."""
+        key = (action.is_forward, action.stage, mb.index)
         if key not in self._posted:
-            handle = self._receive(is_forward, mb)
+            handle = self._receive(action.is_forward, self._chunks[action.stage][1], mb)
             if handle is not None:
                 self._posted[key] = handle
 
-    def _received(self, is_forward: bool, mb: MicrobatchPlan) -> Tensor:
-        """The input of action ``(is_forward, mb)``: its posted receive, or one posted now."""
-        handle = self._posted.pop((is_forward, mb.index), None)
+    def _received(self, is_forward: bool, ci: RankInfo, mb: MicrobatchPlan) -> Tensor:
+        """The input of chunk ``ci``'s action on ``mb``: its posted receive, or one posted
+        now."""
+        handle = self._posted.pop((is_forward, ci.virtual_stage, mb.index), None)
         if handle is None:
-            handle = self._receive(is_forward, mb)
+            handle = self._receive(is_forward, ci, mb)
         return handle.wait()
 
-    def _receive(self, is_forward: bool, mb: MicrobatchPlan) -> Any:
-        """A handle (``.wait()`` -> tensor) on the message action ``(is_forward, mb)``
+    def _receive(self, is_forward: bool, ci: RankInfo, mb: MicrobatchPlan) -> Any:
+        """A handle (``.wait()`` -> tensor) on the message chunk ``ci``'s action on ``mb``
         consumes, or None if it consumes none. Shapes come from the StepPlan."""
         info = self.info
+        stage = self._chunks[ci.virtual_stage][0]
         if self.is_encoder:
             share = mb.encoder[info.dp_rank]
-            if not is_forward and info.is_last_stage:
+            if not is_forward and ci.is_last_stage:
                 if self.bridge is None:  # TP rank > 0: the gradient comes by broadcast
                     return None
                 return self.bridge.recv_grads(mb.index, mb.routing, as_tensor=True, wait=False)
-            if share.is_empty or (is_forward and info.is_first_stage):
+            if share.is_empty or (is_forward and ci.is_first_stage):
                 return None
-            stage = self.stage
             shape: tuple[int, ...] = (
                 (share.tokens, stage.hidden_size)
                 if stage.tokens_per_unit is None
@@ -623,40 +694,58 @@ class PipelineEngine:
             )
         else:
             share = mb.llm[info.dp_rank]
-            if is_forward and info.is_first_stage:
+            if is_forward and ci.is_first_stage:
                 if self.bridge is None:
                     return None
                 return self.bridge.recv_features(mb.index, mb.routing, as_tensor=True, wait=False)
-            if share.is_empty or (not is_forward and info.is_last_stage):
+            if share.is_empty or (not is_forward and ci.is_last_stage):
                 return None
-            shape = (share.tokens, self.stage.hidden_size)
-        if is_forward:
-            return self._recv(shape, info.prev_rank, mb.index, kind=p2p.FORWARD)
-        return self._recv(shape, info.next_rank, mb.index, kind=p2p.BACKWARD)
+            shape = (share.tokens, stage.hidden_size)
+        kind = p2p.FORWARD if is_forward else p2p.BACKWARD
+        src = ci.prev_rank if is_forward else ci.next_rank
+        return self._recv(shape, src, mb.index, kind, chunk=ci.chunk)
 
     # ------------------------------------------------------------------ p2p within a module
 
-    def _send(self, tensor: Tensor, dst: int, microbatch: int, kind: int) -> None:
+    def _tag(self, microbatch: int, kind: int, *, chunk: int, header: bool = False) -> int:
+        return p2p.message_tag(
+            microbatch, kind, header, chunk=chunk, num_chunks=self.info.num_chunks
+        )
+
+    def _send(self, tensor: Tensor, ci: RankInfo, microbatch: int, kind: int) -> None:
+        """Send chunk ``ci``'s output (FORWARD) or its input's gradient (BACKWARD) to the
+        neighbouring chunk, which may sit on the same rank pair in another round."""
+        forward = kind == p2p.FORWARD
+        dst = ci.next_rank if forward else ci.prev_rank
+        # The receiving chunk: the next (previous) virtual stage, possibly across the wrap.
+        mod = self.layout.module(self.info.module)
+        base = ci.virtual_stage - ci.chunk * mod.pp - self.info.pp_rank
+        chunk = (ci.virtual_stage + (1 if forward else -1) - base) // mod.pp
         tensor = tensor.contiguous()
         if self.debug:
             header = p2p.debug_header(
                 microbatch, kind, tuple(tensor.shape), tensor.dtype, self.device
             )
-            work = dist.isend(header, dst, tag=p2p.message_tag(microbatch, kind, header=True))
-            self._pending.append(_Sent(work, header))
-        work = dist.isend(tensor, dst, tag=p2p.message_tag(microbatch, kind))
+            tag = self._tag(microbatch, kind, chunk=chunk, header=True)
+            self._pending.append(_Sent(dist.isend(header, dst, tag=tag), header))
+        work = dist.isend(tensor, dst, tag=self._tag(microbatch, kind, chunk=chunk))
         self._pending.append(_Sent(work, tensor))
 
-    def _recv(self, shape: Sequence[int], src: int, microbatch: int, kind: int) -> _Receiving:
+    def _recv(
+        self, shape: Sequence[int], src: int, microbatch: int, kind: int, *, chunk: int
+    ) -> _Receiving:
         if self.debug:
-            self._check_header(tuple(shape), src, microbatch, kind)
+            self._check_header(tuple(shape), src, microbatch, kind, chunk)
         buffer = torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
-        work = dist.irecv(buffer, src, tag=p2p.message_tag(microbatch, kind))
+        work = dist.irecv(buffer, src, tag=self._tag(microbatch, kind, chunk=chunk))
         return _Receiving(work, buffer, requires_grad=kind == p2p.FORWARD)
 
-    def _check_header(self, shape: tuple[int, ...], src: int, microbatch: int, kind: int) -> None:
+    def _check_header(
+        self, shape: tuple[int, ...], src: int, microbatch: int, kind: int, chunk: int
+    ) -> None:
         got = torch.empty(p2p.HEADER_LEN, dtype=torch.int64, device=self.device)
-        dist.irecv(got, src, tag=p2p.message_tag(microbatch, kind, header=True)).wait()
+        tag = self._tag(microbatch, kind, chunk=chunk, header=True)
+        dist.irecv(got, src, tag=tag).wait()
         problem = p2p.header_mismatch(got, p2p.debug_header(microbatch, kind, shape, self.dtype))
         if problem is not None:
             what = "activation" if kind == p2p.FORWARD else "gradient"

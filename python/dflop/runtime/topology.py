@@ -23,6 +23,7 @@ it (see :mod:`dflop.runtime.communicator`).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ __all__ = [
     "RankInfo",
     "RuntimeLayout",
     "Topology",
+    "chunk_infos",
     "rank_info",
     "uniform_layer_ranges",
 ]
@@ -80,19 +82,23 @@ class ModuleLayout:
         tp: tensor-parallel size.
         pp: pipeline-parallel size (stages).
         dp: data-parallel size (replicas).
-        layer_ranges: per pipeline stage, the half-open ``[first, end)`` range of
-            transformer blocks it holds; contiguous from 0 (a stage may be empty, e.g. a
-            last encoder stage holding only the projector).
+        layer_ranges: per virtual stage (``pp * virtual_stages`` of them, along the model),
+            the half-open ``[first, end)`` range of transformer blocks it holds; contiguous
+            from 0 (a stage may be empty, e.g. a last encoder stage holding only the
+            projector). Virtual stage ``c * pp + p`` is chunk c of pipeline stage p.
+        virtual_stages: model chunks per pipeline stage (1: a plain pipeline; > 1: the
+            interleaved 1F1B schedule's virtual stages, LLM only).
     """
 
     tp: int
     pp: int
     dp: int
     layer_ranges: tuple[tuple[int, int], ...]
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         owner = "ModuleLayout"
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "virtual_stages"):
             _positive_int(owner, name, getattr(self, name))
         try:
             ranges = tuple((int(a), int(b)) for a, b in self.layer_ranges)
@@ -102,9 +108,15 @@ class ModuleLayout:
                 f"got {self.layer_ranges!r}"
             ) from None
         object.__setattr__(self, "layer_ranges", ranges)
-        if len(ranges) != self.pp:
+        if len(ranges) != self.pp * self.virtual_stages:
             raise ValueError(
-                f"{owner}.layer_ranges has {len(ranges)} ranges but pp={self.pp} stages"
+                f"{owner}.layer_ranges has {len(ranges)} ranges but pp={self.pp} stages x "
+                f"virtual_stages={self.virtual_stages} need {self.pp * self.virtual_stages}"
+            )
+        if self.virtual_stages > 1 and self.pp < 2:
+            raise ValueError(
+                f"{owner}.virtual_stages={self.virtual_stages} needs pp >= 2 (interleaving "
+                "chunks over one stage changes nothing)"
             )
         expected_first = 0
         for stage, (first, end) in enumerate(ranges):
@@ -134,12 +146,17 @@ class ModuleLayout:
                 raise ValueError(f"{name}_idx={value} is out of range [0, {size})")
         return (dp_idx * self.pp + pp_idx) * self.tp + tp_idx
 
+    def stage_layer_ranges(self, pp_idx: int) -> tuple[tuple[int, int], ...]:
+        """The layer ranges of pipeline stage ``pp_idx``'s chunks, in model order."""
+        return tuple(self.layer_ranges[c * self.pp + pp_idx] for c in range(self.virtual_stages))
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "tp": self.tp,
             "pp": self.pp,
             "dp": self.dp,
             "layer_ranges": [list(r) for r in self.layer_ranges],
+            "virtual_stages": self.virtual_stages,
         }
 
     @classmethod
@@ -152,6 +169,7 @@ class ModuleLayout:
             pp=data["pp"],
             dp=data["dp"],
             layer_ranges=tuple(tuple(r) for r in data["layer_ranges"]),
+            virtual_stages=data.get("virtual_stages", 1),
         )
 
 
@@ -178,6 +196,17 @@ class RuntimeLayout:
                 raise InputTypeError(f"RuntimeLayout.{name} must be a ModuleLayout")
         _positive_int("RuntimeLayout", "num_microbatches", self.num_microbatches)
         _positive_int("RuntimeLayout", "global_batch", self.global_batch)
+        if self.encoder.virtual_stages != 1:
+            raise ValueError(
+                f"RuntimeLayout.encoder.virtual_stages={self.encoder.virtual_stages}: only "
+                "the LLM is interleaved (the encoder's stages hold one chunk each)"
+            )
+        if self.llm.virtual_stages > 1 and self.num_microbatches % self.llm.pp:
+            raise ValueError(
+                f"RuntimeLayout.num_microbatches={self.num_microbatches} must be a multiple of "
+                f"llm.pp={self.llm.pp} for the interleaved schedule (llm.virtual_stages="
+                f"{self.llm.virtual_stages})"
+            )
         bins = self.num_microbatches * self.llm.dp
         if self.global_batch < bins:
             raise ValueError(
@@ -191,7 +220,19 @@ class RuntimeLayout:
 
     @property
     def num_global_stages(self) -> int:
+        """Physical pipeline stages of one replica: encoder stages + LLM stages."""
         return self.encoder.pp + self.llm.pp
+
+    @property
+    def pipeline_stages(self) -> tuple[list[int], list[int]]:
+        """``(stages, chunks)`` of the pipeline's segments (encoder, LLM), as
+        :func:`dflop.scheduling.pipeline_program` takes them."""
+        return [self.encoder.pp, self.llm.pp], [1, self.llm.virtual_stages]
+
+    @property
+    def default_schedule(self) -> str:
+        """``"interleaved-1f1b"`` for an LLM with virtual stages, else ``"1f1b"``."""
+        return "interleaved-1f1b" if self.llm.virtual_stages > 1 else "1f1b"
 
     def module(self, name: Module) -> ModuleLayout:
         if name not in ("encoder", "llm"):
@@ -256,13 +297,20 @@ class RuntimeLayout:
         global_batch: int,
         encoder_tp: int = 1,
         llm_tp: int = 1,
+        llm_virtual_stages: int = 1,
     ) -> RuntimeLayout:
         """A layout with uniform layer splits (:func:`uniform_layer_ranges`)."""
         return cls(
             encoder=ModuleLayout(
                 encoder_tp, encoder_pp, encoder_dp, uniform_layer_ranges(encoder_layers, encoder_pp)
             ),
-            llm=ModuleLayout(llm_tp, llm_pp, llm_dp, uniform_layer_ranges(llm_layers, llm_pp)),
+            llm=ModuleLayout(
+                llm_tp,
+                llm_pp,
+                llm_dp,
+                uniform_layer_ranges(llm_layers, llm_pp * llm_virtual_stages),
+                llm_virtual_stages,
+            ),
             num_microbatches=num_microbatches,
             global_batch=global_batch,
         )
@@ -274,7 +322,11 @@ class RankInfo:
 
     ``prev_rank`` / ``next_rank`` are the neighbouring pipeline stages of the same module,
     DP replica and TP index (None at the module's first / last stage: the encoder-to-LLM
-    hop goes through the bridge instead). ``is_bridge_sender`` is true on the last encoder
+    hop goes through the bridge instead). With virtual stages (interleaved LLM) a rank holds
+    several chunks: :func:`rank_info` describes the rank (its stage; ``layer_range`` its
+    first chunk's) and :func:`chunk_infos` each chunk, whose neighbours wrap from the last
+    stage to the first for the next chunk (``virtual_stage``, ``chunk``, ``layer_range``,
+    ``prev_rank``, ``next_rank`` and the first / last flags are then the chunk's). ``is_bridge_sender`` is true on the last encoder
     stage's tp-rank-0 ranks and ``is_bridge_receiver`` on the first LLM stage's tp-rank-0
     ranks: exactly the members of the bridge group (with tp > 1 the other TP ranks of
     those stages get or give the features through their TP group).
@@ -292,6 +344,13 @@ class RankInfo:
     layer_range: tuple[int, int]
     is_bridge_sender: bool
     is_bridge_receiver: bool
+    virtual_stage: int = -1
+    """The (first) chunk's virtual stage along the whole pipeline (encoder stages first);
+    equal to ``global_stage`` without virtual stages."""
+    chunk: int = 0
+    """Which of the rank's chunks this describes (0 for :func:`rank_info`)."""
+    num_chunks: int = 1
+    """Chunks per stage of the rank's module (its ``virtual_stages``)."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -317,6 +376,7 @@ def rank_info(layout: RuntimeLayout, rank: int) -> RankInfo:
     pp_idx = (offset // mod.tp) % mod.pp
     dp_idx = offset // (mod.tp * mod.pp)
     stage_base = 0 if name == "encoder" else layout.encoder.pp
+    layer_ranges = mod.stage_layer_ranges(pp_idx)
     return RankInfo(
         rank=rank,
         module=name,
@@ -327,10 +387,43 @@ def rank_info(layout: RuntimeLayout, rank: int) -> RankInfo:
         num_global_stages=layout.num_global_stages,
         prev_rank=rank - mod.tp if pp_idx > 0 else None,
         next_rank=rank + mod.tp if pp_idx < mod.pp - 1 else None,
-        layer_range=mod.layer_ranges[pp_idx],
+        layer_range=layer_ranges[0],
         is_bridge_sender=name == "encoder" and pp_idx == mod.pp - 1 and tp_idx == 0,
         is_bridge_receiver=name == "llm" and pp_idx == 0 and tp_idx == 0,
+        virtual_stage=stage_base + pp_idx,
+        num_chunks=mod.virtual_stages,
     )
+
+
+def chunk_infos(layout: RuntimeLayout, rank: int) -> tuple[RankInfo, ...]:
+    """One :class:`RankInfo` per model chunk ``rank`` holds (one without virtual stages:
+    :func:`rank_info`'s). Chunk c of stage p of a module with P stages is virtual stage
+    ``c * P + p`` of the module; its previous chunk is on stage p - 1, or, for p = 0, on
+    stage P - 1 (chunk c - 1): the wrap-around of the interleaved schedule."""
+    info = rank_info(layout, rank)
+    mod = layout.module(info.module)
+    if mod.virtual_stages == 1:
+        return (info,)
+    stage_base = 0 if info.module == "encoder" else layout.encoder.pp
+    last = mod.pp - 1
+    out = []
+    for c, layer_range in enumerate(mod.stage_layer_ranges(info.pp_rank)):
+        prev_rank, next_rank = info.prev_rank, info.next_rank
+        if info.pp_rank == 0 and c > 0:
+            prev_rank = layout.rank_of(info.module, info.dp_rank, last, info.tp_rank)
+        if info.pp_rank == last and c < mod.virtual_stages - 1:
+            next_rank = layout.rank_of(info.module, info.dp_rank, 0, info.tp_rank)
+        out.append(
+            dataclasses.replace(
+                info,
+                prev_rank=prev_rank,
+                next_rank=next_rank,
+                layer_range=layer_range,
+                virtual_stage=stage_base + c * mod.pp + info.pp_rank,
+                chunk=c,
+            )
+        )
+    return tuple(out)
 
 
 def _module_groups(layout: RuntimeLayout, name: Module) -> tuple[list[list[int]], list[list[int]]]:

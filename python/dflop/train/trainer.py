@@ -120,6 +120,7 @@ class Trainer:
             device=self.device,
             tp_group=self.topology.tp_group,
             tp_size=layout.module(self.info.module).tp,
+            layout=layout,
         )
         self.engine = PipelineEngine(self.topology, self.stage, debug=config.debug)
         # Sharded (DTensor) and replicated parameters in separate groups: torch's
