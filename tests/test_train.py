@@ -190,6 +190,25 @@ def test_gradient_norm_and_clipping_do_not_depend_on_the_layout(tmp_path, perf_j
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
 
 
+def test_interleaved_pipeline_trains_like_the_plain_one(tmp_path) -> None:
+    # The same 4-layer LLM over 2 stages, plain 1F1B and interleaved (2 chunks per stage,
+    # the last stage's chunk 0 feeding the first stage's chunk 1): the same weights and
+    # batches give the same gradient norms and losses (deterministic mode: fixed costs).
+    runs = {}
+    for layout in ("llm_pp=2,m=4", "llm_pp=2,llm_v=2,m=4"):
+        result, report = _train(
+            tmp_path, "", "--model", "small", "--deterministic", "--layout", layout,
+            "--steps", "2", "--quiet", "--grad-clip", "0.05",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        runs[layout] = report["steps"]
+    assert "interleaved-1f1b" in result.stdout
+    plain, interleaved = runs.values()
+    for got, want in zip(interleaved, plain):
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+
+
 def test_max_growth_bounds_the_refined_schedule(tmp_path, perf_json) -> None:
     # Steps 0 and 1 are scheduled before any measurement, from the same costs in every run:
     # the refinement may grow microbatches past the balanced makespan only as far as
@@ -273,3 +292,10 @@ def test_parse_layout() -> None:
     assert layout.world_size == 4
     with pytest.raises(ValueError, match="enc_dpp"):
         parse_layout("enc_dpp=2", model_config("tiny"), 12)
+    interleaved = parse_layout("llm_pp=2,llm_v=2", model_config("small"), 12)
+    assert (interleaved.llm.virtual_stages, interleaved.num_microbatches) == (2, 4)
+    assert interleaved.default_schedule == "interleaved-1f1b"
+    with pytest.raises(ValueError, match="llm_pp x llm_v = 4 model chunks for an LLM of 2"):
+        parse_layout("llm_pp=2,llm_v=2", model_config("tiny"), 12)
+    with pytest.raises(ValueError, match="multiple of llm.pp=2"):
+        parse_layout("llm_pp=2,llm_v=2,m=3", model_config("small"), 12)

@@ -22,8 +22,9 @@ PipelineScheduleOptions pipeline_options(int64_t num_microbatches, int64_t dp_si
                                          std::vector<double> forward_fraction,
                                          std::vector<double> microbatch_constant_s,
                                          double link_latency_s, std::vector<int64_t> replicas,
-                                         std::vector<int64_t> units) {
+                                         std::vector<int64_t> units, std::vector<int64_t> chunks) {
   PipelineScheduleOptions o;
+  o.chunks = std::move(chunks);
   o.replicas = std::move(replicas);
   o.units = std::move(units);
   o.num_microbatches = num_microbatches;
@@ -48,13 +49,13 @@ py::dict pipeline_schedule_py(const CostArray& costs, std::vector<int64_t> start
                               std::optional<std::vector<double>> capacity, double max_growth,
                               uint64_t seed, std::optional<double> time_budget_ms,
                               std::optional<double> time_limit_s, std::vector<int64_t> replicas,
-                              std::vector<int64_t> units) {
+                              std::vector<int64_t> units, std::vector<int64_t> chunks) {
   check_costs(costs);
   const int64_t n = costs.shape(0), d = costs.shape(1);
   PipelineScheduleOptions o =
       pipeline_options(num_microbatches, dp_size, std::move(microbatch_dims), std::move(stages),
                        std::move(forward_fraction), std::move(microbatch_constant_s),
-                       link_latency_s, std::move(replicas), std::move(units));
+                       link_latency_s, std::move(replicas), std::move(units), std::move(chunks));
   if (capacity) o.capacity = std::move(*capacity);
   o.max_growth = max_growth;
   o.seed = seed;
@@ -84,12 +85,13 @@ double simulated_step_time_py(const CostArray& costs, std::vector<int64_t> assig
                               std::vector<int64_t> microbatch_dims, std::vector<int64_t> stages,
                               std::vector<double> forward_fraction,
                               std::vector<double> microbatch_constant_s, double link_latency_s,
-                              std::vector<int64_t> replicas, std::vector<int64_t> units) {
+                              std::vector<int64_t> replicas, std::vector<int64_t> units,
+                              std::vector<int64_t> chunks) {
   check_costs(costs);
   const PipelineScheduleOptions o =
       pipeline_options(num_microbatches, dp_size, std::move(microbatch_dims), std::move(stages),
                        std::move(forward_fraction), std::move(microbatch_constant_s),
-                       link_latency_s, std::move(replicas), std::move(units));
+                       link_latency_s, std::move(replicas), std::move(units), std::move(chunks));
   py::gil_scoped_release release;
   return simulated_step_time(costs.data(), costs.shape(0), costs.shape(1), assignment, o);
 }
@@ -103,12 +105,14 @@ void register_pipeline_schedule(py::module_& m) {
         py::arg("microbatch_constant_s"), py::arg("link_latency_s"), py::arg("capacity"),
         py::arg("max_growth"), py::arg("seed"), py::arg("time_budget_ms"), py::arg("time_limit_s"),
         py::arg("replicas") = std::vector<int64_t>{}, py::arg("units") = std::vector<int64_t>{},
+        py::arg("chunks") = std::vector<int64_t>{},
         "Refine a schedule for the simulated module pipeline; see dflop.pipeline_schedule.");
   m.def("simulated_step_time", &simulated_step_time_py, py::arg("costs"), py::kw_only(),
         py::arg("assignment"), py::arg("num_microbatches"), py::arg("dp_size"),
         py::arg("microbatch_dims"), py::arg("stages"), py::arg("forward_fraction"),
         py::arg("microbatch_constant_s"), py::arg("link_latency_s"),
-        py::arg("replicas") = std::vector<int64_t>{}, py::arg("units") = std::vector<int64_t>{});
+        py::arg("replicas") = std::vector<int64_t>{}, py::arg("units") = std::vector<int64_t>{},
+        py::arg("chunks") = std::vector<int64_t>{});
   m.def("pipeline_work_budget_for_ms", &pipeline_work_budget_for_ms, py::arg("time_budget_ms"));
 }
 

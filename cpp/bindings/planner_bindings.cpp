@@ -158,6 +158,7 @@ PlannerOptions to_options(const py::dict& d) {
   r.opt("patience", &o.patience);
   r.opt("encoder_max_tp", &o.encoder_max_tp);
   r.opt("encoder_gpu_choices", &o.encoder_gpu_choices);
+  r.opt("virtual_stage_choices", &o.virtual_stage_choices);
   std::string split = "unit";
   r.opt("encoder_split", &split);
   if (split == "unit") {
@@ -183,6 +184,7 @@ ModuleLayout to_module_layout(const py::dict& d, const char* w) {
   m.first_rank = r.get<int64_t>("first_rank");
   m.layers_per_stage = r.get<std::vector<int64_t>>("layers_per_stage");
   r.opt("recompute", &m.recompute);
+  r.opt("virtual_stages", &m.virtual_stages);
   r.finish();
   return m;
 }
@@ -206,6 +208,7 @@ py::dict from_module_layout(const ModuleLayout& m) {
   d["first_rank"] = m.first_rank;
   d["layers_per_stage"] = m.layers_per_stage;
   d["recompute"] = m.recompute;
+  d["virtual_stages"] = m.virtual_stages;
   return d;
 }
 
@@ -327,7 +330,9 @@ py::dict evaluate_layout_py(const py::dict& cluster, const py::dict& encoder, co
 
 py::dict from_step(const StepModel& step) {
   const auto& in = step.sim;
-  const py::ssize_t R = in.num_replicas, S = in.num_stages, m = in.num_microbatches;
+  const py::ssize_t R = in.num_replicas, m = in.num_microbatches;
+  // Arrays over virtual stages (the LLM's chunks); allreduce_s over physical stages.
+  const py::ssize_t S = static_cast<py::ssize_t>(in.forward_s.size()) / (R * m);
   auto arr3 = [](const std::vector<double>& v, py::ssize_t a, py::ssize_t b, py::ssize_t c) {
     py::array_t<double> out({a, b, c});
     std::copy(v.begin(), v.end(), out.mutable_data());
@@ -346,6 +351,9 @@ py::dict from_step(const StepModel& step) {
   out["link_latency_s"] = in.link_latency_s;
   out["link_bandwidth_bytes_per_s"] = in.link_bandwidth_bytes_per_s;
   out["allreduce_s"] = in.allreduce_s;
+  out["schedule"] = schedule_kind_name(in.schedule);
+  out["stages"] = in.shape.stages;
+  out["chunks"] = in.shape.chunks;
   out["assignment"] = ints(step.assignment);
   out["microbatch_order"] = ints(step.microbatch_order);
   out["num_encoder_stages"] = step.num_encoder_stages;

@@ -105,18 +105,14 @@ int64_t warmup_of(ScheduleKind kind, const PipelineShape& shape, int64_t m, cons
     if (kind == ScheduleKind::OneFOneB || shape.chunks[size_t(last)] == 1) {
       return std::min(below + p.stages_after, m);
     }
-    // Earlier segments feed the last one's first stage, which runs this many forwards of
-    // its first chunk before the first backward of it.
+    // Earlier segments feed the last one's first stage, which runs `demand` forwards of its
+    // first chunk before the first backward of it: its warm-up W0, then one forward per
+    // backward until backward (vl - 1) L (the first of chunk 0), in rounds of L x vl forwards
+    // of which L are chunk 0's (m is a multiple of L).
     const int64_t L = shape.stages[size_t(last)], vl = shape.chunks[size_t(last)];
-    const int64_t first_virtual_last = num_virtual_stages(shape) - L * vl;
-    const auto actions = one_forward_one_backward(stage_order(first_virtual_last, L, vl, 0, m),
-                                                  std::min(2 * (L - 1) + (vl - 1) * L, m * vl));
-    int64_t demand = 0;
-    for (const PipelineAction& a : actions) {
-      if (a.stage != first_virtual_last) continue;
-      if (a.kind != ActionKind::Forward) break;
-      ++demand;
-    }
+    const int64_t warmup0 = std::min(2 * (L - 1) + (vl - 1) * L, m * vl);
+    const int64_t issued = std::min(warmup0 + (vl - 1) * L + 1, m * vl);
+    const int64_t demand = issued / (L * vl) * L + std::min(issued % (L * vl), L);
     return std::min(below + (p.stages_after - L) + demand, m);
   }
   if (v == 1) return std::min(P - 1 - p.local, m);

@@ -30,6 +30,23 @@
 namespace dflop {
 namespace {
 
+// Model chunks per stage of dimension c (options.chunks, or 1).
+int64_t chunks_of(const PipelineScheduleOptions& o, int64_t c) {
+  return o.chunks.empty() ? 1 : o.chunks[size_t(c)];
+}
+
+// The program every replica runs: 1F1B, or interleaved 1F1B where a module has chunks.
+PipelineProgram program_of(const PipelineScheduleOptions& o) {
+  PipelineShape shape{o.stages, std::vector<int64_t>(o.stages.size(), 1)};
+  bool interleaved = false;
+  for (size_t c = 0; c < o.stages.size(); ++c) {
+    shape.chunks[c] = chunks_of(o, int64_t(c));
+    interleaved = interleaved || shape.chunks[c] > 1;
+  }
+  return pipeline_program(interleaved ? ScheduleKind::Interleaved1F1B : ScheduleKind::OneFOneB,
+                          shape, o.num_microbatches);
+}
+
 // Simulated actions per millisecond on one current x86 core (2 stages, 24 microbatches).
 constexpr double kWorkUnitsPerMs = 60000.0;
 // Work between two reads of the clock under a time limit (about a quarter millisecond).
@@ -97,12 +114,16 @@ class Search {
         count_(b_, 0),
         replicas_(d, 1),
         units_(o.units),
-        sim_(ScheduleKind::OneFOneB, std::accumulate(o.stages.begin(), o.stages.end(), int64_t{0}),
-             o.num_microbatches),
+        sim_(program_of(o)),
         rng_(o.seed ^ 0x5DEECE66DULL) {
     for (int64_t c : o.microbatch_dims) is_mb_dim_[c] = 1;
     for (int64_t c = 0; c < d; ++c) {
-      for (int64_t k = 0; k < o.stages[c]; ++k) stage_dim_.push_back(c);
+      // Virtual stages in model order: chunk by chunk, each 1 / chunks of a stage's work.
+      const int64_t chunks = chunks_of(o, c);
+      for (int64_t k = 0; k < o.stages[c] * chunks; ++k) {
+        stage_dim_.push_back(c);
+        stage_share_.push_back(1.0 / double(chunks));
+      }
       if (!is_mb_dim_[c]) replicas_differ_ = replicas_differ_ || dp_ > 1;
       replicas_[c] = replicas_of(o, c);
       if (replicas_[c] > 1) split_dims_.push_back(c);
@@ -144,7 +165,7 @@ class Search {
         const int64_t j = order_[p];
         for (int64_t s = 0; s < num_stages_; ++s) {
           const int64_t c = stage_dim_[s];
-          const double load = stage_load(j, c, r);
+          const double load = stage_load(j, c, r) * stage_share_[s];
           forward_[s * m_ + p] = forward_fraction_[c] * load;
           backward_[s * m_ + p] = load - forward_[s * m_ + p];
         }
@@ -454,7 +475,8 @@ class Search {
   int64_t n_, d_, m_, dp_, b_;
   std::vector<double> forward_fraction_, constant_;
   std::vector<char> is_mb_dim_;
-  std::vector<int64_t> stage_dim_;
+  std::vector<int64_t> stage_dim_;   // per virtual stage: its dimension (module)
+  std::vector<double> stage_share_;  // per virtual stage: its share of a stage's load
   int64_t num_stages_ = 0;
   bool replicas_differ_ = false;
   std::vector<int64_t> assignment_, order_;
@@ -499,13 +521,34 @@ void validate_pipeline_schedule_input(const double* costs, int64_t n, int64_t d,
     validate_balance_input(costs, n, d, balance_options(o));
   }
   check_length("stages", o.stages, d);
-  int64_t total_stages = 0;
+  if (!o.chunks.empty()) check_length("chunks", o.chunks, d);
+  int64_t total_stages = 0;  // virtual stages: stages x chunks
   for (size_t c = 0; c < o.stages.size(); ++c) {
     if (o.stages[c] < 1 || o.stages[c] > kMaxStages) {
       throw InvalidArgument("stages[" + std::to_string(c) + "] must be in [1, " +
                             std::to_string(kMaxStages) + "], got " + std::to_string(o.stages[c]));
     }
-    total_stages += o.stages[c];
+    const int64_t chunks = chunks_of(o, int64_t(c));
+    if (chunks < 1 || chunks > kMaxStages) {
+      throw InvalidArgument("chunks[" + std::to_string(c) + "] must be in [1, " +
+                            std::to_string(kMaxStages) + "], got " + std::to_string(chunks));
+    }
+    if (chunks > 1 && c + 1 != o.stages.size()) {
+      throw InvalidArgument("chunks[" + std::to_string(c) + "]=" + std::to_string(chunks) +
+                            ": only the last module (the LLM) is interleaved");
+    }
+    if (chunks > 1 && o.num_microbatches % o.stages[c] != 0) {
+      throw InvalidArgument("chunks[" + std::to_string(c) + "]=" + std::to_string(chunks) +
+                            " (interleaved 1F1B) needs num_microbatches to be a multiple of "
+                            "stages[" +
+                            std::to_string(c) + "]=" + std::to_string(o.stages[c]) + ", got " +
+                            std::to_string(o.num_microbatches));
+    }
+    if (o.stages[c] > kMaxStages / chunks) {
+      throw InvalidArgument("stages x chunks of dimension " + std::to_string(c) + " is more than " +
+                            std::to_string(kMaxStages));
+    }
+    total_stages += o.stages[c] * chunks;
   }
   if (total_stages > kMaxStages) {
     throw InvalidArgument("stages sum to " + std::to_string(total_stages) + ", more than " +

@@ -130,6 +130,29 @@ void check_column(const char* name, const std::vector<double>& v, size_t expecte
 }
 
 // ---------------------------------------------------------------------------------------
+// Stages and chunks
+
+// Layers of physical stage s over its chunks (virtual stages c x pp + s).
+int64_t stage_layers(const ModuleLayout& l, int64_t s) {
+  int64_t n = 0;
+  for (int64_t c = 0; c < l.virtual_stages; ++c) n += l.layers_per_stage[size_t(c * l.pp + s)];
+  return n;
+}
+
+// The most layers one chunk of physical stage s holds.
+int64_t largest_chunk(const ModuleLayout& l, int64_t s) {
+  int64_t n = 0;
+  for (int64_t c = 0; c < l.virtual_stages; ++c)
+    n = std::max(n, l.layers_per_stage[size_t(c * l.pp + s)]);
+  return n;
+}
+
+// The schedule a layout runs: interleaved 1F1B with LLM chunks, else 1F1B.
+ScheduleKind schedule_of(const ModuleLayout& llm) {
+  return llm.virtual_stages > 1 ? ScheduleKind::Interleaved1F1B : ScheduleKind::OneFOneB;
+}
+
+// ---------------------------------------------------------------------------------------
 // Cost and memory model of one module
 
 struct ModuleModel {
@@ -178,7 +201,7 @@ struct ModuleModel {
            (t > 1 ? double(n) * kTpAllReducesPerLayer * c->link_latency_s : 0.0);
   }
   double stage_params(const ModuleLayout& l, int64_t s) const {
-    return p->params_per_layer * double(l.layers_per_stage[size_t(s)]) +
+    return p->params_per_layer * double(stage_layers(l, s)) +
            (s == 0 ? p->first_stage_params : 0.0) + (s == l.pp - 1 ? p->last_stage_params : 0.0);
   }
   double all_params() const {
@@ -223,6 +246,19 @@ double stage_link_bandwidth(const ClusterParams& c, const ModuleLayout& l, int64
   for (int64_t d = 0; d < l.dp; ++d) {
     const int64_t a = l.first_rank + s * l.tp * l.dp + d * l.tp;
     if (node_of(a, c.gpus_per_node) != node_of(a + l.tp * l.dp, c.gpus_per_node)) {
+      return c.inter_node_bandwidth_bytes_per_s;
+    }
+  }
+  return c.intra_node_bandwidth_bytes_per_s;
+}
+
+// Bandwidth from a module's last stage to its first (interleaved chunks wrap around; worst
+// replica).
+double wrap_link_bandwidth(const ClusterParams& c, const ModuleLayout& l) {
+  for (int64_t d = 0; d < l.dp; ++d) {
+    const int64_t first = l.first_rank + d * l.tp;
+    const int64_t last = first + (l.pp - 1) * l.tp * l.dp;
+    if (node_of(first, c.gpus_per_node) != node_of(last, c.gpus_per_node)) {
       return c.inter_node_bandwidth_bytes_per_s;
     }
   }
@@ -349,12 +385,14 @@ struct Context {
 
 int64_t total_stages(const Layout& l) { return l.colocated ? l.llm.pp : l.encoder.pp + l.llm.pp; }
 
-// The tie key: fewer pipeline stages, less TP, fewer microbatches, fewer encoder GPUs,
+// The tie key: fewer pipeline stages, fewer chunks, less TP, fewer microbatches, fewer
+// encoder GPUs,
 // then the degrees themselves. Independent of the enumeration order.
-using TieKey = std::array<int64_t, 11>;
+using TieKey = std::array<int64_t, 12>;
 TieKey tie_key(const Layout& l) {
   const int64_t v = l.colocated ? 0 : l.encoder.tp * l.encoder.pp * l.encoder.dp;
   return {total_stages(l),
+          l.llm.virtual_stages,
           l.encoder.tp + l.llm.tp,
           l.num_microbatches,
           v,
@@ -392,6 +430,11 @@ std::vector<Degrees> module_degrees(const ClusterParams& c, const ModuleParams& 
 
 // ---------------------------------------------------------------------------------------
 // Scoring one layout
+
+// Virtual stages of a simulator input (its arrays' second axis).
+int64_t virtual_stages_of(const PipelineSimInput& in) {
+  return int64_t(in.forward_s.size()) / (in.num_replicas * in.num_microbatches);
+}
 
 // One schedule of one batch as the simulation needs it.
 struct BinSums {
@@ -439,7 +482,7 @@ class Evaluator {
                                             x.llm_s[k] * x.llm_last_fraction[k], x.llm_tokens[k]);
       if (l.colocated) {
         // Both columns are per bin (every replica runs its own encoder).
-        const double first = double(g.layers_per_stage[0]) / double(ctx_.llm.p->num_layers);
+        const double first = double(stage_layers(g, 0)) / double(ctx_.llm.p->num_layers);
         const ModuleModel& ce = ctx_.colocated_enc(g.tp);
         const double enc_here =
             ce.stage_time(g.tp, g.recompute, ce.p->num_layers, true,
@@ -604,19 +647,19 @@ class Evaluator {
     int64_t stage = 0;
   };
   Memory memory(const Layout& l, double llm_bin_tokens, double enc_tokens) const {
-    const Memory enc = l.colocated
-                           ? Memory{}
-                           : encoder_memory(l.encoder, l.llm.pp, l.num_microbatches, enc_tokens);
+    const Memory enc =
+        l.colocated ? Memory{} : encoder_memory(l.encoder, l.llm, l.num_microbatches, enc_tokens);
     return combine(enc,
                    llm_memory(l.llm, l.colocated, l.num_microbatches, llm_bin_tokens, enc_tokens));
   }
-  // The peak over the encoder's stages (disaggregated: llm_pp LLM stages follow them).
-  Memory encoder_memory(const ModuleLayout& e, int64_t llm_pp, int64_t m, double enc_tokens) const {
+  // The peak over the encoder's stages (disaggregated: the LLM's stages g follow them).
+  Memory encoder_memory(const ModuleLayout& e, const ModuleLayout& g, int64_t m,
+                        double enc_tokens) const {
     Memory out;
-    const int64_t S = e.pp + llm_pp;
+    const PipelineShape shape{{e.pp, g.pp}, {1, g.virtual_stages}};
     for (int64_t s = 0; s < e.pp; ++s) {
       const int64_t n = e.layers_per_stage[size_t(s)];
-      const double in_flight = double(std::min(S - s, m));
+      const double in_flight = double(peak_in_flight(schedule_of(g), shape, m, s));
       const double bytes =
           ctx_.enc.state_bytes(ctx_.enc.stage_params(e, s), e.tp, e.dp, ctx_.o.zero1) +
           in_flight * ctx_.enc.activation_bytes(e.tp, e.recompute, n, s == e.pp - 1, enc_tokens);
@@ -629,9 +672,11 @@ class Evaluator {
                     double enc_tokens) const {
     Memory out;
     const bool zero1 = ctx_.o.zero1;
+    const PipelineShape shape{{g.pp}, {g.virtual_stages}};
     for (int64_t s = 0; s < g.pp; ++s) {
-      const int64_t n = g.layers_per_stage[size_t(s)];
-      const double in_flight = double(std::min(g.pp - s, m));
+      // The activations of one microbatch on one chunk (the stage itself without chunks).
+      const int64_t n = largest_chunk(g, s);
+      const double in_flight = double(peak_in_flight(schedule_of(g), shape, m, s));
       double bytes = ctx_.llm.state_bytes(ctx_.llm.stage_params(g, s), g.tp, g.dp, zero1) +
                      in_flight * ctx_.llm.activation_bytes(g.tp, g.recompute, n, s == g.pp - 1,
                                                            llm_bin_tokens);
@@ -693,29 +738,35 @@ class Evaluator {
                   enc_tokens_lower_bound(m, l.llm.dp, l.colocated, l.encoder.dp));
   }
 
-  // Simulator input of batch b given the bin sums and a microbatch order.
+  // Simulator input of batch b given the bin sums and a microbatch order. Disaggregated:
+  // segments (encoder pp, LLM pp) with the LLM's chunks; arrays over virtual stages.
   PipelineSimInput sim_input(const Layout& l, const BinSums& s, const std::vector<int64_t>& order,
                              bool record_events) const {
     const ModuleLayout &e = l.encoder, &g = l.llm;
     const int64_t m = l.num_microbatches, R = g.dp, S = total_stages(l);
-    const int64_t E = l.colocated ? 0 : e.pp;
+    const int64_t E = l.colocated ? 0 : e.pp, v = g.virtual_stages, V = E + g.pp * v;
     PipelineSimInput in;
     in.num_replicas = R;
     in.num_stages = S;
     in.num_microbatches = m;
     in.record_events = record_events;
-    const size_t cells = size_t(R * S * m);
+    in.schedule = schedule_of(g);
+    in.shape = l.colocated ? PipelineShape::plain(S) : PipelineShape{{E, g.pp}, {1, v}};
+    const size_t cells = size_t(R * V * m);
     in.forward_s.assign(cells, 0.0);
     in.backward_s.assign(cells, 0.0);
-    in.link_latency_s.assign(size_t(S - 1), ctx_.c.link_latency_s);
-    in.link_bandwidth_bytes_per_s.assign(size_t(S - 1), 0.0);
-    in.activation_bytes.assign(size_t(R * (S - 1) * m), 0.0);
+    in.link_latency_s.assign(size_t(V - 1), ctx_.c.link_latency_s);
+    in.link_bandwidth_bytes_per_s.assign(size_t(V - 1), 0.0);
+    in.activation_bytes.assign(size_t(R * (V - 1) * m), 0.0);
     in.allreduce_s.assign(size_t(S), 0.0);
-    auto put = [&](int64_t r, int64_t st, int64_t k, double seconds) {
-      const size_t i = size_t((r * S + st) * m + k);
-      const double f = st < E ? ctx_.enc.p->forward_fraction : ctx_.llm.p->forward_fraction;
+    auto put = [&](int64_t r, int64_t vs, int64_t k, double seconds) {
+      const size_t i = size_t((r * V + vs) * m + k);
+      const double f = vs < E ? ctx_.enc.p->forward_fraction : ctx_.llm.p->forward_fraction;
       in.forward_s[i] = seconds * f;
       in.backward_s[i] = seconds * (1.0 - f);
+    };
+    auto bytes_at = [&](int64_t r, int64_t boundary, int64_t k) -> double& {
+      return in.activation_bytes[size_t((r * (V - 1) + boundary) * m + k)];
     };
     const double enc_h = double(ctx_.enc.p->hidden_size), llm_h = double(ctx_.llm.p->hidden_size);
     for (int64_t k = 0; k < m; ++k) {
@@ -727,33 +778,32 @@ class Evaluator {
           for (int64_t r = 0; r < R; ++r) put(r, st, k, t);
           if (st < E - 1) {
             for (int64_t r = 0; r < R; ++r) {
-              in.activation_bytes[size_t((r * (S - 1) + st) * m + k)] =
-                  s.enc_max_tokens[size_t(mb)] * enc_h * kBf16Bytes / double(e.tp);
+              bytes_at(r, st, k) = s.enc_max_tokens[size_t(mb)] * enc_h * kBf16Bytes / double(e.tp);
             }
           }
         }
         for (int64_t r = 0; r < R; ++r) {
-          in.activation_bytes[size_t((r * (S - 1) + (E - 1)) * m + k)] =
-              s.visual[size_t(mb * R + r)] * llm_h * kBf16Bytes;
+          bytes_at(r, E - 1, k) = s.visual[size_t(mb * R + r)] * llm_h * kBf16Bytes;
         }
       }
       for (int64_t r = 0; r < R; ++r) {
         const size_t bin = size_t(mb * R + r);
-        for (int64_t st = 0; st < g.pp; ++st) {
-          const int64_t nl = g.layers_per_stage[size_t(st)];
-          double t = ctx_.llm.stage_time(g.tp, g.recompute, nl, st == g.pp - 1, s.llm_body[bin],
-                                         s.llm_last[bin], s.llm_tokens[bin]) +
-                     ctx_.llm.stage_constant(g.tp, nl);
-          if (l.colocated && st == 0) {
-            const ModuleModel& ce = ctx_.colocated_enc(g.tp);
-            t += ce.stage_time(g.tp, g.recompute, ce.p->num_layers, true, s.enc_body[bin],
-                               s.enc_last[bin], s.enc_tokens[bin]) +
-                 ce.stage_constant(g.tp, ce.p->num_layers);
-          }
-          put(r, E + st, k, t);
-          if (st < g.pp - 1) {
-            in.activation_bytes[size_t((r * (S - 1) + E + st) * m + k)] =
-                s.llm_tokens[bin] * llm_h * kBf16Bytes / double(g.tp);
+        for (int64_t c = 0; c < v; ++c) {
+          for (int64_t st = 0; st < g.pp; ++st) {
+            const int64_t vs = c * g.pp + st, nl = g.layers_per_stage[size_t(vs)];
+            const bool is_last = vs == g.pp * v - 1;
+            double t = ctx_.llm.stage_time(g.tp, g.recompute, nl, is_last, s.llm_body[bin],
+                                           s.llm_last[bin], s.llm_tokens[bin]) +
+                       ctx_.llm.stage_constant(g.tp, nl);
+            if (l.colocated && st == 0) {
+              const ModuleModel& ce = ctx_.colocated_enc(g.tp);
+              t += ce.stage_time(g.tp, g.recompute, ce.p->num_layers, true, s.enc_body[bin],
+                                 s.enc_last[bin], s.enc_tokens[bin]) +
+                   ce.stage_constant(g.tp, ce.p->num_layers);
+            }
+            put(r, E + vs, k, t);
+            if (!is_last)
+              bytes_at(r, E + vs, k) = s.llm_tokens[bin] * llm_h * kBf16Bytes / double(g.tp);
           }
         }
       }
@@ -767,10 +817,12 @@ class Evaluator {
         in.allreduce_s[size_t(st)] = allreduce_time(ctx_.c, ctx_.enc, e, st, 0.0);
       }
     }
+    for (int64_t vs = 0; vs + 1 < g.pp * v; ++vs) {
+      const int64_t st = vs % g.pp;  // the wrap from the last stage to the first: chunk c + 1
+      in.link_bandwidth_bytes_per_s[size_t(E + vs)] =
+          st + 1 < g.pp ? stage_link_bandwidth(ctx_.c, g, st) : wrap_link_bandwidth(ctx_.c, g);
+    }
     for (int64_t st = 0; st < g.pp; ++st) {
-      if (st + 1 < g.pp) {
-        in.link_bandwidth_bytes_per_s[size_t(E + st)] = stage_link_bandwidth(ctx_.c, g, st);
-      }
       const double extra = (l.colocated && st == 0) ? ctx_.colocated_enc(g.tp).all_params() : 0.0;
       in.allreduce_s[size_t(E + st)] = allreduce_time(ctx_.c, ctx_.llm, g, st, extra);
     }
@@ -780,7 +832,7 @@ class Evaluator {
   // Microbatch orderings (position -> microbatch) to try.
   std::vector<std::pair<MicrobatchOrder, std::vector<int64_t>>> orders(
       const Layout& l, const PipelineSimInput& base) const {
-    const int64_t m = l.num_microbatches, R = base.num_replicas, S = base.num_stages;
+    const int64_t m = l.num_microbatches, R = base.num_replicas, S = virtual_stages_of(base);
     std::vector<int64_t> identity(static_cast<size_t>(m));
     std::iota(identity.begin(), identity.end(), 0);
     std::vector<std::pair<MicrobatchOrder, std::vector<int64_t>>> out;
@@ -816,7 +868,7 @@ class Evaluator {
   // Reorders a simulator input built with the identity order (cheaper than rebuilding).
   static PipelineSimInput permuted(const PipelineSimInput& in, const std::vector<int64_t>& order) {
     PipelineSimInput out = in;
-    const int64_t R = in.num_replicas, S = in.num_stages, m = in.num_microbatches;
+    const int64_t R = in.num_replicas, S = virtual_stages_of(in), m = in.num_microbatches;
     for (int64_t r = 0; r < R; ++r) {
       for (int64_t st = 0; st < S; ++st) {
         for (int64_t k = 0; k < m; ++k) {
@@ -863,10 +915,11 @@ class Evaluator {
     out.idle_fraction = res.step_time_s > 0 ? 1.0 - busy_gpu_s / (res.step_time_s * gpus) : 0.0;
     if (E > 0) {
       const double bw = in.link_bandwidth_bytes_per_s[size_t(E - 1)];
+      const int64_t V = virtual_stages_of(in);
       for (int64_t k = 0; k < m; ++k) {
         double bytes = 0;
         for (int64_t r = 0; r < R; ++r)
-          bytes += in.activation_bytes[size_t((r * (S - 1) + E - 1) * m + k)];
+          bytes += in.activation_bytes[size_t((r * (V - 1) + E - 1) * m + k)];
         out.transfer_s += bytes / double(R) / bw;
       }
     }
@@ -913,12 +966,13 @@ class Evaluator {
   // One replica of a simulator input built with the identity order, reordered.
   static PipelineSimInput replica_input(const PipelineSimInput& in, int64_t r,
                                         const std::vector<int64_t>& order) {
-    const int64_t S = in.num_stages, m = in.num_microbatches;
+    const int64_t S = virtual_stages_of(in), m = in.num_microbatches;
     PipelineSimInput out;
     out.num_replicas = 1;
-    out.num_stages = S;
+    out.num_stages = in.num_stages;
     out.num_microbatches = m;
     out.schedule = in.schedule;
+    out.shape = in.shape;
     out.record_events = false;
     out.link_latency_s = in.link_latency_s;
     out.link_bandwidth_bytes_per_s = in.link_bandwidth_bytes_per_s;
@@ -960,20 +1014,27 @@ class Evaluator {
     std::vector<int64_t> identity(static_cast<size_t>(m));
     std::iota(identity.begin(), identity.end(), 0);
     const PipelineSimInput base = sim_input(l, sums, identity, false);
-    const int64_t R = base.num_replicas, S = base.num_stages;
+    // Physical stages S run virtual stages V (the LLM's chunks); each stage's first action
+    // is the forward of its first chunk, its last the backward of that chunk.
+    const int64_t R = base.num_replicas, S = base.num_stages, V = virtual_stages_of(base);
+    const std::vector<int64_t> owner = virtual_stage_owners(input_shape(base));
+    std::vector<int64_t> first_chunk(static_cast<size_t>(S), -1);
+    for (int64_t u = V - 1; u >= 0; --u) first_chunk[size_t(owner[size_t(u)])] = u;
     std::vector<double> busy(static_cast<size_t>(R * S), 0.0);
     int64_t most_work = 0, busiest = 0;
     double best_work = -1, best_stage = -1;
     for (int64_t r = 0; r < R; ++r) {
-      double work = 0, stage_max = 0;
-      for (int64_t st = 0; st < S; ++st) {
-        double& stage = busy[size_t(r * S + st)];
+      for (int64_t u = 0; u < V; ++u) {
+        double& stage = busy[size_t(r * S + owner[size_t(u)])];
         for (int64_t k = 0; k < m; ++k) {
-          const size_t i = size_t((r * S + st) * m + k);
+          const size_t i = size_t((r * V + u) * m + k);
           stage += base.forward_s[i] + base.backward_s[i];
         }
-        work += stage;
-        stage_max = std::max(stage_max, stage);
+      }
+      double work = 0, stage_max = 0;
+      for (int64_t st = 0; st < S; ++st) {
+        work += busy[size_t(r * S + st)];
+        stage_max = std::max(stage_max, busy[size_t(r * S + st)]);
       }
       if (work > best_work) best_work = work, most_work = r;
       if (stage_max > best_stage) best_stage = stage_max, busiest = r;
@@ -981,7 +1042,7 @@ class Evaluator {
     auto transfer = [&](int64_t r, int64_t link, int64_t k) {
       const double bytes = base.activation_bytes.empty()
                                ? 0.0
-                               : base.activation_bytes[size_t((r * (S - 1) + link) * m + k)];
+                               : base.activation_bytes[size_t((r * (V - 1) + link) * m + k)];
       return bytes / base.link_bandwidth_bytes_per_s[size_t(link)] +
              base.link_latency_s[size_t(link)];
     };
@@ -994,18 +1055,24 @@ class Evaluator {
     for (size_t o = 0; o < all.size(); ++o) {
       const int64_t first = all[o].second.front(), last = all[o].second.back();
       for (int64_t r = 0; r < R; ++r) {
+        // fill[u]: microbatch `first`'s forwards and sends up to virtual stage u.
         double fill = 0;
+        std::vector<double> fill_at(static_cast<size_t>(V), 0.0);
+        for (int64_t u = 0; u < V; ++u) {
+          fill_at[size_t(u)] = fill;
+          if (u + 1 < V) {
+            fill += base.forward_s[size_t((r * V + u) * m + first)] + transfer(r, u, first);
+          }
+        }
         for (int64_t st = 0; st < S; ++st) {
-          const size_t rs = size_t(r * S + st);
-          const double end = fill + busy[rs];
+          const int64_t u0 = first_chunk[size_t(st)];
+          const double end = fill_at[size_t(u0)] + busy[size_t(r * S + st)];
           double tail = allreduce(st), drain = 0;
-          for (int64_t down = st - 1; down >= 0; --down) {
-            drain += transfer(r, down, last) + base.backward_s[size_t((r * S + down) * m + last)];
-            tail = std::max(tail, drain + allreduce(down));
+          for (int64_t down = u0 - 1; down >= 0; --down) {
+            drain += transfer(r, down, last) + base.backward_s[size_t((r * V + down) * m + last)];
+            tail = std::max(tail, drain + allreduce(owner[size_t(down)]));
           }
           paths[o] = std::max(paths[o], end + tail);
-          if (st + 1 < S)
-            fill += base.forward_s[size_t(rs) * size_t(m) + size_t(first)] + transfer(r, st, first);
         }
       }
       bound = std::min(bound, paths[o]);
@@ -1103,7 +1170,7 @@ class Evaluator {
       const double f = per_mb / double(m.dp) / samples;
       double slowest = 0;
       for (int64_t st = 0; st < m.pp; ++st) {
-        const int64_t nl = m.layers_per_stage[size_t(st)];
+        const int64_t nl = stage_layers(m, st);
         slowest = std::max(slowest, model.stage_time(m.tp, m.recompute, nl, st == m.pp - 1,
                                                      body * f, last * f, tokens * f) +
                                         model.stage_constant(m.tp, nl));
@@ -1150,7 +1217,7 @@ double module_batch_bound(const Context& ctx, const ModuleModel& mm, const Modul
   const double constants = !is_encoder ? double(m) : (s.has_visual ? 1.0 : 0.0);
   double worst = 0;
   for (int64_t st = 0; st < l.pp; ++st) {
-    const int64_t nl = l.layers_per_stage[size_t(st)];
+    const int64_t nl = stage_layers(l, st);
     const bool is_last = st == l.pp - 1;
     const double share =
         mm.stage_time(l.tp, l.recompute, nl, is_last, body, last, tokens) / double(l.dp);
@@ -1203,7 +1270,7 @@ PathPart module_path_part(const Context& ctx, const ModuleModel& mm, const Modul
   out.path = is_encoder ? allreduce_time(ctx.c, mm, l, 0, 0.0) : 0.0;
   out.estimate_path = out.order_path = out.path;
   for (int64_t st = 0; st < l.pp; ++st) {
-    const int64_t nl = l.layers_per_stage[size_t(st)];
+    const int64_t nl = stage_layers(l, st);
     const bool is_last = st == l.pp - 1;
     const double share = mm.stage_time(l.tp, l.recompute, nl, is_last, body, last, tokens) /
                          (double(l.dp) * double(m));
@@ -1218,6 +1285,14 @@ PathPart module_path_part(const Context& ctx, const ModuleModel& mm, const Modul
     const double heavy = typical + std::max(0.0, item - share);
     out.order_path += heavy;
     out.order_slowest = std::max(out.order_slowest, heavy);
+  }
+  if (l.virtual_stages > 1) {
+    // Interleaving cuts the fill and drain of a pipeline of m identical microbatches from
+    // (P - 1) to (P - 1) / v stage times: (m + (P - 1) / v) t = path x (1 + (P - 1) / v) / P
+    // + (m - 1) t. The estimates follow; the bound (path) does not change.
+    const double f = (1.0 + double(l.pp - 1) / double(l.virtual_stages)) / double(l.pp);
+    out.estimate_path *= f;
+    out.order_path *= f;
   }
   return out;
 }
@@ -1286,7 +1361,7 @@ double colocated_batch_bound(const Context& ctx, const Layout& l, const BatchSum
   const int64_t m = l.num_microbatches;
   double worst = 0;
   for (int64_t st = 0; st < g.pp; ++st) {
-    const int64_t nl = g.layers_per_stage[size_t(st)];
+    const int64_t nl = stage_layers(g, st);
     const bool is_last = st == g.pp - 1;
     double share =
         ctx.llm.stage_time(g.tp, g.recompute, nl, is_last, s.llm_body, s.llm_last, s.llm_tokens);
@@ -1353,13 +1428,14 @@ bool order_less(const Candidate& a, const Candidate& b) {
 
 // `colocated_recompute`: set for a colocated LLM layout (the encoder joins its first stage).
 ModuleLayout make_module(const ModuleModel& mm, const Degrees& d, int64_t first_rank, bool balanced,
-                         const Context& ctx,
-                         std::optional<bool> colocated_recompute = std::nullopt) {
+                         const Context& ctx, std::optional<bool> colocated_recompute = std::nullopt,
+                         int64_t virtual_stages = 1) {
   ModuleLayout l;
   l.tp = d.tp;
   l.pp = d.pp;
   l.dp = d.dp;
   l.first_rank = first_rank;
+  l.virtual_stages = virtual_stages;
   // Per-layer vs last-stage-only load of the average sample, for the balanced split.
   double body = 0, last = 0;
   const bool is_encoder = &mm == &ctx.enc;
@@ -1375,8 +1451,8 @@ ModuleLayout make_module(const ModuleModel& mm, const Degrees& d, int64_t first_
     for (const BatchSums& s : ctx.sums) enc += s.enc_body * ce.body_scale + s.enc_last;
     first = enc * (*colocated_recompute ? 4.0 / 3.0 : 1.0) * ctx.llm.eff(d.tp) / ce.eff(d.tp);
   }
-  l.layers_per_stage =
-      split_layers(mm.p->num_layers, d.pp, body / double(mm.p->num_layers), first, last, balanced);
+  l.layers_per_stage = split_layers(mm.p->num_layers, d.pp * virtual_stages,
+                                    body / double(mm.p->num_layers), first, last, balanced);
   return l;
 }
 
@@ -1791,11 +1867,27 @@ class Search {
       encs->back().recompute = recompute;
     }
     if (encs->empty()) return;
+    const bool interleave = ctx_.o.strategy == PlanStrategy::DataAware;
     for (const auto& [d, recompute] :
          with_recompute(module_degrees(ctx_.c, *ctx_.llm.p, N - v, v, max_tp()))) {
-      llms->push_back(make_module(ctx_.llm, d, v, balanced, ctx_));
-      llms->back().recompute = recompute;
+      for (int64_t chunks : ctx_.o.virtual_stage_choices) {
+        // Interleaving needs >= 2 stages and a layer per chunk (DataAware only).
+        if (chunks > 1 && (!interleave || d.pp < 2 || d.pp * chunks > ctx_.llm.p->num_layers))
+          continue;
+        llms->push_back(make_module(ctx_.llm, d, v, balanced, ctx_, std::nullopt, chunks));
+        llms->back().recompute = recompute;
+      }
     }
+  }
+
+  // The microbatch counts an LLM layout can run (interleaved: multiples of its stages).
+  std::vector<int64_t> llm_microbatch_choices(const ModuleLayout& g) const {
+    std::vector<int64_t> out = microbatch_choices(g.dp);
+    if (g.virtual_stages > 1) {
+      out.erase(std::remove_if(out.begin(), out.end(), [&](int64_t m) { return m % g.pp != 0; }),
+                out.end());
+    }
+    return out;
   }
 
   // Prune mode: the disaggregated candidates grouped in blocks of one encoder GPU count v
@@ -1819,7 +1911,7 @@ class Search {
       std::map<int64_t, std::pair<double, PathPart>> llm_min;  // m -> minima; count below
       std::map<int64_t, int64_t> llm_count;
       for (const ModuleLayout& g : llms) {
-        for (int64_t m : microbatch_choices(g.dp)) {
+        for (int64_t m : llm_microbatch_choices(g)) {
           const double busy = module_bound(ctx_, ctx_.llm, g, m, false, 0.0);
           const PathPart part = module_path_mean(ctx_, ctx_.llm, g, m, false);
           auto [it, fresh] = llm_min.try_emplace(m, busy, part);
@@ -1870,7 +1962,7 @@ class Search {
     std::map<std::pair<size_t, int64_t>, std::pair<double, PathPart>> enc_terms;  // (e, m)
     Layout l;
     for (const ModuleLayout& g : llms) {
-      for (int64_t m : microbatch_choices(g.dp)) {
+      for (int64_t m : llm_microbatch_choices(g)) {
         if (only_m != 0 && m != only_m) continue;
         const double llm_busy = reference ? 0.0 : module_bound(ctx_, ctx_.llm, g, m, false, 0.0);
         const PathPart llm_part =
@@ -1900,7 +1992,7 @@ class Search {
             if (!admits(k.order)) continue;
           }
           const double enc_tokens = eval_.enc_tokens_lower_bound(m, g.dp, false, e.dp);
-          if (!fits(eval_.combine(eval_.encoder_memory(e, g.pp, m, enc_tokens), llm_mem))) {
+          if (!fits(eval_.combine(eval_.encoder_memory(e, g, m, enc_tokens), llm_mem))) {
             continue;
           }
           l.encoder = e;
@@ -1952,8 +2044,11 @@ void check_layout(const ClusterParams& c, const ModuleParams& enc, const ModuleP
     require(c.gpus_per_node % m.tp == 0 && p.num_heads % m.tp == 0,
             n + ".tp=" + std::to_string(m.tp) + " must divide gpus_per_node and num_heads");
     require(m.first_rank % m.tp == 0, n + ".first_rank must be a multiple of tp");
-    require(int64_t(m.layers_per_stage.size()) == m.pp,
-            n + ".layers_per_stage must have pp entries");
+    require(
+        m.virtual_stages >= 1 && m.virtual_stages <= p.num_layers,
+        n + ".virtual_stages must be in [1, num_layers], got " + std::to_string(m.virtual_stages));
+    require(int64_t(m.layers_per_stage.size()) == m.pp * m.virtual_stages,
+            n + ".layers_per_stage must have pp x virtual_stages entries");
     int64_t sum = 0;
     for (int64_t x : m.layers_per_stage) {
       require(x >= 1 && x <= p.num_layers,
@@ -1964,8 +2059,18 @@ void check_layout(const ClusterParams& c, const ModuleParams& enc, const ModuleP
             n + ".layers_per_stage must sum to num_layers=" + std::to_string(p.num_layers));
   };
   check_module_layout("llm", llm, l.llm);
+  require(l.encoder.virtual_stages == 1,
+          "encoder.virtual_stages must be 1 (only the LLM is interleaved)");
   require(l.num_microbatches >= 1 && l.num_microbatches <= o.global_batch,
           "num_microbatches must be in [1, global_batch]");
+  if (l.llm.virtual_stages > 1) {
+    require(!l.colocated && l.llm.pp >= 2,
+            "llm.virtual_stages > 1 needs a disaggregated layout with llm.pp >= 2");
+    require(l.num_microbatches % l.llm.pp == 0,
+            "llm.virtual_stages > 1 (interleaved 1F1B) needs num_microbatches to be a multiple "
+            "of llm.pp=" +
+                std::to_string(l.llm.pp));
+  }
   require(l.num_microbatches * l.llm.dp <= o.global_batch,
           "num_microbatches x llm.dp must be <= global_batch (one sample per bin at least)");
   if (l.colocated) {
@@ -2084,6 +2189,17 @@ void validate_planner_input(const ClusterParams& c, const ModuleParams& enc,
             "encoder_gpu_choices[" + std::to_string(i) + "] must be in [1, num_gpus), got " +
                 std::to_string(o.encoder_gpu_choices[i]));
   }
+  std::set<int64_t> chunk_choices;
+  for (size_t i = 0; i < o.virtual_stage_choices.size(); ++i) {
+    const int64_t v = o.virtual_stage_choices[i];
+    require(v >= 1 && v <= kMaxPlannerLayers,
+            "virtual_stage_choices[" + std::to_string(i) + "] must be in [1, " +
+                std::to_string(kMaxPlannerLayers) + "], got " + std::to_string(v));
+    require(chunk_choices.insert(v).second, "virtual_stage_choices[" + std::to_string(i) +
+                                                "]=" + std::to_string(v) + " is repeated");
+  }
+  require(chunk_choices.count(1) == 1,
+          "virtual_stage_choices must hold 1 (the plain 1F1B pipeline)");
   for (size_t i = 0; i < o.microbatch_choices.size(); ++i) {
     require(o.microbatch_choices[i] >= 1, "microbatch_choices[" + std::to_string(i) +
                                               "] must be >= 1, got " +

@@ -2575,7 +2575,7 @@ std::string describe(const dflop::ModuleLayout& l) {
   std::ostringstream s;
   s << "{tp=" << num(l.tp) << ", pp=" << num(l.pp) << ", dp=" << num(l.dp)
     << ", first_rank=" << num(l.first_rank) << ", layers_per_stage=" << vec(l.layers_per_stage)
-    << ", recompute=" << l.recompute << "}";
+    << ", recompute=" << l.recompute << ", virtual_stages=" << num(l.virtual_stages) << "}";
   return s.str();
 }
 
@@ -2966,7 +2966,13 @@ std::string layout_problem(const PlannerCase& c, const dflop::Layout& l) {
       s << name << ": a TP group crosses a node; ";
     if (heads_divide && m.tp >= 1 && p.num_heads % m.tp != 0)
       s << name << ": tp does not divide heads; ";
-    if (int64_t(m.layers_per_stage.size()) != m.pp) s << name << ": layers_per_stage size; ";
+    int64_t entries = 0;
+    if (m.virtual_stages < 1 || mul_overflows(m.pp, m.virtual_stages, &entries) ||
+        int64_t(m.layers_per_stage.size()) != entries)
+      s << name << ": layers_per_stage size; ";
+    if (m.virtual_stages > 1 &&
+        (l.colocated || m.pp < 2 || &m == &l.encoder || l.num_microbatches % m.pp != 0))
+      s << name << ": virtual stages where interleaving cannot run; ";
     int64_t sum = 0;
     bool over = false;
     for (int64_t x : m.layers_per_stage) over = over || __builtin_add_overflow(sum, x, &sum);
@@ -3168,7 +3174,8 @@ void planner_follow_ups(Rng& r, const PlannerCase& c, const dflop::LayoutScore& 
 bool same_layout(const dflop::Layout& a, const dflop::Layout& b) {
   auto same = [](const dflop::ModuleLayout& x, const dflop::ModuleLayout& y) {
     return x.tp == y.tp && x.pp == y.pp && x.dp == y.dp && x.first_rank == y.first_rank &&
-           x.layers_per_stage == y.layers_per_stage && x.recompute == y.recompute;
+           x.layers_per_stage == y.layers_per_stage && x.recompute == y.recompute &&
+           x.virtual_stages == y.virtual_stages;
   };
   return a.colocated == b.colocated && a.num_microbatches == b.num_microbatches &&
          same(a.llm, b.llm) && (a.colocated || same(a.encoder, b.encoder)) &&

@@ -40,6 +40,7 @@ def pipeline_schedule(
     time_limit_s: float | None,
     replicas: Sequence[int] = ...,
     units: Sequence[int] = ...,
+    chunks: Sequence[int] = ...,
 ) -> dict[str, Any]: ...
 def simulated_step_time(
     costs: np.ndarray,
@@ -54,6 +55,7 @@ def simulated_step_time(
     link_latency_s: float,
     replicas: Sequence[int] = ...,
     units: Sequence[int] = ...,
+    chunks: Sequence[int] = ...,
 ) -> float: ...
 def pipeline_work_budget_for_ms(time_budget_ms: float) -> int: ...
 

@@ -17,7 +17,8 @@
 // module's work split evenly over its stages) plus microbatch_constant_s[c] per microbatch
 // that has work for it (cost sum > 0: an encoder does nothing for a text-only microbatch);
 // a fraction forward_fraction[c] of it is the forward. Links add link_latency_s per
-// transfer. The step is simulated with simulate_pipeline()'s semantics (1F1B), once per
+// transfer. The step is simulated with simulate_pipeline()'s semantics (1F1B, or
+// interleaved 1F1B where the last module has chunks), once per
 // data-parallel replica (bin b = microbatch b / dp_size on replica b % dp_size;
 // microbatch_dims are shared by all replicas of a microbatch, as in balance()); the
 // slowest replica counts. A microbatch dimension c with replicas[c] > 1 is a module whose
@@ -45,7 +46,11 @@ struct PipelineScheduleOptions {
   // needs units > 0).
   std::vector<int64_t> units;
   // One entry per dimension (module), in pipeline order.
-  std::vector<int64_t> stages;                // >= 1 each
+  std::vector<int64_t> stages;  // >= 1 each
+  // Empty (all 1), or per dimension: model chunks per stage. > 1 only for the last
+  // dimension, whose stages then run interleaved 1F1B (pipeline_program.hpp; num_microbatches
+  // a multiple of its stages), each chunk taking 1 / chunks of a stage's time.
+  std::vector<int64_t> chunks;
   std::vector<double> forward_fraction;       // in [0, 1] each
   std::vector<double> microbatch_constant_s;  // >= 0 each; empty = zeros
   double link_latency_s = 0.0;                // >= 0

@@ -34,12 +34,15 @@
 // - Model states, mixed-precision Adam: 2 (bf16 weights) + 2 (bf16 grads) + 12 (fp32
 //   master, m, v) = 16 bytes/param over t; with zero1 the 12 optimizer bytes are sharded
 //   over the DP group (Megatron's distributed optimizer): 4 + 12 / dp.
-// - Activations: 1F1B stage s of an S-stage pipeline keeps min(S - s, m) microbatches'
-//   activations; a microbatch keeps tokens x layers on the stage x activation bytes per
-//   token-layer / t (34 x hidden with FlashAttention and sequence parallelism, Korthikanti
-//   et al. 2022), plus the LLM's fp32 logits (vocab x 4 / t per token) on its last stage,
-//   using the largest bin of the sampled batches. The search tries each module with and
-//   without full activation recomputation (see ModuleLayout::recompute).
+// - Activations: stage s keeps, at its peak, the pipeline schedule's peak_in_flight()
+//   (pipeline_program.hpp) microbatch-chunks' activations: 1F1B stage s of an S-stage
+//   pipeline min(S - s, m), an interleaved LLM stage p of P with v chunks
+//   min(2 (P - 1 - p) + (v - 1) P + 1, m v) chunks of its largest chunk's layers (the
+//   encoder's stages before it more); a microbatch keeps tokens x layers on the stage (or
+//   chunk) x activation bytes per token-layer / t (34 x hidden with FlashAttention and sequence
+//   parallelism, Korthikanti et al. 2022), plus the LLM's fp32 logits (vocab x 4 / t per token) on
+//   its last stage, using the largest bin of the sampled batches. The search tries each module with
+//   and without full activation recomputation (see ModuleLayout::recompute).
 // Padded attention heads (colocated layouts only): the encoder inside the LLM's first stage
 // runs at the LLM's tp, which need not divide the encoder's heads (InternViT-6B: 25). A
 // Megatron-LM user then does what NVLM does (Megatron-LM examples/multimodal/nvlm/
@@ -187,15 +190,25 @@ struct PlannerOptions {
   // the encoder's largest tp (0: max_tp) and its allowed GPU counts (empty: any).
   int64_t encoder_max_tp = 0;
   std::vector<int64_t> encoder_gpu_choices;
+  // DataAware: the LLM's chunks per stage to try (ModuleLayout::virtual_stages; 1 = plain
+  // 1F1B, v > 1 = interleaved 1F1B where pp >= 2, pp x v <= num_layers and m is a multiple
+  // of pp). Must hold 1.
+  std::vector<int64_t> virtual_stage_choices = {1, 2};
 };
 
 struct ModuleLayout {
   int64_t tp = 1, pp = 1, dp = 1;
   int64_t first_rank = 0;
-  std::vector<int64_t> layers_per_stage;  // pp entries, sum = num_layers
+  // pp x virtual_stages entries (virtual stage c x pp + p is chunk c of stage p), each >= 1,
+  // sum = num_layers.
+  std::vector<int64_t> layers_per_stage;
   // Full activation recomputation: compute x 4/3, activations = each layer's bf16 input
   // plus one layer's working set. Colocated layouts use the LLM's flag for both modules.
   bool recompute = false;
+  // Model chunks per stage: 1, or (the LLM of a disaggregated layout, pp >= 2) v > 1 for the
+  // interleaved 1F1B schedule (pipeline_program.hpp), whose microbatch count must then be a
+  // multiple of pp.
+  int64_t virtual_stages = 1;
 };
 
 struct Layout {
@@ -286,7 +299,9 @@ LayoutScore evaluate_layout(const ClusterParams& cluster, const ModuleParams& en
 // One sampled batch of a layout as the planner scores it, with everything needed to audit
 // or re-simulate it.
 struct StepModel {
-  PipelineSimInput sim;                   // replicas = LLM dp, stages = encoder pp + LLM pp
+  // replicas = LLM dp, physical stages = encoder pp + LLM pp, segments (encoder, LLM) with
+  // the LLM's virtual stages as chunks; arrays over virtual stages.
+  PipelineSimInput sim;
   std::vector<int64_t> assignment;        // bin of each sample (microbatch = execution order)
   std::vector<int64_t> microbatch_order;  // position -> microbatch of the balanced schedule
   int64_t num_encoder_stages = 0;

@@ -289,6 +289,10 @@ class PlannerConfig:
             trainer computes for its steps (``dflop.pipeline_schedule``) and re-rank them,
             so that a plan predicts what the runtime executes; the search itself ranks
             candidates with the cheaper balanced schedule and microbatch orders.
+        virtual_stage_choices: the LLM's model chunks per stage to try (1: 1F1B; v > 1:
+            interleaved 1F1B with v virtual stages per stage, where llm pp >= 2, pp x v <=
+            the LLM's layers and the microbatch count is a multiple of pp). Must hold 1;
+            ``(1,)`` turns interleaving off.
         colocated_candidates: also score colocated layouts (the encoder inside the first
             LLM stage, Megatron-style) with dflop's balanced schedule. dflop's runtime runs
             the encoder and the LLM on disjoint ranks and cannot execute them, so a plan
@@ -316,6 +320,7 @@ class PlannerConfig:
     encoder_gpus: tuple[int, ...] | None = None
     runtime_schedule: bool = True
     forward_fraction: tuple[float, float] = (1.0 / 3.0, 1.0 / 3.0)
+    virtual_stage_choices: tuple[int, ...] = (1, 2)
 
     def __post_init__(self) -> None:
         _check_int("PlannerConfig", "num_batches", self.num_batches, 1)
@@ -339,6 +344,13 @@ class PlannerConfig:
         if self.encoder_gpus is not None:
             for k, v in enumerate(self.encoder_gpus):
                 _check_int("PlannerConfig", f"encoder_gpus[{k}]", v, 1)
+        for k, v in enumerate(self.virtual_stage_choices):
+            _check_int("PlannerConfig", f"virtual_stage_choices[{k}]", v, 1)
+        if 1 not in self.virtual_stage_choices:
+            raise ValueError(
+                f"PlannerConfig.virtual_stage_choices={self.virtual_stage_choices!r} must hold "
+                "1 (the plain 1F1B pipeline)"
+            )
         fractions = tuple(self.forward_fraction)
         if len(fractions) != 2 or not all(
             isinstance(f, (int, float)) and 0.0 <= f <= 1.0 for f in fractions

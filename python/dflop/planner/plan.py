@@ -62,6 +62,10 @@ class ModulePlan:
     padded_heads: int = 0
     """A colocated encoder whose heads tp does not divide: its heads after padding to a
     multiple of tp with dummy heads (Megatron-LM / NVLM style); 0 when not padded."""
+    virtual_stages: int = 1
+    """Model chunks per stage (> 1: the LLM under interleaved 1F1B; ``layers_per_stage``
+    then lists the ``pp * virtual_stages`` virtual stages, chunk c of stage p at
+    ``c * pp + p``)."""
 
     @property
     def num_gpus(self) -> int:
@@ -69,7 +73,7 @@ class ModulePlan:
 
     @property
     def layer_ranges(self) -> list[tuple[int, int]]:
-        """[start, end) layer indices of each stage."""
+        """[start, end) layer indices of each (virtual) stage."""
         out, start = [], 0
         for n in self.layers_per_stage:
             out.append((start, start + n))
@@ -100,6 +104,7 @@ class ModulePlan:
             "colocated": self.colocated,
             "recompute": self.recompute,
             "padded_heads": self.padded_heads,
+            "virtual_stages": self.virtual_stages,
             "layers_per_stage": list(self.layers_per_stage),
             "layer_ranges": [list(r) for r in self.layer_ranges],
             "stage_ranks": self.stage_ranks,
@@ -116,6 +121,7 @@ class ModulePlan:
             colocated=bool(data.get("colocated", False)),
             recompute=bool(data.get("recompute", False)),
             padded_heads=int(data.get("padded_heads", 0)),
+            virtual_stages=int(data.get("virtual_stages", 1)),
         )
 
     def core_dict(self) -> dict[str, Any]:
@@ -127,11 +133,13 @@ class ModulePlan:
             "first_rank": self.first_rank,
             "layers_per_stage": list(self.layers_per_stage),
             "recompute": self.recompute,
+            "virtual_stages": self.virtual_stages,
         }
 
     def describe(self) -> str:
         rc = " rc" if self.recompute else ""
-        return f"tp={self.tp} pp={self.pp} dp={self.dp}{rc}"
+        chunks = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return f"tp={self.tp} pp={self.pp}{chunks} dp={self.dp}{rc}"
 
 
 @dataclass(frozen=True)

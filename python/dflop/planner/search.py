@@ -234,6 +234,7 @@ def _options(config: PlannerConfig, strategy: str, global_batch: int, top_k: int
         "patience": config.patience,
         "encoder_max_tp": config.encoder_max_tp or 0,
         "encoder_gpu_choices": list(config.encoder_gpus or []),
+        "virtual_stage_choices": list(config.virtual_stage_choices),
     }
 
 
@@ -264,6 +265,7 @@ def _layout_plan(
         first_rank=int(g["first_rank"]),
         layers_per_stage=tuple(int(n) for n in g["layers_per_stage"]),
         recompute=bool(g.get("recompute", False)),
+        virtual_stages=int(g.get("virtual_stages", 1)),
     )
     steps = raw["steps"]
     compute = np.mean([s["stage_compute_s"] for s in steps], axis=0)
@@ -596,6 +598,7 @@ def runtime_scored(
             stage_constant_s=seen["constants"],
             forward_fraction=tuple(config.forward_fraction),
             link_latency_s=cluster.link_latency_s,
+            llm_chunks=layout.llm.virtual_stages,
         )
         # As the trainer's scheduler does for step b: its seed offset by the step.
         chosen = pipeline_schedule(

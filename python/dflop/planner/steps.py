@@ -68,6 +68,9 @@ class StepAudit:
     """The planner's simulated step time of this batch."""
     samples: dict[str, np.ndarray] = field(default_factory=dict)
     """Per sample of the batch: ``encoder_units``, ``encoder_s``, ``llm_s`` (the inputs)."""
+    llm_chunks: int = 1
+    """Model chunks per LLM stage (> 1: the interleaved 1F1B schedule; the LLM arrays then
+    run over its virtual stages)."""
 
     @property
     def num_encoder_stages(self) -> int:
@@ -106,10 +109,16 @@ class StepAudit:
         latency = self.link_latency_s.reshape(links)
         if link_latency_s is not None:
             latency = np.full(links, float(link_latency_s))
+        llm_stages = self.llm_forward_s.shape[1] // self.llm_chunks
+        stages, chunks = [llm_stages], [self.llm_chunks]
+        if self.num_encoder_stages:
+            stages, chunks = [self.num_encoder_stages, llm_stages], [1, self.llm_chunks]
         return simulate_pipeline(
             forward,
             backward,
-            schedule="1f1b",
+            schedule="interleaved-1f1b" if self.llm_chunks > 1 else "1f1b",
+            stages=stages,
+            chunks=chunks,
             link_latency_s=latency,
             record_events=record_events,
             activation_bytes=self.activation_bytes if links else None,
@@ -147,6 +156,7 @@ class StepAudit:
             allreduce_s=np.asarray(raw["allreduce_s"], dtype=np.float64),
             step_time_s=0.0,
             samples=dict(samples or {}),
+            llm_chunks=int(raw["chunks"][-1]),
         )
         return replace(probe, step_time_s=float(probe.simulate(record_events=False).step_time_s))
 
@@ -165,6 +175,7 @@ class StepAudit:
             "link_bandwidth_bytes_per_s": self.link_bandwidth_bytes_per_s.tolist(),
             "allreduce_s": self.allreduce_s.tolist(),
             "samples": {k: np.asarray(v).tolist() for k, v in self.samples.items()},
+            "llm_chunks": self.llm_chunks,
         }
 
     @classmethod
@@ -188,6 +199,7 @@ class StepAudit:
             allreduce_s=np.asarray(data["allreduce_s"], dtype=np.float64).reshape(-1),
             step_time_s=float(data["step_time_s"]),
             samples={k: np.asarray(v) for k, v in data.get("samples", {}).items()},
+            llm_chunks=int(data.get("llm_chunks", 1)),
         )
 
 

@@ -54,6 +54,10 @@ class PipelineModel:
     executes an encoder: its stage time is the slowest replica's under
     :func:`dflop.runtime.routing.split_units` (pass the samples' ``units``), not the
     microbatch's cost divided evenly. The costs stay one replica's seconds.
+    ``chunks[c] > 1`` (the last module only): its stages hold that many model chunks and run
+    interleaved 1F1B (:func:`dflop.scheduling.pipeline_program`), each chunk taking
+    ``1 / chunks[c]`` of a stage's time; the microbatch count must be a multiple of
+    ``stages[c]``.
     """
 
     stages: tuple[int, ...] = (1, 1)
@@ -61,6 +65,7 @@ class PipelineModel:
     microbatch_constant_s: tuple[float, ...] = (0.0, 0.0)
     link_latency_s: float = 0.0
     replicas: tuple[int, ...] | None = None
+    chunks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("stages", "forward_fraction", "microbatch_constant_s"):
@@ -115,6 +120,26 @@ class PipelineModel:
                 if v < 1:
                     raise ValueError(f"PipelineModel.replicas[{k}] must be >= 1, got {v}")
             object.__setattr__(self, "replicas", replicas)
+        if self.chunks is not None:
+            if isinstance(self.chunks, (str, bytes)) or not hasattr(self.chunks, "__len__"):
+                raise InputTypeError(
+                    f"PipelineModel.chunks must be a sequence, got {self.chunks!r}"
+                )
+            if len(self.chunks) != len(stages):
+                raise ValueError(
+                    f"PipelineModel.chunks needs one entry per module ({len(stages)}), got "
+                    f"{len(self.chunks)}"
+                )
+            chunks = tuple(
+                _as_int(f"PipelineModel.chunks[{k}]", v) for k, v in enumerate(self.chunks)
+            )
+            for k, v in enumerate(chunks):
+                if v < 1 or (v > 1 and k != len(chunks) - 1):
+                    raise ValueError(
+                        f"PipelineModel.chunks[{k}]={v}: chunks are >= 1, and > 1 only for the "
+                        "last module (the LLM)"
+                    )
+            object.__setattr__(self, "chunks", chunks)
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "forward_fraction", fractions)
         object.__setattr__(self, "microbatch_constant_s", constants)
@@ -130,17 +155,20 @@ class PipelineModel:
         stage_constant_s: tuple[float, float],
         forward_fraction: tuple[float, float],
         link_latency_s: float,
+        llm_chunks: int = 1,
     ) -> PipelineModel:
         """dflop's encoder -> LLM pipeline as its trainer schedules every step (and the
         planner scores a plan): the encoder's replicas share each microbatch by unit.
         Costs and constants are an average stage's
-        (:meth:`dflop.planner.StepPredictor.stage_costs`)."""
+        (:meth:`dflop.planner.StepPredictor.stage_costs`); ``llm_chunks``: the LLM's virtual
+        stages per stage (interleaved 1F1B)."""
         return cls(
             stages=(int(encoder_pp), int(llm_pp)),
             forward_fraction=tuple(float(f) for f in forward_fraction),
             microbatch_constant_s=tuple(float(c) for c in stage_constant_s),
             link_latency_s=float(link_latency_s),
             replicas=(int(encoder_dp), 1),
+            chunks=(1, int(llm_chunks)),
         )
 
     @property
@@ -164,6 +192,7 @@ class PipelineModel:
             "forward_fraction": list(self.forward_fraction),
             "microbatch_constant_s": list(self.microbatch_constant_s),
             "link_latency_s": self.link_latency_s,
+            "chunks": list(self.chunks or ()),
         }
 
     def _replica_args(self, units: Any, num_samples: int) -> dict[str, list[int]]:
@@ -190,7 +219,7 @@ class PipelineModel:
         return costs / np.asarray(self.replicas, dtype=np.float64)
 
     def step_time_s(self, costs: Any, schedule: Schedule, units: Any = None) -> float:
-        """The simulated 1F1B step of ``schedule`` (microbatches run in index order) under
+        """The simulated step (1F1B, or interleaved with chunks) of ``schedule`` (microbatches run in index order) under
         this model: the same simulation :func:`pipeline_schedule` minimises. ``units``:
         the samples' visual units, needed when a module is replicated."""
         cost_array = _as_costs(costs)

@@ -39,6 +39,7 @@ _LAYOUT_KEYS = {
     "llm_dp": "llm_dp",
     "llm_pp": "llm_pp",
     "llm_tp": "llm_tp",
+    "llm_v": "llm_virtual_stages",
     "m": "num_microbatches",
 }
 
@@ -46,9 +47,11 @@ _LAYOUT_KEYS = {
 def parse_layout(
     spec: str, model: ModelSpec | str, global_batch: int, num_microbatches: int | None = None
 ) -> RuntimeLayout:
-    """``"enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1[,m=4]"`` as a :class:`RuntimeLayout` with
-    uniform layer splits. Missing sizes are 1; ``m`` defaults to ``num_microbatches`` or
-    ``min(4, global_batch // llm_dp)``."""
+    """``"enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1[,llm_v=2][,m=4]"`` as a
+    :class:`RuntimeLayout` with uniform layer splits (``llm_v``: the LLM's virtual stages per
+    stage, run under interleaved 1F1B). Missing sizes are 1; ``m`` defaults to
+    ``num_microbatches`` or ``min(4, global_batch // llm_dp)`` (interleaved: rounded up to a
+    multiple of ``llm_pp``)."""
     values: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, eq, value = part.partition("=")
@@ -67,6 +70,9 @@ def parse_layout(
     m = values.pop("num_microbatches", None) or num_microbatches
     if m is None:
         m = max(1, min(4, global_batch // llm_dp))
+        if values.get("llm_virtual_stages", 1) > 1:
+            pp = values.get("llm_pp", 1)
+            m = -(-m // pp) * pp
     layers = model_spec(model)
     for key, module, count in (
         ("enc_pp", "encoder_pp", layers.encoder_layers),
@@ -77,6 +83,12 @@ def parse_layout(
                 f"layout {spec!r}: {key}={values[module]} pipeline stages for a module of "
                 f"{count} layers (at most {count})"
             )
+    chunks = values.get("llm_pp", 1) * values.get("llm_virtual_stages", 1)
+    if chunks > layers.llm_layers:
+        raise ValueError(
+            f"layout {spec!r}: llm_pp x llm_v = {chunks} model chunks for an LLM of "
+            f"{layers.llm_layers} layers (at most {layers.llm_layers})"
+        )
     return RuntimeLayout.simple(
         **values,
         encoder_layers=layers.encoder_layers,
@@ -118,7 +130,9 @@ def layout_from_plan(
                 f"{path}: the plan's {name} has {sum(part.layers_per_stage)} layers, the model "
                 f"{layers}: plan for the same model (dflop plan --encoder/--llm)"
             )
-        modules[name] = ModuleLayout(part.tp, part.pp, part.dp, tuple(part.layer_ranges))
+        modules[name] = ModuleLayout(
+            part.tp, part.pp, part.dp, tuple(part.layer_ranges), part.virtual_stages
+        )
     return RuntimeLayout(
         encoder=modules["encoder"],
         llm=modules["llm"],
@@ -339,7 +353,13 @@ def plan_local(
         encoder=ModuleLayout(
             best.encoder.tp, best.encoder.pp, best.encoder.dp, tuple(best.encoder.layer_ranges)
         ),
-        llm=ModuleLayout(best.llm.tp, best.llm.pp, best.llm.dp, tuple(best.llm.layer_ranges)),
+        llm=ModuleLayout(
+            best.llm.tp,
+            best.llm.pp,
+            best.llm.dp,
+            tuple(best.llm.layer_ranges),
+            best.llm.virtual_stages,
+        ),
         num_microbatches=best.num_microbatches,
         global_batch=global_batch,
     )
@@ -379,6 +399,7 @@ def core_layout(layout: RuntimeLayout) -> dict[str, Any]:
             "first_rank": first_rank,
             "layers_per_stage": [end - start for start, end in part.layer_ranges],
             "recompute": False,
+            "virtual_stages": part.virtual_stages,
         }
 
     encoder = layout.encoder

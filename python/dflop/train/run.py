@@ -457,11 +457,14 @@ def run_training(
     check_local_processes(world_size, config.oversubscribe)
     _save_run(config, prepared)
     device_kind = _device_kind(config, world_size)
+    chunks = layout.llm.virtual_stages
+    interleaved = f" x {chunks} virtual stages" if chunks > 1 else ""
     log(
         f"{prepared.description}: encoder tp={layout.encoder.tp} pp={layout.encoder.pp} "
-        f"dp={layout.encoder.dp} | LLM tp={layout.llm.tp} pp={layout.llm.pp} dp={layout.llm.dp} "
-        f"| {layout.num_microbatches} microbatches x global batch {layout.global_batch} | "
-        f"{world_size} processes on {device_kind} | schedule {config.schedule}"
+        f"dp={layout.encoder.dp} | LLM tp={layout.llm.tp} pp={layout.llm.pp}{interleaved} "
+        f"dp={layout.llm.dp} | {layout.num_microbatches} microbatches x global batch "
+        f"{layout.global_batch} | {world_size} processes on {device_kind} | schedule "
+        f"{config.schedule}, pipeline {layout.default_schedule}"
     )
     results = spawn_local(
         _rank_main,

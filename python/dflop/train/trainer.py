@@ -244,6 +244,7 @@ class Trainer:
             stage_constant_s=constants,
             forward_fraction=(self._forward_fraction["encoder"], self._forward_fraction["llm"]),
             link_latency_s=self._link_latency_s,
+            llm_chunks=self.layout.llm.virtual_stages,
         )
         return costs, model
 
