@@ -28,6 +28,14 @@ def tiny_folder(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def tiny_deep_folder(tmp_path_factory) -> str:
+    """LLaVA-OneVision with 4 text layers: enough for 2 stages x 2 interleaved chunks."""
+    return save_tiny_llava_onevision(
+        str(tmp_path_factory.mktemp("tiny_ov_deep")), seed=3, text_layers=4
+    )
+
+
+@pytest.fixture(scope="module")
 def tiny_qwen_folder(tmp_path_factory) -> str:
     return save_tiny_qwen_vl(str(tmp_path_factory.mktemp("tiny_qwen")), seed=3)
 
@@ -53,17 +61,24 @@ def _state(folder: str, family: str) -> dict:
     return cls.from_pretrained(folder).state_dict()
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_train_cli_on_real_records(tmp_path, family, request):
+@pytest.mark.parametrize(
+    "family,folder,layout",
+    [
+        ("llava_onevision", "tiny_folder", "enc_dp=1,llm_pp=2,m=2"),
+        ("qwen2_vl", "tiny_qwen_folder", "enc_dp=1,llm_pp=2,m=2"),
+        ("llava_onevision", "tiny_deep_folder", "enc_dp=1,llm_pp=2,llm_v=2,m=2"),
+    ],
+    ids=["llava_onevision", "qwen2_vl", "llava_onevision-interleaved"],
+)
+def test_train_cli_on_real_records(tmp_path, family, folder, layout, request):
     """A tiny model of each family trains under 'dflop train' on the real-format records
     (LLaVA-OneVision: anyres images up to 2480 x 3508, multi-image, video frames,
     text-only; Qwen2-VL: images of any size as native patch grids, frame pairs of the
-    videos) with the encoder and an LLM pipeline of 2 stages; the loss falls, and the
+    videos) with the encoder and an LLM pipeline of 2 stages (also interleaved: 2 chunks
+    per stage); the loss falls, and the
     saved Hugging Face folder loads with from_pretrained: trained tensors moved, untrained
     ones kept."""
-    tiny_folder = request.getfixturevalue(
-        "tiny_folder" if family == "llava_onevision" else "tiny_qwen_folder"
-    )
+    tiny_folder = request.getfixturevalue(folder)
     out, metrics = tmp_path / "trained", tmp_path / "metrics.json"
     result = run_cli(
         "train",
@@ -76,7 +91,7 @@ def test_train_cli_on_real_records(tmp_path, family, request):
         "--video-folder",
         os.path.join(DATA, "videos"),
         "--layout",
-        "enc_dp=1,llm_pp=2,m=2",
+        layout,
         "--steps",
         "8",
         "--global-batch",

@@ -249,6 +249,48 @@ def test_pruning_matches_exhaustive(gpus, encoder, llm, batch, gpn, memory_gb) -
     assert raw_pruned["stats"]["num_candidates"] == raw_full["stats"]["num_candidates"]
 
 
+def test_interleaved_candidates_pruned_exactly_and_planned_end_to_end(tmp_path) -> None:
+    """With LLM virtual stages allowed the pruned search keeps the exhaustive result, picks
+    an interleaved layout here (a deep LLM pipeline, few samples), records its layers per
+    virtual stage, and the plan round-trips into the runtime's layout."""
+    from dflop.models import model_config
+    from dflop.planner.search import audited
+    from dflop.train.planning import layout_from_plan
+
+    interleave = PlannerConfig(num_batches=2, top_k=3, virtual_stage_choices=(1, 2))
+    inputs = _inputs(batch=64)
+    cluster = ClusterSpec(num_gpus=16)
+    pruned, _ = search_layouts(cluster, inputs, interleave)
+    full, _ = search_layouts(cluster, inputs, replace(interleave, prune=False))
+    assert [lp.to_dict() for lp in pruned] == [lp.to_dict() for lp in full]
+    best = pruned[0]
+    assert best.llm.virtual_stages == 2 and "v=2" in best.describe()
+    assert len(best.llm.layers_per_stage) == best.llm.pp * 2
+    assert best.num_microbatches % best.llm.pp == 0
+    # Each recorded step re-simulates, under the interleaved program, to its prediction.
+    scored = audited(cluster, inputs, best, interleave)
+    for step, planned in zip(scored.steps, scored.prediction.step_times_s):
+        assert step.llm_chunks == 2
+        assert step.simulate(record_events=False).step_time_s == pytest.approx(planned)
+    sim = simulate_layout(cluster, inputs, scored, interleave)
+    assert sim.busy_s.shape[1] == best.encoder.pp + best.llm.pp  # physical stages
+    assert sim.events["virtual_stage"].max() == best.encoder.pp + 2 * best.llm.pp - 1
+    # Off by default; a layout may not carry chunks the runtime cannot run.
+    assert PlannerConfig().virtual_stage_choices == (1,)
+    with pytest.raises(ValueError, match="must hold 1"):
+        PlannerConfig(virtual_stage_choices=(2,))
+    # The plan file keeps the virtual stages, and the trainer's layout takes them (a reference
+    # model of the same depth: 28 layers in 6 chunks).
+    path = tmp_path / "plan.json"
+    result = _plan(16, config=replace(interleave, runtime_schedule=False))
+    assert result.best.llm.virtual_stages == 2
+    result.save(path)
+    assert Plan.load(path).best.llm.virtual_stages == 2
+    layout = layout_from_plan(path, model_config("siglip-400m+llm-7b"), 64)
+    assert layout.llm.virtual_stages == 2 and layout.default_schedule == "interleaved-1f1b"
+    assert len(layout.llm.layer_ranges) == layout.llm.pp * 2
+
+
 def test_large_clusters_plan_with_bounded_effort() -> None:
     """1,024 GPUs: most blocks are never enumerated pair by pair, patience ends the
     plateau of near-equal layouts, and the few unexplored candidates are reported."""

@@ -2611,6 +2611,7 @@ std::string describe(const PlannerCase& c) {
     << ", screen_factor=" << num(o.screen_factor) << ", patience=" << num(o.patience)
     << ", encoder_max_tp=" << num(o.encoder_max_tp)
     << ", encoder_gpu_choices=" << vec(o.encoder_gpu_choices)
+    << ", virtual_stage_choices=" << vec(o.virtual_stage_choices)
     << ", interrupt_after=" << c.interrupt.after << "}";
   return s.str();
 }
@@ -2701,6 +2702,11 @@ PlannerCase gen_planner(Rng& r) {
   if (r.chance(0.15)) {
     for (int64_t k = r.range(1, 3); k > 0; --k)
       o.encoder_gpu_choices.push_back(r.range(1, cl.num_gpus - 1));
+  }
+  // Interleaved 1F1B candidates (LLM virtual stages) half of the time.
+  if (r.chance(0.5)) {
+    o.virtual_stage_choices =
+        r.chance(0.7) ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{3, 1, 2};
   }
   if (r.chance(0.03)) c.interrupt.after = r.range(1, 3);
   return c;

@@ -192,8 +192,8 @@ struct PlannerOptions {
   std::vector<int64_t> encoder_gpu_choices;
   // DataAware: the LLM's chunks per stage to try (ModuleLayout::virtual_stages; 1 = plain
   // 1F1B, v > 1 = interleaved 1F1B where pp >= 2, pp x v <= num_layers and m is a multiple
-  // of pp). Must hold 1.
-  std::vector<int64_t> virtual_stage_choices = {1, 2};
+  // of pp). Must hold 1; default {1}: off.
+  std::vector<int64_t> virtual_stage_choices = {1};
 };
 
 struct ModuleLayout {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-__all__ = ["json_object", "non_negative_int", "positive_int"]
+__all__ = ["json_object", "non_negative_int", "positive_int", "virtual_stage_list"]
 
 
 def _int(text: str, minimum: int, rule: str) -> int:
@@ -26,6 +26,14 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     """An argparse type: an integer >= 0."""
     return _int(text, 0, ">= 0")
+
+
+def virtual_stage_list(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated chunk counts per LLM stage, holding 1 ("1,2")."""
+    values = tuple(positive_int(part.strip()) for part in text.split(",") if part.strip())
+    if 1 not in values:
+        raise argparse.ArgumentTypeError(f"{text!r} must hold 1 (the plain 1F1B pipeline)")
+    return values
 
 
 def json_object(text: str) -> dict:

@@ -9,7 +9,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from dflop.commands.args import json_object, positive_int
+from dflop.commands.args import json_object, positive_int, virtual_stage_list
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -53,6 +53,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batches", type=positive_int, default=4, help="sampled batches per candidate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top", type=positive_int, default=5, help="layouts to keep (default 5)")
+    p.add_argument(
+        "--virtual-stages",
+        type=virtual_stage_list,
+        default=(1,),
+        help="LLM model chunks per stage to try, e.g. 1,2 (interleaved 1F1B; default 1: off)",
+    )
     p.add_argument("--no-prune", action="store_true", help="simulate every candidate")
     p.add_argument("--reference", action="store_true", help="also run the mean-shape optimizer")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
@@ -192,6 +198,7 @@ def run_plan(args: argparse.Namespace) -> int:
         top_k=args.top,
         prune=not args.no_prune,
         reference=args.reference,
+        virtual_stage_choices=args.virtual_stages,
     )
     inputs = {
         "model": args.model,

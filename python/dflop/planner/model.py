@@ -291,8 +291,11 @@ class PlannerConfig:
             candidates with the cheaper balanced schedule and microbatch orders.
         virtual_stage_choices: the LLM's model chunks per stage to try (1: 1F1B; v > 1:
             interleaved 1F1B with v virtual stages per stage, where llm pp >= 2, pp x v <=
-            the LLM's layers and the microbatch count is a multiple of pp). Must hold 1;
-            ``(1,)`` turns interleaving off.
+            the LLM's layers and the microbatch count is a multiple of pp). Must hold 1.
+            Default ``(1,)`` (off): the search ranks candidates with its balanced schedule
+            and re-scores only its ``top_k`` with the trainer's scheduler, which gains less
+            on interleaved layouts, so with ``(1, 2)`` the kept top_k can crowd out a 1F1B
+            layout that re-scores better (benchmarks/README.md, bench_plan).
         colocated_candidates: also score colocated layouts (the encoder inside the first
             LLM stage, Megatron-style) with dflop's balanced schedule. dflop's runtime runs
             the encoder and the LLM on disjoint ranks and cannot execute them, so a plan
@@ -320,7 +323,7 @@ class PlannerConfig:
     encoder_gpus: tuple[int, ...] | None = None
     runtime_schedule: bool = True
     forward_fraction: tuple[float, float] = (1.0 / 3.0, 1.0 / 3.0)
-    virtual_stage_choices: tuple[int, ...] = (1, 2)
+    virtual_stage_choices: tuple[int, ...] = (1,)
 
     def __post_init__(self) -> None:
         _check_int("PlannerConfig", "num_batches", self.num_batches, 1)

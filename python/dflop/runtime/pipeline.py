@@ -179,6 +179,14 @@ class StageChunks(nn.ModuleList):
     virtual stage ``c * pp + pp_rank`` of its module). Parameters, ``state_dict`` and
     gradients cover every chunk."""
 
+    def model_state_dict(self) -> dict[str, Tensor]:
+        """The chunks' state dicts merged under the model's own names (each chunk holds
+        different layers, so no name repeats): what one stage's ``state_dict`` gives."""
+        merged: dict[str, Tensor] = {}
+        for chunk in self:
+            merged.update(chunk.state_dict())
+        return merged
+
     def tied_parameter(self) -> Tensor | None:
         """The chunk holding the token embedding's or the tied head's copy (first chunk of
         the first stage, last chunk of the last stage), as the stage protocol gives it."""
@@ -378,6 +386,14 @@ class PipelineEngine:
             for module, ci in zip(modules, chunk_infos(layout, info.rank))
         }
         self.schedule = layout.default_schedule if schedule is None else schedule
+        if info.num_chunks > 1 and dist.get_backend() == "nccl":
+            # NCCL matches a pair's sends and receives in issue order on one stream; the
+            # wrap-around messages (last stage -> first) need batched send / receive pairs
+            # to be safe there, which this engine does not issue yet.
+            raise ValueError(
+                "interleaved 1F1B (llm.virtual_stages > 1) runs on gloo only for now; use "
+                "llm_v=1 with NCCL"
+            )
         self._programs: dict[int, tuple[PipelineAction, ...]] = {}
         self.debug = debug
         self.synchronized_start = synchronized_start

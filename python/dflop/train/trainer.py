@@ -610,12 +610,15 @@ class Trainer:
         shards first), rank 0 the rest (untrained tensors, the index, ``config.json``)."""
         import torch.distributed as dist
 
+        from dflop.runtime.pipeline import StageChunks
         from dflop.runtime.tensor_parallel import full_tensor
 
         info = self.info
         weight_map: dict[str, str] = {}
         if info.dp_rank == 0:  # every TP rank gathers the shards (a collective), one writes
-            state = {k: full_tensor(v) for k, v in self.stage.state_dict().items()}
+            stage = self.stage
+            own = stage.model_state_dict() if isinstance(stage, StageChunks) else stage.state_dict()
+            state = {k: full_tensor(v) for k, v in own.items()}
             if info.tp_rank == 0:
                 name = f"model-{info.module}-stage{info.global_stage:03d}.safetensors"
                 weight_map = self.spec.save_shard(folder, name, state)
