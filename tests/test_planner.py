@@ -275,6 +275,13 @@ def test_interleaved_candidates_pruned_exactly_and_planned_end_to_end(tmp_path) 
     sim = simulate_layout(cluster, inputs, scored, interleave)
     assert sim.busy_s.shape[1] == best.encoder.pp + best.llm.pp  # physical stages
     assert sim.events["virtual_stage"].max() == best.encoder.pp + 2 * best.llm.pp - 1
+    # The trainer's scheduler re-scores the 1F1B-only search's layouts too: allowing
+    # interleaving never makes the plan slower.
+    for batch, llm in ((64, "llm-7b"), (32, "llm-32b")):
+        encoder = "siglip-400m" if llm == "llm-7b" else "vit-6b"
+        both = _plan(16, encoder, llm, batch, config=interleave).best.prediction.step_time_s
+        only = _plan(16, encoder, llm, batch, config=FAST).best.prediction.step_time_s
+        assert both <= only * (1 + 1e-12)
     # Off by default; a layout may not carry chunks the runtime cannot run.
     assert PlannerConfig().virtual_stage_choices == (1,)
     with pytest.raises(ValueError, match="must hold 1"):

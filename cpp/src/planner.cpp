@@ -386,8 +386,7 @@ struct Context {
 int64_t total_stages(const Layout& l) { return l.colocated ? l.llm.pp : l.encoder.pp + l.llm.pp; }
 
 // The tie key: fewer pipeline stages, fewer chunks, less TP, fewer microbatches, fewer
-// encoder GPUs,
-// then the degrees themselves. Independent of the enumeration order.
+// encoder GPUs, then the degrees themselves. Independent of the enumeration order.
 using TieKey = std::array<int64_t, 12>;
 TieKey tie_key(const Layout& l) {
   const int64_t v = l.colocated ? 0 : l.encoder.tp * l.encoder.pp * l.encoder.dp;

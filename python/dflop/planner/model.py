@@ -292,10 +292,12 @@ class PlannerConfig:
         virtual_stage_choices: the LLM's model chunks per stage to try (1: 1F1B; v > 1:
             interleaved 1F1B with v virtual stages per stage, where llm pp >= 2, pp x v <=
             the LLM's layers and the microbatch count is a multiple of pp). Must hold 1.
-            Default ``(1,)`` (off): the search ranks candidates with its balanced schedule
-            and re-scores only its ``top_k`` with the trainer's scheduler, which gains less
-            on interleaved layouts, so with ``(1, 2)`` the kept top_k can crowd out a 1F1B
-            layout that re-scores better (benchmarks/README.md, bench_plan).
+            With more than ``(1,)`` the 1F1B-only search's top_k is re-scored too, so
+            allowing interleaving never loses that plan (its search ranks interleaved
+            layouts with the balanced schedule, which flatters them against what the
+            trainer's scheduler makes of them). Default ``(1,)`` (off): measured, it wins
+            about 2% where few microbatches feed a deep LLM pipeline and nothing in the
+            paper's settings, for up to twice the planning time (bench_plan).
         colocated_candidates: also score colocated layouts (the encoder inside the first
             LLM stage, Megatron-style) with dflop's balanced schedule. dflop's runtime runs
             the encoder and the LLM on disjoint ranks and cannot execute them, so a plan

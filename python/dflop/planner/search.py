@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -344,6 +345,17 @@ def choose_layouts(
     layouts, raw = search_layouts(cluster, inputs, config, strategy=strategy, top_k=top_k)
     if strategy != "data_aware" or not any(_runs_runtime_schedule(lp, config) for lp in layouts):
         return layouts, raw  # the baselines rank by their own rules
+    keep = len(layouts)
+    if set(config.virtual_stage_choices) != {1}:
+        # The search ranks with its balanced schedule, which favours interleaved layouts
+        # over what the trainer's scheduler makes of them: also re-score the 1F1B-only
+        # search's layouts, so that allowing interleaving never loses that plan.
+        plain, _ = search_layouts(
+            cluster, inputs, replace(config, virtual_stage_choices=(1,)), strategy=strategy,
+            top_k=top_k,
+        )  # fmt: skip
+        seen = {json.dumps(lp.core_dict(), sort_keys=True) for lp in layouts}
+        layouts += [lp for lp in plain if json.dumps(lp.core_dict(), sort_keys=True) not in seen]
 
     def as_run(layout: LayoutPlan) -> LayoutPlan | None:
         try:
@@ -359,6 +371,7 @@ def choose_layouts(
     if not scored:
         return [], raw
     scored.sort(key=lambda lp: lp.prediction.step_time_s)
+    scored = scored[:keep]
     scored[1:] = [replace(lp, steps=()) for lp in scored[1:]]
     return scored, raw
 

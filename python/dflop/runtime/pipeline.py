@@ -71,7 +71,7 @@ from dflop.runtime.communicator import BridgeCommunicator
 from dflop.runtime.step_data import EncoderShare, LLMShare, MicrobatchPlan, StepPlan
 from dflop.runtime.synthetic_batch import TextInputs
 from dflop.runtime.tensor_parallel import local_tensor
-from dflop.runtime.topology import RankInfo, Topology, chunk_infos
+from dflop.runtime.topology import RankInfo, RuntimeLayout, Topology, chunk_infos
 from dflop.scheduling.actions import PipelineAction, pipeline_program
 
 __all__ = [
@@ -207,7 +207,7 @@ def build_stage(
     dtype: torch.dtype | None = None,
     tp_group: Any = None,
     tp_size: int = 1,
-    layout: Any = None,
+    layout: RuntimeLayout | None = None,
 ) -> nn.Module:
     """This rank's part of ``model`` (a :class:`~dflop.models.spec.ModelSpec`, a reference
     ``ModelConfig`` or anything :func:`~dflop.models.spec.model_spec` takes): an encoder

@@ -326,10 +326,11 @@ class RankInfo:
     several chunks: :func:`rank_info` describes the rank (its stage; ``layer_range`` its
     first chunk's) and :func:`chunk_infos` each chunk, whose neighbours wrap from the last
     stage to the first for the next chunk (``virtual_stage``, ``chunk``, ``layer_range``,
-    ``prev_rank``, ``next_rank`` and the first / last flags are then the chunk's). ``is_bridge_sender`` is true on the last encoder
-    stage's tp-rank-0 ranks and ``is_bridge_receiver`` on the first LLM stage's tp-rank-0
-    ranks: exactly the members of the bridge group (with tp > 1 the other TP ranks of
-    those stages get or give the features through their TP group).
+    ``prev_rank``, ``next_rank`` and the first / last flags are then the chunk's).
+    ``is_bridge_sender`` is true on the last encoder stage's tp-rank-0 ranks and
+    ``is_bridge_receiver`` on the first LLM stage's tp-rank-0 ranks: exactly the members of
+    the bridge group (with tp > 1 the other TP ranks of those stages get or give the
+    features through their TP group).
     """
 
     rank: int
