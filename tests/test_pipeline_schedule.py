@@ -5,6 +5,7 @@ front end, and errors that name the argument."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import dflop
 import numpy as np
@@ -25,26 +26,35 @@ def skewed(n: int, seed: int) -> np.ndarray:
 
 
 def reference_step(costs, schedule, model: dflop.PipelineModel) -> float:
-    """The model's step built by hand: per-stage loads, then dflop.simulator."""
+    """The model's step built by hand: per-stage loads (a chunk: its share of a stage's),
+    then dflop.simulator over the pipeline's program."""
     m, dp = schedule.num_microbatches, schedule.dp_size
     bins = np.zeros((m * dp, costs.shape[1]))
     np.add.at(bins, schedule.assignment, costs)
     bins = bins.reshape(m, dp, -1)
-    stages = sum(model.stages)
-    forward = np.zeros((dp, stages, m))
-    backward = np.zeros((dp, stages, m))
+    chunks = model.chunks or (1,) * len(model.stages)
+    virtual = sum(count * v for count, v in zip(model.stages, chunks))
+    forward = np.zeros((dp, virtual, m))
+    backward = np.zeros((dp, virtual, m))
     s = 0
-    for c, count in enumerate(model.stages):
+    for c, (count, v) in enumerate(zip(model.stages, chunks)):
         load = bins[:, :, c].T  # (dp, m)
         if c in schedule.microbatch_dims:
             load = np.broadcast_to(bins[:, :, c].sum(axis=1), (dp, m))
-        load = np.where(load > 0, load + model.microbatch_constant_s[c], 0.0)
-        for _ in range(count):
+        load = np.where(load > 0, load + model.microbatch_constant_s[c], 0.0) / v
+        for _ in range(count * v):
             forward[:, s, :] = model.forward_fraction[c] * load
             backward[:, s, :] = load - forward[:, s, :]
             s += 1
-    latency = np.full(stages - 1, model.link_latency_s)
-    return simulate_pipeline(forward, backward, link_latency_s=latency).step_time_s
+    latency = np.full(virtual - 1, model.link_latency_s)
+    return simulate_pipeline(
+        forward,
+        backward,
+        link_latency_s=latency,
+        schedule="interleaved-1f1b" if max(chunks) > 1 else "1f1b",
+        stages=list(model.stages),
+        chunks=list(chunks),
+    ).step_time_s
 
 
 MODEL = dflop.PipelineModel(
@@ -56,10 +66,18 @@ MODEL = dflop.PipelineModel(
 
 
 @pytest.mark.parametrize("dp", [1, 2])
-def test_step_time_is_the_simulated_pipeline(dp):
+@pytest.mark.parametrize("chunks", [None, (1, 2)], ids=["1f1b", "interleaved"])
+def test_step_time_is_the_simulated_pipeline(dp, chunks):
     costs = skewed(40, 0)
-    s = dflop.schedule(costs, 5, dp, microbatch_dims=(0,))
-    assert MODEL.step_time_s(costs, s) == pytest.approx(reference_step(costs, s, MODEL), rel=1e-12)
+    model = replace(MODEL, chunks=chunks)
+    s = dflop.schedule(costs, 4, dp, microbatch_dims=(0,))
+    assert model.step_time_s(costs, s) == pytest.approx(reference_step(costs, s, model), rel=1e-12)
+    if chunks:  # the refinement simulates the interleaved program too
+        refined = dflop.pipeline_schedule(costs, 4, dp, pipeline=model, microbatch_dims=(0,))
+        assert refined.num_microbatches == 4
+        assert model.step_time_s(costs, refined) <= model.step_time_s(costs, s) + 1e-12
+    with pytest.raises(ValueError, match="multiple of stages"):
+        dflop.pipeline_schedule(costs, 5, dp, pipeline=replace(MODEL, chunks=(1, 2)))
 
 
 def test_refines_the_balanced_schedule():
@@ -141,6 +159,8 @@ def test_never_worse_and_no_empty_bin(n, m, dp, seed, growth):
         (dict(forward_fraction=(0.3, 1.2)), r"forward_fraction\[1\]"),
         (dict(microbatch_constant_s=(-1.0, 0.0)), r"microbatch_constant_s\[0\]"),
         (dict(link_latency_s=math.nan), "link_latency_s"),
+        (dict(chunks=(2, 1)), r"chunks\[0\]=2: only the last module"),
+        (dict(chunks=(1,)), "chunks needs one entry per module"),
     ],
 )
 def test_bad_pipeline_model(kwargs, match):

@@ -39,6 +39,21 @@ from dflop.scheduling.balance import (
 __all__ = ["PipelineModel", "pipeline_schedule"]
 
 
+def _per_module_counts(name: str, value: Any, num_modules: int) -> tuple[int, ...]:
+    """A PipelineModel field of one integer >= 1 per module."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise InputTypeError(f"PipelineModel.{name} must be a sequence, got {value!r}")
+    if len(value) != num_modules:
+        raise ValueError(
+            f"PipelineModel.{name} needs one entry per module ({num_modules}), got {len(value)}"
+        )
+    counts = tuple(_as_int(f"PipelineModel.{name}[{k}]", v) for k, v in enumerate(value))
+    for k, v in enumerate(counts):
+        if v < 1:
+            raise ValueError(f"PipelineModel.{name}[{k}] must be >= 1, got {v}")
+    return counts
+
+
 @dataclass(frozen=True)
 class PipelineModel:
     """How the cost columns map onto a pipeline (one entry per column, in pipeline order).
@@ -104,40 +119,15 @@ class PipelineModel:
         if not (math.isfinite(latency) and latency >= 0):
             raise ValueError(f"PipelineModel.link_latency_s must be finite and >= 0, got {latency}")
         if self.replicas is not None:
-            if isinstance(self.replicas, (str, bytes)) or not hasattr(self.replicas, "__len__"):
-                raise InputTypeError(
-                    f"PipelineModel.replicas must be a sequence, got {self.replicas!r}"
-                )
-            if len(self.replicas) != len(stages):
-                raise ValueError(
-                    f"PipelineModel.replicas needs one entry per module ({len(stages)}), got "
-                    f"{len(self.replicas)}"
-                )
-            replicas = tuple(
-                _as_int(f"PipelineModel.replicas[{k}]", v) for k, v in enumerate(self.replicas)
-            )
-            for k, v in enumerate(replicas):
-                if v < 1:
-                    raise ValueError(f"PipelineModel.replicas[{k}] must be >= 1, got {v}")
+            replicas = _per_module_counts("replicas", self.replicas, len(stages))
             object.__setattr__(self, "replicas", replicas)
         if self.chunks is not None:
-            if isinstance(self.chunks, (str, bytes)) or not hasattr(self.chunks, "__len__"):
-                raise InputTypeError(
-                    f"PipelineModel.chunks must be a sequence, got {self.chunks!r}"
-                )
-            if len(self.chunks) != len(stages):
-                raise ValueError(
-                    f"PipelineModel.chunks needs one entry per module ({len(stages)}), got "
-                    f"{len(self.chunks)}"
-                )
-            chunks = tuple(
-                _as_int(f"PipelineModel.chunks[{k}]", v) for k, v in enumerate(self.chunks)
-            )
-            for k, v in enumerate(chunks):
-                if v < 1 or (v > 1 and k != len(chunks) - 1):
+            chunks = _per_module_counts("chunks", self.chunks, len(stages))
+            for k, v in enumerate(chunks[:-1]):
+                if v > 1:
                     raise ValueError(
-                        f"PipelineModel.chunks[{k}]={v}: chunks are >= 1, and > 1 only for the "
-                        "last module (the LLM)"
+                        f"PipelineModel.chunks[{k}]={v}: only the last module (the LLM) has "
+                        "chunks > 1"
                     )
             object.__setattr__(self, "chunks", chunks)
         object.__setattr__(self, "stages", stages)
