@@ -1,0 +1,364 @@
+"""A batch sampler for torch's DataLoader that balances every step's work over the
+data-parallel ranks (DDP, FSDP, ZeRO): the drop-in form of ``dflop.schedule``.
+
+Every rank draws the same global batch (a permutation seeded by ``seed`` and the epoch),
+prices its samples, and computes the same deterministic split over the ranks with no
+communication: first the ranks' shares (what stalls a step is the slowest rank's whole
+share: DDP and FSDP synchronise once, after its last microbatch), then its own share cut
+into ``num_microbatches`` microbatches, which it yields in order. A rank whose samples are
+heavy (big images, long videos or texts) gets fewer of them. Every rank runs the same
+number of microbatches (FSDP needs equal forward counts): when the balanced shares leave
+a rank fewer samples than that, the step falls back to one joint schedule of every
+rank's microbatches. Optional per-microbatch
+limits on resources (tokens, visual units: a memory budget) keep a long video alone in a
+microbatch instead of out of memory.
+
+Loss normalisation: the loss a step should minimise is the global batch's mean per target
+token. Each rank's microbatches hold different numbers of target tokens, so divide each
+microbatch's summed loss by the global target count and multiply by ``world_size``
+(DDP and FSDP average gradients over ranks): :meth:`BalancedBatchSampler.loss_scale`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dflop.errors import InputTypeError
+from dflop.scheduling.balance import InfeasibleError, schedule
+
+__all__ = ["BalancedBatchSampler", "StepInfo"]
+
+CostFunction = Callable[[np.ndarray], Any]
+"""Prices samples by index: ``(k,)`` dataset indices -> ``(k,)`` or ``(k, D)`` costs."""
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """The step whose microbatches the sampler is yielding."""
+
+    epoch: int
+    step: int
+    """Step within the epoch."""
+    num_microbatches: int
+    """This rank's microbatches in the step (the same on every rank): call the optimizer
+    after that many."""
+    global_batch: int
+    """Samples in the step over all ranks."""
+    global_target_tokens: int | None
+    """Target (loss) tokens of the whole step, if the sampler was given ``target_tokens``."""
+    indices: np.ndarray
+    """The step's dataset indices (global batch order)."""
+    rank_costs: np.ndarray
+    """(world_size, D) every rank's summed cost in the step."""
+    microbatches: tuple[tuple[int, ...], ...]
+    """This rank's microbatches (dataset indices), in order."""
+
+
+class BalancedBatchSampler:
+    """Yields this rank's microbatches (lists of dataset indices) of every step, balanced
+    over the data-parallel ranks by ``dflop.schedule``; pass it as a DataLoader's
+    ``batch_sampler``.
+
+    Args:
+        costs: the price of each sample: an ``(N,)`` or ``(N, D)`` array over the dataset
+            (seconds from a ``dflop.profiling.CostModel`` or the analytic model over the
+            shapes of ``dflop.data.profile_dataset``, or any proxy such as tokens), or a
+            function of ``(k,)`` dataset indices returning their costs; every rank must
+            compute the same numbers. ``N`` is the dataset's size (for a function, pass
+            ``num_samples``).
+        global_batch: samples per step over all ranks.
+        num_microbatches: microbatches per rank per step (gradient accumulation).
+        rank, world_size: this rank and the number of data-parallel ranks (default:
+            torch.distributed's, else 0 and 1).
+        num_samples: the dataset's size when ``costs`` is a function.
+        seed: the permutation's and the balancer's seed (same on every rank).
+        shuffle: permute the dataset every epoch (else: dataset order).
+        drop_last: drop a last global batch smaller than ``global_batch`` (else it runs
+            as a smaller step, with fewer microbatches if needed; one with fewer samples
+            than ``world_size`` is always dropped: some rank would have nothing).
+        resources, limits: an ``(N, K)`` array of what each sample occupies (tokens,
+            visual units) and ``K`` upper bounds on a microbatch's sum (a memory budget);
+            a sample over a limit alone is an error naming it.
+        target_tokens: ``(N,)`` target tokens per sample, for :attr:`step_info`'s global
+            count and :meth:`loss_scale`.
+        time_budget_ms: the balancer's search effort (deterministic; default by size).
+
+    ``state_dict()`` / ``load_state_dict()`` resume mid-epoch at a step boundary;
+    ``set_epoch(e)`` starts epoch e (as with DistributedSampler).
+    """
+
+    def __init__(
+        self,
+        costs: np.ndarray | CostFunction,
+        global_batch: int,
+        num_microbatches: int = 1,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        num_samples: int | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        resources: Any = None,
+        limits: Sequence[float] | None = None,
+        target_tokens: Any = None,
+        time_budget_ms: float | None = None,
+    ) -> None:
+        rank, world_size = _rank_and_world(rank, world_size)
+        self.rank, self.world_size = rank, world_size
+        self.global_batch = _positive("global_batch", global_batch)
+        self.num_microbatches = _positive("num_microbatches", num_microbatches)
+        if self.global_batch < self.num_microbatches * world_size:
+            raise ValueError(
+                f"global_batch={global_batch} is smaller than num_microbatches x world_size = "
+                f"{self.num_microbatches * world_size}: every microbatch needs a sample"
+            )
+        if callable(costs):
+            if num_samples is None:
+                raise InputTypeError("costs is a function: pass num_samples (the dataset size)")
+            self._cost_fn: CostFunction | None = costs
+            self._costs = None
+            self.num_samples = _positive("num_samples", num_samples)
+        else:
+            self._cost_fn = None
+            self._costs = _cost_array("costs", costs, np.arange(_rows(costs)))
+            self.num_samples = self._costs.shape[0]
+            if num_samples is not None and num_samples != self.num_samples:
+                raise ValueError(f"num_samples={num_samples} but costs has {self.num_samples} rows")
+        self._resources, self._limits = _resources(resources, limits, self.num_samples)
+        self._targets = None
+        if target_tokens is not None:
+            self._targets = np.asarray(target_tokens)
+            if self._targets.shape != (self.num_samples,) or self._targets.dtype.kind not in "iu":
+                raise ValueError(
+                    f"target_tokens must be an integer array of shape ({self.num_samples},), "
+                    f"got {self._targets.dtype} {self._targets.shape}"
+                )
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self.time_budget_ms = time_budget_ms
+        self.epoch = 0
+        self._step = 0  # the next step to yield within the epoch
+        self.step_info: StepInfo | None = None
+
+    # ------------------------------------------------------------------ epochs and state
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` at its first step (a new permutation when shuffling)."""
+        self.epoch = int(epoch)
+        self._step = 0
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the sampler is: the epoch and the next step (a step boundary)."""
+        return {"epoch": self.epoch, "step": self._step, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume where :meth:`state_dict` was taken (every rank loads the same state)."""
+        if int(state.get("seed", self.seed)) != self.seed:
+            raise ValueError(
+                f"the state was saved with seed={state['seed']}, this sampler has seed="
+                f"{self.seed}: resuming would draw different batches"
+            )
+        self.epoch, self._step = int(state["epoch"]), int(state["step"])
+
+    def steps_per_epoch(self) -> int:
+        full, rest = divmod(self.num_samples, self.global_batch)
+        return full + (1 if rest >= self.world_size and not self.drop_last else 0)
+
+    def __len__(self) -> int:
+        """This rank's microbatches in a whole epoch."""
+        full, rest = divmod(self.num_samples, self.global_batch)
+        count = full * self.num_microbatches
+        if rest >= self.world_size and not self.drop_last:
+            count += self._microbatches_for(rest)
+        return count
+
+    # ------------------------------------------------------------------ iteration
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self._permutation(self.epoch)
+        while self._step < self.steps_per_epoch():
+            info = self.plan_step(self.epoch, self._step, order)
+            self.step_info = info
+            self._step += 1  # a checkpoint taken during this step resumes after it
+            for microbatch in info.microbatches:
+                yield list(microbatch)
+        self.epoch += 1
+        self._step = 0
+
+    def plan_step(self, epoch: int, step: int, order: np.ndarray | None = None) -> StepInfo:
+        """The schedule of step ``step`` of epoch ``epoch`` (pure: the same on every rank)."""
+        order = self._permutation(epoch) if order is None else order
+        indices = order[step * self.global_batch : (step + 1) * self.global_batch]
+        num_microbatches = self._microbatches_for(len(indices))
+        costs = self._step_costs(indices)
+        num_dims = costs.shape[1]
+        capacity = None
+        if self._resources is not None:
+            costs, capacity = self._with_resources(costs, indices)
+        seed = self.seed + 7919 * epoch + step
+        kw = {"seed": seed, "time_budget_ms": self.time_budget_ms}
+        # The ranks' shares (a share holds num_microbatches microbatches' resources).
+        shares = schedule(
+            costs,
+            1,
+            self.world_size,
+            capacity=None if capacity is None else [c * num_microbatches for c in capacity],
+            **kw,
+        )
+        sizes = np.bincount(shares.assignment, minlength=self.world_size)
+        try:
+            if sizes.min() < num_microbatches:
+                raise InfeasibleError("a share is smaller than num_microbatches")
+            # Every rank must take the same branch: with limits a cut can fail, so each
+            # rank cuts every share (without limits only its own: a cut cannot fail).
+            ranks = range(self.world_size) if capacity is not None else [self.rank]
+            cuts = {
+                r: schedule(costs[shares.bin(r)], num_microbatches, 1, capacity=capacity, **kw)
+                for r in ranks
+            }
+            mine = shares.bin(self.rank)
+            parts = [mine[p] for p in cuts[self.rank].microbatches(0)]
+            rank_costs = shares.loads[:, :num_dims]
+        except InfeasibleError:
+            # The shares are the same everywhere, so every rank falls back together.
+            joint = schedule(costs, num_microbatches, self.world_size, capacity=capacity, **kw)
+            parts = joint.microbatches(self.rank)
+            loads = joint.loads[:, :num_dims].reshape(num_microbatches, self.world_size, -1)
+            rank_costs = loads.sum(axis=0)
+        targets = None if self._targets is None else int(self._targets[indices].sum())
+        return StepInfo(
+            epoch,
+            step,
+            num_microbatches,
+            len(indices),
+            targets,
+            indices,
+            np.array(rank_costs, dtype=np.float64),
+            tuple(tuple(int(i) for i in indices[p]) for p in parts),
+        )
+
+    def loss_scale(self) -> float:
+        """Multiply a microbatch's SUMMED token loss by this: with DDP / FSDP averaging
+        gradients over ranks, the step's gradient is then that of the global batch's mean
+        loss per target token. Needs ``target_tokens``."""
+        info = self.step_info
+        if info is None or info.global_target_tokens is None:
+            raise ValueError("loss_scale needs target_tokens and a step being yielded")
+        return self.world_size / max(info.global_target_tokens, 1)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_samples)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+
+    def _microbatches_for(self, size: int) -> int:
+        return min(self.num_microbatches, size // self.world_size)
+
+    def _step_costs(self, indices: np.ndarray) -> np.ndarray:
+        if self._cost_fn is None:
+            return self._costs[indices]
+        return _cost_array("costs", self._cost_fn(indices.copy()), indices)
+
+    def _with_resources(
+        self, costs: np.ndarray, indices: np.ndarray
+    ) -> tuple[np.ndarray, list[float]]:
+        """Resource columns next to the costs, scaled far below them so that they only
+        bound a microbatch (balance's makespan is absolute: a column that is never the
+        largest does not steer it), with the limits scaled alike."""
+        used = self._resources[indices]
+        total_cost = float(costs.sum()) or 1.0
+        scale = 1e-9 * total_cost / np.maximum(used.sum(axis=0), 1e-300)
+        capacity = [float("inf")] * costs.shape[1] + (np.asarray(self._limits) * scale).tolist()
+        return np.concatenate([costs, used * scale], axis=1), capacity
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is None or world_size is None:
+        try:
+            import torch.distributed as dist
+
+            initialised = dist.is_available() and dist.is_initialized()
+        except ImportError:
+            initialised = False
+        if rank is None:
+            rank = dist.get_rank() if initialised else 0
+        if world_size is None:
+            world_size = dist.get_world_size() if initialised else 1
+    world_size = _positive("world_size", world_size)
+    rank = _int("rank", rank)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is out of range [0, world_size={world_size})")
+    return rank, world_size
+
+
+def _int(name: str, value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise InputTypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _positive(name: str, value: Any) -> int:
+    value = _int(name, value)
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def _rows(costs: Any) -> int:
+    array = np.asarray(costs)
+    if array.ndim not in (1, 2):
+        raise ValueError(f"costs must be (N,) or (N, D), got shape {array.shape}")
+    return array.shape[0]
+
+
+def _cost_array(name: str, value: Any, indices: np.ndarray) -> np.ndarray:
+    """(k, D) float64 costs of the samples ``indices``; bad values name the sample."""
+    array = np.asarray(value)
+    if array.dtype == object or array.dtype.kind not in "iuf":
+        raise InputTypeError(f"{name} must be numeric, got dtype {array.dtype}")
+    array = array.astype(np.float64)
+    if array.ndim == 1:
+        array = array[:, None]
+    if array.ndim != 2 or array.shape[0] != len(indices):
+        raise ValueError(
+            f"{name} must give one row per sample ({len(indices)}), got shape {np.shape(value)}"
+        )
+    bad = np.flatnonzero(~(np.isfinite(array) & (array >= 0)).all(axis=1))
+    if bad.size:
+        row = bad[0]
+        raise ValueError(
+            f"{name} of sample {int(indices[row])} is {array[row].tolist()}: costs must be "
+            "finite and >= 0"
+        )
+    return array
+
+
+def _resources(
+    resources: Any, limits: Sequence[float] | None, num_samples: int
+) -> tuple[np.ndarray | None, list[float] | None]:
+    if resources is None and limits is None:
+        return None, None
+    if resources is None or limits is None:
+        raise ValueError("resources and limits go together: what each sample uses, and the bounds")
+    used = _cost_array("resources", resources, np.arange(num_samples))
+    bounds = [float(v) for v in limits]
+    if len(bounds) != used.shape[1]:
+        raise ValueError(f"limits has {len(bounds)} entries, resources {used.shape[1]} columns")
+    for k, bound in enumerate(bounds):
+        if not bound > 0:
+            raise ValueError(f"limits[{k}]={bound} must be > 0")
+        over = np.flatnonzero(used[:, k] > bound)
+        if over.size:
+            raise ValueError(
+                f"sample {int(over[0])} alone needs {used[over[0], k]:g} of resource {k}, "
+                f"more than limits[{k}]={bound:g}: no microbatch can hold it"
+            )
+    return used, bounds

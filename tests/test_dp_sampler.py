@@ -1,0 +1,190 @@
+"""dflop.dp.BalancedBatchSampler: every sample once per epoch, the same batches on every
+rank and after a resume, balanced ranks, memory limits, errors naming the sample, and (2
+real gloo ranks under DDP) the gradient of a balanced step equal to one process's
+gradient of the same global batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from dflop.dp import BalancedBatchSampler
+from dflop.errors import InputTypeError
+
+
+def _costs(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).lognormal(0.0, 1.0, n)
+
+
+def _epoch(n, global_batch, m, world, **kw):
+    """Every rank's microbatches of one epoch."""
+    return [
+        list(BalancedBatchSampler(_costs(n), global_batch, m, rank=r, world_size=world, **kw))
+        for r in range(world)
+    ]
+
+
+@pytest.mark.parametrize(
+    "n,global_batch,m,world", [(103, 16, 2, 2), (64, 16, 4, 4), (50, 24, 3, 2), (9, 8, 1, 3)]
+)
+def test_every_sample_once_per_epoch_and_same_on_every_rank(n, global_batch, m, world):
+    per_rank = _epoch(n, global_batch, m, world, seed=3)
+    seen = [i for mbs in per_rank for mb in mbs for i in mb]
+    kept = n - (n % global_batch if n % global_batch < world else 0)
+    assert sorted(seen) == sorted(set(seen)) and len(seen) == kept
+    # Every rank yields the same number of microbatches (each step the same count).
+    assert len({len(mbs) for mbs in per_rank}) == 1
+    assert all(mb for mbs in per_rank for mb in mbs)  # no empty microbatch
+    assert per_rank == _epoch(n, global_batch, m, world, seed=3)  # deterministic
+    assert per_rank != _epoch(n, global_batch, m, world, seed=4)
+
+
+def test_balances_ranks_better_than_an_even_split():
+    costs = _costs(512, 1)
+    world, m, global_batch = 4, 2, 64
+    samplers = [
+        BalancedBatchSampler(costs, global_batch, m, rank=r, world_size=world, seed=0)
+        for r in range(world)
+    ]
+    loads = np.array([[costs[mb].sum() for mb in s] for s in samplers])  # (world, steps*m)
+    per_step = loads.reshape(world, -1, m).sum(axis=2)  # (world, steps)
+    dflop_imbalance = (per_step.max(axis=0) / per_step.mean(axis=0)).mean()
+    # DistributedSampler's way: the same global batch, split by position.
+    order = np.random.default_rng([0, 0]).permutation(len(costs))
+    even = costs[order].reshape(-1, world, global_batch // world).sum(axis=2)  # (steps, world)
+    even_imbalance = (even.max(axis=1) / even.mean(axis=1)).mean()
+    assert dflop_imbalance < 1.05 < even_imbalance
+
+
+def test_resume_mid_epoch_gives_the_same_batches():
+    costs = _costs(96)
+    full = list(BalancedBatchSampler(costs, 16, 2, rank=1, world_size=2, seed=5))
+    first = BalancedBatchSampler(costs, 16, 2, rank=1, world_size=2, seed=5)
+    it = iter(first)
+    done = [next(it) for _ in range(4)]  # two steps of two microbatches
+    state = first.state_dict()
+    assert state == {"epoch": 0, "step": 2, "seed": 5}
+    resumed = BalancedBatchSampler(costs, 16, 2, rank=1, world_size=2, seed=5)
+    resumed.load_state_dict(state)
+    assert done + list(resumed) == full
+    assert resumed.epoch == 1  # the epoch ended: the next iteration draws epoch 1
+    with pytest.raises(ValueError, match="saved with seed=5"):
+        BalancedBatchSampler(costs, 16, 2, rank=1, world_size=2, seed=6).load_state_dict(state)
+
+
+def test_limits_keep_heavy_samples_apart_and_name_the_one_that_cannot_fit():
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(100, 1000, 80)
+    tokens[[3, 17]] = 3500  # long videos
+    limit = 4000
+    for rank in range(2):
+        sampler = BalancedBatchSampler(
+            tokens.astype(float), 16, 4, rank=rank, world_size=2, resources=tokens[:, None],
+            limits=[limit],
+        )  # fmt: skip
+        for mb in sampler:
+            assert tokens[mb].sum() <= limit
+    tokens[17] = 5000
+    with pytest.raises(ValueError, match=r"sample 17 alone needs 5000 of resource 0"):
+        BalancedBatchSampler(tokens.astype(float), 16, 4, resources=tokens[:, None], limits=[limit])
+
+
+def test_bad_input_is_named():
+    costs = _costs(32)
+    costs[7] = np.nan
+    with pytest.raises(ValueError, match=r"costs of sample 7 is \[nan\]"):
+        BalancedBatchSampler(costs, 8)
+    with pytest.raises(ValueError, match=r"costs of sample \d+ is \[-1.0\]"):
+        sampler = BalancedBatchSampler(lambda idx: -np.ones(len(idx)), 8, num_samples=32)
+        next(iter(sampler))
+    with pytest.raises(InputTypeError, match="num_samples"):
+        BalancedBatchSampler(lambda idx: np.ones(len(idx)), 8)
+    with pytest.raises(ValueError, match="smaller than num_microbatches x world_size = 16"):
+        BalancedBatchSampler(_costs(32), 8, 4, rank=0, world_size=4)
+    with pytest.raises(ValueError, match=r"rank=2 is out of range \[0, world_size=2\)"):
+        BalancedBatchSampler(_costs(32), 8, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="loss_scale needs target_tokens"):
+        BalancedBatchSampler(_costs(32), 8).loss_scale()
+
+
+# ---- 2 real ranks under DDP -------------------------------------------------------------
+
+VOCAB, DIM, SAMPLES = 50, 16, 24
+
+
+def _data():
+    rng = np.random.default_rng(11)
+    lengths = rng.integers(2, 30, SAMPLES)
+    tokens = [rng.integers(0, VOCAB, n) for n in lengths]
+    return lengths, tokens
+
+
+def _model(seed: int = 0):
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Embedding(VOCAB, DIM), torch.nn.Linear(DIM, VOCAB))
+
+
+def _sum_loss(model, sequence):
+    import torch
+
+    x = torch.as_tensor(sequence)
+    logits = model(x[:-1])
+    return torch.nn.functional.cross_entropy(logits, x[1:], reduction="sum")
+
+
+def _ddp_step(rank: int, world_size: int) -> dict:
+    """One balanced step of the whole dataset (one global batch) under DDP."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    lengths, tokens = _data()
+    sampler = BalancedBatchSampler(
+        lengths.astype(float) ** 1.5, SAMPLES, 3, target_tokens=lengths - 1, seed=1
+    )
+    model = DistributedDataParallel(_model())
+    microbatches = list(sampler)
+    assert len(microbatches) == 3 and sampler.step_info.num_microbatches == 3
+    for k, mb in enumerate(microbatches):
+        last = k == len(microbatches) - 1
+        context = model.no_sync() if not last else torch.enable_grad()
+        with context:
+            loss = sum(_sum_loss(model, tokens[i]) for i in mb) * sampler.loss_scale()
+            loss.backward()
+    return {
+        "samples": sorted(i for mb in microbatches for i in mb),
+        "grads": {n: p.grad.numpy().copy() for n, p in model.module.named_parameters()},
+    }
+
+
+@pytest.mark.integration
+def test_balanced_ddp_step_has_the_single_process_gradient():
+    import torch
+    from dflop.runtime import spawn_local
+
+    results = spawn_local(_ddp_step, 2, timeout_s=120.0, num_threads=1)
+    lengths, tokens = _data()
+    assert sorted(results[0]["samples"] + results[1]["samples"]) == list(range(SAMPLES))
+    model = _model()
+    total = sum(_sum_loss(model, t) for t in tokens) / float((lengths - 1).sum())
+    total.backward()
+    for name, param in model.named_parameters():
+        want = param.grad.numpy()
+        for r in results:
+            np.testing.assert_allclose(r["grads"][name], want, rtol=1e-5, atol=1e-7)
+    assert torch.is_tensor(param)
+
+
+def test_a_share_too_small_for_its_microbatches_falls_back_on_every_rank_alike():
+    costs = np.ones(16)
+    costs[0] = 100.0  # its rank's balanced share would hold this sample alone
+    per_rank = [
+        list(BalancedBatchSampler(costs, 16, 4, rank=r, world_size=2, shuffle=False))
+        for r in range(2)
+    ]
+    assert [len(mbs) for mbs in per_rank] == [4, 4]  # equal forward counts (FSDP)
+    assert sorted(i for mbs in per_rank for mb in mbs for i in mb) == list(range(16))
+    sampler = BalancedBatchSampler(costs, 16, 4, rank=0, world_size=2, shuffle=False)
+    info = sampler.plan_step(0, 0)
+    assert info.rank_costs.shape == (2, 1) and info.rank_costs.sum() == costs.sum()
