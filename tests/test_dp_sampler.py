@@ -102,8 +102,56 @@ def test_bad_input_is_named():
         BalancedBatchSampler(_costs(32), 8, 4, rank=0, world_size=4)
     with pytest.raises(ValueError, match=r"rank=2 is out of range \[0, world_size=2\)"):
         BalancedBatchSampler(_costs(32), 8, rank=2, world_size=2)
-    with pytest.raises(ValueError, match="loss_scale needs target_tokens"):
-        BalancedBatchSampler(_costs(32), 8).loss_scale()
+    sampler = BalancedBatchSampler(_costs(32), 8)
+    _, first = next(sampler.batches(iter(sampler)))
+    with pytest.raises(ValueError, match="loss_scale needs the sampler's target_tokens"):
+        first.loss_scale  # noqa: B018
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_carry_their_step_even_with_workers_reading_ahead(workers):
+    import torch
+
+    costs = _costs(40)
+    targets = np.arange(40) % 7 + 1
+    sampler = BalancedBatchSampler(costs, 16, 2, rank=1, world_size=2, target_tokens=targets)
+    loader = torch.utils.data.DataLoader(
+        np.arange(40), batch_sampler=sampler, num_workers=workers, prefetch_factor=4 if workers
+        else None,
+    )  # fmt: skip
+    seen = []
+    for batch, mb in sampler.batches(loader):
+        assert batch.tolist() == list(mb.step.microbatches[mb.index])  # the batch's own step
+        assert mb.loss_scale == 2 / targets[mb.step.indices].sum()
+        seen.append((mb.step.step, mb.index, mb.is_last))
+    assert seen == [(s, k, k == 1) for s in range(3) for k in range(2)]
+
+
+def test_resume_under_workers_reading_ahead_continues_after_the_trained_step():
+    import torch
+
+    def make():
+        return BalancedBatchSampler(_costs(64), 8, 2, rank=0, world_size=2, seed=9)
+
+    def loader(sampler):
+        return torch.utils.data.DataLoader(
+            np.arange(64), batch_sampler=sampler, num_workers=2, prefetch_factor=4
+        )
+
+    reference = make()
+    full = [b.tolist() for b, _ in reference.batches(loader(reference))]
+    first = make()
+    done = []
+    for batch, mb in first.batches(loader(first)):
+        done.append(batch.tolist())
+        if mb.is_last and mb.step.step == 2:
+            state = first.state_dict()  # workers have drawn steps 3.. already
+            break
+    assert state["step"] == 3 and first.step_info.step > 2
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = [b.tolist() for b, _ in resumed.batches(loader(resumed))]
+    assert done + rest == full
 
 
 # ---- 2 real ranks under DDP -------------------------------------------------------------
@@ -144,16 +192,16 @@ def _ddp_step(rank: int, world_size: int) -> dict:
         lengths.astype(float) ** 1.5, SAMPLES, 3, target_tokens=lengths - 1, seed=1
     )
     model = DistributedDataParallel(_model())
-    microbatches = list(sampler)
-    assert len(microbatches) == 3 and sampler.step_info.num_microbatches == 3
-    for k, mb in enumerate(microbatches):
-        last = k == len(microbatches) - 1
-        context = model.no_sync() if not last else torch.enable_grad()
-        with context:
-            loss = sum(_sum_loss(model, tokens[i]) for i in mb) * sampler.loss_scale()
+    loader = torch.utils.data.DataLoader(range(SAMPLES), batch_sampler=sampler)
+    samples = []
+    for batch, mb in sampler.batches(loader):
+        with torch.enable_grad() if mb.is_last else model.no_sync():
+            loss = sum(_sum_loss(model, tokens[int(i)]) for i in batch) * mb.loss_scale
             loss.backward()
+        samples += batch.tolist()
+    assert mb.is_last and mb.step.num_microbatches == 3
     return {
-        "samples": sorted(i for mb in microbatches for i in mb),
+        "samples": sorted(samples),
         "grads": {n: p.grad.numpy().copy() for n, p in model.module.named_parameters()},
     }
 

@@ -16,11 +16,12 @@ microbatch instead of out of memory.
 Loss normalisation: the loss a step should minimise is the global batch's mean per target
 token. Each rank's microbatches hold different numbers of target tokens, so divide each
 microbatch's summed loss by the global target count and multiply by ``world_size``
-(DDP and FSDP average gradients over ranks): :meth:`BalancedBatchSampler.loss_scale`.
+(DDP and FSDP average gradients over ranks): :attr:`Microbatch.loss_scale`.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ import numpy as np
 from dflop.errors import InputTypeError
 from dflop.scheduling.balance import InfeasibleError, schedule
 
-__all__ = ["BalancedBatchSampler", "StepInfo"]
+__all__ = ["BalancedBatchSampler", "Microbatch", "StepInfo"]
 
 CostFunction = Callable[[np.ndarray], Any]
 """Prices samples by index: ``(k,)`` dataset indices -> ``(k,)`` or ``(k, D)`` costs."""
@@ -56,6 +57,30 @@ class StepInfo:
     """(world_size, D) every rank's summed cost in the step."""
     microbatches: tuple[tuple[int, ...], ...]
     """This rank's microbatches (dataset indices), in order."""
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    """Where a DataLoader batch sits in its step (from :meth:`BalancedBatchSampler.batches`)."""
+
+    step: StepInfo
+    index: int
+    """Its position among this rank's microbatches of the step."""
+    world_size: int
+
+    @property
+    def is_last(self) -> bool:
+        """The step's last microbatch on this rank: synchronise gradients, then step."""
+        return self.index == self.step.num_microbatches - 1
+
+    @property
+    def loss_scale(self) -> float:
+        """Multiply the microbatch's SUMMED token loss by this: after DDP's / FSDP's
+        averaging over ranks, the step's gradient is that of the global batch's mean loss
+        per target token (``world_size / global target tokens``; needs ``target_tokens``)."""
+        if self.step.global_target_tokens is None:
+            raise ValueError("loss_scale needs the sampler's target_tokens")
+        return self.world_size / max(self.step.global_target_tokens, 1)
 
 
 class BalancedBatchSampler:
@@ -88,7 +113,9 @@ class BalancedBatchSampler:
         time_budget_ms: the balancer's search effort (deterministic; default by size).
 
     ``state_dict()`` / ``load_state_dict()`` resume mid-epoch at a step boundary;
-    ``set_epoch(e)`` starts epoch e (as with DistributedSampler).
+    ``set_epoch(e)`` starts epoch e (as with DistributedSampler). Iterate the DataLoader
+    through :meth:`batches` to know each batch's step, position and loss scale: a
+    DataLoader with workers draws index lists ahead of the batches it returns.
     """
 
     def __init__(
@@ -145,6 +172,11 @@ class BalancedBatchSampler:
         self.epoch = 0
         self._step = 0  # the next step to yield within the epoch
         self.step_info: StepInfo | None = None
+        """The step the sampler planned last (with DataLoader workers, ahead of training:
+        use :meth:`batches`)."""
+        self._consumed: tuple[int, int] | None = None  # (epoch, next step) trained through
+        # What __iter__ yielded and the DataLoader has not returned yet, in order.
+        self._yielded: collections.deque[tuple[StepInfo, int]] = collections.deque()
 
     # ------------------------------------------------------------------ epochs and state
 
@@ -152,10 +184,16 @@ class BalancedBatchSampler:
         """Start epoch ``epoch`` at its first step (a new permutation when shuffling)."""
         self.epoch = int(epoch)
         self._step = 0
+        self._consumed = None
 
     def state_dict(self) -> dict[str, int]:
-        """Where the sampler is: the epoch and the next step (a step boundary)."""
-        return {"epoch": self.epoch, "step": self._step, "seed": self.seed}
+        """Where training is: the epoch and the next step (a step boundary). Under
+        :meth:`batches`, the step after the last one whose batches it returned (workers may
+        have drawn more); else the step after the last one the sampler planned."""
+        epoch, step = self._consumed if self._consumed is not None else (self.epoch, self._step)
+        if step >= self.steps_per_epoch():
+            epoch, step = epoch + 1, 0
+        return {"epoch": epoch, "step": step, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume where :meth:`state_dict` was taken (every rank loads the same state)."""
@@ -165,6 +203,7 @@ class BalancedBatchSampler:
                 f"{self.seed}: resuming would draw different batches"
             )
         self.epoch, self._step = int(state["epoch"]), int(state["step"])
+        self._consumed = None
 
     def steps_per_epoch(self) -> int:
         full, rest = divmod(self.num_samples, self.global_batch)
@@ -186,7 +225,8 @@ class BalancedBatchSampler:
             info = self.plan_step(self.epoch, self._step, order)
             self.step_info = info
             self._step += 1  # a checkpoint taken during this step resumes after it
-            for microbatch in info.microbatches:
+            for k, microbatch in enumerate(info.microbatches):
+                self._yielded.append((info, k))
                 yield list(microbatch)
         self.epoch += 1
         self._step = 0
@@ -243,14 +283,19 @@ class BalancedBatchSampler:
             tuple(tuple(int(i) for i in indices[p]) for p in parts),
         )
 
-    def loss_scale(self) -> float:
-        """Multiply a microbatch's SUMMED token loss by this: with DDP / FSDP averaging
-        gradients over ranks, the step's gradient is then that of the global batch's mean
-        loss per target token. Needs ``target_tokens``."""
-        info = self.step_info
-        if info is None or info.global_target_tokens is None:
-            raise ValueError("loss_scale needs target_tokens and a step being yielded")
-        return self.world_size / max(info.global_target_tokens, 1)
+    def batches(self, loader: Any) -> Iterator[tuple[Any, Microbatch]]:
+        """``(batch, Microbatch)`` for every batch of ``loader`` (a DataLoader over this
+        sampler, which returns batches in the order the sampler yields them, with or
+        without workers)."""
+        self._yielded.clear()
+        for batch in loader:
+            if not self._yielded:
+                raise ValueError("the loader returned a batch this sampler did not yield")
+            info, index = self._yielded.popleft()
+            microbatch = Microbatch(info, index, self.world_size)
+            if microbatch.is_last:
+                self._consumed = (info.epoch, info.step + 1)
+            yield batch, microbatch
 
     # ------------------------------------------------------------------ helpers
 
