@@ -13,8 +13,13 @@ ratio of the two methods measured on the same batches.
 
     python benchmarks/bench_dp_balance.py [--steps 20] [--markdown benchmarks/README.md]
 
-(The measured part, 2 to 4 CPU ranks under DDP / FSDP on a tiny model, is not in this
-script yet.)
+Measured part (``--measure-ranks 2``): real gloo ranks under DDP on this CPU, dflop's
+reference ``small`` model, the embedded mix scaled onto it (``ShapeScaler``), priced by a
+quick profile of the model on this machine (``CostModel``). Every step runs both splits of
+the same global batch on the same weights (dflop's first, its gradients kept): per-rank
+compute (forward + backward, no communication) and the step's wall time from a barrier
+to the end of the gradients' all-reduce, which waits for the slowest rank (one flat
+all-reduce after the last backward: DDP's bucketed overlap is left out, the same for both).
 """
 
 from __future__ import annotations
@@ -65,10 +70,88 @@ def run(ranks: int, mix, steps: int) -> dict:
     return {k: (float(np.mean(v)) if isinstance(v, list) else v / steps) for k, v in out.items()}
 
 
+def _measured_rank(rank: int, world_size: int, steps: int, global_batch: int, perf_path: str):
+    import torch
+    import torch.distributed as dist
+    from dflop.models import build_model, model_config
+    from dflop.profiling import CostModel, PerformanceModel
+    from dflop.runtime.synthetic_batch import ShapeScaler, SyntheticBatch
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    config = model_config("small")
+    scaler = ShapeScaler.for_model(config)
+    shapes = scaler.scale(synthetic_shapes(global_batch * steps, seed=1))
+    costs = CostModel(PerformanceModel.load(perf_path)).costs(shapes).sum(axis=1)
+    targets = SyntheticBatch(shapes, config, seed=0).target_tokens()
+    sampler = BalancedBatchSampler(
+        costs, global_batch, MICROBATCHES, seed=0, target_tokens=targets, shuffle=False
+    )
+    batch = SyntheticBatch(shapes, config, seed=0)
+    model = DistributedDataParallel(build_model(config, seed=0), find_unused_parameters=True)
+    rows = []
+    for step in range(steps):
+        info = sampler.plan_step(0, step)
+        per_rank = global_batch // world_size
+        mine = info.indices[rank * per_rank : (rank + 1) * per_rank]
+        even = [mine[k::MICROBATCHES] for k in range(MICROBATCHES)]  # DistributedSampler
+        scale = world_size / max(info.global_target_tokens, 1)
+        row = {}
+        for name, parts in (("distributed", even), ("dflop", info.microbatches)):
+            model.zero_grad(set_to_none=True)
+            dist.barrier()
+            start = time.perf_counter()
+            with model.no_sync():  # compute alone, then the gradients' all-reduce
+                for ids in parts:
+                    sum_loss, _ = model(**batch.model_inputs(np.asarray(ids)))
+                    (sum_loss * scale).backward()
+            compute = time.perf_counter() - start
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)  # waits for the slowest rank, as DDP's does
+            wall = torch.tensor([compute, time.perf_counter() - start])
+            gathered = [torch.zeros(2) for _ in range(world_size)]
+            dist.all_gather(gathered, wall)
+            values = torch.stack(gathered).numpy()
+            row[name] = (values[:, 0], float(values[:, 1].max()))
+        rows.append(row)
+    return rows if rank == 0 else None
+
+
+def measured(ranks: int, steps: int, global_batch: int) -> dict:
+    """dflop against the equal split on ``ranks`` real CPU ranks (DDP, gloo)."""
+    import tempfile
+
+    from dflop.models import model_config
+    from dflop.runtime import spawn_local
+    from dflop.train.planning import quick_profile
+
+    with tempfile.TemporaryDirectory() as folder:
+        perf_path = os.path.join(folder, "perf.json")
+        quick_profile(model_config("small"), repeats=1).save(perf_path)
+        rows = spawn_local(
+            _measured_rank,
+            ranks,
+            args=(steps, global_batch, perf_path),
+            timeout_s=1800.0,
+            num_threads=1,
+        )[0]
+    out = {}
+    for name in ("dflop", "distributed"):
+        computes = [row[name][0] for row in rows[1:]]  # step 0 warms up
+        out[name] = float(np.mean([c.max() / c.mean() for c in computes]))
+        out[f"{name}_step"] = float(np.median([row[name][1] for row in rows[1:]]))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--markdown", default=None, help="rewrite this README section")
+    parser.add_argument(
+        "--measure-ranks", type=int, default=2, help="real CPU ranks to measure (0: skip)"
+    )
+    parser.add_argument("--measure-steps", type=int, default=12)
     args = parser.parse_args(argv)
     lines = [
         "Command: `python benchmarks/bench_dp_balance.py --markdown benchmarks/README.md`",
@@ -92,6 +175,24 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['distributed_step'] / r['dflop_step']:.2f}x | {1e3 * r['s']:.1f} |"
             )
             print(lines[-1], file=sys.stderr, flush=True)
+    if args.measure_ranks:
+        global_batch = 8 * args.measure_ranks
+        r = measured(args.measure_ranks, args.measure_steps, global_batch)
+        lines += [
+            "",
+            f"Measured: {args.measure_ranks} gloo ranks under DDP on this CPU, the reference "
+            f"`small` model, the embedded mix scaled onto it, global batch {global_batch}, "
+            f"{MICROBATCHES} microbatches per rank, {args.measure_steps - 1} steps after a "
+            "warm-up; both splits of every batch on the same weights:",
+            "",
+            "| method | rank imbalance (max / mean compute) | median step s | "
+            "DistributedSampler / dflop |",
+            "|---|---:|---:|---:|",
+            f"| dflop | {r['dflop']:.3f} | {r['dflop_step']:.3f} | "
+            f"{r['distributed_step'] / r['dflop_step']:.2f}x |",
+            f"| DistributedSampler (equal counts) | {r['distributed']:.3f} | "
+            f"{r['distributed_step']:.3f} | 1.00x |",
+        ]
     lines += [
         "",
         "Imbalance = the slowest rank's compute over the mean rank's in a step (1.00 = "
