@@ -108,7 +108,7 @@ def test_bad_input_is_named():
         first.loss_scale  # noqa: B018
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.integration)])
 def test_batches_carry_their_step_even_with_workers_reading_ahead(workers):
     import torch
 
@@ -127,6 +127,7 @@ def test_batches_carry_their_step_even_with_workers_reading_ahead(workers):
     assert seen == [(s, k, k == 1) for s in range(3) for k in range(2)]
 
 
+@pytest.mark.integration  # DataLoader worker processes
 def test_resume_under_workers_reading_ahead_continues_after_the_trained_step():
     import torch
 
