@@ -175,8 +175,9 @@ class BalancedBatchSampler:
         """The step the sampler planned last (with DataLoader workers, ahead of training:
         use :meth:`batches`)."""
         self._consumed: tuple[int, int] | None = None  # (epoch, next step) trained through
-        # What __iter__ yielded and the DataLoader has not returned yet, in order.
-        self._yielded: collections.deque[tuple[StepInfo, int]] = collections.deque()
+        # What __iter__ yielded and the DataLoader has not returned yet, in order (bounded:
+        # iterated without batches(), nothing pops it; workers read far less ahead).
+        self._yielded: collections.deque[tuple[StepInfo, int]] = collections.deque(maxlen=1 << 16)
 
     # ------------------------------------------------------------------ epochs and state
 
