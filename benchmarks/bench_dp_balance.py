@@ -83,11 +83,15 @@ def _measured_rank(rank: int, world_size: int, steps: int, global_batch: int, pe
     scaler = ShapeScaler.for_model(config)
     shapes = scaler.scale(synthetic_shapes(global_batch * steps, seed=1))
     costs = CostModel(PerformanceModel.load(perf_path)).costs(shapes).sum(axis=1)
-    targets = SyntheticBatch(shapes, config, seed=0).target_tokens()
-    sampler = BalancedBatchSampler(
-        costs, global_batch, MICROBATCHES, seed=0, target_tokens=targets, shuffle=False
-    )
     batch = SyntheticBatch(shapes, config, seed=0)
+    sampler = BalancedBatchSampler(
+        costs,
+        global_batch,
+        MICROBATCHES,
+        seed=0,
+        target_tokens=batch.target_tokens(),
+        shuffle=False,
+    )
     model = DistributedDataParallel(build_model(config, seed=0), find_unused_parameters=True)
     rows = []
     for step in range(steps):

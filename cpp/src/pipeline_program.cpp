@@ -186,7 +186,7 @@ void validate_shape(const PipelineShape& shape) {
   require(shape.stages.size() == shape.chunks.size(),
           "shape.chunks has " + std::to_string(shape.chunks.size()) +
               " entries, expected one per segment (" + std::to_string(shape.stages.size()) + ")");
-  int64_t physical = 0, virtual_stages = 0;
+  int64_t virtual_stages = 0;
   for (size_t g = 0; g < shape.stages.size(); ++g) {
     for (const auto& [name, v] :
          {std::pair{"stages", shape.stages[g]}, {"chunks", shape.chunks[g]}}) {
@@ -194,13 +194,11 @@ void validate_shape(const PipelineShape& shape) {
               std::string("shape.") + name + "[" + std::to_string(g) + "] must be in [1, " +
                   std::to_string(kMaxVirtualStages) + "], got " + std::to_string(v));
     }
-    physical += shape.stages[g];
     virtual_stages += shape.stages[g] * shape.chunks[g];
     require(virtual_stages <= kMaxVirtualStages,
             "the shape has more than " + std::to_string(kMaxVirtualStages) +
                 " virtual stages (stages x chunks over its segments)");
   }
-  (void)physical;
 }
 
 int64_t num_physical_stages(const PipelineShape& shape) {
