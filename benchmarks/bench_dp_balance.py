@@ -13,13 +13,14 @@ ratio of the two methods measured on the same batches.
 
     python benchmarks/bench_dp_balance.py [--steps 20] [--markdown benchmarks/README.md]
 
-Measured part (``--measure-ranks 2``): real gloo ranks under DDP on this CPU, dflop's
-reference ``small`` model, the embedded mix scaled onto it (``ShapeScaler``), priced by a
-quick profile of the model on this machine (``CostModel``). Every step runs both splits of
-the same global batch on the same weights (dflop's first, its gradients kept): per-rank
-compute (forward + backward, no communication) and the step's wall time from a barrier
-to the end of the gradients' all-reduce, which waits for the slowest rank (one flat
-all-reduce after the last backward: DDP's bucketed overlap is left out, the same for both).
+Measured part (``--no-measure`` skips it): real gloo ranks on this CPU, 2 and 4 under DDP
+(both mixes) and 2 under FSDP2, dflop's reference ``small`` model, the mix scaled onto it
+(``ShapeScaler``), priced by a quick profile of the model on this machine
+(``CostModel``). Every step runs both splits of the same global batch on the same weights:
+per-rank compute (forward + backward) and the step's wall time from a barrier to the end
+of the gradients' reduction, which waits for the slowest rank. DDP: one flat all-reduce
+after the last backward (its bucketed overlap is left out, the same for both); FSDP2: its
+own all-gathers per forward and reduce-scatter after the last backward.
 """
 
 from __future__ import annotations
@@ -70,18 +71,31 @@ def run(ranks: int, mix, steps: int) -> dict:
     return {k: (float(np.mean(v)) if isinstance(v, list) else v / steps) for k, v in out.items()}
 
 
-def _measured_rank(rank: int, world_size: int, steps: int, global_batch: int, perf_path: str):
+def _wrap(model, wrapper: str):
+    """DDP, or FSDP2 (``fully_shard`` on the root: the model calls its parts' pieces
+    directly, not their forward, so only the root's hooks see every use)."""
+    if wrapper == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, find_unused_parameters=True)
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(model)
+
+
+def _measured_rank(
+    rank: int, world_size: int, steps: int, global_batch: int, perf_path: str, wrapper: str, mix
+):
     import torch
     import torch.distributed as dist
     from dflop.models import build_model, model_config
     from dflop.profiling import CostModel, PerformanceModel
     from dflop.runtime.synthetic_batch import ShapeScaler, SyntheticBatch
-    from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
     config = model_config("small")
     scaler = ShapeScaler.for_model(config)
-    shapes = scaler.scale(synthetic_shapes(global_batch * steps, seed=1))
+    shapes = scaler.scale(synthetic_shapes(global_batch * steps, seed=1, mix=mix))
     costs = CostModel(PerformanceModel.load(perf_path)).costs(shapes).sum(axis=1)
     batch = SyntheticBatch(shapes, config, seed=0)
     sampler = BalancedBatchSampler(
@@ -92,7 +106,7 @@ def _measured_rank(rank: int, world_size: int, steps: int, global_batch: int, pe
         target_tokens=batch.target_tokens(),
         shuffle=False,
     )
-    model = DistributedDataParallel(build_model(config, seed=0), find_unused_parameters=True)
+    model = _wrap(build_model(config, seed=0), wrapper)
     rows = []
     for step in range(steps):
         info = sampler.plan_step(0, step)
@@ -105,14 +119,21 @@ def _measured_rank(rank: int, world_size: int, steps: int, global_batch: int, pe
             model.zero_grad(set_to_none=True)
             dist.barrier()
             start = time.perf_counter()
-            with model.no_sync():  # compute alone, then the gradients' all-reduce
-                for ids in parts:
+            if wrapper == "ddp":
+                with model.no_sync():  # compute alone, then the gradients' all-reduce
+                    for ids in parts:
+                        sum_loss, _ = model(**batch.model_inputs(np.asarray(ids)))
+                        (sum_loss * scale).backward()
+                compute = time.perf_counter() - start
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat)  # waits for the slowest rank, as DDP's does
+            else:  # FSDP: all-gathers in every forward; the last backward reduce-scatters
+                for k, ids in enumerate(parts):
+                    model.set_requires_gradient_sync(k == len(parts) - 1)
                     sum_loss, _ = model(**batch.model_inputs(np.asarray(ids)))
                     (sum_loss * scale).backward()
-            compute = time.perf_counter() - start
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat)  # waits for the slowest rank, as DDP's does
+                compute = time.perf_counter() - start
             wall = torch.tensor([compute, time.perf_counter() - start])
             gathered = [torch.zeros(2) for _ in range(world_size)]
             dist.all_gather(gathered, wall)
@@ -122,8 +143,8 @@ def _measured_rank(rank: int, world_size: int, steps: int, global_batch: int, pe
     return rows if rank == 0 else None
 
 
-def measured(ranks: int, steps: int, global_batch: int) -> dict:
-    """dflop against the equal split on ``ranks`` real CPU ranks (DDP, gloo)."""
+def measured(ranks: int, steps: int, global_batch: int, wrapper: str = "ddp", mix=None) -> dict:
+    """dflop against the equal split on ``ranks`` real CPU ranks (gloo)."""
     import tempfile
 
     from dflop.models import model_config
@@ -136,7 +157,7 @@ def measured(ranks: int, steps: int, global_batch: int) -> dict:
         rows = spawn_local(
             _measured_rank,
             ranks,
-            args=(steps, global_batch, perf_path),
+            args=(steps, global_batch, perf_path, wrapper, mix),
             timeout_s=1800.0,
             num_threads=1,
         )[0]
@@ -148,12 +169,20 @@ def measured(ranks: int, steps: int, global_batch: int) -> dict:
     return out
 
 
+MEASURED = [  # (ranks, wrapper, mix name)
+    (2, "ddp", "embedded mix"),
+    (2, "ddp", "video-heavy mix (skewed on purpose)"),
+    (4, "ddp", "embedded mix"),
+    (2, "fsdp", "embedded mix"),
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--markdown", default=None, help="rewrite this README section")
     parser.add_argument(
-        "--measure-ranks", type=int, default=2, help="real CPU ranks to measure (0: skip)"
+        "--no-measure", dest="measure", action="store_false", help="simulation only"
     )
     parser.add_argument("--measure-steps", type=int, default=12)
     args = parser.parse_args(argv)
@@ -179,24 +208,31 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['distributed_step'] / r['dflop_step']:.2f}x | {1e3 * r['s']:.1f} |"
             )
             print(lines[-1], file=sys.stderr, flush=True)
-    if args.measure_ranks:
-        global_batch = 8 * args.measure_ranks
-        r = measured(args.measure_ranks, args.measure_steps, global_batch)
+    if args.measure:
         lines += [
             "",
-            f"Measured: {args.measure_ranks} gloo ranks under DDP on this CPU, the reference "
-            f"`small` model, the embedded mix scaled onto it, global batch {global_batch}, "
-            f"{MICROBATCHES} microbatches per rank, {args.measure_steps - 1} steps after a "
-            "warm-up; both splits of every batch on the same weights:",
+            "Measured on this CPU (gloo, one thread per rank), the reference `small` model, the "
+            "mix scaled onto it and priced by a quick profile of the model here, 8 samples "
+            f"and {MICROBATCHES} microbatches per rank per step, {args.measure_steps - 1} "
+            "steps after a warm-up, both splits of every batch on the same weights. DDP: "
+            "compute, then one all-reduce; FSDP2 (`fully_shard`): all-gathers in every "
+            "forward tie the ranks together, so its compute imbalance reads near 1 for both "
+            "and the step time is what differs. 4 ranks share the 2 cores (2 per core): "
+            "their times include that contention, alike for both methods.",
             "",
-            "| method | rank imbalance (max / mean compute) | median step s | "
+            "| ranks | wrapper | mix | imbalance, dflop | imbalance, DistributedSampler | "
+            "median step s, dflop | median step s, DistributedSampler | "
             "DistributedSampler / dflop |",
-            "|---|---:|---:|---:|",
-            f"| dflop | {r['dflop']:.3f} | {r['dflop_step']:.3f} | "
-            f"{r['distributed_step'] / r['dflop_step']:.2f}x |",
-            f"| DistributedSampler (equal counts) | {r['distributed']:.3f} | "
-            f"{r['distributed_step']:.3f} | 1.00x |",
+            "|---:|---|---|---:|---:|---:|---:|---:|",
         ]
+        for ranks, wrapper, mix_name in MEASURED:
+            r = measured(ranks, args.measure_steps, 8 * ranks, wrapper, MIXES[mix_name])
+            lines.append(
+                f"| {ranks} | {wrapper.upper()} | {mix_name} | {r['dflop']:.3f} | "
+                f"{r['distributed']:.3f} | {r['dflop_step']:.3f} | "
+                f"{r['distributed_step']:.3f} | {r['distributed_step'] / r['dflop_step']:.2f}x |"
+            )
+            print(lines[-1], file=sys.stderr, flush=True)
     lines += [
         "",
         "Imbalance = the slowest rank's compute over the mean rank's in a step (1.00 = "

@@ -1,26 +1,23 @@
-"""Balancing DP ranks' microbatches with ``dflop.schedule()`` in a plain DDP training loop.
+"""Balancing DP ranks' microbatches with ``dflop.dp.BalancedBatchSampler`` in a plain DDP
+(or FSDP2) training loop of your own: no dflop runtime, just torch.
 
-For users with their own training loop: no dflop runtime, just torch DDP. Every step,
-
-1. every rank draws the SAME global batch (here: synthetic shapes seeded by the step; in
-   your loop: the same sampler state on every rank) and prices its samples, e.g. with a
-   ``dflop.profiling.CostModel`` or, as here, by a simple token count;
-2. ``dflop.schedule(costs, num_microbatches, dp_size=world_size)`` assigns the samples to
-   ``num_microbatches x world_size`` bins so that the slowest rank finishes as early as
-   possible; the result is deterministic, so every rank computes the same schedule with no
-   communication (pass no ``time_limit_s``);
-3. each rank trains on ``schedule.microbatches(rank)`` only, accumulating gradients
-   (``no_sync()`` until its last microbatch). The loss of a microbatch is divided by the
-   global batch's target tokens and multiplied by ``world_size``, because DDP averages
-   gradients over ranks: the result is the gradient of the global mean loss.
+1. Price every sample of the dataset once (here: a token count over synthetic shapes; a
+   ``dflop.profiling.CostModel`` over ``dflop.data.profile_dataset``'s shapes gives
+   measured seconds).
+2. The sampler, as a DataLoader's ``batch_sampler``: every rank draws the same global batch
+   each step and takes its balanced share as ``--num-microbatches`` microbatches (the same
+   computation on every rank, no communication).
+3. Train each microbatch under ``mb.gradient_sync(model)`` (gradients reduced after the
+   last one) with its summed loss times ``mb.loss_scale``: the gradient of the global
+   batch's mean loss.
 
 Run (2 local processes on CPU, gloo):
 
-    python examples/ddp_balance.py --steps 5
+    python examples/ddp_balance.py --steps 5 [--fsdp]
 
 or under torchrun: ``torchrun --nproc-per-node 2 examples/ddp_balance.py``. Each step
-prints every rank's compute time with dflop's schedule and with the data-blind split
-(``dflop.data_blind_schedule``) of the same batch, measured on the same weights.
+prints every rank's compute time with dflop's split and with an equal-count split of the
+same global batch (what DistributedSampler does), measured on the same weights.
 """
 
 from __future__ import annotations
@@ -30,40 +27,32 @@ import datetime
 import os
 import time
 
-import dflop
 import numpy as np
 import torch
 import torch.distributed as dist
 from dflop.data import synthetic_shapes
+from dflop.dp import BalancedBatchSampler, Microbatch
 from dflop.models import build_model, model_config
 from dflop.runtime.synthetic_batch import ShapeScaler, SyntheticBatch
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
 
 def sample_costs(shapes) -> np.ndarray:
-    """(N, 1) cost per sample: encoder tokens plus LLM tokens (a FLOP-like proxy; a
-    ``CostModel(perf).costs(shapes)`` gives measured seconds instead)."""
-    return (shapes.encoder_tokens + shapes.seq_len).astype(np.float64)[:, None]
+    """Cost per sample: encoder tokens plus LLM tokens (a FLOP-like proxy)."""
+    return (shapes.encoder_tokens + shapes.seq_len).astype(np.float64)
 
 
-def train_on(model, batch, microbatches, num_targets: int, world_size: int) -> float:
-    """Forward + backward of this rank's microbatches; returns the compute seconds."""
+def train_on(model, batch, microbatches, step, world_size: int) -> float:
+    """Forward + backward of one split's microbatches; returns the compute seconds."""
     start = time.perf_counter()
-    for i, ids in enumerate(microbatches):
-        last = i == len(microbatches) - 1
-        context = model.no_sync() if not last else _null()
-        with context:
-            sum_loss, _ = model(**batch.model_inputs(ids))
-            (sum_loss * world_size / num_targets).backward()
+    for k, ids in enumerate(microbatches):
+        mb = Microbatch(step, k, world_size)  # the step's k-th: its sync and loss scale
+        with mb.gradient_sync(model):
+            sum_loss, _ = model(**batch.model_inputs(np.asarray(ids)))
+            (sum_loss * mb.loss_scale).backward()
     return time.perf_counter() - start
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
@@ -73,34 +62,46 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
             "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
         )
     torch.set_num_threads(1)
-    torch.manual_seed(0)
     config = model_config("tiny")
-    scaler = ShapeScaler.for_model(config)
-    model = DistributedDataParallel(build_model(config, seed=0), find_unused_parameters=True)
+    shapes = ShapeScaler.for_model(config).scale(
+        synthetic_shapes(args.global_batch * args.steps, seed=0)
+    )
+    dataset = SyntheticBatch(shapes, config, seed=0)  # sample i = row i
+    sampler = BalancedBatchSampler(
+        sample_costs(shapes), args.global_batch, args.num_microbatches,
+        target_tokens=dataset.target_tokens(), seed=0,
+    )  # fmt: skip
+    loader = DataLoader(range(len(shapes)), batch_sampler=sampler, collate_fn=list)
+    model = build_model(config, seed=0)
+    if args.fsdp:
+        model = fully_shard(model)
+    else:
+        model = DistributedDataParallel(model, find_unused_parameters=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for step in range(args.steps):
-        shapes = scaler.scale(synthetic_shapes(args.global_batch, seed=step))  # same on all ranks
-        batch = SyntheticBatch(shapes, config, seed=step)
-        num_targets = int(batch.target_tokens().sum())
-        costs = sample_costs(shapes)
-        balanced = dflop.schedule(costs, args.num_microbatches, dp_size=world_size, seed=step)
-        blind = dflop.data_blind_schedule(costs, args.num_microbatches, dp_size=world_size)
+    microbatches = []
+    for ids, mb in sampler.batches(loader):
+        microbatches.append(ids)
+        if not mb.is_last:
+            continue
+        # The step's whole share is known: time it against the equal-count split of the
+        # same global batch (DistributedSampler's), both on the same weights.
+        info = mb.step
+        share = np.array_split(info.indices, world_size)[rank]
+        equal = [share[k :: args.num_microbatches] for k in range(args.num_microbatches)]
         times = {}
-        for name, s in (("blind", blind), ("dflop", balanced)):  # dflop's gradients are kept
+        for name, split in (("equal", equal), ("dflop", microbatches)):  # dflop's grads kept
             optimizer.zero_grad(set_to_none=True)
-            seconds = torch.tensor(
-                [train_on(model, batch, s.microbatches(rank), num_targets, world_size)]
-            )
+            seconds = torch.tensor([train_on(model, dataset, split, info, world_size)])
             gathered = [torch.zeros(1) for _ in range(world_size)]
             dist.all_gather(gathered, seconds)
             times[name] = [float(t) for t in gathered]
         optimizer.step()
+        microbatches = []
         if rank == 0:
             print(
-                f"step {step}: per-rank compute s, dflop {_fmt(times['dflop'])} (slowest "
-                f"{max(times['dflop']):.3f}) | data-blind {_fmt(times['blind'])} (slowest "
-                f"{max(times['blind']):.3f}) | predicted max bin: dflop {balanced.makespan:.0f}"
-                f" vs blind {blind.makespan:.0f} tokens",
+                f"step {info.step}: per-rank compute s, dflop {_fmt(times['dflop'])} (slowest "
+                f"{max(times['dflop']):.3f}) | equal split {_fmt(times['equal'])} (slowest "
+                f"{max(times['equal']):.3f})",
                 flush=True,
             )
     dist.barrier()
@@ -117,6 +118,7 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--num-microbatches", type=int, default=4)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP")
     p.add_argument("--port", type=int, default=0, help="rendezvous port (0: a free one)")
     args = p.parse_args()
     if not args.port:

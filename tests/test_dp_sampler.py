@@ -1,6 +1,6 @@
 """dflop.dp.BalancedBatchSampler: every sample once per epoch, the same batches on every
 rank and after a resume, balanced ranks, memory limits, errors naming the sample, and (2
-real gloo ranks under DDP) the gradient of a balanced step equal to one process's
+real gloo ranks under DDP, FSDP1 and FSDP2) the gradient of a balanced step equal to one process's
 gradient of the same global batch."""
 
 from __future__ import annotations
@@ -174,55 +174,93 @@ def _model(seed: int = 0):
     return torch.nn.Sequential(torch.nn.Embedding(VOCAB, DIM), torch.nn.Linear(DIM, VOCAB))
 
 
-def _sum_loss(model, sequence):
+def _sum_loss(model, sequences):
+    """Summed next-token loss of the sequences, packed into one forward."""
     import torch
 
-    x = torch.as_tensor(sequence)
-    logits = model(x[:-1])
-    return torch.nn.functional.cross_entropy(logits, x[1:], reduction="sum")
+    inputs = torch.cat([torch.as_tensor(x[:-1]) for x in sequences])
+    targets = torch.cat([torch.as_tensor(x[1:]) for x in sequences])
+    return torch.nn.functional.cross_entropy(model(inputs), targets, reduction="sum")
 
 
-def _ddp_step(rank: int, world_size: int) -> dict:
-    """One balanced step of the whole dataset (one global batch) under DDP."""
+def _wrap(model, wrapper: str):
+    """The model under DDP, FSDP1 (FullyShardedDataParallel) or FSDP2 (fully_shard)."""
     import torch
-    from torch.nn.parallel import DistributedDataParallel
+
+    if wrapper == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    if wrapper == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"))
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def _full_grads(model, wrapper: str) -> dict:
+    if wrapper == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        # writeback=False: the summoned full parameters' gradients are read, not written.
+        with FullyShardedDataParallel.summon_full_params(model, with_grads=True, writeback=False):
+            return {
+                n.replace("_fsdp_wrapped_module.", ""): p.grad.numpy().copy()
+                for n, p in model.named_parameters()
+            }
+    module = model.module if wrapper == "ddp" else model
+    grads = {}
+    for name, param in module.named_parameters():
+        grad = param.grad.full_tensor() if wrapper == "fsdp2" else param.grad
+        grads[name] = grad.numpy().copy()
+    return grads
+
+
+def _dp_step(rank: int, world_size: int, wrapper: str) -> dict:
+    """One balanced step of the whole dataset (one global batch) under DDP or FSDP."""
+    import torch
 
     torch.set_num_threads(1)
     lengths, tokens = _data()
     sampler = BalancedBatchSampler(
         lengths.astype(float) ** 1.5, SAMPLES, 3, target_tokens=lengths - 1, seed=1
     )
-    model = DistributedDataParallel(_model())
+    model = _wrap(_model(), wrapper)
     loader = torch.utils.data.DataLoader(range(SAMPLES), batch_sampler=sampler)
     samples = []
     for batch, mb in sampler.batches(loader):
-        with torch.enable_grad() if mb.is_last else model.no_sync():
-            loss = sum(_sum_loss(model, tokens[int(i)]) for i in batch) * mb.loss_scale
+        with mb.gradient_sync(model):
+            # One forward per microbatch (FSDP needs the same count on every rank): the
+            # samples packed into one sequence (the model has no attention).
+            loss = _sum_loss(model, [tokens[int(i)] for i in batch]) * mb.loss_scale
             loss.backward()
         samples += batch.tolist()
     assert mb.is_last and mb.step.num_microbatches == 3
-    return {
-        "samples": sorted(samples),
-        "grads": {n: p.grad.numpy().copy() for n, p in model.module.named_parameters()},
-    }
+    return {"samples": sorted(samples), "grads": _full_grads(model, wrapper)}
 
 
 @pytest.mark.integration
-def test_balanced_ddp_step_has_the_single_process_gradient():
-    import torch
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp1", "fsdp2"])
+def test_balanced_step_has_the_single_process_gradient(wrapper):
+    """Each rank's microbatches differ in size and token count; with loss_scale and
+    gradient_sync the averaged gradient is the global batch's mean loss gradient."""
     from dflop.runtime import spawn_local
 
-    results = spawn_local(_ddp_step, 2, timeout_s=120.0, num_threads=1)
+    results = spawn_local(_dp_step, 2, (wrapper,), timeout_s=120.0, num_threads=1)
     lengths, tokens = _data()
     assert sorted(results[0]["samples"] + results[1]["samples"]) == list(range(SAMPLES))
+    assert results[0]["samples"] != results[1]["samples"]
     model = _model()
-    total = sum(_sum_loss(model, t) for t in tokens) / float((lengths - 1).sum())
+    total = _sum_loss(model, tokens) / float((lengths - 1).sum())
     total.backward()
     for name, param in model.named_parameters():
         want = param.grad.numpy()
         for r in results:
             np.testing.assert_allclose(r["grads"][name], want, rtol=1e-5, atol=1e-7)
-    assert torch.is_tensor(param)
 
 
 def test_a_share_too_small_for_its_microbatches_falls_back_on_every_rank_alike():

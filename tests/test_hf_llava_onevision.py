@@ -117,21 +117,9 @@ def _samples(config) -> list[ProcessedSample]:
 
 def _hf_forward(model, config, sample: ProcessedSample):
     """The unmodified model's mean loss on one sample alone."""
-    kwargs = {}
-    kinds = {item.kind for item in sample.items}
-    if "video" in kinds:
-        kwargs["pixel_values_videos"] = sample.pixel_values[None]
-    elif "image" in kinds:
-        item = sample.items[0]
-        kwargs["pixel_values"] = sample.pixel_values[None]
-        kwargs["image_sizes"] = torch.tensor([[item.height_px, item.width_px]])
-    elif "tile" in kinds:
-        side = config.vision_config.image_size
-        kwargs["pixel_values"] = sample.pixel_values[:, None]
-        kwargs["image_sizes"] = torch.tensor([[side, side]] * sample.units)
-        kwargs["batch_num_images"] = torch.tensor([sample.units])
-    out = model(input_ids=sample.input_ids[None], labels=sample.labels[None], **kwargs)
-    return out.loss
+    fields = spec_from_config(config).dataset_inputs().model_fields(sample)
+    fields["input_ids"], fields["labels"] = sample.input_ids[None], sample.labels[None]
+    return model(**fields).loss
 
 
 def _reference(config, samples):

@@ -256,14 +256,15 @@ def test_full_demo_runs(tmp_path) -> None:
     assert set(summary) == {"dflop", "blind"}
 
 
-def test_ddp_example_runs() -> None:
+@pytest.mark.parametrize("wrapper", [[], ["--fsdp"]], ids=["ddp", "fsdp2"])
+def test_ddp_example_runs(wrapper) -> None:
     result = subprocess.run(
         [sys.executable, str(REPO / "examples" / "ddp_balance.py"), "--steps", "2",
-         "--global-batch", "16"],
+         "--global-batch", "16", *wrapper],
         capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "step 1:" in result.stdout and "data-blind" in result.stdout
+    assert "step 1:" in result.stdout and "equal split" in result.stdout
 
 
 # ---------------------------------------------------------------- no processes

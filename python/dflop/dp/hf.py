@@ -9,7 +9,13 @@ microbatches of varying size. The Trainer passes a rank-aware batch sampler thro
 ``BatchRebalanceSampler`` path (accelerate does not re-shard it), and normalises the loss
 by the step's target tokens over all ranks (``average_tokens_across_devices``, on by
 default), which is what the balanced microbatches need: every rank's microbatches hold
-different numbers of tokens.
+different numbers of tokens. Pass ``data_collator=dflop.dp.PackingCollator()`` where the
+model supports packed rows, so that a microbatch costs what the balancer priced.
+
+Launchers: ``torchrun`` and ``accelerate launch`` (DDP; tested on CPU with gloo,
+``examples/hf_trainer_balance.py``). FSDP through the Trainer: accelerate enables it on
+GPUs only, so it is untested here; the sampler gives every rank the same number of
+microbatches, which FSDP's collectives need.
 """
 
 from __future__ import annotations

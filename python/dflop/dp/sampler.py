@@ -22,6 +22,7 @@ microbatch's summed loss by the global target count and multiply by ``world_size
 from __future__ import annotations
 
 import collections
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +82,26 @@ class Microbatch:
         if self.step.global_target_tokens is None:
             raise ValueError("loss_scale needs the sampler's target_tokens")
         return self.world_size / max(self.step.global_target_tokens, 1)
+
+    @contextlib.contextmanager
+    def gradient_sync(self, model: Any) -> Iterator[None]:
+        """Run the microbatch's backward in this context: gradients are reduced over the
+        ranks only after the step's last microbatch (accumulated locally before it).
+
+        ``model``: a ``DistributedDataParallel`` or FSDP1 module (``no_sync()``), an FSDP2
+        ``fully_shard`` module (``set_requires_gradient_sync``); anything else runs
+        as is (e.g. one process)."""
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 (fully_shard)
+            model.set_requires_gradient_sync(self.is_last)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+        elif hasattr(model, "no_sync") and not self.is_last:  # DDP, FSDP1
+            with model.no_sync():
+                yield
+        else:
+            yield
 
 
 class BalancedBatchSampler:

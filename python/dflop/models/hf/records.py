@@ -320,6 +320,30 @@ class LlavaOnevisionRecords(RecordInputs):
 
         return self._sample(tokens, load if paths else None, items, lazy, paths)
 
+    def model_fields(self, sample: ProcessedSample) -> dict[str, Tensor]:
+        """The sample as keyword arguments of the unmodified
+        ``LlavaOnevisionForConditionalGeneration`` (a batch of one, no batch dim on the
+        1-D ``input_ids`` / ``labels``: add one, or pack samples with
+        :class:`dflop.dp.PackingCollator`, which takes single-image and text-only samples:
+        a multi-image sample's ``batch_num_images`` and a video's frames are per row)."""
+        fields: dict[str, Tensor] = {"input_ids": sample.input_ids, "labels": sample.labels}
+        kinds = {item.kind for item in sample.items}
+        if not kinds:
+            return fields
+        pixels = sample.pixels()
+        if kinds == {"video"}:
+            fields["pixel_values_videos"] = pixels[None]
+        elif kinds == {"image"}:
+            item = sample.items[0]
+            fields["pixel_values"] = pixels[None]
+            fields["image_sizes"] = torch.tensor([[item.height_px, item.width_px]])
+        else:  # multi-image: one base tile per image
+            side = int(self.config.vision_config.image_size)
+            fields["pixel_values"] = pixels[:, None]
+            fields["image_sizes"] = torch.tensor([[side, side]] * sample.units)
+            fields["batch_num_images"] = torch.tensor([sample.units])
+        return fields
+
     def _video(self, frames: list[str]) -> tuple[list[str], tuple[VisualItem, ...], list[int]]:
         """(sampled frame paths, the video item, its placeholder run)."""
         units_a, tokens_a = video_shapes(self.family, len(frames))

@@ -1,0 +1,132 @@
+"""The Hugging Face Trainer on dflop's balanced, padding-free microbatches (CPU is enough).
+
+A tiny LLaVA-OneVision (built from a config: nothing is downloaded) trains on LLaVA-format
+records with real image files (default: dflop's test records). Every optimizer step,
+:class:`dflop.dp.hf.BalancedTrainer` gives each data-parallel rank a balanced share of the
+step's samples as ``gradient_accumulation_steps`` microbatches, and
+:class:`dflop.dp.PackingCollator` packs each microbatch into one sequence, so that a
+microbatch costs what the balancer priced (no padding).
+
+Run it on 2 CPU processes with either launcher:
+
+    accelerate launch --multi_gpu --num_processes 2 examples/hf_trainer_balance.py
+    torchrun --nproc-per-node 2 examples/hf_trainer_balance.py
+
+(accelerate's ``--multi_gpu`` is its multi-process launcher; without GPUs the ranks run
+on CPU with gloo) or in one process: ``python examples/hf_trainer_balance.py``. Needs
+``pip install "dflop[hf]"`` and torch. The records used are the single-image and
+text-only ones: LLaVA-OneVision takes several anyres images in one packed row, but
+multi-image (tile) and video records need one batch row per sample (a padding collator).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+import numpy as np
+import torch
+import transformers
+from dflop.dp import PackingCollator
+from dflop.dp.hf import BalancedTrainer
+from dflop.models.hf import spec_from_config
+from dflop.models.hf.tiny import tiny_llava_onevision_config
+
+LLAVA_MINI = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "llava_mini")
+
+
+class RecordDataset(torch.utils.data.Dataset):
+    """LLaVA records as the model's inputs: token ids and labels (placeholder runs as long
+    as the model's own rule makes them) and each image through its image processor."""
+
+    def __init__(self, records: list[dict], inputs, image_folder: str) -> None:
+        self.records, self.inputs, self.image_folder = records, inputs, image_folder
+        # Shapes only (sizes from the file headers): what pricing the samples needs.
+        self.shapes = [self._sample(i, lazy=True) for i in range(len(records))]
+
+    def _sample(self, index: int, lazy: bool):
+        return self.inputs.sample(
+            self.records[index], image_folder=self.image_folder, where=f"record {index}", lazy=lazy
+        )
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.inputs.model_fields(self._sample(index, lazy=False))
+
+    def costs(self, tokens_per_unit: int) -> np.ndarray:
+        """Per sample, a FLOP-like price: encoder tokens plus LLM tokens (a
+        ``dflop.profiling.CostModel`` fitted to your GPUs gives seconds instead)."""
+        return np.array(
+            [s.units * tokens_per_unit + len(s.input_ids) for s in self.shapes], dtype=np.float64
+        )
+
+
+def single_image_or_text(record: dict) -> bool:
+    image = record.get("image")
+    return "video" not in record and (image is None or isinstance(image, str))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--data", default=os.path.join(LLAVA_MINI, "llava_mini.json"))
+    p.add_argument("--image-folder", default=os.path.join(LLAVA_MINI, "images"))
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--per-device-batch", type=int, default=2)
+    p.add_argument("--accumulation", type=int, default=2, help="microbatches per rank per step")
+    p.add_argument("--output-dir", default=None)
+    args = p.parse_args()
+
+    config = tiny_llava_onevision_config()
+    spec = spec_from_config(config)
+    with open(args.data) as f:
+        records = [r for r in json.load(f) if single_image_or_text(r)]
+    inputs = spec.dataset_inputs()
+    usable = []
+    for i, record in enumerate(records):  # keep the records whose files read
+        try:
+            inputs.sample(record, image_folder=args.image_folder, where=f"record {i}", lazy=True)
+            usable.append(record)
+        except (OSError, ValueError) as error:
+            print(f"skipped: {error}")
+    dataset = RecordDataset(usable, inputs, args.image_folder)
+
+    torch.manual_seed(0)
+    model = transformers.LlavaOnevisionForConditionalGeneration(config)
+    cpu = not torch.cuda.is_available()
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # by accelerate launch or torchrun
+    training_args = transformers.TrainingArguments(
+        output_dir=args.output_dir or tempfile.mkdtemp(prefix="dflop-hf-trainer-"),
+        per_device_train_batch_size=args.per_device_batch,
+        gradient_accumulation_steps=args.accumulation,
+        num_train_epochs=args.epochs, learning_rate=3e-3, logging_steps=1, save_strategy="no",
+        report_to=[], remove_unused_columns=False, use_cpu=cpu,
+        ddp_backend="gloo" if cpu and launched else None, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    trainer = BalancedTrainer(
+        model=model, args=training_args, train_dataset=dataset, data_collator=PackingCollator(),
+        sample_costs=dataset.costs(spec.tokens_per_unit),
+    )  # fmt: skip
+    sampler = trainer.balanced_sampler()
+    if training_args.process_index == 0:
+        for step in range(sampler.steps_per_epoch()):
+            info = sampler.plan_step(0, step)
+            rank_costs = info.rank_costs.sum(axis=1)
+            print(
+                f"epoch 0 step {step}: {info.global_batch} samples over "
+                f"{training_args.world_size} rank(s), rank costs {np.round(rank_costs).tolist()}"
+                f" (max/mean {rank_costs.max() / rank_costs.mean():.3f})",
+                flush=True,
+            )
+    result = trainer.train()
+    if training_args.process_index == 0:
+        print(f"trained {result.global_step} steps, mean loss {result.training_loss:.4f}")
+    if torch.distributed.is_initialized():  # else gloo's threads may abort the exit
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
