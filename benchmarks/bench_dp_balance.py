@@ -15,8 +15,9 @@ ratio of the two methods measured on the same batches.
 
 Measured part (``--no-measure`` skips it): real gloo ranks on this CPU, 2 and 4 under DDP
 (both mixes) and 2 under FSDP2, dflop's reference ``small`` model, the mix scaled onto it
-(``ShapeScaler``), priced by a quick profile of the model on this machine
-(``CostModel``). Every step runs both splits of the same global batch on the same weights:
+(``ShapeScaler``); and the Hugging Face LLaVA-OneVision (tiny, scaled to 4 M parameters)
+on generated LLaVA-format records with PNG files, packed by ``PackingCollator``, under DDP
+and FSDP2. Costs: a quick profile of the same model on this machine (``CostModel``). Every step runs both splits of the same global batch on the same weights:
 per-rank compute (forward + backward) and the step's wall time from a barrier to the end
 of the gradients' reduction, which waits for the slowest rank. DDP: one flat all-reduce
 after the last backward (its bucketed overlap is left out, the same for both); FSDP2: its
@@ -83,30 +84,129 @@ def _wrap(model, wrapper: str):
     return fully_shard(model)
 
 
-def _measured_rank(
-    rank: int, world_size: int, steps: int, global_batch: int, perf_path: str, wrapper: str, mix
-):
-    import torch
-    import torch.distributed as dist
+def _reference_workload(steps: int, global_batch: int, perf_path: str, mix):
+    """dflop's reference ``small`` model on the mix's synthetic shapes, priced by the
+    parent's quick profile: (model, costs, target tokens, summed loss of sample ids)."""
     from dflop.models import build_model, model_config
     from dflop.profiling import CostModel, PerformanceModel
     from dflop.runtime.synthetic_batch import ShapeScaler, SyntheticBatch
 
-    torch.set_num_threads(1)
     config = model_config("small")
-    scaler = ShapeScaler.for_model(config)
-    shapes = scaler.scale(synthetic_shapes(global_batch * steps, seed=1, mix=mix))
+    shapes = ShapeScaler.for_model(config).scale(
+        synthetic_shapes(global_batch * steps, seed=1, mix=MIXES[mix])
+    )
     costs = CostModel(PerformanceModel.load(perf_path)).costs(shapes).sum(axis=1)
     batch = SyntheticBatch(shapes, config, seed=0)
+
+    def sum_loss(model, ids):
+        return model(**batch.model_inputs(np.asarray(ids)))[0]
+
+    return build_model(config, seed=0), costs, batch.target_tokens(), sum_loss
+
+
+def bench_llava_config():
+    """The tiny LLaVA-OneVision scaled up to 4 M parameters (4 + 4 layers, text hidden 256),
+    so that a sample's compute is more than Python's overhead."""
+    from dflop.models.hf.tiny import tiny_llava_onevision_config
+
+    config = tiny_llava_onevision_config(vision_layers=4, text_layers=4)
+    text, vision = config.text_config, config.vision_config
+    text.hidden_size, text.intermediate_size, text.head_dim = 256, 768, 64
+    text.num_attention_heads, text.num_key_value_heads = 4, 2
+    vision.hidden_size, vision.intermediate_size, vision.num_attention_heads = 128, 384, 4
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def write_records(folder: str, num_samples: int, seed: int = 0) -> str:
+    """LLaVA-format records with real image files (PNG, 16-200 px a side: 1 to 10 anyres
+    crops of the tiny model), 25% text-only, lognormal text lengths; not tuned to show an
+    effect. Returns the JSON's path."""
+    import json
+
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    os.makedirs(os.path.join(folder, "images"), exist_ok=True)
+
+    def text(median_words: float) -> str:
+        words = int(np.clip(rng.lognormal(np.log(median_words), 0.9), 2, 150))
+        return " ".join(f"w{int(v)}" for v in rng.integers(0, 10_000, words))
+
+    records = []
+    for i in range(num_samples):
+        turns = [{"from": "human", "value": text(8)}, {"from": "gpt", "value": text(20)}]
+        record = {"id": str(i), "conversations": turns}
+        if rng.random() < 0.75:
+            name = f"{i}.png"
+            width, height = (int(v) for v in rng.integers(16, 201, 2))
+            pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(os.path.join(folder, "images", name))
+            record["image"] = name
+            turns[0]["value"] = "<image>\n" + turns[0]["value"]
+        records.append(record)
+    path = os.path.join(folder, "records.json")
+    with open(path, "w") as f:
+        json.dump(records, f)
+    return path
+
+
+def _hf_workload(records_path: str):
+    """Hugging Face LLaVA-OneVision (:func:`bench_llava_config`) on the records, each
+    microbatch packed into one row (``PackingCollator``), priced by dflop's quick profile
+    of the same model on rank 0 (broadcast: every rank must use the same costs)."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from dflop.dp import PackingCollator
+    from dflop.models.hf import spec_from_config
+    from dflop.profiling import CostModel
+    from dflop.runtime.processed_batch import ProcessedBatch
+    from dflop.train.planning import quick_profile
+
+    config = bench_llava_config()
+    spec = spec_from_config(config)
+    inputs = spec.dataset_inputs()
+    with open(records_path) as f:
+        records = json.load(f)
+    folder = os.path.join(os.path.dirname(records_path), "images")
+    samples = [
+        inputs.sample(r, image_folder=folder, where=f"record {i}") for i, r in enumerate(records)
+    ]
+    fields = [inputs.model_fields(sample) for sample in samples]  # decoded before timing
+    batch = ProcessedBatch(samples, spec.tokens_per_unit)
+    costs = [None]
+    if dist.get_rank() == 0:
+        costs[0] = CostModel(quick_profile(spec, repeats=1)).costs(batch.shapes).sum(axis=1)
+    dist.broadcast_object_list(costs, src=0)
+    targets = batch.target_tokens()
+    collate = PackingCollator()
+
+    def sum_loss(model, ids):
+        return model(**collate([fields[i] for i in ids])).loss * int(targets[list(ids)].sum())
+
+    torch.manual_seed(0)
+    model = transformers.LlavaOnevisionForConditionalGeneration(config)
+    return model, costs[0], targets, sum_loss
+
+
+def _measured_rank(
+    rank: int, world_size: int, steps: int, global_batch: int, data: str, wrapper: str, mix
+):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if mix == HF_MIX:
+        model, costs, targets, sum_loss = _hf_workload(data)
+    else:
+        model, costs, targets, sum_loss = _reference_workload(steps, global_batch, data, mix)
     sampler = BalancedBatchSampler(
-        costs,
-        global_batch,
-        MICROBATCHES,
-        seed=0,
-        target_tokens=batch.target_tokens(),
-        shuffle=False,
+        costs, global_batch, MICROBATCHES, seed=0, target_tokens=targets, shuffle=False
     )
-    model = _wrap(build_model(config, seed=0), wrapper)
+    model = _wrap(model, wrapper)
     rows = []
     for step in range(steps):
         info = sampler.plan_step(0, step)
@@ -122,8 +222,7 @@ def _measured_rank(
             if wrapper == "ddp":
                 with model.no_sync():  # compute alone, then the gradients' all-reduce
                     for ids in parts:
-                        sum_loss, _ = model(**batch.model_inputs(np.asarray(ids)))
-                        (sum_loss * scale).backward()
+                        (sum_loss(model, ids) * scale).backward()
                 compute = time.perf_counter() - start
                 grads = [p.grad for p in model.parameters() if p.grad is not None]
                 flat = torch.cat([g.reshape(-1) for g in grads])
@@ -131,8 +230,7 @@ def _measured_rank(
             else:  # FSDP: all-gathers in every forward; the last backward reduce-scatters
                 for k, ids in enumerate(parts):
                     model.set_requires_gradient_sync(k == len(parts) - 1)
-                    sum_loss, _ = model(**batch.model_inputs(np.asarray(ids)))
-                    (sum_loss * scale).backward()
+                    (sum_loss(model, ids) * scale).backward()
                 compute = time.perf_counter() - start
             wall = torch.tensor([compute, time.perf_counter() - start])
             gathered = [torch.zeros(2) for _ in range(world_size)]
@@ -143,7 +241,7 @@ def _measured_rank(
     return rows if rank == 0 else None
 
 
-def measured(ranks: int, steps: int, global_batch: int, wrapper: str = "ddp", mix=None) -> dict:
+def measured(ranks: int, steps: int, global_batch: int, wrapper: str, mix: str) -> dict:
     """dflop against the equal split on ``ranks`` real CPU ranks (gloo)."""
     import tempfile
 
@@ -152,12 +250,15 @@ def measured(ranks: int, steps: int, global_batch: int, wrapper: str = "ddp", mi
     from dflop.train.planning import quick_profile
 
     with tempfile.TemporaryDirectory() as folder:
-        perf_path = os.path.join(folder, "perf.json")
-        quick_profile(model_config("small"), repeats=1).save(perf_path)
+        if mix == HF_MIX:
+            data = write_records(folder, global_batch * steps)
+        else:
+            data = os.path.join(folder, "perf.json")
+            quick_profile(model_config("small"), repeats=1).save(data)
         rows = spawn_local(
             _measured_rank,
             ranks,
-            args=(steps, global_batch, perf_path, wrapper, mix),
+            args=(steps, global_batch, data, wrapper, mix),
             timeout_s=1800.0,
             num_threads=1,
         )[0]
@@ -169,11 +270,14 @@ def measured(ranks: int, steps: int, global_batch: int, wrapper: str = "ddp", mi
     return out
 
 
-MEASURED = [  # (ranks, wrapper, mix name)
+HF_MIX = "HF LLaVA-OneVision, LLaVA records with image files"
+MEASURED = [  # (ranks, wrapper, workload)
     (2, "ddp", "embedded mix"),
     (2, "ddp", "video-heavy mix (skewed on purpose)"),
     (4, "ddp", "embedded mix"),
     (2, "fsdp", "embedded mix"),
+    (2, "ddp", HF_MIX),
+    (2, "fsdp", HF_MIX),
 ]
 
 
@@ -211,10 +315,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.measure:
         lines += [
             "",
-            "Measured on this CPU (gloo, one thread per rank), the reference `small` model, the "
-            "mix scaled onto it and priced by a quick profile of the model here, 8 samples "
-            f"and {MICROBATCHES} microbatches per rank per step, {args.measure_steps - 1} "
-            "steps after a warm-up, both splits of every batch on the same weights. DDP: "
+            "Measured on this CPU (gloo, one thread per rank), 8 samples and "
+            f"{MICROBATCHES} microbatches per rank per step, {args.measure_steps - 1} steps "
+            "after a warm-up, both splits of every batch on the same weights. Mixes: dflop's "
+            "reference `small` model on the synthetic mixes scaled onto it; "
+            f"'{HF_MIX}': the Hugging Face model (tiny LLaVA-OneVision scaled to 4 M "
+            "parameters) on generated LLaVA-format records with PNG files (16-200 px, 25% "
+            "text-only; not tuned), each microbatch packed by `PackingCollator`. Costs: "
+            "dflop's quick profile of the same model on this machine (`CostModel`). DDP: "
             "compute, then one all-reduce; FSDP2 (`fully_shard`): all-gathers in every "
             "forward tie the ranks together, so its compute imbalance reads near 1 for both "
             "and the step time is what differs. 4 ranks share the 2 cores (2 per core): "
@@ -226,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             "|---:|---|---|---:|---:|---:|---:|---:|",
         ]
         for ranks, wrapper, mix_name in MEASURED:
-            r = measured(ranks, args.measure_steps, 8 * ranks, wrapper, MIXES[mix_name])
+            r = measured(ranks, args.measure_steps, 8 * ranks, wrapper, mix_name)
             lines.append(
                 f"| {ranks} | {wrapper.upper()} | {mix_name} | {r['dflop']:.3f} | "
                 f"{r['distributed']:.3f} | {r['dflop_step']:.3f} | "

@@ -33,6 +33,9 @@ from dflop.dp import PackingCollator
 from dflop.dp.hf import BalancedTrainer
 from dflop.models.hf import spec_from_config
 from dflop.models.hf.tiny import tiny_llava_onevision_config
+from dflop.profiling import CostModel
+from dflop.runtime.processed_batch import ProcessedBatch
+from dflop.train.planning import quick_profile
 
 LLAVA_MINI = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "llava_mini")
 
@@ -57,12 +60,17 @@ class RecordDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         return self.inputs.model_fields(self._sample(index, lazy=False))
 
-    def costs(self, tokens_per_unit: int) -> np.ndarray:
-        """Per sample, a FLOP-like price: encoder tokens plus LLM tokens (a
-        ``dflop.profiling.CostModel`` fitted to your GPUs gives seconds instead)."""
-        return np.array(
-            [s.units * tokens_per_unit + len(s.input_ids) for s in self.shapes], dtype=np.float64
-        )
+    def costs(self, spec) -> np.ndarray:
+        """Per sample, its training seconds on this machine: dflop's quick profile of the
+        same model (encoder per unit, LLM per token) priced over the samples' shapes.
+        Every rank must use the same numbers: rank 0 prices, the others receive them."""
+        costs = [None]
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            shapes = ProcessedBatch(self.shapes, spec.tokens_per_unit).shapes
+            costs[0] = CostModel(quick_profile(spec)).costs(shapes).sum(axis=1)
+        if torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(costs, src=0)
+        return costs[0]
 
 
 def single_image_or_text(record: dict) -> bool:
@@ -108,7 +116,7 @@ def main() -> None:
     )  # fmt: skip
     trainer = BalancedTrainer(
         model=model, args=training_args, train_dataset=dataset, data_collator=PackingCollator(),
-        sample_costs=dataset.costs(spec.tokens_per_unit),
+        sample_costs=dataset.costs(spec),
     )  # fmt: skip
     sampler = trainer.balanced_sampler()
     if training_args.process_index == 0:
@@ -117,14 +125,15 @@ def main() -> None:
             rank_costs = info.rank_costs.sum(axis=1)
             print(
                 f"epoch 0 step {step}: {info.global_batch} samples over "
-                f"{training_args.world_size} rank(s), rank costs {np.round(rank_costs).tolist()}"
+                f"{training_args.world_size} rank(s), rank seconds {np.round(rank_costs, 4).tolist()}"
                 f" (max/mean {rank_costs.max() / rank_costs.mean():.3f})",
                 flush=True,
             )
     result = trainer.train()
     if training_args.process_index == 0:
         print(f"trained {result.global_step} steps, mean loss {result.training_loss:.4f}")
-    if torch.distributed.is_initialized():  # else gloo's threads may abort the exit
+    if torch.distributed.is_initialized():  # both ranks leave together, the group closed
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

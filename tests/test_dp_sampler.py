@@ -263,6 +263,36 @@ def test_balanced_step_has_the_single_process_gradient(wrapper):
             np.testing.assert_allclose(r["grads"][name], want, rtol=1e-5, atol=1e-7)
 
 
+def _disagreeing_ranks(rank: int, world_size: int) -> list[str]:
+    """What the sampler says when rank 1 priced the samples differently, then when it
+    resumed from another step."""
+    messages = []
+    costs = _costs(32) * (1.0 + 1e-9 * rank)  # e.g. each rank profiled its own cost model
+    for case in ("costs", "state"):
+        sampler = BalancedBatchSampler(costs if case == "costs" else _costs(32), 8, 2)
+        if case == "state" and rank == 1:
+            sampler.load_state_dict({"epoch": 0, "step": 1, "seed": 0})
+        try:
+            next(iter(sampler))
+            messages.append("no error")
+        except ValueError as error:
+            messages.append(str(error))
+    sampler = BalancedBatchSampler(_costs(32), 8, 2)
+    assert len(list(sampler)) == 8  # the same on every rank: no error
+    return messages
+
+
+@pytest.mark.integration
+def test_ranks_that_would_split_differently_are_named():
+    from dflop.runtime import spawn_local
+
+    results = spawn_local(_disagreeing_ranks, 2, timeout_s=120.0, num_threads=1)
+    for costs, state in results:  # every rank raises the same error
+        assert "rank 1 differs from rank 0 in its costs" in costs
+        assert "rank 1 differs from rank 0 in its settings" in state
+        assert "False, 0, 1) vs (32, 8, 2, 0, True, False, 0, 0)" in state  # the steps
+
+
 def test_a_share_too_small_for_its_microbatches_falls_back_on_every_rank_alike():
     costs = np.ones(16)
     costs[0] = 100.0  # its rank's balanced share would hold this sample alone

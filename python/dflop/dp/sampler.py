@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -132,6 +133,10 @@ class BalancedBatchSampler:
         target_tokens: ``(N,)`` target tokens per sample, for :attr:`step_info`'s global
             count and :meth:`loss_scale`.
         time_budget_ms: the balancer's search effort (deterministic; default by size).
+        check_ranks: when torch.distributed is initialised with ``world_size`` ranks,
+            compare once per epoch (at the start of iteration: every rank must iterate)
+            that every rank prices the step alike and is at the same step; a difference
+            raises ``ValueError`` naming the rank instead of training overlapping shares.
 
     ``state_dict()`` / ``load_state_dict()`` resume mid-epoch at a step boundary;
     ``set_epoch(e)`` starts epoch e (as with DistributedSampler). Iterate the DataLoader
@@ -155,8 +160,10 @@ class BalancedBatchSampler:
         limits: Sequence[float] | None = None,
         target_tokens: Any = None,
         time_budget_ms: float | None = None,
+        check_ranks: bool = True,
     ) -> None:
         rank, world_size = _rank_and_world(rank, world_size)
+        self.check_ranks = bool(check_ranks)
         self.rank, self.world_size = rank, world_size
         self.global_batch = _positive("global_batch", global_batch)
         self.num_microbatches = _positive("num_microbatches", num_microbatches)
@@ -243,6 +250,8 @@ class BalancedBatchSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         order = self._permutation(self.epoch)
+        if self.check_ranks:
+            self._check_same_on_every_rank(order)
         while self._step < self.steps_per_epoch():
             info = self.plan_step(self.epoch, self._step, order)
             self.step_info = info
@@ -328,6 +337,45 @@ class BalancedBatchSampler:
 
     def _microbatches_for(self, size: int) -> int:
         return min(self.num_microbatches, size // self.world_size)
+
+    def _check_same_on_every_rank(self, order: np.ndarray) -> None:
+        """Ranks that price the samples differently (each profiled its own cost model) or
+        resume from different states would train overlapping shares without any error:
+        compare a digest of everything the split depends on, once per epoch."""
+        try:
+            import torch.distributed as dist
+        except ImportError:
+            return
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if dist.get_world_size() != self.world_size:
+            return  # a data-parallel group inside a larger job: the caller's to check
+        first = order[: self.global_batch]
+        digest = hashlib.blake2b(digest_size=16)
+        for part in (self._step_costs(first), self._resources, self._limits, self._targets):
+            if part is not None:
+                digest.update(np.ascontiguousarray(part).tobytes())
+        settings = (self.num_samples, self.global_batch, self.num_microbatches, self.seed,
+                    self.shuffle, self.drop_last, self.epoch, self._step)  # fmt: skip
+        digest.update(repr(settings).encode())
+        digests: list[Any] = [None] * self.world_size
+        dist.all_gather_object(digests, (digest.hexdigest(), settings))
+        differing = [r for r, d in enumerate(digests) if d[0] != digests[0][0]]
+        if differing:
+            r = differing[0]
+            what = (
+                f"settings (num_samples, global_batch, num_microbatches, seed, shuffle, "
+                f"drop_last, epoch, step) {digests[r][1]} vs {digests[0][1]}"
+                if digests[r][1] != digests[0][1]
+                else "costs, resources, limits or target_tokens"
+            )
+            raise ValueError(
+                f"BalancedBatchSampler: rank {r} differs from rank 0 in its {what}; every "
+                "rank must compute the same split (price the samples once, e.g. on rank 0, "
+                "and broadcast the costs or load them from one file; load the same state "
+                "on every rank), else ranks train overlapping shares. check_ranks=False "
+                "turns this check off."
+            )
 
     def _step_costs(self, indices: np.ndarray) -> np.ndarray:
         if self._cost_fn is None:
