@@ -61,5 +61,6 @@ void register_simulator(pybind11::module_& m);
 void register_planner(pybind11::module_& m);
 void register_routing(pybind11::module_& m);
 void register_pipeline_schedule(pybind11::module_& m);
+void register_rows(pybind11::module_& m);
 
 }  // namespace dflop::bindings

@@ -26,4 +26,5 @@ PYBIND11_MODULE(_core, m) {
   dflop::bindings::register_planner(m);
   dflop::bindings::register_routing(m);
   dflop::bindings::register_pipeline_schedule(m);
+  dflop::bindings::register_rows(m);
 }

@@ -150,3 +150,6 @@ def plan_routing(
 def split_units(
     units: np.ndarray, costs: np.ndarray, num_replicas: int, granularity: str = "unit"
 ) -> dict[str, Any]: ...
+
+# Pack / unpack indices of the bridge (dflop.runtime.rows).
+def check_row_index(index: np.ndarray, rows: int, *, unique: bool, name: str) -> None: ...

@@ -74,6 +74,7 @@ from dflop.runtime.p2p import (
     message_tag,
 )
 from dflop.runtime.routing import RoutingPlan
+from dflop.runtime.rows import gather_rows
 from dflop.runtime.topology import Topology
 
 __all__ = ["BridgeCommunicator", "PendingTransfer"]
@@ -227,7 +228,7 @@ class BridgeCommunicator:
                 index = plan.recv_arrival_index(dst)
                 if _is_identity(index):
                     return arrived
-                return arrived.index_select(0, torch.tensor(index, device=arrived.device))
+                return gather_rows(arrived, index)  # unpack into recv order
             return _as_dict(arrived, arrival_ids, plan, order=plan.recv_order[dst])
 
         return self._recv(microbatch_id, FEATURES, counts, peers, finish, wait)
@@ -246,9 +247,8 @@ class BridgeCommunicator:
         if isinstance(grads, torch.Tensor):
             self._check_tensor(grads, plan.recv_rows(dst), what)
             index = plan.recv_arrival_index(dst)
-            if not _is_identity(index):
-                inverse = np.argsort(index, kind="stable")
-                grads = grads.index_select(0, torch.tensor(inverse, device=grads.device))
+            if not _is_identity(index):  # pack back into arrival order
+                grads = gather_rows(grads.detach().contiguous(), np.argsort(index, kind="stable"))
             buffers = _slices(grads.detach(), counts)
         else:
             arrival_order = np.concatenate(

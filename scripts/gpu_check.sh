@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU checks (issue "GPU path"), one prepared run on a machine with one CUDA GPU; about
+# 6 minutes on an H200. Uses the machine's own python3 and torch (no downloads): builds
+# dflop with its CUDA part, runs the GPU-marked tests plain, under torch's CUDA sanitizer
+# and under compute-sanitizer's memcheck, benchmarks the pack kernels against torch, and
+# profiles + fits the performance model on the GPU (held-out error, target <= 5%).
+# Logs and results go to $OUT (default ./gpu-check-out). Each step reports its exit code;
+# the script's is the first failing one.
+#
+#   bash scripts/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-check-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+status=0
+step() {  # step NAME TIMEOUT_S COMMAND...: run it, log to $OUT/NAME.log, keep going
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name: $*"
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  echo "== $name: exit $rc after $((SECONDS - start)) s"
+  if [ "$rc" -ne 0 ] && [ "$status" -eq 0 ]; then status=$rc; fi
+  return "$rc"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+
+step build 300 python3 -m pip install -v --no-build-isolation --no-deps \
+  -C cmake.define.DFLOP_CUDA=ON -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -e . || exit 1
+step kernels_available 60 python3 -c "
+from dflop.runtime import rows
+assert rows.cuda_kernels_available(), 'dflop._cuda sees no GPU'
+print('dflop._cuda OK')" || exit 1
+
+step gpu_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_rows.py
+step torch_cuda_sanitizer 180 env TORCH_CUDA_SANITIZER=1 \
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_rows.py
+step compute_sanitizer_memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 9 \
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_rows.py -k equal_torch
+step bench_rows 120 python3 benchmarks/bench_rows.py --markdown "$OUT/bench_rows.md"
+step perf_model 300 python3 benchmarks/bench_perf_model.py --device cuda \
+  --preset siglip-400m+llm-0.5b --output "$OUT/perf.json"
+
+echo "== gpu_check: exit $status (logs in $OUT)"
+exit "$status"
