@@ -604,14 +604,11 @@ def runtime_scored(
     assignments = []
     for b in range(inputs.num_batches):
         seen = _core.stage_costs(*args, b)
-        model = PipelineModel.encoder_llm(
-            encoder_pp=layout.encoder.pp,
-            encoder_dp=layout.encoder.dp,
-            llm_pp=layout.llm.pp,
+        model = PipelineModel.for_layout(
+            layout,
             stage_constant_s=seen["constants"],
             forward_fraction=tuple(config.forward_fraction),
             link_latency_s=cluster.link_latency_s,
-            llm_chunks=layout.llm.virtual_stages,
         )
         # As the trainer's scheduler does for step b: its seed offset by the step.
         chosen = pipeline_schedule(

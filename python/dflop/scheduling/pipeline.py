@@ -161,6 +161,28 @@ class PipelineModel:
             chunks=(1, int(llm_chunks)),
         )
 
+    @classmethod
+    def for_layout(
+        cls,
+        layout: Any,
+        *,
+        stage_constant_s: tuple[float, float],
+        forward_fraction: tuple[float, float],
+        link_latency_s: float,
+    ) -> PipelineModel:
+        """:meth:`encoder_llm` of a planner / runtime layout (``layout.encoder`` and
+        ``layout.llm`` with ``pp``, ``dp`` and ``virtual_stages``): the one pipeline the
+        trainer's scheduler and the planner's re-scoring both use."""
+        return cls.encoder_llm(
+            encoder_pp=layout.encoder.pp,
+            encoder_dp=layout.encoder.dp,
+            llm_pp=layout.llm.pp,
+            stage_constant_s=stage_constant_s,
+            forward_fraction=forward_fraction,
+            link_latency_s=link_latency_s,
+            llm_chunks=layout.llm.virtual_stages,
+        )
+
     @property
     def num_modules(self) -> int:
         return len(self.stages)

@@ -237,14 +237,11 @@ class Trainer:
         unit) and the pipeline, by the planner's model of this layout (the same numbers a
         plan was scored with) priced by the current cost model and calibration."""
         costs, constants = self.predictor.stage_costs(self.cost_model, shapes)
-        model = PipelineModel.encoder_llm(
-            encoder_pp=self.layout.encoder.pp,
-            encoder_dp=self.layout.encoder.dp,
-            llm_pp=self.layout.llm.pp,
+        model = PipelineModel.for_layout(
+            self.layout,
             stage_constant_s=constants,
             forward_fraction=(self._forward_fraction["encoder"], self._forward_fraction["llm"]),
             link_latency_s=self._link_latency_s,
-            llm_chunks=self.layout.llm.virtual_stages,
         )
         return costs, model
 
