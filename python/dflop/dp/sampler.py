@@ -350,9 +350,13 @@ class BalancedBatchSampler:
             return
         if dist.get_world_size() != self.world_size:
             return  # a data-parallel group inside a larger job: the caller's to check
-        first = order[: self.global_batch]
+        # An array's every cost; a function's for the epoch's first step (pricing them all
+        # could be expensive).
+        costs = (
+            self._costs if self._cost_fn is None else self._step_costs(order[: self.global_batch])
+        )
         digest = hashlib.blake2b(digest_size=16)
-        for part in (self._step_costs(first), self._resources, self._limits, self._targets):
+        for part in (costs, self._resources, self._limits, self._targets):
             if part is not None:
                 digest.update(np.ascontiguousarray(part).tobytes())
         settings = (self.num_samples, self.global_batch, self.num_microbatches, self.seed,
