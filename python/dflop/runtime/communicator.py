@@ -46,8 +46,11 @@ Tensors: one message per (src, dst) pair: the pair's items' rows concatenated in
 tensor form is its ``recv_order`` (ascending item position: for pieces, every sample's
 units in order) and costs one row gather.
 On NCCL the buffers live on the current CUDA device; transfers are issued on torch's
-P2P stream (ordering with compute streams is torch's: the returned tensors are safe to
-use on the current stream once ``wait`` returned).
+P2P stream, and ``wait`` orders the current stream after them without blocking the host
+(the returned tensors are safe to use on the current stream; a hang is caught by the
+process group's timeout rather than ``timeout_s``). The receiver's reorder into recv
+order is one :func:`~dflop.runtime.rows.gather_rows` (a ``dflop._cuda`` kernel where
+built). Not yet run on GPUs.
 """
 
 from __future__ import annotations
@@ -89,8 +92,12 @@ FeatureOutput = Union[dict[int, torch.Tensor], torch.Tensor]
 
 
 class PendingTransfer:
-    """A transfer in flight. ``wait()`` blocks (up to the communicator's timeout) until
-    every message of it completed and returns the received data (None for sends)."""
+    """A transfer in flight. ``wait()`` returns the received data (None for sends) once it
+    is safe to use: on CPU (gloo) it blocks, up to the communicator's timeout, until every
+    message completed; on CUDA (``stream_ordered``) it makes the current CUDA stream wait
+    for the transfer and returns at once, so the host goes on queueing work (a timed wait
+    would block the host on NCCL); a hung transfer is then caught by the process group's
+    own timeout (set by the launcher)."""
 
     def __init__(
         self,
@@ -100,6 +107,7 @@ class PendingTransfer:
         timeout_s: float,
         keepalive: Sequence[torch.Tensor] = (),
         prepare: Callable[[], list[Any]] | None = None,
+        stream_ordered: bool = False,
     ) -> None:
         self._works = list(works)
         self._prepare = prepare  # debug mode: header check, then the data works
@@ -108,6 +116,7 @@ class PendingTransfer:
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._timeout_s = timeout_s
         self._keepalive = list(keepalive)  # send buffers must outlive the send
+        self._stream_ordered = stream_ordered
         self._done = False
         self._result: Any = None
 
@@ -118,7 +127,10 @@ class PendingTransfer:
                 self._prepare = None
             for work in self._works:
                 try:
-                    work.wait(self._timeout)
+                    if self._stream_ordered:
+                        work.wait()
+                    else:
+                        work.wait(self._timeout)
                 except RuntimeError as error:
                     raise RuntimeError(
                         f"{self._describe()} failed or timed out (timeout {self._timeout_s:g} s): "
@@ -311,6 +323,7 @@ class BridgeCommunicator:
             describe=lambda: self._describe("sending", microbatch_id, direction, active),
             timeout_s=self.timeout_s,
             keepalive=keep,
+            stream_ordered=self.device.type == "cuda" and not self.debug,
         )
         if wait:
             transfer.wait()
@@ -346,6 +359,7 @@ class BridgeCommunicator:
             describe=lambda: self._describe("receiving", microbatch_id, direction, active),
             timeout_s=self.timeout_s,
             prepare=prepare,
+            stream_ordered=self.device.type == "cuda" and not self.debug,
         )
         return transfer.wait() if wait else transfer
 
