@@ -2,7 +2,8 @@
 # The GPU checks (issue "GPU path"), one prepared run on a machine with one CUDA GPU; about
 # 6 minutes on an H200. Uses the machine's own python3 and torch (no downloads): builds
 # dflop with its CUDA part, runs the GPU-marked tests plain, under torch's CUDA sanitizer
-# and under compute-sanitizer's memcheck, benchmarks the pack kernels against torch, and
+# and under compute-sanitizer's memcheck, benchmarks the pack kernels against torch, runs
+# the Hugging Face Trainer example (BalancedTrainer + PackingCollator) on the GPU, and
 # profiles + fits the performance model on the GPU (held-out error, target <= 5%).
 # Logs and results go to $OUT (default ./gpu-check-out). Each step reports its exit code;
 # the script's is the first failing one.
@@ -43,6 +44,7 @@ step torch_cuda_sanitizer 180 env TORCH_CUDA_SANITIZER=1 \
 step compute_sanitizer_memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 9 \
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_rows.py -k equal_torch
 step bench_rows 120 python3 benchmarks/bench_rows.py --markdown "$OUT/bench_rows.md"
+step hf_trainer_example 180 python3 examples/hf_trainer_balance.py --epochs 1
 step perf_model 300 python3 benchmarks/bench_perf_model.py --device cuda \
   --preset siglip-400m+llm-0.5b --output "$OUT/perf.json"
 
