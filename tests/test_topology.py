@@ -70,6 +70,32 @@ def test_rank_info_matches_the_documented_formula(layout: RuntimeLayout) -> None
     assert [layout.encoder_bridge_rank(d) for d in range(layout.encoder.dp)] == senders
 
 
+@pytest.mark.parametrize("pp,v", [(2, 2), (3, 2), (2, 3)])
+def test_chunk_neighbours_point_at_each_other(pp: int, v: int) -> None:
+    """Interleaved LLM chunks: the next virtual stage of every chunk is a chunk whose
+    previous one is it (rank and chunk index), across the last stage -> first wrap."""
+    from dflop.runtime.topology import chunk_infos
+
+    layout = RuntimeLayout(
+        ModuleLayout(1, 1, 1, uniform_layer_ranges(2, 1)),
+        ModuleLayout(1, pp, 1, uniform_layer_ranges(pp * v, pp * v), virtual_stages=v),
+        num_microbatches=pp,
+        global_batch=2 * pp,
+    )
+    chunks = {
+        (ci.rank, ci.chunk): ci
+        for r in range(1, layout.world_size)
+        for ci in chunk_infos(layout, r)
+    }
+    by_stage = {ci.virtual_stage: ci for ci in chunks.values()}
+    assert sorted(by_stage) == list(range(1, 1 + pp * v))  # after the encoder's stage 0
+    for stage, ci in by_stage.items():
+        if stage + 1 in by_stage:
+            nxt = by_stage[stage + 1]
+            assert (ci.next_rank, ci.next_chunk) == (nxt.rank, nxt.chunk)
+            assert (nxt.prev_rank, nxt.prev_chunk) == (ci.rank, ci.chunk)
+
+
 def test_rank_info_rejects_bad_ranks() -> None:
     layout = LAYOUTS[1]
     with pytest.raises(ValueError, match="rank=4"):

@@ -733,10 +733,7 @@ class PipelineEngine:
         neighbouring chunk, which may sit on the same rank pair in another round."""
         forward = kind == p2p.FORWARD
         dst = ci.next_rank if forward else ci.prev_rank
-        # The receiving chunk: the next (previous) virtual stage, possibly across the wrap.
-        mod = self.layout.module(self.info.module)
-        base = ci.virtual_stage - ci.chunk * mod.pp - self.info.pp_rank
-        chunk = (ci.virtual_stage + (1 if forward else -1) - base) // mod.pp
+        chunk = ci.next_chunk if forward else ci.prev_chunk  # the receiving chunk
         tensor = tensor.contiguous()
         if self.debug:
             header = p2p.debug_header(

@@ -352,6 +352,11 @@ class RankInfo:
     """Which of the rank's chunks this describes (0 for :func:`rank_info`)."""
     num_chunks: int = 1
     """Chunks per stage of the rank's module (its ``virtual_stages``)."""
+    prev_chunk: int = 0
+    """The chunk index, on ``prev_rank``, of the previous virtual stage (``chunk - 1``
+    across the interleaved wrap-around, else ``chunk``)."""
+    next_chunk: int = 0
+    """The chunk index, on ``next_rank``, of the next virtual stage."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -410,15 +415,20 @@ def chunk_infos(layout: RuntimeLayout, rank: int) -> tuple[RankInfo, ...]:
     out = []
     for c, layer_range in enumerate(mod.stage_layer_ranges(info.pp_rank)):
         prev_rank, next_rank = info.prev_rank, info.next_rank
+        prev_chunk = next_chunk = c
         if info.pp_rank == 0 and c > 0:
             prev_rank = layout.rank_of(info.module, info.dp_rank, last, info.tp_rank)
+            prev_chunk = c - 1
         if info.pp_rank == last and c < mod.virtual_stages - 1:
             next_rank = layout.rank_of(info.module, info.dp_rank, 0, info.tp_rank)
+            next_chunk = c + 1
         out.append(
             dataclasses.replace(
                 info,
                 prev_rank=prev_rank,
                 next_rank=next_rank,
+                prev_chunk=prev_chunk,
+                next_chunk=next_chunk,
                 layer_range=layer_range,
                 virtual_stage=stage_base + c * mod.pp + info.pp_rank,
                 chunk=c,
