@@ -5,8 +5,8 @@ Shapes are the bridge's: features of a microbatch's visual tokens (rows) by the 
 hidden size, a random permutation as the routing order (every row to one place). Both
 sides include uploading the host index (the routing plan lives on the host). On a GPU
 with ``dflop._cuda``: CUDA-event times, median of the repeats, and the bytes moved (read
-+ written) per second. On CPU both run torch's path (dflop adds the host-side index
-check): the ratio shows that check's cost.
++ written) per second. On CPU both run torch's op (dflop adds its host-side index
+check): the ratios are noise around 1.
 
     python benchmarks/bench_rows.py [--markdown benchmarks/README.md]
 """

@@ -5,6 +5,9 @@
 # and under compute-sanitizer's memcheck, benchmarks the pack kernels against torch, runs
 # the Hugging Face Trainer example (BalancedTrainer + PackingCollator) on the GPU, and
 # profiles + fits the performance model on the GPU (held-out error, target <= 5%).
+# torch's CUDA sanitizer sees torch's ops around the kernels, not the kernels (raw-pointer
+# launches); the kernels' stream order is tested directly (a side stream behind a sleeping
+# current stream), and memcheck catches out-of-bounds accesses.
 # Logs and results go to $OUT (default ./gpu-check-out). Each step reports its exit code;
 # the script's is the first failing one.
 #

@@ -101,7 +101,7 @@ def test_packed_llava_onevision_on_real_images_trains_like_its_samples_one_by_on
 def test_layout_of_the_packed_row():
     samples = [
         {"input_ids": [5, 6, 7], "labels": [5, 6, 7], "pixel_values": torch.ones(1, 2, 3)},
-        {"input_ids": [8, 9], "labels": [-100, 9]},
+        {"input_ids": [8, 9], "labels": [-100, 9], "attention_mask": torch.ones(2)},
         {"input_ids": [1], "labels": [1], "pixel_values": torch.ones(2, 4, 3)},
     ]
     batch = PackingCollator(flash_attention_kwargs=True)(samples)
@@ -111,7 +111,7 @@ def test_layout_of_the_packed_row():
     assert batch["pixel_values"].shape == (3, 4, 3)
     assert batch["pixel_values"][0, 2:].abs().sum() == 0  # padded crops
     assert batch["cu_seq_lens_q"].tolist() == [0, 3, 5, 6] and batch["max_length_k"] == 3
-    assert batch["use_cache"] is False
+    assert batch["use_cache"] is False and "attention_mask" not in batch  # all ones: dropped
     assert "use_cache" not in PackingCollator(use_cache_flag=False)(samples)
 
 
@@ -130,6 +130,20 @@ def test_bad_samples_are_named():
         ])  # fmt: skip
     with pytest.raises(ValueError, match="sample 0 is empty"):
         collate([{"input_ids": [], "labels": []}])
+    one = {"input_ids": [1, 2], "labels": [1, 2]}
+    # A mask would make transformers ignore the restarts: packed samples would see each other.
+    with pytest.raises(ValueError, match="sample 0: its attention_mask masks tokens"):
+        collate([{**one, "attention_mask": torch.tensor([1, 0])}])
+    with pytest.raises(ValueError, match="field 'token_type_ids' has one entry per token"):
+        collate([{**one, "token_type_ids": torch.tensor([0, 0])}])
+    with pytest.raises(ValueError, match="sample 0 has a 'position_ids' field: the collator"):
+        collate([{**one, "position_ids": torch.tensor([0, 1])}])
+    with pytest.raises(ValueError, match="'batch_num_images' field, which describes one"):
+        collate([{**one, "batch_num_images": torch.tensor([2])}])
+    with pytest.raises(ValueError, match="'image_sizes': samples' tensors differ beyond"):
+        collate(
+            [{**one, "image_sizes": torch.ones(1, 2)}, {**one, "image_sizes": torch.ones(1, 3)}]
+        )
     with pytest.raises(ValueError, match="label_key='target'"):
         PackingCollator(label_key="target")
 

@@ -230,6 +230,15 @@ def _dp_step(rank: int, world_size: int, wrapper: str) -> dict:
         lengths.astype(float) ** 1.5, SAMPLES, 3, target_tokens=lengths - 1, seed=1
     )
     model = _wrap(_model(), wrapper)
+    synced = []  # DDP: the microbatches whose backward reduced gradients over the ranks
+    if wrapper == "ddp":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def counting_hook(state, bucket):
+            synced.append(mb.index)
+            return allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, counting_hook)
     loader = torch.utils.data.DataLoader(range(SAMPLES), batch_sampler=sampler)
     samples = []
     for batch, mb in sampler.batches(loader):
@@ -240,7 +249,7 @@ def _dp_step(rank: int, world_size: int, wrapper: str) -> dict:
             loss.backward()
         samples += batch.tolist()
     assert mb.is_last and mb.step.num_microbatches == 3
-    return {"samples": sorted(samples), "grads": _full_grads(model, wrapper)}
+    return {"samples": sorted(samples), "grads": _full_grads(model, wrapper), "synced": synced}
 
 
 @pytest.mark.integration
@@ -251,6 +260,8 @@ def test_balanced_step_has_the_single_process_gradient(wrapper):
     from dflop.runtime import spawn_local
 
     results = spawn_local(_dp_step, 2, (wrapper,), timeout_s=120.0, num_threads=1)
+    if wrapper == "ddp":  # linear, so syncing every microbatch would give the same grads
+        assert all(set(r["synced"]) == {2} for r in results)  # only after the last of 3
     lengths, tokens = _data()
     assert sorted(results[0]["samples"] + results[1]["samples"]) == list(range(SAMPLES))
     assert results[0]["samples"] != results[1]["samples"]

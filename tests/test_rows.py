@@ -65,6 +65,11 @@ def test_bad_indices_and_tensors_are_named():
     with pytest.raises(ValueError, match="src has 2 rows, index 1 entries"):
         rows.scatter_rows(torch.zeros(2, 2), [0], torch.zeros(4, 2))
     assert rows.gather_rows(src, []).shape == (0, 2)
+    # The kernels read src while other blocks write out: shared memory would race.
+    with pytest.raises(ValueError, match="src and out overlap in memory"):
+        rows.gather_rows(src, [3, 2, 1, 0], out=src)
+    with pytest.raises(ValueError, match="src and out overlap in memory"):
+        rows.scatter_rows(src[:2], [3, 2], src)
 
 
 def test_the_cuda_extension_imports_without_a_gpu():
@@ -108,3 +113,17 @@ def test_kernels_are_ordered_on_a_side_stream():
         packed = rows.gather_rows(src, gather, out, stream=side)
         torch.cuda.current_stream().wait_stream(side)
         assert torch.equal(packed, src[torch.from_numpy(gather).cuda()])
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_side_stream_waits_for_the_current_one():
+    """With stream= and no out, the pack runs after what the current stream queued before
+    it (here: a long sleep, then the write of src) and allocates out on the side stream."""
+    src = torch.zeros(4096, 256, device="cuda")
+    torch.cuda._sleep(100_000_000)  # tens of ms of GPU time on the current stream
+    src.fill_(3.0)
+    side = torch.cuda.Stream()
+    out = rows.gather_rows(src, np.arange(4096)[::-1].copy(), stream=side)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(out, torch.full_like(out, 3.0))

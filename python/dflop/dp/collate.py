@@ -26,6 +26,13 @@ from dflop.errors import InputTypeError
 
 __all__ = ["PackingCollator"]
 
+_PACKER_KEYS = frozenset(
+    {"position_ids", "use_cache", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+)
+"""Fields the collator makes for the packed row."""
+_PER_ROW_KEYS = frozenset({"batch_num_images", "pixel_values_videos", "video_grid_thw"})
+"""Fields that describe a whole batch row (a sample's images or frames as one group)."""
+
 
 class PackingCollator:
     """Packs samples (mappings of field -> values) into one row for a DataLoader's
@@ -38,8 +45,14 @@ class PackingCollator:
     * ``position_ids`` ``(1, total_tokens)``: ``0 .. length - 1`` per sample.
     * every other tensor field (``pixel_values``, ``image_sizes``, ...): concatenated
       along dim 0 over the samples that have it, in sample order (the order of their
-      placeholder tokens in the packed row); trailing dims that differ between samples
-      are zero-padded to the largest (as image processors pad anyres crops).
+      placeholder tokens in the packed row); for ``pad_keys`` (default ``pixel_values``)
+      trailing dims that differ between samples are zero-padded to the largest (as image
+      processors pad anyres crops), for other fields they must agree.
+    * refused, naming the sample: an ``attention_mask`` that masks tokens (an all-ones one
+      is dropped: with a mask transformers would not keep the samples apart), any other
+      field with one entry per token (list it in ``sequence_keys``), the fields the
+      collator makes, and per-row fields (``batch_num_images``, ``pixel_values_videos``,
+      ``video_grid_thw``: multi-image and video samples cannot share a row).
     * ``use_cache=False`` (with a cache, transformers would not see the restarts and the
       samples would attend to each other); ``use_cache_flag=False`` leaves it out for a
       model whose forward takes no such argument.
@@ -51,6 +64,7 @@ class PackingCollator:
         ignore_index: the label the loss skips.
         use_cache_flag: add ``use_cache=False`` to the batch.
         flash_attention_kwargs: also return the flash-attention boundaries.
+        pad_keys: fields whose trailing dims may differ between samples (zero-padded).
     """
 
     def __init__(
@@ -61,6 +75,7 @@ class PackingCollator:
         ignore_index: int = -100,
         use_cache_flag: bool = True,
         flash_attention_kwargs: bool = False,
+        pad_keys: Sequence[str] = ("pixel_values",),
     ) -> None:
         self.sequence_keys = tuple(sequence_keys)
         if not self.sequence_keys or not all(isinstance(k, str) for k in self.sequence_keys):
@@ -71,6 +86,38 @@ class PackingCollator:
         self.ignore_index = int(ignore_index)
         self.use_cache_flag = bool(use_cache_flag)
         self.flash_attention_kwargs = bool(flash_attention_kwargs)
+        self.pad_keys = frozenset(pad_keys)
+
+    def _check_field(self, i: int, key: str, value: Any, length: int) -> None:
+        """A sample's field other than the sequence keys: refuse what packing would get
+        wrong silently."""
+        if key in _PACKER_KEYS:
+            raise ValueError(
+                f"sample {i} has a {key!r} field: the collator makes it for the packed row"
+            )
+        if key in _PER_ROW_KEYS:
+            raise ValueError(
+                f"sample {i} has a {key!r} field, which describes one batch row: such samples "
+                "(multi-image, video) cannot share a packed row; use a padding collator"
+            )
+        if not isinstance(value, Tensor):
+            raise InputTypeError(
+                f"sample {i}: field {key!r} is a {type(value).__name__}; fields other than "
+                f"{list(self.sequence_keys)} must be tensors (concatenated along dim 0)"
+            )
+        if key == "attention_mask":
+            # A packed row has no padding; a mask would also stop transformers from
+            # keeping the samples apart (it derives their boundaries only without one).
+            if value.dim() != 1 or value.numel() != length or not bool(value.all()):
+                raise ValueError(
+                    f"sample {i}: its attention_mask masks tokens; a packed row holds only "
+                    "real tokens (strip the padding first)"
+                )
+        elif value.dim() == 1 and value.numel() == length:
+            raise ValueError(
+                f"sample {i}: field {key!r} has one entry per token; list it in "
+                "sequence_keys to pack it with the tokens, or drop it"
+            )
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if not samples:
@@ -104,19 +151,14 @@ class PackingCollator:
                 labels[0] = self.ignore_index
                 pieces[self.label_key][-1] = labels
             for key, value in sample.items():
-                if key in pieces:
-                    continue
-                if not isinstance(value, Tensor):
-                    raise InputTypeError(
-                        f"sample {i}: field {key!r} is a {type(value).__name__}; fields other "
-                        f"than {list(self.sequence_keys)} must be tensors (concatenated "
-                        "along dim 0)"
-                    )
-                others.setdefault(key, []).append(value)
+                if key not in pieces:
+                    self._check_field(i, key, value, length)
+                    if key != "attention_mask":
+                        others.setdefault(key, []).append(value)
         batch: dict[str, Any] = {key: torch.cat(values)[None] for key, values in pieces.items()}
         batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None]
         for key, values in others.items():
-            batch[key] = _concat_padded(key, values)
+            batch[key] = _concat(key, values, pad=key in self.pad_keys)
         if self.flash_attention_kwargs:
             cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
             cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
@@ -129,8 +171,8 @@ class PackingCollator:
         return batch
 
 
-def _concat_padded(key: str, values: list[Tensor]) -> Tensor:
-    """Concatenated along dim 0; trailing dims zero-padded to the largest."""
+def _concat(key: str, values: list[Tensor], pad: bool) -> Tensor:
+    """Concatenated along dim 0; with ``pad``, trailing dims zero-padded to the largest."""
     dims = {v.dim() for v in values}
     if len(dims) != 1 or 0 in dims:
         raise ValueError(
@@ -138,6 +180,13 @@ def _concat_padded(key: str, values: list[Tensor]) -> Tensor:
             f"shapes {[tuple(v.shape) for v in values]}"
         )
     trailing = [max(v.shape[d] for v in values) for d in range(1, values[0].dim())]
+    if not pad and any(list(v.shape[1:]) != trailing for v in values):
+        shapes = [tuple(v.shape) for v in values]
+        raise ValueError(
+            f"field {key!r}: samples' tensors differ beyond dim 0 ({shapes}); only pad_keys "
+            "are zero-padded (where the model knows each one's true size, as image_sizes "
+            "tells LLaVA-OneVision its crops)"
+        )
     padded = []
     for v in values:
         if list(v.shape[1:]) != trailing:

@@ -86,8 +86,9 @@ class Microbatch:
 
     @contextlib.contextmanager
     def gradient_sync(self, model: Any) -> Iterator[None]:
-        """Run the microbatch's backward in this context: gradients are reduced over the
-        ranks only after the step's last microbatch (accumulated locally before it).
+        """Run the microbatch's forward and backward in this context: gradients are
+        reduced over the ranks only after the step's last microbatch (accumulated locally
+        before it; DDP decides in the forward, so the forward must be inside too).
 
         ``model``: a ``DistributedDataParallel`` or FSDP1 module (``no_sync()``), an FSDP2
         ``fully_shard`` module (``set_requires_gradient_sync``); anything else runs
@@ -134,9 +135,12 @@ class BalancedBatchSampler:
             count and :meth:`loss_scale`.
         time_budget_ms: the balancer's search effort (deterministic; default by size).
         check_ranks: when torch.distributed is initialised with ``world_size`` ranks,
-            compare once per epoch (at the start of iteration: every rank must iterate)
-            that every rank prices the step alike and is at the same step; a difference
-            raises ``ValueError`` naming the rank instead of training overlapping shares.
+            compare once per epoch, at the start of iteration, that every rank prices the
+            samples alike (an array's every cost; a function's for the step it starts at)
+            and is at the same step; a difference raises ``ValueError`` naming the rank
+            instead of training overlapping shares. It is a collective (on NCCL: after
+            ``torch.cuda.set_device``): every rank must iterate the sampler; turn it off
+            to iterate it on one rank alone (e.g. to log the batches).
 
     ``state_dict()`` / ``load_state_dict()`` resume mid-epoch at a step boundary;
     ``set_epoch(e)`` starts epoch e (as with DistributedSampler). Iterate the DataLoader
@@ -350,10 +354,13 @@ class BalancedBatchSampler:
             return
         if dist.get_world_size() != self.world_size:
             return  # a data-parallel group inside a larger job: the caller's to check
-        # An array's every cost; a function's for the epoch's first step (pricing them all
-        # could be expensive).
+        # An array's every cost; a function's for the step it starts at (pricing them all
+        # could be expensive; that step's costs are computed for training anyway).
+        start = self._step * self.global_batch
         costs = (
-            self._costs if self._cost_fn is None else self._step_costs(order[: self.global_batch])
+            self._costs
+            if self._cost_fn is None
+            else self._step_costs(order[start : start + self.global_batch])
         )
         digest = hashlib.blake2b(digest_size=16)
         for part in (costs, self._resources, self._limits, self._targets):

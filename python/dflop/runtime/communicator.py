@@ -35,8 +35,10 @@ or silently misreading rows (the data receives are posted only after the check, 
 short-lived helper thread, so debug mode blocks exactly like normal mode; it is meant for
 gloo/CPU runs and is untested on NCCL).
 
-Timeouts: every wait uses ``timeout_s`` (default: the topology's group timeout); a peer
-that never answers becomes a ``RuntimeError`` naming the ranks and the microbatch. The
+Timeouts: on CPU (gloo) every wait uses ``timeout_s`` (default: the topology's group
+timeout); a peer that never answers becomes a ``RuntimeError`` naming the ranks and the
+microbatch. On CUDA (NCCL) waits are stream-ordered and the process group's timeout
+bounds them (``timeout_s`` would block the host). The
 process-wide default (``init_process_group(timeout=...)``, set by
 :mod:`dflop.runtime.launch`) bounds everything else.
 
@@ -132,9 +134,13 @@ class PendingTransfer:
                     else:
                         work.wait(self._timeout)
                 except RuntimeError as error:
+                    limit = (
+                        "the process group's timeout"
+                        if self._stream_ordered
+                        else f"timeout {self._timeout_s:g} s"
+                    )
                     raise RuntimeError(
-                        f"{self._describe()} failed or timed out (timeout {self._timeout_s:g} s): "
-                        f"{error}"
+                        f"{self._describe()} failed or timed out ({limit}): {error}"
                     ) from error
             self._result = self._finish()
             self._works.clear()
