@@ -113,3 +113,24 @@ def test_two_rank_trainer_step_has_the_global_mean_gradient():
             # The update (before - after, float32) carries the gradient to about 1e-4 of the
             # largest entry; a wrong normalisation would be off by tens of percent.
             np.testing.assert_allclose(r["grads"][name], want, atol=2e-3 * np.abs(want).max())
+
+
+def _fsdp_trainer_on_cpu(rank: int, world_size: int) -> None:
+    args = transformers.TrainingArguments(
+        output_dir=f"/tmp/dflop-test-dp-hf-fsdp-{rank}", per_device_train_batch_size=4,
+        use_cpu=True, report_to=[], ddp_backend="gloo", disable_tqdm=True, fsdp=True,
+        fsdp_config={"version": 2},
+    )  # fmt: skip
+    BalancedTrainer(
+        model=transformers.LlamaForCausalLM(_config()), args=args, train_dataset=_data(),
+        data_collator=_collate, sample_costs=LENGTHS.astype(float),
+    )  # fmt: skip
+
+
+@pytest.mark.integration
+def test_fsdp_requested_on_cpu_is_refused_not_silently_ddp():
+    """accelerate would train full DDP replicas instead of FSDP on CPU without a word."""
+    from dflop.runtime import SpawnError, spawn_local
+
+    with pytest.raises(SpawnError, match="fsdp is set but accelerate runs without FSDP"):
+        spawn_local(_fsdp_trainer_on_cpu, 2, timeout_s=120.0, num_threads=1)

@@ -14,7 +14,8 @@ model supports packed rows, so that a microbatch costs what the balancer priced.
 
 Launchers: ``torchrun`` and ``accelerate launch`` (DDP; tested on CPU with gloo,
 ``examples/hf_trainer_balance.py``). FSDP through the Trainer: accelerate enables it on
-GPUs only, so it is untested here; the sampler gives every rank the same number of
+GPUs only (on CPU it would silently fall back to DDP; :class:`BalancedTrainer` raises
+instead), so it is untested here; the sampler gives every rank the same number of
 microbatches, which FSDP's collectives need.
 """
 
@@ -67,6 +68,14 @@ class BalancedTrainer(Trainer):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        if self.args.fsdp and not (self.is_fsdp_enabled or self.is_fsdp_xla_enabled):
+            # accelerate turns FSDP on only on accelerators; on CPU it would silently
+            # train with DDP (full replicas) instead.
+            raise ValueError(
+                "TrainingArguments.fsdp is set but accelerate runs without FSDP here (it "
+                "enables FSDP on GPUs only; on CPU it falls back to DDP): unset fsdp, or "
+                "train on GPUs"
+            )
         self.sample_costs = sample_costs
         self.resources = resources
         self.limits = limits
