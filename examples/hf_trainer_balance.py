@@ -45,9 +45,20 @@ class RecordDataset(torch.utils.data.Dataset):
     as the model's own rule makes them) and each image through its image processor."""
 
     def __init__(self, records: list[dict], inputs, image_folder: str) -> None:
-        self.records, self.inputs, self.image_folder = records, inputs, image_folder
-        # Shapes only (sizes from the file headers): what pricing the samples needs.
-        self.shapes = [self._sample(i, lazy=True) for i in range(len(records))]
+        self.inputs, self.image_folder = inputs, image_folder
+        # Shapes only (sizes from the file headers): what pricing the samples needs. A
+        # record whose files do not read is skipped, with the reason.
+        self.records, self.shapes = [], []
+        for i, record in enumerate(records):
+            try:
+                shape = inputs.sample(
+                    record, image_folder=image_folder, where=f"record {i}", lazy=True
+                )
+            except (OSError, ValueError) as error:
+                print(f"skipped: {error}")
+                continue
+            self.records.append(record)
+            self.shapes.append(shape)
 
     def _sample(self, index: int, lazy: bool):
         return self.inputs.sample(
@@ -92,15 +103,7 @@ def main() -> None:
     spec = spec_from_config(config)
     with open(args.data) as f:
         records = [r for r in json.load(f) if single_image_or_text(r)]
-    inputs = spec.dataset_inputs()
-    usable = []
-    for i, record in enumerate(records):  # keep the records whose files read
-        try:
-            inputs.sample(record, image_folder=args.image_folder, where=f"record {i}", lazy=True)
-            usable.append(record)
-        except (OSError, ValueError) as error:
-            print(f"skipped: {error}")
-    dataset = RecordDataset(usable, inputs, args.image_folder)
+    dataset = RecordDataset(records, spec.dataset_inputs(), args.image_folder)
 
     torch.manual_seed(0)
     model = transformers.LlavaOnevisionForConditionalGeneration(config)

@@ -238,17 +238,19 @@ class BalancedBatchSampler:
         self.epoch, self._step = int(state["epoch"]), int(state["step"])
         self._consumed = None
 
-    def steps_per_epoch(self) -> int:
+    def _epoch_shape(self) -> tuple[int, int]:
+        """(full steps, samples of the smaller last step that runs: 0 if none)."""
         full, rest = divmod(self.num_samples, self.global_batch)
-        return full + (1 if rest >= self.world_size and not self.drop_last else 0)
+        return full, (rest if rest >= self.world_size and not self.drop_last else 0)
+
+    def steps_per_epoch(self) -> int:
+        full, last = self._epoch_shape()
+        return full + (1 if last else 0)
 
     def __len__(self) -> int:
         """This rank's microbatches in a whole epoch."""
-        full, rest = divmod(self.num_samples, self.global_batch)
-        count = full * self.num_microbatches
-        if rest >= self.world_size and not self.drop_last:
-            count += self._microbatches_for(rest)
-        return count
+        full, last = self._epoch_shape()
+        return full * self.num_microbatches + (self._microbatches_for(last) if last else 0)
 
     # ------------------------------------------------------------------ iteration
 

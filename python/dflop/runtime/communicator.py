@@ -196,6 +196,8 @@ class BridgeCommunicator:
         self.timeout_s = float(topology.timeout_s if timeout_s is None else timeout_s)
         self.group = topology.bridge_group
         self.device = torch.device(device) if device is not None else collective_device(self.group)
+        # CUDA: waits order the current stream, not the host (debug headers stay timed).
+        self._stream_ordered = self.device.type == "cuda" and not self.debug
         self._check_agreement()
 
     # ---- public API ---------------------------------------------------------------------
@@ -329,7 +331,7 @@ class BridgeCommunicator:
             describe=lambda: self._describe("sending", microbatch_id, direction, active),
             timeout_s=self.timeout_s,
             keepalive=keep,
-            stream_ordered=self.device.type == "cuda" and not self.debug,
+            stream_ordered=self._stream_ordered,
         )
         if wait:
             transfer.wait()
@@ -365,7 +367,7 @@ class BridgeCommunicator:
             describe=lambda: self._describe("receiving", microbatch_id, direction, active),
             timeout_s=self.timeout_s,
             prepare=prepare,
-            stream_ordered=self.device.type == "cuda" and not self.debug,
+            stream_ordered=self._stream_ordered,
         )
         return transfer.wait() if wait else transfer
 
