@@ -5,10 +5,14 @@ torchrun (2 real CPU processes)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
+import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -162,19 +166,45 @@ def test_trainer_example_runs_under_the_launchers(launcher, tmp_path):
     pytest.importorskip("accelerate")
     command = list(LAUNCHERS[launcher])
     command[0] = shutil.which(command[0]) or command[0]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
-    if launcher == "torchrun":
-        command += ["--master-port", env["MASTER_PORT"]]
-    else:
-        command += ["--main_process_port", env["MASTER_PORT"]]
     example = str(REPO / "examples" / "hf_trainer_balance.py")
-    result = subprocess.run(
-        [*command, example, "--epochs", "2", "--output-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=240, check=False, cwd=tmp_path, env=env,
+    # It takes 10-20 s here. A CI run once hung in it (once in ~100 runs; not reproduced
+    # in 60 local runs, also under load): a hang dumps every process's Python stacks
+    # (faulthandler, SIGABRT) into a warning and is retried once; a second hang fails.
+    for attempt in range(2):
+        port = str(_free_port())
+        flag = "--master-port" if launcher == "torchrun" else "--main_process_port"
+        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=port, PYTHONFAULTHANDLER="1")
+        argv = [*command, flag, port, example, "--epochs", "2", "--output-dir", str(tmp_path)]
+        returncode, stdout, stderr = _run_bounded(argv, tmp_path, env, timeout_s=180)
+        if returncode is not None:
+            break
+        message = f"{launcher} run {attempt + 1} hung; its stacks:\n{stderr[-6000:]}"
+        assert attempt == 0, message
+        warnings.warn(message, stacklevel=1)
+    assert returncode == 0, stderr[-3000:]
+    assert "samples over 2 rank(s)" in stdout
+    assert "trained 4 steps" in stdout, stdout
+
+
+def _run_bounded(argv: list[str], cwd: Path, env: dict, timeout_s: float):
+    """(returncode, stdout, stderr); returncode None if it ran past ``timeout_s``: then
+    every process of its session gets SIGABRT (Python dumps its stacks), then SIGKILL,
+    so that no rank outlives the test."""
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env=env, text=True, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "samples over 2 rank(s)" in result.stdout
-    assert "trained 4 steps" in result.stdout, result.stdout
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+        return proc.returncode, stdout, stderr
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGABRT)
+        time.sleep(3.0)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        return None, stdout, stderr
 
 
 def _free_port() -> int:
