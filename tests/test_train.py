@@ -242,6 +242,48 @@ def test_failing_rank_exits_nonzero_with_a_clear_message(tmp_path, perf_json) ->
     assert "injected failure on rank 1 at step 1" in result.stderr
 
 
+def test_threads_train_like_processes_and_share_checkpoints(tmp_path) -> None:
+    # Ranks as threads of one process (how ranks that share one GPU run): the same weights,
+    # batches and plans (deterministic mode) give the same losses and gradient norms as
+    # gloo processes, and a checkpoint the threads wrote resumes under processes.
+    layout = "enc_dp=2,llm_pp=2,m=2"
+    common = ["--deterministic", "--layout", layout, "--quiet", "--grad-clip", "0.05"]
+    result, processes = _train(tmp_path, "", *common, "--steps", "4", "--launch", "processes")
+    assert result.returncode == 0, result.stderr
+    ckpt = tmp_path / "ckpt"
+    result, threads = _train(
+        tmp_path, "", *common, "--steps", "2", "--launch", "threads",
+        "--checkpoint-dir", str(ckpt),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "4 threads on cpu" in result.stdout
+    result, resumed = _train(
+        tmp_path, "", *common, "--steps", "4", "--launch", "processes",
+        "--checkpoint-dir", str(ckpt),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "resumed from" in result.stdout
+    for got, want in zip(threads["steps"] + resumed["steps"], processes["steps"]):
+        assert got["step"] == want["step"]
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+
+
+def test_threads_failing_rank_and_refused_layouts(tmp_path) -> None:
+    result, _ = _train(
+        tmp_path, "", "--deterministic", "--layout", LAYOUT, "--steps", "3", "--timeout", "30",
+        "--launch", "threads", env={"DFLOP_FAULT_INJECT": "1:1"},
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "rank 1 of 2 failed" in result.stderr
+    assert "injected failure on rank 1 at step 1" in result.stderr
+    result, _ = _train(
+        tmp_path, "", "--deterministic", "--layout", "enc_tp=2,llm_tp=2,m=2", "--launch", "threads"
+    )
+    assert result.returncode != 0
+    assert "launch='threads' runs tp=1 layouts only" in result.stderr
+
+
 def test_full_demo_runs(tmp_path) -> None:
     out = tmp_path / "demo"
     result = run_cli(

@@ -17,6 +17,7 @@ from dflop.runtime.launch import (
     SpawnError,
     init_from_env,
     spawn_local,
+    spawn_threads,
 )
 from dflop.runtime.routing import RoutingPlan, UnitSplit, plan_routing, split_units
 from dflop.runtime.topology import (
@@ -44,6 +45,7 @@ __all__ = [
     "plan_routing",
     "rank_info",
     "spawn_local",
+    "spawn_threads",
     "split_units",
     "uniform_layer_ranges",
 ]

@@ -65,9 +65,10 @@ from typing import Any, Union
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from dflop.errors import InputTypeError
+from dflop.runtime import comm as dist
+from dflop.runtime import thread_world
 from dflop.runtime.p2p import (
     BACKWARD,
     FORWARD,
@@ -406,8 +407,11 @@ class BridgeCommunicator:
         header_works = dist.batch_isend_irecv(ops) if ops else []
         timeout = datetime.timedelta(seconds=self.timeout_s)
         outcome: dict[str, Any] = {}
+        member = thread_world.current()  # a thread world's rank: the helper acts as it
 
         def run() -> None:
+            if member is not None:
+                member[0].join(member[1])
             try:
                 for work in header_works:
                     work.wait(timeout)

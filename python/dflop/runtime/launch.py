@@ -1,4 +1,5 @@
-"""Starting the ranks: local processes (:func:`spawn_local`) or torchrun (:func:`init_from_env`).
+"""Starting the ranks: local processes (:func:`spawn_local`), threads of this process
+(:func:`spawn_threads`: ranks that share one GPU) or torchrun (:func:`init_from_env`).
 
 A distributed run must never hang: when one rank dies, its peers block in a collective
 or a receive until their timeout. :func:`spawn_local` therefore watches every child from
@@ -30,6 +31,7 @@ __all__ = [
     "SpawnError",
     "init_from_env",
     "spawn_local",
+    "spawn_threads",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -165,8 +167,12 @@ class StopRequested:
 
     @classmethod
     def install(cls) -> None:
-        """In a rank (main thread): SIGTERM sets the flag instead of killing."""
-        signal.signal(signal.SIGTERM, lambda signum, frame: cls.set())
+        """In a rank (main thread): SIGTERM sets the flag instead of killing. Elsewhere
+        (a rank of :func:`spawn_threads`) nothing: its launcher's thread installs it."""
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda signum, frame: cls.set())
 
     @classmethod
     def set(cls) -> None:
@@ -277,6 +283,91 @@ def spawn_local(
         alive_r.close()
         alive_w.close()
         del store
+
+
+def spawn_threads(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    *,
+    device: str = "cpu",
+    collective_timeout_s: float | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` threads of this process,
+    ranks of one :class:`~dflop.runtime.thread_world.ThreadWorld` on ``device``: the
+    runtime's collectives and transfers (:mod:`dflop.runtime.comm`) then stay in this
+    process. For ranks that share one GPU (NCCL refuses two ranks on one device); on
+    CUDA every rank computes on its own stream and transfers run on the world's
+    communication stream.
+
+    Returns:
+        The results, in rank order.
+
+    Raises:
+        SpawnError: a rank raised (the message names the first and carries its
+            traceback; the world is aborted, so the others stop at their next wait), or
+            the run took longer than ``timeout_s``.
+    """
+    import threading
+
+    import torch
+
+    from dflop.runtime.thread_world import ThreadWorld
+
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    world = ThreadWorld(
+        world_size, device, timeout_s if collective_timeout_s is None else collective_timeout_s
+    )
+    results: dict[int, Any] = {}
+    failures: dict[int, tuple[float, str]] = {}
+
+    def body(rank: int) -> None:
+        world.join(rank)
+        try:
+            stream = torch.cuda.Stream(world.device) if world.device.type == "cuda" else None
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                results[rank] = fn(rank, world_size, *args)
+            if stream is not None:
+                stream.synchronize()
+        except BaseException as error:  # report everything, as spawn_local does
+            text = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
+            failures[rank] = (time.monotonic(), text)
+            world.abort(RuntimeError(f"rank {rank} failed: {type(error).__name__}: {error}"))
+        finally:
+            world.leave()
+
+    threads = [
+        threading.Thread(target=body, args=(rank,), name=f"dflop-rank{rank}", daemon=True)
+        for rank in range(world_size)
+    ]
+    deadline = time.monotonic() + timeout_s
+    with _forward_sigterm([]):
+        for thread in threads:
+            thread.start()
+        # Until all finish, the deadline, or a grace period after the first failure (the
+        # others stop at their next wait; one busy computing is not waited for).
+        while (running := [r for r, t in enumerate(threads) if t.is_alive()]) and (
+            time.monotonic() < deadline
+        ):
+            if failures and time.monotonic() > min(f[0] for f in failures.values()) + _KILL_GRACE_S:
+                break
+            threads[running[0]].join(0.1)
+    if running and not failures:
+        world.abort(RuntimeError(f"spawn_threads timed out after {timeout_s:g} s"))
+        raise SpawnError(
+            f"spawn_threads timed out after {timeout_s:g} s; ranks {running} of "
+            f"{world_size} were still running (stopped at their next wait)"
+        )
+    if failures:
+        rank = min(failures, key=lambda r: failures[r][0])
+        text = f"rank {rank} of {world_size} failed:\n{failures[rank][1]}"
+        others = sorted(r for r in failures if r != rank)
+        if others:
+            text += f"\n(ranks {others} failed after it)"
+        raise SpawnError(text, rank=rank)
+    return [results[rank] for rank in range(world_size)]
 
 
 @contextlib.contextmanager

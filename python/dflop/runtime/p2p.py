@@ -21,7 +21,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from dflop.runtime import comm as dist
+from dflop.runtime.thread_world import current
 
 __all__ = [
     "FORWARD",
@@ -60,9 +62,12 @@ def message_tag(
 
 def collective_device(group: Any = None) -> torch.device:
     """Where message and collective buffers of ``group`` live: the current CUDA device
-    under NCCL, the CPU otherwise (gloo)."""
-    if dist.get_backend(group) == "nccl":
+    under NCCL, the world's device in a thread world, the CPU otherwise (gloo)."""
+    backend = dist.get_backend(group)
+    if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
+    if backend == dist.THREADS:
+        return current()[0].device
     return torch.device("cpu")
 
 

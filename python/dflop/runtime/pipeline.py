@@ -30,7 +30,7 @@ plans disagree, instead of corrupting or hanging.
 
 Sends are non-blocking (``isend``) and awaited at the end of the step: 1F1B needs that
 (a stage posts forward j+1 while its successor is still sending the gradient of j).
-On gloo, receives are posted one action ahead: before computing action i, a rank posts
+On gloo (and in a thread world), receives are posted one action ahead: before computing action i, a rank posts
 the receive that action i + 1 will wait for (in action order), so the message lands while
 it computes instead of after (a late gloo receive costs a round trip of the peers'
 transport threads, milliseconds on busy CPU cores). Not on NCCL, which runs a pair's
@@ -59,13 +59,13 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from dflop.errors import InputTypeError
 from dflop.models.config import ModelConfig
 from dflop.models.decoder import IGNORE_INDEX
 from dflop.models.spec import EncoderStageModule, LLMStageModule, ModelSpec, model_spec
+from dflop.runtime import comm as dist
 from dflop.runtime import p2p
 from dflop.runtime.communicator import BridgeCommunicator
 from dflop.runtime.step_data import EncoderShare, LLMShare, MicrobatchPlan, StepPlan
@@ -413,7 +413,7 @@ class PipelineEngine:
         self._pending: list[Any] = []  # sends in flight (waited for at the end of the step)
         # Receives posted ahead of their action, by (is_forward, virtual stage, microbatch).
         self._posted: dict[tuple[bool, int, int], Any] = {}
-        self._post_ahead = not debug and dist.get_backend() == "gloo"
+        self._post_ahead = not debug and dist.get_backend() != "nccl"
 
     # ------------------------------------------------------------------ step
 

@@ -96,7 +96,9 @@ def _host_index(index: Any) -> np.ndarray:
     array = np.asarray(index)
     if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
         raise InputTypeError(f"index must be a 1-D integer array, got {array.dtype} {array.shape}")
-    return np.ascontiguousarray(array, dtype=np.int64)
+    array = np.ascontiguousarray(array, dtype=np.int64)
+    # torch.from_numpy warns on a read-only array (a plan's cached index is one).
+    return array if array.flags.writeable else array.copy()
 
 
 def _check_tensor(name: str, tensor: Any) -> None:

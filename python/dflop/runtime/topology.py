@@ -501,7 +501,7 @@ class Topology:
         bridge group, the LLM's embedding groups) and keeps this rank's. ``rank`` defaults to the default group's rank
         and must equal it; the world size must equal ``layout.world_size``.
         """
-        import torch.distributed as dist
+        from dflop.runtime import comm as dist
 
         if not dist.is_initialized():
             raise RuntimeError("Topology.create needs torch.distributed to be initialised first")

@@ -204,6 +204,15 @@ class TrainConfig:
     device: str = _field(
         "runtime", "auto", "auto (CUDA if available), cpu or cuda", choices=("auto", "cpu", "cuda")
     )
+    launch: str = _field(
+        "runtime",
+        "auto",
+        "how local ranks run: processes (gloo on CPU, NCCL on GPUs, one GPU per rank) or "
+        "threads of one process (ranks share the first GPU or the CPU; transfers are "
+        "in-process copies on their own CUDA stream); auto: threads where the ranks "
+        "outnumber the GPUs, else processes",
+        choices=("auto", "processes", "threads"),
+    )
     oversubscribe: bool = _field(
         "runtime",
         False,
@@ -274,6 +283,8 @@ class TrainConfig:
             raise bad("schedule", f"one of {SCHEDULE_MODES}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", "'auto', 'cpu' or 'cuda'")
+        if self.launch not in ("auto", "processes", "threads"):
+            raise bad("launch", "'auto', 'processes' or 'threads'")
         if self.deterministic and self.calibrate_steps:
             raise ValueError(
                 f"TrainConfig.calibrate_steps={self.calibrate_steps}: a deterministic run plans "

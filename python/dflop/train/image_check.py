@@ -40,7 +40,8 @@ def check_step_records(
     ``source.good_records`` / ``source.bad_records`` and returns the newly found bad ones
     (record index -> ``where: why``); the caller redraws the batch when any are."""
     import torch
-    import torch.distributed as dist
+
+    from dflop.runtime import comm as dist
 
     unchecked = source.unchecked_records(step)
     if not unchecked:

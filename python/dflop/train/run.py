@@ -400,9 +400,36 @@ def _device_kind(config: TrainConfig, world_size: int) -> str:
         raise ValueError("TrainConfig.device='cuda' but no CUDA device is available")
     if not available:
         return "cpu"
-    if config.device == "auto" and torch.cuda.device_count() < world_size:
+    if (
+        config.device == "auto"
+        and config.launch == "processes"
+        and torch.cuda.device_count() < world_size
+    ):
         return "cpu"  # local NCCL ranks need a GPU each
     return "cuda"
+
+
+def _launch_kind(config: TrainConfig, device_kind: str, layout: RuntimeLayout) -> str:
+    """``"processes"`` or ``"threads"`` (see ``TrainConfig.launch``)."""
+    import torch
+
+    world_size = layout.world_size
+    gpus = torch.cuda.device_count() if device_kind == "cuda" else 0
+    kind = config.launch
+    if kind == "auto":
+        kind = "threads" if device_kind == "cuda" and gpus < world_size else "processes"
+    if kind == "processes" and device_kind == "cuda" and gpus < world_size:
+        raise ValueError(
+            f"{world_size} ranks on {gpus} GPU(s): NCCL needs one GPU per process (it refuses "
+            "two ranks on one device); set TrainConfig.launch='threads' (--launch threads) "
+            "or device='cpu'"
+        )
+    if kind == "threads" and max(layout.encoder.tp, layout.llm.tp) > 1:
+        raise ValueError(
+            "TrainConfig.launch='threads' runs tp=1 layouts only (tensor parallelism shards "
+            "over torch.distributed's device mesh): set launch='processes' or plan with tp=1"
+        )
+    return kind
 
 
 def _rank_main(
@@ -417,9 +444,12 @@ def _rank_main(
     forward_fraction: tuple[float, float] | None = None,
 ) -> Any:
     from dflop.runtime.launch import StopRequested
+    from dflop.runtime.thread_world import current
     from dflop.train.trainer import Trainer
 
     StopRequested.install()  # SIGTERM: stop cleanly after the current step
+    member = current()  # a rank of spawn_threads: every rank on the world's device
+    device = member[0].device if member is not None else _device_for(device_kind, rank)
     if config.deterministic:
         import torch
 
@@ -428,7 +458,7 @@ def _rank_main(
         config,
         RuntimeLayout.from_dict(layout),
         perf,
-        device=_device_for(device_kind, rank),
+        device=device,
         distribution=distribution,
         cluster=cluster,
         forward_fraction=forward_fraction,
@@ -448,7 +478,7 @@ def run_training(
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _run_torchrun(config, log)
-    from dflop.runtime.launch import spawn_local
+    from dflop.runtime.launch import spawn_local, spawn_threads
 
     if prepared is None:
         prepared = prepare(config, log)
@@ -457,32 +487,45 @@ def run_training(
     check_local_processes(world_size, config.oversubscribe)
     _save_run(config, prepared)
     device_kind = _device_kind(config, world_size)
+    launch_kind = _launch_kind(config, device_kind, layout)
     chunks = layout.llm.virtual_stages
     interleaved = f" x {chunks} virtual stages" if chunks > 1 else ""
     log(
         f"{prepared.description}: encoder tp={layout.encoder.tp} pp={layout.encoder.pp} "
         f"dp={layout.encoder.dp} | LLM tp={layout.llm.tp} pp={layout.llm.pp}{interleaved} "
         f"dp={layout.llm.dp} | {layout.num_microbatches} microbatches x global batch "
-        f"{layout.global_batch} | {world_size} processes on {device_kind} | schedule "
+        f"{layout.global_batch} | {world_size} {launch_kind} on {device_kind} | schedule "
         f"{config.schedule}, pipeline {layout.default_schedule}"
     )
-    results = spawn_local(
-        _rank_main,
-        world_size,
-        args=(
-            config,
-            layout.to_dict(),
-            prepared.performance_model,
-            prepared.distribution,
-            device_kind,
-            prepared.cluster,
-            prepared.forward_fraction,
-        ),
-        timeout_s=config.run_timeout_s or 7 * 24 * 3600.0,
-        backend="nccl" if device_kind == "cuda" else "gloo",
-        collective_timeout_s=config.timeout_s,
-        num_threads=_threads_per_rank(config, world_size),
+    args = (
+        config,
+        layout.to_dict(),
+        prepared.performance_model,
+        prepared.distribution,
+        device_kind,
+        prepared.cluster,
+        prepared.forward_fraction,
     )
+    timeout_s = config.run_timeout_s or 7 * 24 * 3600.0
+    if launch_kind == "threads":
+        results = spawn_threads(
+            _rank_main,
+            world_size,
+            args=args,
+            timeout_s=timeout_s,
+            device=_device_for(device_kind, 0),
+            collective_timeout_s=config.timeout_s,
+        )
+    else:
+        results = spawn_local(
+            _rank_main,
+            world_size,
+            args=args,
+            timeout_s=timeout_s,
+            backend="nccl" if device_kind == "cuda" else "gloo",
+            collective_timeout_s=config.timeout_s,
+            num_threads=_threads_per_rank(config, world_size),
+        )
     report = results[0]
     report.planned_step_time_s = prepared.predicted_step_time_s
     write_timelines(report, config, log)

@@ -96,8 +96,8 @@ class Trainer:
         forward_fraction: tuple[float, float] | None = None,
     ) -> None:
         import torch
-        import torch.distributed as dist
 
+        from dflop.runtime import comm as dist
         from dflop.runtime.pipeline import PipelineEngine, build_stage
         from dflop.runtime.tensor_parallel import optimizer_param_groups
         from dflop.runtime.topology import Topology
@@ -199,8 +199,7 @@ class Trainer:
         """Load the checkpoint to resume from: rank 0 chooses it (the step ``latest``
         names when it verifies, else the newest intact one, saying so) and tells every
         rank, so all resume from the same step."""
-        import torch.distributed as dist
-
+        from dflop.runtime import comm as dist
         from dflop.train.checkpoint import find_checkpoint, load_checkpoint
 
         if not self.config.checkpoint_dir:
@@ -371,7 +370,8 @@ class Trainer:
         """Every mode's Schedule and the encoder costs the split uses, from rank 0 (its
         cost model is corrected online, so other ranks could not recompute them)."""
         import torch
-        import torch.distributed as dist
+
+        from dflop.runtime import comm as dist
 
         modes = self.config.modes
         n = len(shapes)
@@ -416,8 +416,7 @@ class Trainer:
 
     def train(self) -> TrainReport | None:
         """Run steps ``start_step .. config.steps - 1``; see the module docstring."""
-        import torch.distributed as dist
-
+        from dflop.runtime import comm as dist
         from dflop.runtime.step_data import StepPlan
 
         config = self.config
@@ -547,8 +546,8 @@ class Trainer:
         after the DP all-reduce; a head tied to the embedding counts on the first LLM
         stage only)."""
         import torch
-        import torch.distributed as dist
 
+        from dflop.runtime import comm as dist
         from dflop.runtime.tensor_parallel import grad_sq_sum
 
         share = grad_sq_sum(self.stage, include_replicated=self.info.tp_rank == 0)
@@ -573,8 +572,8 @@ class Trainer:
     def _stop_agreed(self) -> bool:
         """Whether any rank was asked to stop (SIGTERM): one all-reduce of a flag."""
         import torch
-        import torch.distributed as dist
 
+        from dflop.runtime import comm as dist
         from dflop.runtime.launch import StopRequested
 
         flag = torch.tensor([int(StopRequested.requested())], device=self._comm_device())
@@ -583,8 +582,7 @@ class Trainer:
 
     def save_checkpoint(self, step: int) -> None:
         """Save every rank's stage and optimizer after ``step`` (call on every rank)."""
-        import torch.distributed as dist
-
+        from dflop.runtime import comm as dist
         from dflop.train.checkpoint import save_checkpoint
 
         state = {
@@ -605,8 +603,7 @@ class Trainer:
         """Write the model as a Hugging Face checkpoint folder (call on every rank): each
         stage's first replica writes its own safetensors file (its TP ranks gather the
         shards first), rank 0 the rest (untrained tensors, the index, ``config.json``)."""
-        import torch.distributed as dist
-
+        from dflop.runtime import comm as dist
         from dflop.runtime.pipeline import StageChunks
         from dflop.runtime.tensor_parallel import full_tensor
 

@@ -1,0 +1,180 @@
+"""The thread world (dflop.runtime.thread_world / comm / launch.spawn_threads): ranks as
+threads of one process, for ranks that share one GPU. The pipeline engine and the bridge
+run on it unchanged; a step gives the single-process loss and gradients, as over gloo."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dflop.runtime import SpawnError, comm, spawn_threads  # noqa: E402
+from dflop.runtime.thread_world import ThreadWorld  # noqa: E402
+from dflop.runtime.topology import Topology  # noqa: E402
+from test_pipeline import (  # noqa: E402
+    ASSIGN_A,
+    ASSIGN_B,
+    ASSIGN_C,
+    DEEP_CONFIG,
+    LAYOUT_A,
+    LAYOUT_B,
+    LAYOUT_C,
+    LAYOUT_D,
+    NEWLINE_CONFIG,
+    _check_against_reference,
+    _layout,
+    _rank_step,
+)
+
+TIMEOUT_S = 60.0
+
+
+@pytest.mark.parametrize(
+    "spec, assignment, debug, config",
+    [
+        (LAYOUT_A, ASSIGN_A, False, None),
+        (LAYOUT_B, ASSIGN_B, True, None),
+        (LAYOUT_C, ASSIGN_C, False, NEWLINE_CONFIG),
+        (LAYOUT_D, ASSIGN_A, False, DEEP_CONFIG),
+        (dict(encoder_pp=2, llm_dp=2, llm_pp=2, num_microbatches=2), ASSIGN_B, True, None),
+    ],
+    ids=["enc_dp2_llm_pp2", "llm_dp2_debug", "enc_dp3_newline", "interleaved", "6_ranks_debug"],
+)
+def test_pipeline_step_on_threads_matches_single_process(spec, assignment, debug, config):
+    extra = () if config is None else (config,)
+    world_size = _layout(spec, *extra).world_size
+    results = spawn_threads(
+        _rank_step, world_size, args=(spec, assignment, debug, False, *extra), timeout_s=TIMEOUT_S
+    )
+    _check_against_reference(results, *extra)
+
+
+def test_thread_world_reports_a_plan_mismatch():
+    spec = dict(encoder_pp=2, num_microbatches=2)
+    assignment = [0, 0, 1, 1, 0, 1, 1, 0]
+    with pytest.raises(
+        SpawnError, match=r"rank 1 of 3 failed:\n.*rank 1 expected the activation of microbatch 0"
+    ):
+        spawn_threads(_rank_step, 3, args=(spec, assignment, True, True), timeout_s=TIMEOUT_S)
+
+
+def _collectives(rank: int, world_size: int) -> dict:
+    group = comm.new_group([1, 0])  # group order: rank 1 first
+    value = torch.tensor([float(rank + 1)])
+    comm.all_reduce(value)
+    peak = torch.tensor([rank * 10])
+    comm.all_reduce(peak, op=comm.ReduceOp.MAX)
+    source = torch.full((3,), float(rank))
+    comm.broadcast(source, src=2)
+    in_group = torch.tensor([float(rank)]) if rank < 2 else None
+    if in_group is not None:
+        comm.all_reduce(in_group, group=group)
+    objects = [None, None, None]
+    comm.all_gather_object(objects, {"rank": rank})
+    gathered = [None] * world_size if rank == 0 else None
+    comm.gather_object(rank * 2, gathered, dst=0)
+    payload = [None]
+    if rank == 1:
+        payload = [["from", 1]]
+    comm.broadcast_object_list(payload, src=1)
+    # Point to point: a ring, sends posted before receives, and a receive posted first.
+    out = torch.arange(4, dtype=torch.float32) + rank
+    got = torch.empty(4)
+    send = comm.isend(out, (rank + 1) % world_size, tag=5)
+    comm.irecv(got, (rank - 1) % world_size, tag=5).wait()
+    send.wait()
+    comm.barrier()
+    return {
+        "sum": value.item(),
+        "max": peak.item(),
+        "broadcast": source.tolist(),
+        "group": None if in_group is None else in_group.item(),
+        "group_rank": comm.get_rank(group) if rank < 2 else None,
+        "objects": objects,
+        "gathered": gathered,
+        "payload": payload,
+        "ring": got.tolist(),
+        "backend": comm.get_backend(),
+    }
+
+
+def test_collectives_and_transfers_follow_torch_distributed():
+    results = spawn_threads(_collectives, 3, timeout_s=TIMEOUT_S)
+    for rank, r in enumerate(results):
+        assert r["sum"] == 6.0 and r["max"] == 20
+        assert r["broadcast"] == [2.0, 2.0, 2.0]
+        assert r["objects"] == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
+        assert r["payload"] == [["from", 1]]
+        assert r["ring"] == (np.arange(4) + (rank - 1) % 3).tolist()
+        assert r["backend"] == comm.THREADS
+    assert [r["group"] for r in results] == [1.0, 1.0, None]
+    assert [r["group_rank"] for r in results] == [1, 0, None]
+    assert results[0]["gathered"] == [0, 2, 4] and results[1]["gathered"] is None
+    # Objects cross ranks as copies, as between processes.
+    assert results[0]["objects"][1] is not results[2]["objects"][1]
+
+
+def _fails_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one's bad input")
+    comm.barrier()  # the others wait here until the world is aborted
+
+
+def test_a_failing_rank_stops_the_others_and_is_named():
+    start = time.monotonic()
+    with pytest.raises(SpawnError, match=r"rank 1 of 3 failed:\nValueError: rank one's bad input"):
+        spawn_threads(_fails_on_rank_one, 3, timeout_s=TIMEOUT_S)
+    assert time.monotonic() - start < 10
+
+
+def _mismatched(rank: int, world_size: int) -> None:
+    if rank == 0:
+        comm.isend(torch.zeros(3), 1, tag=1).wait()
+    else:
+        comm.irecv(torch.zeros(4), 0, tag=1).wait()
+
+
+def _silent_peer(rank: int, world_size: int) -> None:
+    if rank == 0:
+        comm.irecv(torch.zeros(1), 1, tag=0).wait()
+
+
+def _different_collectives(rank: int, world_size: int) -> None:
+    if rank == 0:
+        comm.barrier()
+    else:
+        comm.all_reduce(torch.zeros(1))
+
+
+def test_transport_errors_are_named_not_hangs():
+    with pytest.raises(SpawnError, match=r"rank 0 sent \(3,\) torch.float32 to rank 1 \(tag 1\)"):
+        spawn_threads(_mismatched, 2, timeout_s=TIMEOUT_S)
+    with pytest.raises(SpawnError, match=r"rank 0 receiving from rank 1 \(tag 0\) timed out"):
+        spawn_threads(_silent_peer, 2, timeout_s=TIMEOUT_S, collective_timeout_s=0.5)
+    with pytest.raises(SpawnError, match=r"is a (barrier|all_reduce\(sum\)) on another rank"):
+        spawn_threads(_different_collectives, 2, timeout_s=TIMEOUT_S)
+
+
+def test_thread_world_validates_its_arguments():
+    with pytest.raises(ValueError, match="world_size must be an integer >= 1"):
+        ThreadWorld(0)
+    world = ThreadWorld(2)
+    with pytest.raises(ValueError, match=r"rank 0: dst=0 must be another rank in \[0, 2\)"):
+        world.isend(0, torch.zeros(1), 0, tag=0)
+    with pytest.raises(ValueError, match="rank must be in"):
+        world.join(2)
+
+
+def test_topology_groups_on_threads():
+    layout = _layout(LAYOUT_A)
+
+    def create(rank: int, world_size: int):
+        topology = Topology.create(layout, rank)
+        return topology.dp_ranks, topology.bridge_group is not None
+
+    results = spawn_threads(create, layout.world_size, timeout_s=TIMEOUT_S)
+    assert [r[0] for r in results] == [(0, 1), (0, 1), (2,), (3,)]
+    assert [r[1] for r in results] == [True, True, True, False]
