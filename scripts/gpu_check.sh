@@ -2,7 +2,8 @@
 # The GPU checks (issue "GPU path"), one prepared run on a machine with one CUDA GPU; about
 # 6 minutes on an H200. Uses the machine's own python3 and torch (no downloads): builds
 # dflop with its CUDA part, runs the GPU-marked tests plain, under torch's CUDA sanitizer
-# and under compute-sanitizer's memcheck, benchmarks the pack kernels against torch, runs
+# and under compute-sanitizer's memcheck, trains with dflop train on the GPU (both stages
+# on it, a profiler trace: transfer/compute overlap), benchmarks the pack kernels, runs
 # the Hugging Face Trainer example (BalancedTrainer + PackingCollator) on the GPU, and
 # profiles + fits the performance model on the GPU (held-out error, target <= 5%).
 # torch's CUDA sanitizer sees torch's ops around the kernels, not the kernels (raw-pointer
@@ -41,9 +42,16 @@ from dflop.runtime import rows
 assert rows.cuda_kernels_available(), 'dflop._cuda sees no GPU'
 print('dflop._cuda OK')" || exit 1
 
-step gpu_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_rows.py
+step gpu_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_rows.py \
+  tests/test_thread_world.py
+# dflop train on the one GPU: its 2 ranks (encoder, LLM) as threads (NCCL refuses two
+# ranks on one device), each on its own stream, messages on the world's stream; the
+# profiler trace of the last 2 steps gives the transfers' overlap with compute.
+step train_one_gpu 240 dflop train --device cuda --launch threads --model small \
+  --layout enc_dp=1,llm_pp=1,m=4 --steps 8 --schedule compare \
+  --profile-trace "$OUT/train_trace.json" --json "$OUT/train.json"
 step torch_cuda_sanitizer 180 env TORCH_CUDA_SANITIZER=1 \
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_rows.py
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_rows.py tests/test_thread_world.py
 step compute_sanitizer_memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 9 \
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_rows.py -k equal_torch
 step bench_rows 120 python3 benchmarks/bench_rows.py --markdown "$OUT/bench_rows.md"

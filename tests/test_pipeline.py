@@ -106,6 +106,7 @@ def _rank_step(
     debug: bool,
     tamper: bool,
     config=CONFIG,
+    device: str = "cpu",
 ):
     """One pipelined step on one rank; returns its losses, actions and gradients.
     ``tamper``: the second encoder stage's plan disagrees with the first's."""
@@ -122,6 +123,7 @@ def _rank_step(
         config,
         info,
         seed=MODEL_SEED,
+        device=device,
         tp_group=topology.tp_group,
         tp_size=layout.module(info.module).tp,
         layout=layout,
@@ -131,6 +133,7 @@ def _rank_step(
     chunked = info.num_chunks > 1  # a StageChunks: names start with the chunk's index
     grads = {  # full_tensor gathers tensor-parallel shards (a no-op for plain tensors)
         _full_name(info.module, name.split(".", 1)[1] if chunked else name): full_tensor(p.grad)
+        .cpu()
         .numpy()
         .copy()
         for name, p in stage.named_parameters()

@@ -18,6 +18,7 @@ from test_pipeline import (  # noqa: E402
     ASSIGN_A,
     ASSIGN_B,
     ASSIGN_C,
+    CONFIG,
     DEEP_CONFIG,
     LAYOUT_A,
     LAYOUT_B,
@@ -50,6 +51,26 @@ def test_pipeline_step_on_threads_matches_single_process(spec, assignment, debug
         _rank_step, world_size, args=(spec, assignment, debug, False, *extra), timeout_s=TIMEOUT_S
     )
     _check_against_reference(results, *extra)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec, assignment", [(LAYOUT_A, ASSIGN_A), (LAYOUT_C, ASSIGN_C)])
+def test_pipeline_step_of_ranks_sharing_one_gpu_matches_single_process(
+    spec, assignment, monkeypatch
+):
+    """Every rank on the one GPU, each computing on its own stream, messages copied on the
+    world's stream (run under TORCH_CUDA_SANITIZER=1 by scripts/gpu_check.sh: a missing
+    event between the streams is reported as a race)."""
+    world_size = _layout(spec).world_size
+    # Full fp32 (cuDNN would use TF32 for the patch embedding): compared with the CPU.
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    results = spawn_threads(
+        _rank_step, world_size, args=(spec, assignment, False, False, CONFIG, "cuda:0"),
+        timeout_s=TIMEOUT_S, device="cuda:0",
+    )  # fmt: skip
+    _check_against_reference(results)
 
 
 def test_thread_world_reports_a_plan_mismatch():

@@ -269,6 +269,29 @@ def test_threads_train_like_processes_and_share_checkpoints(tmp_path) -> None:
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
 
 
+def test_profile_trace_is_written_and_measured(tmp_path) -> None:
+    # One trace for a thread world (the profiler sees the whole process), one per rank
+    # for processes; on CPU there are no GPU transfers to measure, and the report says so.
+    for launch, files in (
+        ("threads", ["run.json"]),
+        ("processes", ["run.rank0.json", "run.rank1.json"]),
+    ):
+        folder = tmp_path / launch
+        result, report = _train(
+            tmp_path, "", "--deterministic", "--layout", LAYOUT, "--steps", "2", "--launch",
+            launch, "--profile-trace", str(folder / "run.json"),
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert sorted(p.name for p in folder.iterdir()) == files
+        assert [Path(path).name for path, _ in report["transfer_overlap"]] == files
+        for path, numbers in report["transfer_overlap"]:
+            assert numbers["num_transfers"] == 0 and numbers["num_kernels"] == 0
+            assert any(
+                e.get("cat") == "cpu_op" for e in json.loads(Path(path).read_text())["traceEvents"]
+            )
+        assert "the trace holds no GPU work (a CPU run)" in result.stdout
+
+
 def test_threads_failing_rank_and_refused_layouts(tmp_path) -> None:
     result, _ = _train(
         tmp_path, "", "--deterministic", "--layout", LAYOUT, "--steps", "3", "--timeout", "30",

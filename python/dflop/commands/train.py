@@ -125,6 +125,7 @@ def train_main(config, json_path: str | None = None) -> int:
                     "summary": {k: v.to_dict() for k, v in rows.items()},
                     "bad_records": bad,
                     "samples_replaced": report.stats.get("samples_replaced", 0),
+                    "transfer_overlap": report.stats.get("transfer_overlap", []),
                 },
                 f,
                 indent=1,

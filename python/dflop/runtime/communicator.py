@@ -47,12 +47,17 @@ Tensors: one message per (src, dst) pair: the pair's items' rows concatenated in
 (pairs (s, 0), (s, 1), ... concatenated), so each message is one slice; the receiver's
 tensor form is its ``recv_order`` (ascending item position: for pieces, every sample's
 units in order) and costs one row gather.
-On NCCL the buffers live on the current CUDA device; transfers are issued on torch's
-P2P stream, and ``wait`` orders the current stream after them without blocking the host
-(the returned tensors are safe to use on the current stream; a hang is caught by the
-process group's timeout rather than ``timeout_s``). The receiver's reorder into recv
-order is one :func:`~dflop.runtime.rows.gather_rows` (a ``dflop._cuda`` kernel where
-built). Not yet run on GPUs.
+On CUDA (NCCL, or ranks sharing a GPU in a thread world) the buffers live on the
+current CUDA device and the communicator has its own stream: packing (the sender's
+gather into arrival order), the transfers and unpacking (the receiver's
+:func:`~dflop.runtime.rows.gather_rows` into recv order, a ``dflop._cuda`` kernel where
+built) run there, ordered after the caller's stream (which made the data); ``wait``
+orders the communicator's stream after the transfer, unpacks, and makes the caller's
+stream wait for it, without blocking the host, so the caller's next compute proceeds
+meanwhile; the returned tensors are marked as used on the caller's stream (the
+allocator keeps them until it is done). A hang is caught by the process group's timeout
+rather than ``timeout_s``. The NCCL path has not run yet (it needs two GPUs); the
+thread-world path is a GPU test of ``scripts/gpu_check.sh``.
 """
 
 from __future__ import annotations
@@ -97,10 +102,11 @@ FeatureOutput = Union[dict[int, torch.Tensor], torch.Tensor]
 class PendingTransfer:
     """A transfer in flight. ``wait()`` returns the received data (None for sends) once it
     is safe to use: on CPU (gloo) it blocks, up to the communicator's timeout, until every
-    message completed; on CUDA (``stream_ordered``) it makes the current CUDA stream wait
-    for the transfer and returns at once, so the host goes on queueing work (a timed wait
-    would block the host on NCCL); a hung transfer is then caught by the process group's
-    own timeout (set by the launcher)."""
+    message completed; on CUDA (``stream``: the communicator's stream) the stream waits for
+    the transfer, unpacks there, and the caller's current stream waits for the stream; the
+    call returns at once, so the host goes on queueing work (a timed wait would block the
+    host on NCCL); a hung transfer is then caught by the process group's own timeout (set
+    by the launcher)."""
 
     def __init__(
         self,
@@ -110,7 +116,7 @@ class PendingTransfer:
         timeout_s: float,
         keepalive: Sequence[torch.Tensor] = (),
         prepare: Callable[[], list[Any]] | None = None,
-        stream_ordered: bool = False,
+        stream: Any = None,
     ) -> None:
         self._works = list(works)
         self._prepare = prepare  # debug mode: header check, then the data works
@@ -119,7 +125,7 @@ class PendingTransfer:
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._timeout_s = timeout_s
         self._keepalive = list(keepalive)  # send buffers must outlive the send
-        self._stream_ordered = stream_ordered
+        self._stream = stream
         self._done = False
         self._result: Any = None
 
@@ -128,22 +134,27 @@ class PendingTransfer:
             if self._prepare is not None:
                 self._works += self._prepare()
                 self._prepare = None
-            for work in self._works:
-                try:
-                    if self._stream_ordered:
-                        work.wait()
-                    else:
-                        work.wait(self._timeout)
-                except RuntimeError as error:
-                    limit = (
-                        "the process group's timeout"
-                        if self._stream_ordered
-                        else f"timeout {self._timeout_s:g} s"
-                    )
-                    raise RuntimeError(
-                        f"{self._describe()} failed or timed out ({limit}): {error}"
-                    ) from error
-            self._result = self._finish()
+            caller = _current_stream(self._stream)
+            with _on_stream(self._stream):
+                for work in self._works:
+                    try:
+                        if self._stream is not None:
+                            work.wait()  # orders the communicator's stream after it
+                        else:
+                            work.wait(self._timeout)
+                    except RuntimeError as error:
+                        limit = (
+                            "the process group's timeout"
+                            if self._stream is not None
+                            else f"timeout {self._timeout_s:g} s"
+                        )
+                        raise RuntimeError(
+                            f"{self._describe()} failed or timed out ({limit}): {error}"
+                        ) from error
+                self._result = self._finish()  # the unpack, on the communicator's stream
+            if caller is not None:
+                caller.wait_stream(self._stream)
+                _used_on(self._result, caller)
             self._works.clear()
             self._keepalive.clear()
             self._done = True
@@ -197,8 +208,14 @@ class BridgeCommunicator:
         self.timeout_s = float(topology.timeout_s if timeout_s is None else timeout_s)
         self.group = topology.bridge_group
         self.device = torch.device(device) if device is not None else collective_device(self.group)
-        # CUDA: waits order the current stream, not the host (debug headers stay timed).
-        self._stream_ordered = self.device.type == "cuda" and not self.debug
+        # CUDA: packing, transfers and unpacking run on this stream, ordered after the
+        # caller's stream and before the caller's use of the result; waits order streams,
+        # they do not block the host (debug mode: timed host waits on the caller's stream).
+        self._stream = (
+            torch.cuda.Stream(self.device)
+            if self.device.type == "cuda" and not self.debug
+            else None
+        )
         self._check_agreement()
 
     # ---- public API ---------------------------------------------------------------------
@@ -217,15 +234,19 @@ class BridgeCommunicator:
         self._require("encoder", "send_features")
         src = self.replica
         self._check_plan(plan)
-        buffers = self._split_outgoing(
-            features,
-            plan.send_order[src],
-            plan,
-            counts=plan.send_counts[src, :],
-            what=f"features of microbatch {microbatch_id}",
-        )
-        peers = [self.layout.llm_bridge_rank(d) for d in range(plan.num_dst)]
-        return self._send(microbatch_id, FEATURES, buffers, peers, wait)
+        with self._side():
+            buffers = self._split_outgoing(
+                features,
+                plan.send_order[src],
+                plan,
+                counts=plan.send_counts[src, :],
+                what=f"features of microbatch {microbatch_id}",
+            )
+            peers = [self.layout.llm_bridge_rank(d) for d in range(plan.num_dst)]
+            transfer = self._send(microbatch_id, FEATURES, buffers, peers)
+        if wait:
+            transfer.wait()
+        return transfer
 
     def recv_features(
         self, microbatch_id: int, plan: RoutingPlan, *, as_tensor: bool = False, wait: bool = True
@@ -252,7 +273,9 @@ class BridgeCommunicator:
                 return gather_rows(arrived, index)  # unpack into recv order
             return _as_dict(arrived, arrival_ids, plan, order=plan.recv_order[dst])
 
-        return self._recv(microbatch_id, FEATURES, counts, peers, finish, wait)
+        with self._side():
+            transfer = self._recv(microbatch_id, FEATURES, counts, peers, finish)
+        return transfer.wait() if wait else transfer
 
     def send_grads(
         self, microbatch_id: int, plan: RoutingPlan, grads: FeatureInput, *, wait: bool = True
@@ -265,19 +288,24 @@ class BridgeCommunicator:
         self._check_plan(plan)
         counts = plan.send_counts[:, dst]
         what = f"gradients of microbatch {microbatch_id}"
-        if isinstance(grads, torch.Tensor):
-            self._check_tensor(grads, plan.recv_rows(dst), what)
-            index = plan.recv_arrival_index(dst)
-            if not _is_identity(index):  # pack back into arrival order
-                grads = gather_rows(grads.detach().contiguous(), np.argsort(index, kind="stable"))
-            buffers = _slices(grads.detach(), counts)
-        else:
-            arrival_order = np.concatenate(
-                [plan.pair_items(s, dst) for s in range(plan.num_src)] + [np.zeros(0, np.int64)]
-            )
-            buffers = self._split_outgoing(grads, arrival_order, plan, counts=counts, what=what)
-        peers = [self.layout.encoder_bridge_rank(s) for s in range(plan.num_src)]
-        return self._send(microbatch_id, GRADS, buffers, peers, wait)
+        with self._side():
+            if isinstance(grads, torch.Tensor):
+                self._check_tensor(grads, plan.recv_rows(dst), what)
+                index = plan.recv_arrival_index(dst)
+                if not _is_identity(index):  # pack back into arrival order
+                    order = np.argsort(index, kind="stable")
+                    grads = gather_rows(grads.detach().contiguous(), order)
+                buffers = _slices(grads.detach(), counts)
+            else:
+                arrival_order = np.concatenate(
+                    [plan.pair_items(s, dst) for s in range(plan.num_src)] + [np.zeros(0, np.int64)]
+                )
+                buffers = self._split_outgoing(grads, arrival_order, plan, counts=counts, what=what)
+            peers = [self.layout.encoder_bridge_rank(s) for s in range(plan.num_src)]
+            transfer = self._send(microbatch_id, GRADS, buffers, peers)
+        if wait:
+            transfer.wait()
+        return transfer
 
     def recv_grads(
         self, microbatch_id: int, plan: RoutingPlan, *, as_tensor: bool = False, wait: bool = True
@@ -296,7 +324,9 @@ class BridgeCommunicator:
         def finish(arrived: torch.Tensor) -> FeatureOutput:
             return arrived if as_tensor else _as_dict(arrived, pair_ids, plan, order=None)
 
-        return self._recv(microbatch_id, GRADS, counts, peers, finish, wait)
+        with self._side():
+            transfer = self._recv(microbatch_id, GRADS, counts, peers, finish)
+        return transfer.wait() if wait else transfer
 
     # ---- transport ----------------------------------------------------------------------
 
@@ -306,7 +336,6 @@ class BridgeCommunicator:
         direction: int,
         buffers: list[torch.Tensor],
         peers: list[int],
-        wait: bool,
     ) -> PendingTransfer:
         ops, keep = [], []
         for peer, buffer in zip(peers, buffers):
@@ -332,10 +361,8 @@ class BridgeCommunicator:
             describe=lambda: self._describe("sending", microbatch_id, direction, active),
             timeout_s=self.timeout_s,
             keepalive=keep,
-            stream_ordered=self._stream_ordered,
+            stream=self._stream,
         )
-        if wait:
-            transfer.wait()
         return transfer
 
     def _recv(
@@ -345,8 +372,7 @@ class BridgeCommunicator:
         counts: np.ndarray,
         peers: list[int],
         finish: Callable[[torch.Tensor], Any],
-        wait: bool,
-    ) -> Any:
+    ) -> PendingTransfer:
         total_rows = int(counts.sum())
         arrived = torch.empty(total_rows, self.hidden_size, dtype=self.dtype, device=self.device)
         parts, start = [], 0
@@ -368,9 +394,18 @@ class BridgeCommunicator:
             describe=lambda: self._describe("receiving", microbatch_id, direction, active),
             timeout_s=self.timeout_s,
             prepare=prepare,
-            stream_ordered=self._stream_ordered,
+            stream=self._stream,
         )
-        return transfer.wait() if wait else transfer
+        return transfer
+
+    def _side(self) -> Any:
+        """CUDA: a context running the enclosed packing and transfers on the
+        communicator's stream, after all work queued so far on the caller's stream (which
+        made the data). Elsewhere: nothing."""
+        if self._stream is None:
+            return contextlib.nullcontext()
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self._stream)
 
     def _op(self, fn: Any, tensor: torch.Tensor, peer: int, tag: int) -> dist.P2POp:
         return dist.P2POp(fn, tensor, peer=peer, group=self.group, tag=tag)
@@ -613,3 +648,21 @@ def _as_dict(
 
 def _is_identity(index: np.ndarray) -> bool:
     return bool(np.array_equal(index, np.arange(index.shape[0])))
+
+
+def _current_stream(stream: Any) -> Any:
+    """The caller's current stream on ``stream``'s device (None without a stream)."""
+    return None if stream is None else torch.cuda.current_stream(stream.device)
+
+
+def _on_stream(stream: Any) -> Any:
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+def _used_on(result: Any, stream: Any) -> None:
+    """Tell the caching allocator that ``result``'s tensors (made on the communicator's
+    stream) are used on ``stream``, so their memory is not reused before it is done."""
+    tensors = result.values() if isinstance(result, dict) else [result]
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
+            tensor.record_stream(stream)

@@ -196,6 +196,13 @@ class TrainConfig:
         "-blind before the extension)",
     )
     png: str | None = _field("output", None, "PNG Gantt chart of the measured timeline")
+    profile_trace: str | None = _field(
+        "output",
+        None,
+        "a torch.profiler trace (Chrome JSON, CPU and CUDA) of the last trace_steps steps, "
+        "and how much of the GPU transfers overlapped compute in it (processes: one file "
+        "per rank, .rankN before the extension)",
+    )
     trace_steps: int = _field("output", 2, "how many final steps the timeline shows")
     log_every: int = _field("output", 1, "print a line every this many steps (0: none)")
     progress: bool = _field("output", True, "a progress bar (tqdm) when stdout is a terminal")

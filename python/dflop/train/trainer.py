@@ -25,6 +25,7 @@ the data-blind one, alternating which goes first), and the optimizer steps once.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import os
 import sys
@@ -155,6 +156,7 @@ class Trainer:
         self._submitted: dict[int, Any] = {}  # rank 0: the shapes each schedule was asked for
         self.samples_replaced = 0
         """Batch samples replaced because their record's images did not decode."""
+        self.transfer_overlaps: list[tuple[str, dict[str, Any]]] = []
         self.stopped_after_step: int | None = None
         """The step after which a SIGTERM stopped the run (None: it ran to the end)."""
         if self.is_leader and "dflop" in config.modes:
@@ -427,8 +429,12 @@ class Trainer:
         }
         bar = self._progress_bar()
         num_fallbacks_before = 0
+        profiled_from = max(self.start_step, config.steps - config.trace_steps)
+        profiler = None
         try:
             for step in range(self.start_step, config.steps):
+                if config.profile_trace and step == profiled_from:
+                    profiler = self._start_profiler()
                 if step == fault:
                     raise RuntimeError(
                         f"injected failure on rank {self.rank} at step {step} ({FAULT_ENV})"
@@ -506,6 +512,8 @@ class Trainer:
                         self.save_checkpoint(step)
                     self.stopped_after_step = step
                     break
+            if config.profile_trace:
+                self._finish_profiler(profiler)
             if config.save_hf:
                 self.save_hf_checkpoint(config.save_hf)
             if self.scheduler is not None:
@@ -535,8 +543,57 @@ class Trainer:
                 # The calibration of the step model (dflop plan --local uses it).
                 "link_latency_s": self.final_link_latency_s(),
                 "forward_fraction": dict(self._forward_fraction),
+                # With profile_trace: (trace file, TransferOverlap fields) per profiled rank.
+                "transfer_overlap": self.transfer_overlaps,
             },
         )
+
+    def _start_profiler(self) -> Any:
+        """A torch.profiler over the coming steps. In a thread world the profiler sees the
+        whole process's GPU, so only rank 0 runs one (after a barrier: all ranks start
+        the profiled steps together)."""
+        import torch
+
+        from dflop.runtime import comm as dist
+
+        threads = dist.get_backend() == dist.THREADS
+        dist.barrier()
+        if threads and not self.is_leader:
+            return None
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(activities=activities)
+        profiler.start()
+        return profiler
+
+    def _finish_profiler(self, profiler: Any) -> None:
+        """Stop the profiler, write its trace and measure the transfer overlap in it; the
+        leader prints every trace's numbers and keeps them for the report."""
+        import torch
+
+        from dflop.runtime import comm as dist
+        from dflop.train.gpu_trace import TransferOverlap, transfer_overlap
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier()  # every rank's (thread's) profiled work is done
+        found = None
+        if profiler is not None:
+            profiler.stop()
+            path = self.config.profile_trace
+            if dist.get_backend() != dist.THREADS and self.world_size > 1:
+                root, ext = os.path.splitext(path)
+                path = f"{root}.rank{self.rank}{ext or '.json'}"
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            profiler.export_chrome_trace(path)
+            found = (path, dataclasses.asdict(transfer_overlap(path)))
+        gathered: list[Any] | None = [None] * self.world_size if self.is_leader else None
+        dist.gather_object(found, gathered, dst=0)
+        if self.is_leader:
+            self.transfer_overlaps = [g for g in gathered if g is not None]
+            for path, numbers in self.transfer_overlaps:
+                print(f"profile {path}: {TransferOverlap(**numbers).describe()}", flush=True)
 
     def _clip_gradients(self) -> float:
         """The global gradient norm of this step (every rank gets it), after which the

@@ -1,0 +1,137 @@
+"""How much of a run's GPU transfers overlapped compute, read from a torch.profiler trace
+(Chrome JSON, ``TrainConfig.profile_trace``).
+
+GPU events of the trace are intervals on streams (``tid``). Transfers are
+device-to-device copies (the thread world's stage-to-stage and bridge messages, on its
+communication stream) and NCCL kernels (processes on GPUs); compute is every other
+kernel. A transfer's time counts as overlapped where a compute kernel of another stream
+ran at the same moment. Host-to-device copies (inputs) are counted apart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["TransferOverlap", "transfer_overlap"]
+
+
+@dataclass(frozen=True)
+class TransferOverlap:
+    """Seconds of GPU time by kind, from one trace."""
+
+    transfer_s: float
+    """Union of the transfers' intervals."""
+    overlapped_s: float
+    """Of ``transfer_s``: while a compute kernel of another stream ran."""
+    compute_s: float
+    """Union of the compute kernels' intervals."""
+    concurrent_compute_s: float
+    """Of ``compute_s``: while compute kernels of two or more streams ran (stages
+    computing at once on one GPU)."""
+    host_copy_s: float
+    """Union of host-to-device / device-to-host copies (inputs, not messages)."""
+    num_transfers: int
+    num_kernels: int
+    compute_streams: int
+
+    @property
+    def overlap_fraction(self) -> float:
+        """``overlapped_s / transfer_s`` (0 without transfers)."""
+        return self.overlapped_s / self.transfer_s if self.transfer_s > 0 else 0.0
+
+    def describe(self) -> str:
+        if self.num_kernels == 0 and self.num_transfers == 0:
+            return "the trace holds no GPU work (a CPU run)"
+        return (
+            f"GPU transfers {self.transfer_s * 1e3:.2f} ms ({self.num_transfers} copies or "
+            f"NCCL kernels), {100 * self.overlap_fraction:.0f}% of it overlapped with compute; "
+            f"compute {self.compute_s * 1e3:.2f} ms on {self.compute_streams} stream(s), "
+            f"{self.concurrent_compute_s * 1e3:.2f} ms of it on two or more streams at once; "
+            f"host copies {self.host_copy_s * 1e3:.2f} ms"
+        )
+
+
+def transfer_overlap(trace: str | os.PathLike[str] | Mapping[str, Any]) -> TransferOverlap:
+    """Read a Chrome trace (a path or its parsed JSON) and measure the overlap."""
+    if not isinstance(trace, Mapping):
+        with open(trace) as f:
+            trace = json.load(f)
+    events = trace.get("traceEvents", [])
+    transfers: list[tuple[float, float, Any]] = []
+    compute: list[tuple[float, float, Any]] = []
+    host: list[tuple[float, float, Any]] = []
+    for event in events:
+        if not isinstance(event, Mapping) or event.get("ph") != "X":
+            continue
+        kind = _kind(str(event.get("cat", "")).lower(), str(event.get("name", "")))
+        if kind is None:
+            continue
+        start_s = float(event["ts"]) * 1e-6
+        interval = (start_s, start_s + float(event.get("dur", 0.0)) * 1e-6, event.get("tid"))
+        {"transfer": transfers, "compute": compute, "host": host}[kind].append(interval)
+    overlapped = 0.0
+    for start, end, stream in transfers:
+        others = [(s, e) for s, e, t in compute if t != stream]
+        overlapped += _length(_clip(_union(others), start, end))
+    # Concurrency: moments where kernels of >= 2 streams run.
+    by_stream: dict[Any, list[tuple[float, float]]] = {}
+    for s, e, t in compute:
+        by_stream.setdefault(t, []).append((s, e))
+    unions = [_union(v) for v in by_stream.values()]
+    concurrent = _length(_at_least_two(unions))
+    return TransferOverlap(
+        transfer_s=_length(_union((s, e) for s, e, _ in transfers)),
+        overlapped_s=min(overlapped, _length(_union((s, e) for s, e, _ in transfers))),
+        compute_s=_length(_union((s, e) for s, e, _ in compute)),
+        concurrent_compute_s=concurrent,
+        host_copy_s=_length(_union((s, e) for s, e, _ in host)),
+        num_transfers=len(transfers),
+        num_kernels=len(compute),
+        compute_streams=len(by_stream),
+    )
+
+
+def _kind(category: str, name: str) -> str | None:
+    lowered = name.lower()
+    if category == "gpu_memcpy":
+        return "transfer" if "dtod" in lowered or "peer" in lowered else "host"
+    if category == "kernel":
+        return "transfer" if "nccl" in lowered else "compute"
+    return None
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _clip(merged: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    return [(max(s, lo), min(e, hi)) for s, e in merged if e > lo and s < hi]
+
+
+def _length(merged: Iterable[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in merged)
+
+
+def _at_least_two(unions: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """Where at least two of the (each already merged) interval lists are active."""
+    points = sorted(
+        (t, delta) for merged in unions for s, e in merged for t, delta in ((s, 1), (e, -1))
+    )
+    out: list[tuple[float, float]] = []
+    active, since = 0, 0.0
+    for t, delta in points:
+        if active >= 2 and t > since:
+            out.append((since, t))
+        active += delta
+        since = t
+    return _union(out)

@@ -1,0 +1,53 @@
+"""Transfer/compute overlap read from a profiler trace (dflop.train.gpu_trace)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from dflop.train.gpu_trace import transfer_overlap
+
+
+def _event(cat: str, name: str, start_us: float, dur_us: float, stream: int) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": start_us, "dur": dur_us, "tid": stream}
+
+
+def test_overlap_of_transfers_with_other_streams_compute(tmp_path):
+    events = [
+        # stream 7: rank A computes 0-100 us and 150-200 us; stream 9: rank B 50-120 us.
+        _event("kernel", "gemm", 0, 100, 7),
+        _event("kernel", "gemm", 150, 50, 7),
+        _event("kernel", "softmax", 50, 70, 9),
+        # comm stream 11: a copy 90-140 us (overlaps compute 90-120 us: 30 of 50 us) and
+        # an NCCL kernel 300-310 us (nothing runs then).
+        _event("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 90, 50, 11),
+        _event("kernel", "ncclDevKernel_SendRecv", 300, 10, 11),
+        # An input upload: counted apart, not a message.
+        _event("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 0, 40, 13),
+        # CPU events and instant events are ignored.
+        _event("cpu_op", "aten::mm", 0, 500, 1),
+        {"ph": "i", "name": "marker", "ts": 5},
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    found = transfer_overlap(path)
+    assert found.transfer_s == pytest.approx(60e-6)
+    assert found.overlapped_s == pytest.approx(30e-6)
+    assert found.overlap_fraction == pytest.approx(0.5)
+    assert found.compute_s == pytest.approx(170e-6)  # 0-120 and 150-200 us
+    assert found.concurrent_compute_s == pytest.approx(50e-6)  # 50-100 us
+    assert found.host_copy_s == pytest.approx(40e-6)
+    assert (found.num_transfers, found.num_kernels, found.compute_streams) == (2, 3, 2)
+    assert "50% of it overlapped with compute" in found.describe()
+
+
+def test_a_transfer_on_a_compute_stream_does_not_overlap_itself():
+    events = [
+        _event("kernel", "gemm", 0, 100, 7),
+        _event("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 20, 10, 7),
+    ]
+    found = transfer_overlap({"traceEvents": events})
+    assert found.overlapped_s == 0.0 and found.transfer_s == pytest.approx(10e-6)
+    assert transfer_overlap({"traceEvents": []}).describe() == (
+        "the trace holds no GPU work (a CPU run)"
+    )
