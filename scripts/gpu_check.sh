@@ -10,7 +10,8 @@
 # launches); the kernels' stream order is tested directly (a side stream behind a sleeping
 # current stream), and memcheck catches out-of-bounds accesses.
 # Logs and results go to $OUT (default ./gpu-check-out). Each step reports its exit code;
-# the script's is the first failing one.
+# the script's is the first failing one. The steps run in the order of what matters most,
+# so that a run cut short by the device's time limit still has the important ones.
 #
 #   bash scripts/gpu_check.sh
 set -uo pipefail
@@ -49,15 +50,15 @@ step gpu_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_ro
 # profiler trace of the last 2 steps gives the transfers' overlap with compute.
 step train_one_gpu 240 dflop train --device cuda --launch threads --model small \
   --layout enc_dp=1,llm_pp=1,m=4 --steps 8 --schedule compare \
-  --profile-trace "$OUT/train_trace.json" --json "$OUT/train.json"
+  --profile-trace /tmp/dflop_train_trace.json --json "$OUT/train.json"
 step torch_cuda_sanitizer 180 env TORCH_CUDA_SANITIZER=1 \
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_rows.py tests/test_thread_world.py
+step perf_model 300 python3 benchmarks/bench_perf_model.py --device cuda \
+  --preset siglip-400m+llm-0.5b --output "$OUT/perf.json"
 step compute_sanitizer_memcheck 240 compute-sanitizer --tool memcheck --error-exitcode 9 \
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_rows.py -k equal_torch
 step bench_rows 120 python3 benchmarks/bench_rows.py --markdown "$OUT/bench_rows.md"
 step hf_trainer_example 180 python3 examples/hf_trainer_balance.py --epochs 1
-step perf_model 300 python3 benchmarks/bench_perf_model.py --device cuda \
-  --preset siglip-400m+llm-0.5b --output "$OUT/perf.json"
 
 echo "== gpu_check: exit $status (logs in $OUT)"
 exit "$status"
