@@ -54,7 +54,8 @@ def get_rank(group: Any = None) -> int:
     if member is None:
         return _dist.get_rank(group)
     world, rank = member
-    return _group(world, group).ranks.index(rank)
+    ranks = _group(world, group).ranks
+    return ranks.index(rank) if rank in ranks else -1  # -1: not a member, as torch says
 
 
 def get_world_size(group: Any = None) -> int:
