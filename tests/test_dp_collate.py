@@ -187,24 +187,43 @@ def test_trainer_example_runs_under_the_launchers(launcher, tmp_path):
 
 
 def _run_bounded(argv: list[str], cwd: Path, env: dict, timeout_s: float):
-    """(returncode, stdout, stderr); returncode None if it ran past ``timeout_s``: then
-    every process of its session gets SIGABRT (Python dumps its stacks), then SIGKILL,
-    so that no rank outlives the test."""
+    """(returncode, stdout, stderr); returncode None if it ran past ``timeout_s``: then the
+    launcher and every process under it (torch's launchers start the ranks in sessions of
+    their own) get SIGABRT (Python dumps its stacks), then SIGKILL, so that no rank
+    outlives the test."""
     proc = subprocess.Popen(
-        argv, cwd=cwd, env=env, text=True, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        argv, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
         return proc.returncode, stdout, stderr
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGABRT)
-        time.sleep(3.0)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
+        tree = [proc.pid, *_descendants(proc.pid)]
+        for sig in (signal.SIGABRT, signal.SIGKILL):
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            time.sleep(3.0)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a pipe still held open: give up on the output
+            stdout, stderr = "", "(no output: a process kept the pipes open)"
         return None, stdout, stderr
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below ``root`` (from /proc: parent ids), children before theirs."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, queue = [], [root]
+    while queue:
+        for child in children.get(queue.pop(0), []):
+            found.append(child)
+            queue.append(child)
+    return found
 
 
 def _free_port() -> int:

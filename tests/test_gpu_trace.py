@@ -18,10 +18,16 @@ def test_overlap_of_transfers_with_other_streams_compute(tmp_path):
         _event("kernel", "gemm", 0, 100, 7),
         _event("kernel", "gemm", 150, 50, 7),
         _event("kernel", "softmax", 50, 70, 9),
-        # comm stream 11: a copy 90-140 us (overlaps compute 90-120 us: 30 of 50 us) and
-        # an NCCL kernel 300-310 us (nothing runs then).
+        # comm stream 11: a copy 90-140 us (overlaps compute 90-120 us: 30 of 50 us), an
+        # NCCL kernel 300-310 us and a peer copy 400-410 us (nothing runs then).
         _event("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 90, 50, 11),
         _event("kernel", "ncclDevKernel_SendRecv", 300, 10, 11),
+        _event("gpu_memcpy", "Memcpy PtoP (Device -> Device)", 400, 10, 11),
+        # Communication work, not compute: a reduction on the stream that carries the
+        # transfers, and a pack kernel (dflop's or torch's) on a communicator's stream.
+        _event("kernel", "void at::native::vectorized_elementwise_kernel<add>", 95, 5, 11),
+        _event("kernel", "void dflop::cuda::copy_rows<uint4, false>(...)", 125, 10, 15),
+        _event("kernel", "void at::native::indexSelectLargeIndex<float>", 130, 5, 15),
         # An input upload: counted apart, not a message.
         _event("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 0, 40, 13),
         # CPU events and instant events are ignored.
@@ -31,14 +37,14 @@ def test_overlap_of_transfers_with_other_streams_compute(tmp_path):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     found = transfer_overlap(path)
-    assert found.transfer_s == pytest.approx(60e-6)
+    assert found.transfer_s == pytest.approx(70e-6)
     assert found.overlapped_s == pytest.approx(30e-6)
-    assert found.overlap_fraction == pytest.approx(0.5)
+    assert found.overlap_fraction == pytest.approx(30 / 70)
     assert found.compute_s == pytest.approx(170e-6)  # 0-120 and 150-200 us
     assert found.concurrent_compute_s == pytest.approx(50e-6)  # 50-100 us
     assert found.host_copy_s == pytest.approx(40e-6)
-    assert (found.num_transfers, found.num_kernels, found.compute_streams) == (2, 3, 2)
-    assert "50% of it overlapped with compute" in found.describe()
+    assert (found.num_transfers, found.num_kernels, found.compute_streams) == (3, 3, 2)
+    assert "43% of it overlapped with compute" in found.describe()
 
 
 def test_a_transfer_on_a_compute_stream_does_not_overlap_itself():

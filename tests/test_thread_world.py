@@ -60,8 +60,8 @@ def test_pipeline_step_of_ranks_sharing_one_gpu_matches_single_process(
     spec, assignment, monkeypatch
 ):
     """Every rank on the one GPU, each computing on its own stream, messages copied on the
-    world's stream (run under TORCH_CUDA_SANITIZER=1 by scripts/gpu_check.sh: a missing
-    event between the streams is reported as a race)."""
+    world's stream. (torch's CUDA sanitizer only sees the thread that enabled it, not the
+    rank threads: the stream order is tested directly below.)"""
     world_size = _layout(spec).world_size
     # Full fp32 (cuDNN would use TF32 for the patch embedding): compared with the CPU.
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
@@ -71,6 +71,34 @@ def test_pipeline_step_of_ranks_sharing_one_gpu_matches_single_process(
         timeout_s=TIMEOUT_S, device="cuda:0",
     )  # fmt: skip
     _check_against_reference(results)
+
+
+def _producer_behind_a_sleep(rank: int, world_size: int) -> list:
+    """Rank 0 makes what it sends and reduces behind a long GPU sleep on its own stream:
+    a copy or reduction not ordered after the producer would read stale values."""
+    device = torch.device("cuda:0")
+    if rank == 0:
+        sent = torch.zeros(1 << 20, device=device)
+        reduced = torch.ones(4, device=device)
+        torch.cuda._sleep(300_000_000)  # ~0.2 s of GPU cycles on this rank's stream
+        sent.fill_(3.0)
+        reduced.add_(1.0)
+        work = comm.isend(sent, 1, tag=0)
+        comm.all_reduce(reduced)
+        work.wait()
+        return reduced.cpu().tolist()
+    got = torch.empty(1 << 20, device=device)
+    comm.irecv(got, 0, tag=0).wait()
+    reduced = torch.full((4,), 5.0, device=device)
+    comm.all_reduce(reduced)
+    return [got.min().item(), got.max().item(), *reduced.cpu().tolist()]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_transfers_and_reductions_wait_for_the_producers_stream():
+    results = spawn_threads(_producer_behind_a_sleep, 2, timeout_s=TIMEOUT_S, device="cuda:0")
+    assert results == [[7.0] * 4, [3.0, 3.0, *[7.0] * 4]]
 
 
 def test_thread_world_reports_a_plan_mismatch():
@@ -83,7 +111,7 @@ def test_thread_world_reports_a_plan_mismatch():
 
 
 def _collectives(rank: int, world_size: int) -> dict:
-    group = comm.new_group([1, 0])  # group order: rank 1 first
+    group = comm.new_group([1, 0])  # torch orders a group's ranks ascending
     value = torch.tensor([float(rank + 1)])
     comm.all_reduce(value)
     peak = torch.tensor([rank * 10])
@@ -107,6 +135,17 @@ def _collectives(rank: int, world_size: int) -> dict:
     send = comm.isend(out, (rank + 1) % world_size, tag=5)
     comm.irecv(got, (rank - 1) % world_size, tag=5).wait()
     send.wait()
+    # The same tag in two groups: each message reaches its own group's receive.
+    by_group = []
+    if rank < 2:
+        mine, theirs = torch.tensor([rank * 1.0]), torch.tensor([rank + 10.0])
+        sends = [comm.isend(mine, 1 - rank, tag=1), comm.isend(theirs, 1 - rank, group, tag=1)]
+        got_world, got_group = torch.empty(1), torch.empty(1)
+        comm.irecv(got_group, 1 - rank, group, tag=1).wait()
+        comm.irecv(got_world, 1 - rank, tag=1).wait()
+        for work in sends:
+            work.wait()
+        by_group = [got_world.item(), got_group.item()]
     comm.barrier()
     return {
         "sum": value.item(),
@@ -118,6 +157,7 @@ def _collectives(rank: int, world_size: int) -> dict:
         "gathered": gathered,
         "payload": payload,
         "ring": got.tolist(),
+        "by_group": by_group,
         "backend": comm.get_backend(),
     }
 
@@ -132,7 +172,8 @@ def test_collectives_and_transfers_follow_torch_distributed():
         assert r["ring"] == (np.arange(4) + (rank - 1) % 3).tolist()
         assert r["backend"] == comm.THREADS
     assert [r["group"] for r in results] == [1.0, 1.0, None]
-    assert [r["group_rank"] for r in results] == [1, 0, None]
+    assert [r["group_rank"] for r in results] == [0, 1, None]
+    assert [r["by_group"] for r in results] == [[1.0, 11.0], [0.0, 10.0], []]
     assert results[0]["gathered"] == [0, 2, 4] and results[1]["gathered"] is None
     # Objects cross ranks as copies, as between processes.
     assert results[0]["objects"][1] is not results[2]["objects"][1]
@@ -161,6 +202,9 @@ def _mismatched(rank: int, world_size: int) -> None:
 def _silent_peer(rank: int, world_size: int) -> None:
     if rank == 0:
         comm.irecv(torch.zeros(1), 1, tag=0).wait()
+    else:
+        time.sleep(0.3)  # its own wait would time out 0.3 s after rank 0's
+        comm.barrier()  # woken when rank 0 times out: a consequence, not the cause
 
 
 def _different_collectives(rank: int, world_size: int) -> None:
@@ -173,7 +217,10 @@ def _different_collectives(rank: int, world_size: int) -> None:
 def test_transport_errors_are_named_not_hangs():
     with pytest.raises(SpawnError, match=r"rank 0 sent \(3,\) torch.float32 to rank 1 \(tag 1\)"):
         spawn_threads(_mismatched, 2, timeout_s=TIMEOUT_S)
-    with pytest.raises(SpawnError, match=r"rank 0 receiving from rank 1 \(tag 0\) timed out"):
+    with pytest.raises(
+        SpawnError,
+        match=r"rank 0 of 2 failed:\nRuntimeError: rank 0 receiving from rank 1 \(tag 0\) timed",
+    ):
         spawn_threads(_silent_peer, 2, timeout_s=TIMEOUT_S, collective_timeout_s=0.5)
     with pytest.raises(SpawnError, match=r"is a (barrier|all_reduce\(sum\)) on another rank"):
         spawn_threads(_different_collectives, 2, timeout_s=TIMEOUT_S)
@@ -183,8 +230,10 @@ def test_thread_world_validates_its_arguments():
     with pytest.raises(ValueError, match="world_size must be an integer >= 1"):
         ThreadWorld(0)
     world = ThreadWorld(2)
-    with pytest.raises(ValueError, match=r"rank 0: dst=0 must be another rank in \[0, 2\)"):
-        world.isend(0, torch.zeros(1), 0, tag=0)
+    with pytest.raises(ValueError, match=r"rank 0: dst=0 must be another rank of ThreadGroup"):
+        world.isend(0, torch.zeros(1), 0, 0, world.world_group)
+    with pytest.raises(ValueError, match=r"group ranks \[0, 2\] must be in \[0, 2\)"):
+        world.new_group(0, [0, 2])
     with pytest.raises(ValueError, match="rank must be in"):
         world.join(2)
 
@@ -199,3 +248,41 @@ def test_topology_groups_on_threads():
     results = spawn_threads(create, layout.world_size, timeout_s=TIMEOUT_S)
     assert [r[0] for r in results] == [(0, 1), (0, 1), (2,), (3,)]
     assert [r[1] for r in results] == [True, True, True, False]
+
+
+def test_hf_stages_built_on_rank_threads_get_the_seeds_weights():
+    """A Hugging Face model is built from the process's seeded RNG: rank threads building
+    at once must each get the seed's weights, and leave the RNG as they found it. (A
+    thread drawing from torch's global RNG during a build would still change it; the
+    runtime draws none: dflop's own models seed a generator per parameter.)"""
+    pytest.importorskip("transformers")
+    import threading
+
+    from dflop.models.hf import spec_from_config
+    from dflop.models.hf.tiny import tiny_llava_onevision_config
+    from dflop.runtime.topology import RuntimeLayout, rank_info
+
+    spec = spec_from_config(tiny_llava_onevision_config())
+    layout = RuntimeLayout.simple(
+        encoder_layers=2, llm_layers=2, global_batch=4, num_microbatches=1
+    )
+    info = rank_info(layout, 0)
+    states: list[dict] = []
+
+    def build() -> None:
+        stage = spec.build_stage(info, seed=5)
+        states.append({k: v.clone() for k, v in stage.state_dict().items()})
+
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    builders = [threading.Thread(target=build) for _ in range(4)]
+    for thread in builders:
+        thread.start()
+    for thread in builders:
+        thread.join(120)
+    assert torch.equal(torch.get_rng_state(), before)
+    alone = spec.build_stage(info, seed=5).state_dict()
+    assert len(states) == 4
+    for state in states:
+        assert state.keys() == alone.keys()
+        assert all(torch.equal(state[k], alone[k]) for k in alone)

@@ -263,6 +263,7 @@ def test_threads_train_like_processes_and_share_checkpoints(tmp_path) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "resumed from" in result.stdout
+    assert [len(threads["steps"]), len(resumed["steps"]), len(processes["steps"])] == [2, 2, 4]
     for got, want in zip(threads["steps"] + resumed["steps"], processes["steps"]):
         assert got["step"] == want["step"]
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)

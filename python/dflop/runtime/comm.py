@@ -70,9 +70,10 @@ def get_backend(group: Any = None) -> str:
 
 
 def new_group(ranks: Sequence[int], timeout: Any = None) -> Any:
-    if current() is None:
+    member = current()
+    if member is None:
         return _dist.new_group(ranks=list(ranks), timeout=timeout)
-    return ThreadGroup(tuple(int(r) for r in ranks))
+    return member[0].new_group(member[1], ranks)
 
 
 def destroy_process_group() -> None:
@@ -87,14 +88,16 @@ def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> An
     member = current()
     if member is None:
         return _dist.isend(tensor, dst, group=group, tag=tag)
-    return member[0].isend(member[1], tensor, dst, tag)
+    world, rank = member
+    return world.isend(rank, tensor, dst, tag, _group(world, group))
 
 
 def irecv(tensor: torch.Tensor, src: int, group: Any = None, tag: int = 0) -> Any:
     member = current()
     if member is None:
         return _dist.irecv(tensor, src, group=group, tag=tag)
-    return member[0].irecv(member[1], tensor, src, tag)
+    world, rank = member
+    return world.irecv(rank, tensor, src, tag, _group(world, group))
 
 
 @dataclass(frozen=True)

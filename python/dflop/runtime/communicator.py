@@ -443,10 +443,17 @@ class BridgeCommunicator:
         timeout = datetime.timedelta(seconds=self.timeout_s)
         outcome: dict[str, Any] = {}
         member = thread_world.current()  # a thread world's rank: the helper acts as it
+        # ... on the caller's CUDA stream (current streams are per thread), after which
+        # the receive buffers were made.
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
         def run() -> None:
             if member is not None:
                 member[0].join(member[1])
+            with _on_stream(stream):
+                post_after_check()
+
+        def post_after_check() -> None:
             try:
                 for work in header_works:
                     work.wait(timeout)

@@ -179,6 +179,10 @@ class StopRequested:
         cls._flag = True
 
     @classmethod
+    def clear(cls) -> None:
+        cls._flag = False
+
+    @classmethod
     def requested(cls) -> bool:
         return cls._flag
 
@@ -313,7 +317,7 @@ def spawn_threads(
 
     import torch
 
-    from dflop.runtime.thread_world import ThreadWorld
+    from dflop.runtime.thread_world import ThreadWorld, WorldStopped
 
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
@@ -321,49 +325,67 @@ def spawn_threads(
         world_size, device, timeout_s if collective_timeout_s is None else collective_timeout_s
     )
     results: dict[int, Any] = {}
-    failures: dict[int, tuple[float, str]] = {}
+    # rank -> (when, traceback text, whether it is only a consequence of another failure)
+    failures: dict[int, tuple[float, str, bool]] = {}
+    lock = threading.Lock()
+    StopRequested.clear()  # a stop requested of an earlier run in this process is not ours
 
     def body(rank: int) -> None:
         world.join(rank)
         try:
             stream = torch.cuda.Stream(world.device) if world.device.type == "cuda" else None
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                results[rank] = fn(rank, world_size, *args)
+                result = fn(rank, world_size, *args)
             if stream is not None:
                 stream.synchronize()
+            with lock:
+                results[rank] = result
         except BaseException as error:  # report everything, as spawn_local does
             text = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
-            failures[rank] = (time.monotonic(), text)
+            with lock:
+                failures[rank] = (time.monotonic(), text, isinstance(error, WorldStopped))
             world.abort(RuntimeError(f"rank {rank} failed: {type(error).__name__}: {error}"))
         finally:
             world.leave()
+
+    def first_failure_s() -> float | None:
+        with lock:
+            return min((f[0] for f in failures.values()), default=None)
 
     threads = [
         threading.Thread(target=body, args=(rank,), name=f"dflop-rank{rank}", daemon=True)
         for rank in range(world_size)
     ]
     deadline = time.monotonic() + timeout_s
-    with _forward_sigterm([]):
-        for thread in threads:
-            thread.start()
-        # Until all finish, the deadline, or a grace period after the first failure (the
-        # others stop at their next wait; one busy computing is not waited for).
-        while (running := [r for r, t in enumerate(threads) if t.is_alive()]) and (
-            time.monotonic() < deadline
-        ):
-            if failures and time.monotonic() > min(f[0] for f in failures.values()) + _KILL_GRACE_S:
-                break
-            threads[running[0]].join(0.1)
-    if running and not failures:
+    try:
+        with _forward_sigterm([]):
+            for thread in threads:
+                thread.start()
+            # Until all finish, the deadline, or a grace period after the first failure
+            # (the others stop at their next wait; one busy computing is not waited for).
+            while (running := [r for r, t in enumerate(threads) if t.is_alive()]) and (
+                time.monotonic() < deadline
+            ):
+                first = first_failure_s()
+                if first is not None and time.monotonic() > first + _KILL_GRACE_S:
+                    break
+                threads[running[0]].join(0.1)
+    except BaseException as error:  # a second SIGTERM, Ctrl-C: stop the ranks too
+        world.abort(RuntimeError(f"the launcher stopped: {type(error).__name__}: {error}"))
+        raise
+    with lock:
+        failed = dict(failures)
+    if running and not failed:
         world.abort(RuntimeError(f"spawn_threads timed out after {timeout_s:g} s"))
         raise SpawnError(
             f"spawn_threads timed out after {timeout_s:g} s; ranks {running} of "
             f"{world_size} were still running (stopped at their next wait)"
         )
-    if failures:
-        rank = min(failures, key=lambda r: failures[r][0])
-        text = f"rank {rank} of {world_size} failed:\n{failures[rank][1]}"
-        others = sorted(r for r in failures if r != rank)
+    if failed:
+        # The cause: the earliest failure that is not just a rank stopped by the world.
+        rank = min(failed, key=lambda r: (failed[r][2], failed[r][0]))
+        text = f"rank {rank} of {world_size} failed:\n{failed[rank][1]}"
+        others = sorted(r for r in failed if r != rank)
         if others:
             text += f"\n(ranks {others} failed after it)"
         raise SpawnError(text, rank=rank)

@@ -23,7 +23,13 @@ Semantics follow gloo's, so that code correct here is correct there:
   on the match). Each rank's thread computes on its own stream (``spawn_threads``), so
   one rank's compute, another's, and the copies between them can overlap.
 - Every wait is bounded by the world's timeout; a timeout or a failed rank
-  (:meth:`ThreadWorld.abort`) makes every waiting rank raise instead of hanging.
+  (:meth:`ThreadWorld.abort`) makes every waiting rank raise instead of hanging
+  (:class:`WorldStopped`: a consequence, so the launcher names the cause).
+
+Differences from torch.distributed: collectives return once every member has arrived
+(``async_op=True`` gives a completed handle; on CUDA the result is still
+stream-ordered), and CUDA streams come from torch's pool (32 per device), so with many
+ranks two of them may share one and overlap less.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ThreadGroup", "ThreadWorld", "current"]
+__all__ = ["ThreadGroup", "ThreadWorld", "WorldStopped", "current"]
 
 _local = threading.local()
 
@@ -49,11 +55,20 @@ def current() -> tuple[ThreadWorld, int] | None:
     return getattr(_local, "membership", None)
 
 
+class WorldStopped(RuntimeError):
+    """A wait ended because the world stopped (another rank failed or timed out): a
+    consequence, not a cause."""
+
+
 @dataclass(frozen=True)
 class ThreadGroup:
-    """A group of a thread world: its global ranks, in group order."""
+    """A group of a thread world: its global ranks (ascending, as torch orders them) and
+    its number (the world's group is 0; every rank numbers the groups it creates in
+    creation order, which torch requires to be the same on every rank). Collectives and
+    messages of different groups never match, as in torch."""
 
     ranks: tuple[int, ...]
+    number: int = 0
 
     def __repr__(self) -> str:
         return f"ThreadGroup{list(self.ranks)}"
@@ -122,10 +137,12 @@ class ThreadWorld:
         self.world_group = ThreadGroup(tuple(range(world_size)))
         self._cond = threading.Condition()
         self._error: BaseException | None = None
-        self._sends: dict[tuple[int, int, int], collections.deque[_Message]] = {}
-        self._recvs: dict[tuple[int, int, int], collections.deque[_Message]] = {}
-        self._slots: dict[tuple[tuple[int, ...], int], _Slot] = {}
-        self._calls: collections.Counter[tuple[int, tuple[int, ...]]] = collections.Counter()
+        # Unmatched sends / receives by (group number, source, destination, tag).
+        self._sends: dict[tuple[int, int, int, int], collections.deque[_Message]] = {}
+        self._recvs: dict[tuple[int, int, int, int], collections.deque[_Message]] = {}
+        self._slots: dict[tuple[ThreadGroup, int], _Slot] = {}
+        self._calls: collections.Counter[tuple[int, ThreadGroup]] = collections.Counter()
+        self._groups_made: collections.Counter[int] = collections.Counter()
         self.comm_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # ---- membership -----------------------------------------------------------------
@@ -140,6 +157,16 @@ class ThreadWorld:
     def leave() -> None:
         _local.membership = None
 
+    def new_group(self, rank: int, ranks: Sequence[int]) -> ThreadGroup:
+        """Rank ``rank``'s handle on its next group (every rank creates every group, in
+        the same order, as torch requires)."""
+        members = tuple(sorted({int(r) for r in ranks}))
+        if not members or members[0] < 0 or members[-1] >= self.world_size:
+            raise ValueError(f"group ranks {list(ranks)} must be in [0, {self.world_size})")
+        with self._cond:
+            self._groups_made[rank] += 1
+            return ThreadGroup(members, self._groups_made[rank])
+
     def abort(self, error: BaseException) -> None:
         """Fail every present and future wait of the world with ``error`` (a rank failed)."""
         with self._cond:
@@ -152,7 +179,7 @@ class ThreadWorld:
         deadline = time.monotonic() + limit_s
         while not ready():
             if self._error is not None:
-                raise RuntimeError(f"{what}: the thread world stopped: {self._error}")
+                raise WorldStopped(f"{what}: the thread world stopped: {self._error}")
             left = deadline - time.monotonic()
             if left <= 0:
                 error = RuntimeError(f"{what} timed out after {limit_s:g} s")
@@ -163,31 +190,37 @@ class ThreadWorld:
 
     # ---- point to point -------------------------------------------------------------
 
-    def isend(self, rank: int, tensor: torch.Tensor, dst: int, tag: int) -> _Work:
-        self._check_peer(rank, dst, "dst")
+    def isend(
+        self, rank: int, tensor: torch.Tensor, dst: int, tag: int, group: ThreadGroup
+    ) -> _Work:
+        self._check_peer(rank, dst, "dst", group)
         work = _Work(self, f"rank {rank} sending to rank {dst} (tag {tag})")
         message = _Message(tensor, self._ready_event(tensor), work)
-        self._match(message, (rank, dst, tag), self._recvs, self._sends, sender=True)
+        key = (group.number, rank, dst, tag)
+        self._match(message, key, self._recvs, self._sends, sender=True)
         return work
 
-    def irecv(self, rank: int, tensor: torch.Tensor, src: int, tag: int) -> _Work:
-        self._check_peer(rank, src, "src")
+    def irecv(
+        self, rank: int, tensor: torch.Tensor, src: int, tag: int, group: ThreadGroup
+    ) -> _Work:
+        self._check_peer(rank, src, "src", group)
         work = _Work(self, f"rank {rank} receiving from rank {src} (tag {tag})")
         message = _Message(tensor, self._ready_event(tensor), work)
-        self._match(message, (src, rank, tag), self._sends, self._recvs, sender=False)
+        key = (group.number, src, rank, tag)
+        self._match(message, key, self._sends, self._recvs, sender=False)
         return work
 
     def _match(
         self,
         message: _Message,
-        key: tuple[int, int, int],
-        others: dict[tuple[int, int, int], collections.deque[_Message]],
-        mine: dict[tuple[int, int, int], collections.deque[_Message]],
+        key: tuple[int, int, int, int],
+        others: dict[tuple[int, int, int, int], collections.deque[_Message]],
+        mine: dict[tuple[int, int, int, int], collections.deque[_Message]],
         sender: bool,
     ) -> None:
         with self._cond:
             if self._error is not None:
-                raise RuntimeError(f"{message.work.what}: the thread world stopped: {self._error}")
+                raise WorldStopped(f"{message.work.what}: the thread world stopped: {self._error}")
             waiting = others.get(key)
             if not waiting:
                 mine.setdefault(key, collections.deque()).append(message)
@@ -199,8 +232,8 @@ class ThreadWorld:
             self._deliver(send, recv, key)
             self._cond.notify_all()
 
-    def _deliver(self, send: _Message, recv: _Message, key: tuple[int, int, int]) -> None:
-        src, dst, tag = key
+    def _deliver(self, send: _Message, recv: _Message, key: tuple[int, int, int, int]) -> None:
+        _, src, dst, tag = key
         if send.tensor.numel() != recv.tensor.numel() or send.tensor.dtype != recv.tensor.dtype:
             error = RuntimeError(
                 f"rank {src} sent {tuple(send.tensor.shape)} {send.tensor.dtype} to rank {dst} "
@@ -237,10 +270,10 @@ class ThreadWorld:
         what = f"rank {rank}: {kind} on {group}"
         with self._cond:
             if self._error is not None:
-                raise RuntimeError(f"{what}: the thread world stopped: {self._error}")
-            number = self._calls[(rank, group.ranks)]
-            self._calls[(rank, group.ranks)] += 1
-            key = (group.ranks, number)
+                raise WorldStopped(f"{what}: the thread world stopped: {self._error}")
+            number = self._calls[(rank, group)]
+            self._calls[(rank, group)] += 1
+            key = (group, number)
             slot = self._slots.setdefault(key, _Slot(kind))
             if slot.kind != kind:
                 error = RuntimeError(
@@ -349,10 +382,10 @@ class ThreadWorld:
                 t.record_stream(stream)
         return done
 
-    def _check_peer(self, rank: int, peer: int, name: str) -> None:
-        if not 0 <= peer < self.world_size or peer == rank:
+    def _check_peer(self, rank: int, peer: int, name: str, group: ThreadGroup) -> None:
+        if peer == rank or peer not in group.ranks or rank not in group.ranks:
             raise ValueError(
-                f"rank {rank}: {name}={peer} must be another rank in [0, {self.world_size})"
+                f"rank {rank}: {name}={peer} must be another rank of {group} (global ranks)"
             )
 
 

@@ -201,7 +201,8 @@ class TrainConfig:
         None,
         "a torch.profiler trace (Chrome JSON, CPU and CUDA) of the last trace_steps steps, "
         "and how much of the GPU transfers overlapped compute in it (processes: one file "
-        "per rank, .rankN before the extension)",
+        "per rank, .rankN before the extension; threads: one file, all GPU work, rank 0's "
+        "CPU ops)",
     )
     trace_steps: int = _field("output", 2, "how many final steps the timeline shows")
     log_every: int = _field("output", 1, "print a line every this many steps (0: none)")

@@ -1,11 +1,15 @@
 """How much of a run's GPU transfers overlapped compute, read from a torch.profiler trace
 (Chrome JSON, ``TrainConfig.profile_trace``).
 
-GPU events of the trace are intervals on streams (``tid``). Transfers are
-device-to-device copies (the thread world's stage-to-stage and bridge messages, on its
-communication stream) and NCCL kernels (processes on GPUs); compute is every other
-kernel. A transfer's time counts as overlapped where a compute kernel of another stream
-ran at the same moment. Host-to-device copies (inputs) are counted apart.
+GPU events of the trace are intervals on streams (``tid``). Transfers are device-to-device
+and peer copies (the thread world's stage-to-stage and bridge messages) and NCCL kernels
+(processes on GPUs). Communication work that is not compute: every kernel on a stream
+that carries transfers (the thread world's reductions on its communication stream) and
+the bridge's pack / unpack kernels (dflop's ``copy_rows``, torch's index select / copy).
+Compute is every other kernel. A transfer's time counts as overlapped where a compute
+kernel of another stream ran at the same moment. Host copies (inputs) are counted apart.
+The classification is by names and streams, as Kineto writes them (``cat`` "kernel" /
+"gpu_memcpy", "Memcpy DtoD ..." / "Memcpy PtoP ...").
 """
 
 from __future__ import annotations
@@ -60,48 +64,54 @@ def transfer_overlap(trace: str | os.PathLike[str] | Mapping[str, Any]) -> Trans
     if not isinstance(trace, Mapping):
         with open(trace) as f:
             trace = json.load(f)
-    events = trace.get("traceEvents", [])
-    transfers: list[tuple[float, float, Any]] = []
-    compute: list[tuple[float, float, Any]] = []
-    host: list[tuple[float, float, Any]] = []
-    for event in events:
+    intervals: dict[str, list[tuple[float, float, Any]]] = {
+        "transfer": [],
+        "kernel": [],
+        "pack": [],
+        "host": [],
+    }
+    for event in trace.get("traceEvents", []):
         if not isinstance(event, Mapping) or event.get("ph") != "X":
             continue
-        kind = _kind(str(event.get("cat", "")).lower(), str(event.get("name", "")))
-        if kind is None:
-            continue
-        start_s = float(event["ts"]) * 1e-6
-        interval = (start_s, start_s + float(event.get("dur", 0.0)) * 1e-6, event.get("tid"))
-        {"transfer": transfers, "compute": compute, "host": host}[kind].append(interval)
-    overlapped = 0.0
-    for start, end, stream in transfers:
-        others = [(s, e) for s, e, t in compute if t != stream]
-        overlapped += _length(_clip(_union(others), start, end))
-    # Concurrency: moments where kernels of >= 2 streams run.
+        kind = _kind(str(event.get("cat", "")).lower(), str(event.get("name", "")).lower())
+        if kind is not None:
+            start_s = float(event["ts"]) * 1e-6
+            end_s = start_s + float(event.get("dur", 0.0)) * 1e-6
+            intervals[kind].append((start_s, end_s, event.get("tid")))
+    transfers = intervals["transfer"]
+    comm_streams = {stream for _, _, stream in transfers}
+    compute = [i for i in intervals["kernel"] if i[2] not in comm_streams]
     by_stream: dict[Any, list[tuple[float, float]]] = {}
-    for s, e, t in compute:
-        by_stream.setdefault(t, []).append((s, e))
-    unions = [_union(v) for v in by_stream.values()]
-    concurrent = _length(_at_least_two(unions))
+    for start, end, stream in compute:
+        by_stream.setdefault(stream, []).append((start, end))
+    overlapped = 0.0
+    for stream in comm_streams:  # per transfer stream: its transfers x others' compute
+        mine = _union((s, e) for s, e, t in transfers if t == stream)
+        others = _union(iv for t, ivs in by_stream.items() if t != stream for iv in ivs)
+        overlapped += _length(_intersect(mine, others))
     return TransferOverlap(
         transfer_s=_length(_union((s, e) for s, e, _ in transfers)),
-        overlapped_s=min(overlapped, _length(_union((s, e) for s, e, _ in transfers))),
+        overlapped_s=overlapped,
         compute_s=_length(_union((s, e) for s, e, _ in compute)),
-        concurrent_compute_s=concurrent,
-        host_copy_s=_length(_union((s, e) for s, e, _ in host)),
+        concurrent_compute_s=_length(_at_least_two([_union(v) for v in by_stream.values()])),
+        host_copy_s=_length(_union((s, e) for s, e, _ in intervals["host"])),
         num_transfers=len(transfers),
         num_kernels=len(compute),
         compute_streams=len(by_stream),
     )
 
 
+_PACK_KERNELS = ("copy_rows", "indexselect", "index_select", "index_copy")
+
+
 def _kind(category: str, name: str) -> str | None:
-    lowered = name.lower()
     if category == "gpu_memcpy":
-        return "transfer" if "dtod" in lowered or "peer" in lowered else "host"
-    if category == "kernel":
-        return "transfer" if "nccl" in lowered else "compute"
-    return None
+        return "transfer" if "dtod" in name or "ptop" in name else "host"
+    if category != "kernel":
+        return None
+    if "nccl" in name:
+        return "transfer"
+    return "pack" if any(k in name for k in _PACK_KERNELS) else "kernel"
 
 
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -114,8 +124,20 @@ def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]
     return merged
 
 
-def _clip(merged: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
-    return [(max(s, lo), min(e, hi)) for s, e in merged if e > lo and s < hi]
+def _intersect(
+    a: list[tuple[float, float]], b: list[tuple[float, float]]
+) -> list[tuple[float, float]]:
+    """Intersection of two merged, sorted interval lists (one sweep)."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
 
 
 def _length(merged: Iterable[tuple[float, float]]) -> float:

@@ -390,7 +390,7 @@ def _device_for(kind: str, rank: int) -> str:
     return "cpu"
 
 
-def _device_kind(config: TrainConfig, world_size: int) -> str:
+def _device_kind(config: TrainConfig, layout: RuntimeLayout) -> str:
     import torch
 
     if config.device == "cpu":
@@ -400,12 +400,15 @@ def _device_kind(config: TrainConfig, world_size: int) -> str:
         raise ValueError("TrainConfig.device='cuda' but no CUDA device is available")
     if not available:
         return "cpu"
+    # Fewer GPUs than ranks: local NCCL processes need a GPU each, and threads (which
+    # share one) run tp=1 layouts only; device=auto then trains on the CPU instead.
+    threads_fit = config.launch != "processes" and max(layout.encoder.tp, layout.llm.tp) == 1
     if (
         config.device == "auto"
-        and config.launch == "processes"
-        and torch.cuda.device_count() < world_size
+        and torch.cuda.device_count() < layout.world_size
+        and not threads_fit
     ):
-        return "cpu"  # local NCCL ranks need a GPU each
+        return "cpu"
     return "cuda"
 
 
@@ -486,7 +489,7 @@ def run_training(
     world_size = layout.world_size
     check_local_processes(world_size, config.oversubscribe)
     _save_run(config, prepared)
-    device_kind = _device_kind(config, world_size)
+    device_kind = _device_kind(config, layout)
     launch_kind = _launch_kind(config, device_kind, layout)
     chunks = layout.llm.virtual_stages
     interleaved = f" x {chunks} virtual stages" if chunks > 1 else ""
@@ -508,6 +511,10 @@ def run_training(
     )
     timeout_s = config.run_timeout_s or 7 * 24 * 3600.0
     if launch_kind == "threads":
+        if device_kind == "cpu":  # the ranks' threads share the cores' intra-op threads
+            import torch
+
+            torch.set_num_threads(_threads_per_rank(config, world_size))
         results = spawn_threads(
             _rank_main,
             world_size,

@@ -514,11 +514,14 @@ class Trainer:
                     break
             if config.profile_trace:
                 self._finish_profiler(profiler)
+                profiler = None
             if config.save_hf:
                 self.save_hf_checkpoint(config.save_hf)
             if self.scheduler is not None:
                 num_fallbacks_before = self.scheduler.num_fallbacks
         finally:
+            if profiler is not None:  # a step failed while profiling: stop it
+                profiler.stop()
             if bar is not None:
                 bar.close()
             if self.scheduler is not None:
@@ -549,22 +552,21 @@ class Trainer:
         )
 
     def _start_profiler(self) -> Any:
-        """A torch.profiler over the coming steps. In a thread world the profiler sees the
-        whole process's GPU, so only rank 0 runs one (after a barrier: all ranks start
-        the profiled steps together)."""
+        """A torch.profiler over the coming steps, started before a barrier that every
+        rank then passes. In a thread world only rank 0 runs one: it sees the whole
+        process's GPU work (but only rank 0's thread's CPU ops)."""
         import torch
 
         from dflop.runtime import comm as dist
 
-        threads = dist.get_backend() == dist.THREADS
-        dist.barrier()
-        if threads and not self.is_leader:
-            return None
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        profiler = torch.profiler.profile(activities=activities)
-        profiler.start()
+        profiler = None
+        if self.is_leader or dist.get_backend() != dist.THREADS:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            profiler = torch.profiler.profile(activities=activities)
+            profiler.start()
+        dist.barrier()  # started before any rank goes on
         return profiler
 
     def _finish_profiler(self, profiler: Any) -> None:

@@ -9,6 +9,7 @@ architecture) and :class:`HFStage` for its stages.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ from dflop.models.hf.common import (
 )
 from dflop.models.spec import ModelSpec
 from dflop.runtime.tensor_parallel import apply_tensor_parallel
+
+_SEEDED_BUILD = threading.Lock()
 
 __all__ = ["HFSpec", "HFStage", "decoder_architecture"]
 
@@ -93,8 +96,11 @@ class HFSpec(ModelSpec):
         if meta:
             with torch.device("meta"):
                 return self.model_class(self.config)
-        torch.manual_seed(seed)
-        return self.model_class(self.config)
+        # The seeded RNG is the process's: ranks that are threads of one process
+        # (--launch threads) build one at a time, each from the seed, leaving it as found.
+        with _SEEDED_BUILD, torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.model_class(self.config)
 
     def _from_checkpoint(self) -> bool:
         return self.checkpoint_dir is not None and has_weights(self.checkpoint_dir)
