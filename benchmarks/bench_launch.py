@@ -29,8 +29,11 @@ from dflop.train.gpu_trace import TransferOverlap  # noqa: E402
 from dflop.train.run import run_training  # noqa: E402
 
 
-def measure(launch: str, args: argparse.Namespace, profile: str | None) -> tuple[float, list]:
-    """Median step seconds after the warm-up, and the per-step losses."""
+def measure(
+    launch: str, args: argparse.Namespace, profile: str | None
+) -> tuple[float, list[float], list]:
+    """Median step seconds after the warm-up, the per-step losses, and the profiled
+    transfer overlaps (``profile``: a trace path, threads on CUDA)."""
     config = TrainConfig(
         model=args.model,
         layout=args.layout,

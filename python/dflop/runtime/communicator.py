@@ -402,10 +402,9 @@ class BridgeCommunicator:
         """CUDA: a context running the enclosed packing and transfers on the
         communicator's stream, after all work queued so far on the caller's stream (which
         made the data). Elsewhere: nothing."""
-        if self._stream is None:
-            return contextlib.nullcontext()
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(self._stream)
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        return _on_stream(self._stream)
 
     def _op(self, fn: Any, tensor: torch.Tensor, peer: int, tag: int) -> dist.P2POp:
         return dist.P2POp(fn, tensor, peer=peer, group=self.group, tag=tag)

@@ -193,21 +193,31 @@ class ThreadWorld:
     def isend(
         self, rank: int, tensor: torch.Tensor, dst: int, tag: int, group: ThreadGroup
     ) -> _Work:
-        self._check_peer(rank, dst, "dst", group)
-        work = _Work(self, f"rank {rank} sending to rank {dst} (tag {tag})")
-        message = _Message(tensor, self._ready_event(tensor), work)
-        key = (group.number, rank, dst, tag)
-        self._match(message, key, self._recvs, self._sends, sender=True)
-        return work
+        return self._post(rank, tensor, dst, tag, group, sender=True)
 
     def irecv(
         self, rank: int, tensor: torch.Tensor, src: int, tag: int, group: ThreadGroup
     ) -> _Work:
-        self._check_peer(rank, src, "src", group)
-        work = _Work(self, f"rank {rank} receiving from rank {src} (tag {tag})")
+        return self._post(rank, tensor, src, tag, group, sender=False)
+
+    def _post(
+        self,
+        rank: int,
+        tensor: torch.Tensor,
+        peer: int,
+        tag: int,
+        group: ThreadGroup,
+        sender: bool,
+    ) -> _Work:
+        """Post a send (to ``peer``) or a receive (from ``peer``); match it if its other
+        half is waiting."""
+        self._check_peer(rank, peer, "dst" if sender else "src", group)
+        verb = "sending to" if sender else "receiving from"
+        work = _Work(self, f"rank {rank} {verb} rank {peer} (tag {tag})")
         message = _Message(tensor, self._ready_event(tensor), work)
-        key = (group.number, src, rank, tag)
-        self._match(message, key, self._sends, self._recvs, sender=False)
+        src, dst = (rank, peer) if sender else (peer, rank)
+        mine, others = (self._sends, self._recvs) if sender else (self._recvs, self._sends)
+        self._match(message, (group.number, src, dst, tag), others, mine, sender=sender)
         return work
 
     def _match(

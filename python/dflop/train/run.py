@@ -402,7 +402,7 @@ def _device_kind(config: TrainConfig, layout: RuntimeLayout) -> str:
         return "cpu"
     # Fewer GPUs than ranks: local NCCL processes need a GPU each, and threads (which
     # share one) run tp=1 layouts only; device=auto then trains on the CPU instead.
-    threads_fit = config.launch != "processes" and max(layout.encoder.tp, layout.llm.tp) == 1
+    threads_fit = config.launch != "processes" and _threads_can_run(layout)
     if (
         config.device == "auto"
         and torch.cuda.device_count() < layout.world_size
@@ -410,6 +410,12 @@ def _device_kind(config: TrainConfig, layout: RuntimeLayout) -> str:
     ):
         return "cpu"
     return "cuda"
+
+
+def _threads_can_run(layout: RuntimeLayout) -> bool:
+    """Thread worlds run tp=1 layouts only (tensor parallelism shards over
+    torch.distributed's device mesh)."""
+    return max(layout.encoder.tp, layout.llm.tp) == 1
 
 
 def _launch_kind(config: TrainConfig, device_kind: str, layout: RuntimeLayout) -> str:
@@ -427,7 +433,7 @@ def _launch_kind(config: TrainConfig, device_kind: str, layout: RuntimeLayout) -
             "two ranks on one device); set TrainConfig.launch='threads' (--launch threads) "
             "or device='cpu'"
         )
-    if kind == "threads" and max(layout.encoder.tp, layout.llm.tp) > 1:
+    if kind == "threads" and not _threads_can_run(layout):
         raise ValueError(
             "TrainConfig.launch='threads' runs tp=1 layouts only (tensor parallelism shards "
             "over torch.distributed's device mesh): set launch='processes' or plan with tp=1"
