@@ -476,6 +476,33 @@ def test_accepts_custom_distribution_and_shapes() -> None:
     assert np.isfinite(result.best.prediction.step_time_s)
 
 
+def test_a_runs_steps_are_planned_as_they_are() -> None:
+    """Given a run's steps (``.shapes(step)``), batch b of the plan is step b: the
+    recorded samples are the steps' samples in order; a step of the wrong size is an
+    error naming it."""
+    from dflop.data.synthetic import synthetic_shapes
+
+    steps = [synthetic_shapes(16, seed=100 + b) for b in range(FAST.num_batches)]
+
+    class RunSteps:
+        def shapes(self, step: int):
+            return steps[step]
+
+    model = AnalyticCostModel("siglip-400m", "llm-7b")
+    inputs = prepare_inputs(
+        model, model.encoder, model.llm, global_batch=16, shapes=RunSteps(), num_batches=2
+    )
+    want = np.concatenate([s.seq_len for s in steps]).astype(np.float64)
+    np.testing.assert_array_equal(inputs.samples["llm_tokens"], want)
+    steps[1] = steps[1].take(np.arange(15))
+    with pytest.raises(
+        ValueError, match=r"shapes.shapes\(1\) gave 15, expected .*global_batch=16 samples"
+    ):
+        prepare_inputs(
+            model, model.encoder, model.llm, global_batch=16, shapes=RunSteps(), num_batches=2
+        )
+
+
 def test_the_core_reads_its_argument_dicts_strictly(monkeypatch) -> None:
     """A misspelt optional key is an error naming it (it used to be ignored), and so is a
     value of the wrong type (it used to be a bare cast error)."""

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("torch")
 
 from dflop.train import TrainConfig  # noqa: E402
-from dflop.train.planning import parse_layout  # noqa: E402
+from dflop.train.planning import LOCAL_PLAN_BATCHES, parse_layout  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 150
@@ -138,14 +138,53 @@ def test_local_plan_forced_layout_calibrated_then_trained(tmp_path, perf_json) -
     assert plan.inputs["local"] and plan.inputs["performance_model"]
     assert plan.cluster.link_latency_s != 1e-4  # calibrated
     assert len(plan.inputs["forward_fraction"]) == 2  # the trainer starts from them
-    assert len(best.steps) == 4 and any(s.pieces["replica"].max() == 1 for s in best.steps)
+    assert len(best.steps) == LOCAL_PLAN_BATCHES
+    assert any(s.pieces["replica"].max() == 1 for s in best.steps)
     result, report = _train(tmp_path, "", "--plan", str(plan_path), "--steps", "3", "--quiet")
     assert result.returncode == 0, result.stderr
     assert "profiling" not in result.stdout  # the plan's performance model is reused
-    assert f"the plan predicted {best.prediction.step_time_s:.3f} s per step" in result.stdout
+    assert f"the plan's mean over its batches: {best.prediction.step_time_s:.3f} s" in (
+        result.stdout
+    )
+    assert "plan vs measured (dflop): the plan's model predicted" in result.stdout
     # A plan for another model preset is refused.
     bad = run_cli("train", "--plan", str(plan_path), "--preset", "small", "--steps", "1")
     assert bad.returncode == 2 and "--preset tiny" in bad.stderr
+
+
+def test_a_local_plan_predicts_the_steps_the_run_trains(tmp_path, perf_json) -> None:
+    """One world: a local plan is scored on the run's own first steps (real-format data,
+    encoder dp 2), and a deterministic run of that plan schedules and predicts each of
+    those steps exactly as the plan did: the trainer's per-step prediction (its scheduler's
+    schedule, the runtime's encoder split, its predictor) equals the plan's record of the
+    same step."""
+    data = Path(__file__).parent / "data" / "llava_mini"
+    dataset = [
+        "--data", str(data / "llava_mini.json"),
+        "--image-folder", str(data / "images"), "--video-folder", str(data / "videos"),
+    ]  # fmt: skip
+    plan_path = tmp_path / "plan.json"
+    result = run_cli(
+        "plan", "--local", "3", "--layout", "enc_dp=2,m=4", "--global-batch", "8",
+        "--perf", perf_json, "-o", str(plan_path), *dataset,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    from dflop.planner import Plan
+
+    planned = [s.step_time_s for s in Plan.load(plan_path).best.steps]
+    assert len(planned) == LOCAL_PLAN_BATCHES and len(set(planned)) > 1
+    result, report = _train(
+        tmp_path, "", "--plan", str(plan_path), "--steps", "4", "--deterministic", "--quiet",
+        *dataset,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    steps = [s for s in report["steps"] if s["mode"] == "dflop"]
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]
+    for s in steps:
+        assert s["predicted_step_time_s"] == pytest.approx(planned[s["step"]], rel=1e-9)
+        assert s["plan_model_step_time_s"] == pytest.approx(planned[s["step"]], rel=1e-9)
+    summary = report["summary"]["dflop"]
+    assert summary["plan_model_step_time_s"] == pytest.approx(np.mean(planned[1:4]), rel=1e-9)
 
 
 # The second layout shards both modules over 2 tensor-parallel ranks (DTensor parameters

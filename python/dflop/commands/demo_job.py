@@ -241,7 +241,7 @@ def run_full_demo(config: FullDemoConfig, out: TextIO = sys.stdout) -> dict:
         model,
         2,
         config.global_batch,
-        ScaledShapes(step_shapes),
+        step_shapes,
         seed=config.seed,
         num_microbatches=config.num_microbatches,
     )

@@ -123,6 +123,7 @@ def train_main(config, json_path: str | None = None) -> int:
                     "layout": report.layout,
                     "steps": [m.to_dict() for m in report.metrics],
                     "summary": {k: v.to_dict() for k, v in rows.items()},
+                    "planned_step_time_s": report.planned_step_time_s,
                     "bad_records": bad,
                     "samples_replaced": report.stats.get("samples_replaced", 0),
                     "transfer_overlap": report.stats.get("transfer_overlap", []),

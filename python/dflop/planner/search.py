@@ -113,10 +113,32 @@ def _as_distribution(shapes: Any, family: str) -> Any:
         return _Bootstrap(shapes)
     if not callable(getattr(shapes, "sample", None)):
         raise InputTypeError(
-            "shapes must be None/'synthetic', a SampleShapes, or have .sample(n, seed), got "
+            "shapes must be None/'synthetic', a SampleShapes, or have .sample(n, seed) or "
+            ".shapes(step), got "
             f"{type(shapes).__name__}"
         )
     return shapes
+
+
+def _batches(
+    shapes: Any, family: str, global_batch: int, num_batches: int, seed: int
+) -> list[SampleShapes]:
+    """The planner's global batches: steps 0 .. num_batches - 1 of a run's own steps
+    (``shapes.shapes(step)``), else draws from the distribution (batch b with seed
+    ``seed + b``)."""
+    steps = getattr(shapes, "shapes", None)
+    if not isinstance(shapes, SampleShapes) and callable(steps):
+        batches = [steps(b) for b in range(num_batches)]
+        for b, batch in enumerate(batches):
+            if not isinstance(batch, SampleShapes) or len(batch) != global_batch:
+                got = len(batch) if isinstance(batch, SampleShapes) else type(batch).__name__
+                raise ValueError(
+                    f"shapes.shapes({b}) gave {got}, expected a SampleShapes of global_batch="
+                    f"{global_batch} samples"
+                )
+        return batches
+    distribution = _as_distribution(shapes, family)
+    return [distribution.sample(global_batch, seed=seed + b) for b in range(num_batches)]
 
 
 def prepare_inputs(
@@ -130,9 +152,10 @@ def prepare_inputs(
     seed: int = 0,
     forward_fraction: tuple[float, float] | None = None,
 ) -> PlannerInputs:
-    """Sample ``num_batches`` global batches (batch b with seed ``seed + b``) and compute
-    their per-sample costs with ``performance_model``; ``forward_fraction`` (encoder, LLM)
-    overrides the modules' forward share of a stage's time (1/3)."""
+    """Sample ``num_batches`` global batches (batch b with seed ``seed + b``; of a run's
+    steps, see :func:`plan`: step b) and compute their per-sample costs with
+    ``performance_model``; ``forward_fraction`` (encoder, LLM) overrides the modules'
+    forward share of a stage's time (1/3)."""
     if not isinstance(encoder, EncoderConfig):
         raise InputTypeError(f"encoder must be an EncoderConfig, got {type(encoder).__name__}")
     if not isinstance(llm, LLMConfig):
@@ -148,11 +171,9 @@ def prepare_inputs(
             "performance_model must have .costs(shapes) and .microbatch_constant_s, got "
             f"{type(performance_model).__name__}"
         )
-    distribution = _as_distribution(shapes, encoder.default_family)
-    batches = [
-        distribution.sample(int(global_batch), seed=int(seed) + b) for b in range(num_batches)
-    ]
-    batch = SampleShapes.concat(batches)
+    batch = SampleShapes.concat(
+        _batches(shapes, encoder.default_family, int(global_batch), int(num_batches), int(seed))
+    )
     if len(batch) != num_batches * global_batch:
         raise ValueError(
             f"the distribution returned {len(batch)} samples for {num_batches} batches of "
@@ -446,7 +467,10 @@ def plan(
         cluster: the GPUs.
         global_batch: samples per step.
         shapes: a distribution with ``.sample(n, seed)``, a SampleShapes to bootstrap
-            from, or None / "synthetic" for the embedded synthetic mix.
+            from, None / "synthetic" for the embedded synthetic mix, or a run's steps
+            (``.shapes(step)`` gives step's global batch, as dflop.train's StepShapes):
+            then the sampled batches are the run's first ``config.num_batches`` steps, so
+            the plan predicts the batches the run trains on.
         config: search settings.
         inputs_description: stored in ``Plan.inputs`` so that ``dflop simulate`` can
             rebuild the sampled batches.

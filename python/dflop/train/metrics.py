@@ -57,6 +57,9 @@ class StepMetrics:
     """The schedule's makespan / lower bound."""
     grad_norm: float = math.nan
     """Global gradient norm before clipping (every parameter of every stage once)."""
+    plan_model_step_time_s: float = math.nan
+    """The step as the plan's model (uncorrected) predicts it (nan: none, or not the
+    dflop schedule)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -75,6 +78,7 @@ def step_metrics(
     predicted_step_time_s: float = math.nan,
     schedule_ratio: float = math.nan,
     grad_norm: float = math.nan,
+    plan_model_step_time_s: float = math.nan,
 ) -> StepMetrics:
     step_time_s = max(r.step_time_s for r in records)
     num_stages = max(r.global_stage for r in records) + 1
@@ -96,6 +100,7 @@ def step_metrics(
         predicted_step_time_s=predicted_step_time_s,
         schedule_ratio=schedule_ratio,
         grad_norm=grad_norm,
+        plan_model_step_time_s=plan_model_step_time_s,
     )
 
 
@@ -161,19 +166,36 @@ class ModeSummary:
     predicted_step_time_s: float
     final_loss: float
     extra: dict[str, Any] = field(default_factory=dict)
+    plan_model_step_time_s: float = math.nan
+    """Mean of the steps as the plan's uncorrected model predicts them."""
 
     @property
     def prediction_error(self) -> float:
         """|predicted - measured| / measured of the mean step time (nan without predictions)."""
-        if math.isnan(self.predicted_step_time_s) or self.step_time_s <= 0:
-            return math.nan
-        return abs(self.predicted_step_time_s - self.step_time_s) / self.step_time_s
+        return _relative_error(self.predicted_step_time_s, self.step_time_s)
+
+    @property
+    def plan_prediction_error(self) -> float:
+        """:attr:`prediction_error` of the plan's model on these steps."""
+        return _relative_error(self.plan_model_step_time_s, self.step_time_s)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["busy_share"] = list(self.busy_share)
         out["prediction_error"] = self.prediction_error
+        out["plan_prediction_error"] = self.plan_prediction_error
         return out
+
+
+def _relative_error(predicted_s: float, measured_s: float) -> float:
+    if math.isnan(predicted_s) or measured_s <= 0:
+        return math.nan
+    return abs(predicted_s - measured_s) / measured_s
+
+
+def _nan_mean(values: list[float]) -> float:
+    kept = [v for v in values if not math.isnan(v)]
+    return float(np.mean(kept)) if kept else math.nan
 
 
 def summarise(metrics: list[StepMetrics], mode: str, warmup: int = 1) -> ModeSummary:
@@ -183,7 +205,6 @@ def summarise(metrics: list[StepMetrics], mode: str, warmup: int = 1) -> ModeSum
         rows = rows[warmup:]
     if not rows:
         raise ValueError(f"no measured steps of mode {mode!r}")
-    predicted = [m.predicted_step_time_s for m in rows if not math.isnan(m.predicted_step_time_s)]
     total_time = sum(m.step_time_s for m in rows)
     return ModeSummary(
         mode=mode,
@@ -194,8 +215,9 @@ def summarise(metrics: list[StepMetrics], mode: str, warmup: int = 1) -> ModeSum
         samples_per_s=sum(m.samples_per_s * m.step_time_s for m in rows) / total_time,
         tokens_per_s=sum(m.tokens_per_s * m.step_time_s for m in rows) / total_time,
         busy_share=tuple(float(v) for v in np.mean([m.busy_share for m in rows], axis=0)),
-        predicted_step_time_s=float(np.mean(predicted)) if predicted else math.nan,
+        predicted_step_time_s=_nan_mean([m.predicted_step_time_s for m in rows]),
         final_loss=rows[-1].loss,
+        plan_model_step_time_s=_nan_mean([m.plan_model_step_time_s for m in rows]),
     )
 
 

@@ -69,7 +69,7 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
     from dflop.data.reader import RecordSet
     from dflop.models.spec import model_spec
     from dflop.planner import Plan
-    from dflop.train.data import ScaledShapes, StepShapes, describe_records, load_distribution
+    from dflop.train.data import StepShapes, describe_records, load_distribution
     from dflop.train.planning import (
         evaluate_local,
         layout_from_plan,
@@ -123,16 +123,15 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
             forward_fraction=_plan_forward_fraction(plan_file),
         )
     global_batch = config.global_batch or 16
-    shapes = ScaledShapes(
-        StepShapes(
-            model,
-            global_batch,
-            seed=config.seed,
-            distribution=distribution,
-            family=config.family,
-            mix=config.mix,
-            scaler=config.scaler,
-        )
+    # The plan is scored on the run's own first steps (the batches it will train on).
+    shapes = StepShapes(
+        model,
+        global_batch,
+        seed=config.seed,
+        distribution=distribution,
+        family=config.family,
+        mix=config.mix,
+        scaler=config.scaler,
     )
 
     def local_plan(calibration: Any = None) -> tuple[RuntimeLayout, Any, str]:
@@ -316,7 +315,9 @@ def calibrate(
         f"{1e3 * calibration.link_latency_s:.2f} ms, forward "
         f"share encoder {calibration.forward_fraction[0]:.2f} / LLM "
         f"{calibration.forward_fraction[1]:.2f}; corrected "
-        + calibration.performance_model.summary().splitlines()[1].strip()
+        + "; ".join(
+            line.strip() for line in calibration.performance_model.summary().splitlines()[1:3]
+        )
     )
     return calibration
 
@@ -666,11 +667,15 @@ def print_summary(report: Any, out: Any = None, warmup: int = 1) -> dict[str, Mo
                 file=out,
             )
     planned = getattr(report, "planned_step_time_s", math.nan)
-    if "dflop" in rows and not math.isnan(planned):
-        measured = rows["dflop"].step_time_s
+    d = rows.get("dflop")
+    if d is not None and not math.isnan(d.plan_model_step_time_s):
+        # The plan's uncorrected model on the measured steps: the plan's own figure is a
+        # mean over the batches it was scored on, which a short run need not match.
+        mean = "" if math.isnan(planned) else f"; the plan's mean over its batches: {planned:.3f} s"
         print(
-            f"plan vs measured (dflop): the plan predicted {planned:.3f} s per step, measured "
-            f"{measured:.3f} s ({100 * abs(planned - measured) / measured:.1f}% off)",
+            f"plan vs measured (dflop): the plan's model predicted "
+            f"{d.plan_model_step_time_s:.3f} s for these steps, measured {d.step_time_s:.3f} s "
+            f"({100 * d.plan_prediction_error:.1f}% off){mean}",
             file=out,
         )
     return rows

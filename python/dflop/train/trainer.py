@@ -175,6 +175,13 @@ class Trainer:
         if isinstance(performance_model, dict):
             performance_model = PerformanceModel.from_dict(performance_model)
         self.cost_model = CostModel(performance_model)
+        # The model the plan was scored with, never corrected: what the plan predicts
+        # for the steps the run trains (reported beside the corrected simulator's).
+        self._plan_cost_model = CostModel(performance_model)
+        self._plan_forward_fraction = (
+            self._forward_fraction["encoder"],
+            self._forward_fraction["llm"],
+        )
         encoder, llm = cost_configs(self.spec)
         self.predictor = StepPredictor(
             ClusterSpec.from_dict(cluster) if cluster else local_cluster(self.world_size),
@@ -295,6 +302,16 @@ class Trainer:
             s.assignment,
             forward_fraction=(self._forward_fraction["encoder"], self._forward_fraction["llm"]),
             link_latency_s=self._link_latency_s if self._calibrated else None,
+        )
+
+    def _plan_audit(self, s: Schedule, shapes: Any) -> Any:
+        """:meth:`_audit` by the plan's own model: the cost model, forward shares and
+        link latency the plan was scored with, as they were before any step."""
+        return self.predictor.audit(
+            self._plan_cost_model,
+            shapes,
+            s.assignment,
+            forward_fraction=self._plan_forward_fraction,
         )
 
     def _calibrate_latency(
@@ -443,9 +460,10 @@ class Trainer:
                 batch = self._step_batch(step)
                 shapes = batch.shapes
                 schedules, encoder_costs = self._broadcast_schedules(step, shapes)
-                audits = {}
+                audits, planned = {}, math.nan
                 if self.is_leader and self.cost_model is not None:
                     audits = {mode: self._audit(s, shapes) for mode, s in schedules.items()}
+                    planned = self._plan_audit(schedules["dflop"], shapes).step_time_s
                 order = list(config.modes) if step % 2 == 0 else list(reversed(config.modes))
                 results, plans = {}, {}
                 for mode in order:
@@ -484,6 +502,7 @@ class Trainer:
                             ),
                             schedule_ratio=schedules[mode].ratio,
                             grad_norm=grad_norm,
+                            plan_model_step_time_s=planned if mode == "dflop" else math.nan,
                         )
                         metrics.append(row)
                         recent[mode].append((records, row.step_time_s))
