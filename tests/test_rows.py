@@ -92,6 +92,7 @@ gpu = pytest.mark.skipif(
 @pytest.mark.gpu
 def test_kernels_equal_torch_on_the_gpu():
     _check_equal_to_torch("cuda")
+    assert not rows._UNUSABLE_DEVICES  # dflop's kernels ran: no launch fell back to torch
 
 
 @gpu
@@ -101,18 +102,21 @@ def test_kernels_are_ordered_on_a_side_stream():
     wrote, and the compute stream sees the pack after waiting on the side stream."""
     rng = np.random.default_rng(1)
     side = torch.cuda.Stream()
-    for _ in range(20):
-        src = torch.empty(4096, 256, device="cuda")
-        src.copy_(torch.from_numpy(rng.standard_normal((4096, 256)).astype(np.float32)))
+    for _ in range(5):
+        host = torch.from_numpy(rng.standard_normal((4096, 256)).astype(np.float32))
+        src = host.cuda()
+        torch.cuda._sleep(50_000_000)  # the compute stream's write lands well after...
+        src.mul_(2.0)
         gather = rng.integers(0, 4096, 3000)
         ready = torch.cuda.Event()
         ready.record()
         side.wait_event(ready)
         with torch.cuda.stream(side):
             out = torch.empty(3000, 256, device="cuda")
-        packed = rows.gather_rows(src, gather, out, stream=side)
+        packed = rows.gather_rows(src, gather, out, stream=side)  # ...this is enqueued
         torch.cuda.current_stream().wait_stream(side)
-        assert torch.equal(packed, src[torch.from_numpy(gather).cuda()])
+        packed.add_(1.0)  # on the compute stream, after the pack
+        assert torch.equal(packed.cpu(), 2.0 * host[torch.from_numpy(gather)] + 1.0)
 
 
 @gpu

@@ -232,6 +232,8 @@ def test_thread_world_validates_its_arguments():
     world = ThreadWorld(2)
     with pytest.raises(ValueError, match=r"rank 0: dst=0 must be another rank of ThreadGroup"):
         world.isend(0, torch.zeros(1), 0, 0, world.world_group)
+    with pytest.raises(ValueError, match=r"rank 0: isend needs a contiguous tensor, got shape"):
+        world.isend(0, torch.zeros(2, 3).t(), 1, 0, world.world_group)
     with pytest.raises(ValueError, match=r"group ranks \[0, 2\] must be in \[0, 2\)"):
         world.new_group(0, [0, 2])
     with pytest.raises(ValueError, match="rank must be in"):

@@ -3,8 +3,8 @@
 Every parameter draws from its own generator, seeded by ``(seed, qualified name)``. So a
 pipeline stage built on its own (holding only layers 8..15, say) gets exactly the weights
 that the same layers have in the full model built with the same seed, with no need to build
-the full model first. Values are reproducible per device type (CPU and CUDA generators draw
-different streams).
+the full model first. Values are drawn on the CPU and copied, so a stage on a GPU holds the
+weights the same stage holds on the CPU.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ def init_weights(module: nn.Module, seed: int, prefix: str = "") -> None:
                 param.zero_()
             else:
                 full_name = prefix + (f"{module_name}." if module_name else "") + param_name
-                generator = torch.Generator(device=param.device)
+                # Drawn on the CPU whatever the device: CUDA's generator is another
+                # algorithm, and a GPU stage must hold the weights a CPU stage holds.
+                generator = torch.Generator()
                 generator.manual_seed(param_seed(seed, full_name))
-                param.normal_(0.0, INIT_STD, generator=generator)
+                values = torch.empty(param.shape, dtype=param.dtype)
+                param.copy_(values.normal_(0.0, INIT_STD, generator=generator))

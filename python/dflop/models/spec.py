@@ -132,7 +132,9 @@ class LLMStageModule(Protocol):
         rows_per_sample: list[int],
     ) -> Tensor: ...
 
-    def hidden_states(self, input_embeds: Tensor, cu_seqlens: Tensor) -> Tensor: ...
+    def hidden_states(self, input_embeds: Tensor, cu_seqlens: Tensor) -> Tensor:
+        """``cu_seqlens``: a CPU int64 tensor (the runtime passes it on the host)."""
+        ...
 
     def loss(
         self, input_embeds: Tensor, cu_seqlens: Tensor, labels: Tensor

@@ -564,7 +564,9 @@ class PipelineEngine:
         if ci.is_first_stage or ci.is_last_stage or self._token_positions:
             text = batch.text_inputs(share.sample_ids)
             self._check_text(mb, share.cu_seqlens, text)
-        cu_seqlens = torch.from_numpy(np.array(share.cu_seqlens)).to(self.device)
+        # On the host: stages read the lengths there (a GPU copy would cost every forward a
+        # synchronisation) and move to the device what they compute with.
+        cu_seqlens = torch.from_numpy(np.array(share.cu_seqlens))
         # A model whose rotary positions come from the tokens (Qwen-VL's mRoPE) gets them
         # on every stage.
         extra = (

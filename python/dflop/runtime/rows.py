@@ -63,6 +63,7 @@ def gather_rows(
             out = torch.empty((idx.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
         _check_rows("out", out, src, idx.shape[0])
         _check_disjoint(src, out)
+        _keep_until_done(src, out)
         if not _launched("gather_rows", src, idx, out):
             torch.index_select(src, 0, torch.from_numpy(idx).to(src.device), out=out)
     return out
@@ -81,6 +82,7 @@ def scatter_rows(src: Tensor, index: Any, out: Tensor, *, stream: Any = None) ->
     _check_rows("src", src, out, int(src.shape[0]))
     _check_disjoint(src, out)
     with _running_on(out.device, stream):
+        _keep_until_done(src, out)
         if not _launched("scatter_rows", src, idx, out):
             out.index_copy_(0, torch.from_numpy(idx).to(out.device), src)
     return out
@@ -151,6 +153,15 @@ def _running_on(device: torch.device, stream: Any) -> Iterator[None]:
             yield
 
 
+def _keep_until_done(*tensors: Tensor) -> None:
+    """CUDA tensors possibly made on another stream: the allocator keeps their memory until
+    the current stream's work (the copy, dflop's kernel or torch's) is done."""
+    if tensors[0].device.type == "cuda":
+        stream = torch.cuda.current_stream(tensors[0].device)
+        for tensor in tensors:
+            tensor.record_stream(stream)
+
+
 def _launched(name: str, src: Tensor, idx: np.ndarray, out: Tensor) -> bool:
     """Run dflop's kernel ``name`` on the current stream if it can; False: use torch's."""
     device = src.device
@@ -162,8 +173,6 @@ def _launched(name: str, src: Tensor, idx: np.ndarray, out: Tensor) -> bool:
     # Pinned, so that the upload is asynchronous; torch's host allocator keeps the pinned
     # block until the copy is done. Allocated on this stream, as the kernel reads it here.
     device_index = torch.from_numpy(idx).pin_memory().to(device, non_blocking=True)
-    for tensor in (src, out):  # possibly made on another stream: keep them until done here
-        tensor.record_stream(stream)
     row_bytes = src[0].numel() * src.element_size()
     try:
         getattr(_cuda, name)(

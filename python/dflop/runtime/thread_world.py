@@ -212,6 +212,11 @@ class ThreadWorld:
         """Post a send (to ``peer``) or a receive (from ``peer``); match it if its other
         half is waiting."""
         self._check_peer(rank, peer, "dst" if sender else "src", group)
+        if not tensor.is_contiguous():  # as torch.distributed: the copy is a flat one
+            raise ValueError(
+                f"rank {rank}: {'isend' if sender else 'irecv'} needs a contiguous tensor, got "
+                f"shape {tuple(tensor.shape)} with strides {tensor.stride()}"
+            )
         verb = "sending to" if sender else "receiving from"
         work = _Work(self, f"rank {rank} {verb} rank {peer} (tag {tag})")
         message = _Message(tensor, self._ready_event(tensor), work)
@@ -252,7 +257,7 @@ class ThreadWorld:
             )
             send.work.error = recv.work.error = error
             return
-        source = send.tensor.reshape(recv.tensor.shape)
+        source = send.tensor.view(recv.tensor.shape)  # both contiguous: no copy here
         event = self._on_comm_stream(
             lambda: recv.tensor.copy_(source, non_blocking=True),
             [send.ready, recv.ready],

@@ -1,15 +1,18 @@
 """How much of a run's GPU transfers overlapped compute, read from a torch.profiler trace
 (Chrome JSON, ``TrainConfig.profile_trace``).
 
-GPU events of the trace are intervals on streams (``tid``). Transfers are device-to-device
-and peer copies (the thread world's stage-to-stage and bridge messages) and NCCL kernels
-(processes on GPUs). Communication work that is not compute: every kernel on a stream
-that carries transfers (the thread world's reductions on its communication stream) and
-the bridge's pack / unpack kernels (dflop's ``copy_rows``, torch's index select / copy).
-Compute is every other kernel. A transfer's time counts as overlapped where a compute
-kernel of another stream ran at the same moment. Host copies (inputs) are counted apart.
-The classification is by names and streams, as Kineto writes them (``cat`` "kernel" /
-"gpu_memcpy", "Memcpy DtoD ..." / "Memcpy PtoP ...").
+GPU events of the trace are intervals on streams (``tid``). Transfer streams are the
+streams that run NCCL kernels (processes on GPUs) and the thread world's communication
+stream, which the trainer marks when the profiler starts (:func:`mark_transfer_stream`:
+one tiny ``spin_kernel`` there). Transfers are the NCCL kernels and the device-to-device
+and peer copies on transfer streams (the thread world's stage-to-stage and bridge
+messages); every other kernel on a transfer stream (the thread world's reductions) is
+communication work, not compute. Compute is every kernel on the other streams except the
+bridge's pack / unpack kernel (dflop's ``copy_rows``). Device copies on compute streams
+are local copies (a clone), neither. A transfer's time counts as overlapped where a
+compute kernel of another stream ran at the same moment. Host copies (inputs) are
+counted apart. Names and fields as Kineto writes them (``cat`` "kernel" / "gpu_memcpy",
+"Memcpy DtoD ..." / "Memcpy PtoP ...").
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TransferOverlap", "transfer_overlap"]
+__all__ = ["TransferOverlap", "mark_transfer_stream", "transfer_overlap"]
+
+MARKER_KERNEL = "spin_kernel"
+"""The kernel of ``torch.cuda._sleep``: what :func:`mark_transfer_stream` enqueues."""
 
 
 @dataclass(frozen=True)
@@ -65,10 +71,7 @@ def transfer_overlap(trace: str | os.PathLike[str] | Mapping[str, Any]) -> Trans
         with open(trace) as f:
             trace = json.load(f)
     intervals: dict[str, list[tuple[float, float, Any]]] = {
-        "transfer": [],
-        "kernel": [],
-        "pack": [],
-        "host": [],
+        kind: [] for kind in ("nccl", "device_copy", "kernel", "pack", "marker", "host")
     }
     for event in trace.get("traceEvents", []):
         if not isinstance(event, Mapping) or event.get("ph") != "X":
@@ -78,8 +81,8 @@ def transfer_overlap(trace: str | os.PathLike[str] | Mapping[str, Any]) -> Trans
             start_s = float(event["ts"]) * 1e-6
             end_s = start_s + float(event.get("dur", 0.0)) * 1e-6
             intervals[kind].append((start_s, end_s, event.get("tid")))
-    transfers = intervals["transfer"]
-    comm_streams = {stream for _, _, stream in transfers}
+    comm_streams = {t for kind in ("nccl", "marker") for _, _, t in intervals[kind]}
+    transfers = intervals["nccl"] + [i for i in intervals["device_copy"] if i[2] in comm_streams]
     compute = [i for i in intervals["kernel"] if i[2] not in comm_streams]
     by_stream: dict[Any, list[tuple[float, float]]] = {}
     for start, end, stream in compute:
@@ -101,17 +104,25 @@ def transfer_overlap(trace: str | os.PathLike[str] | Mapping[str, Any]) -> Trans
     )
 
 
-_PACK_KERNELS = ("copy_rows", "indexselect", "index_select", "index_copy")
-
-
 def _kind(category: str, name: str) -> str | None:
     if category == "gpu_memcpy":
-        return "transfer" if "dtod" in name or "ptop" in name else "host"
+        return "device_copy" if "dtod" in name or "ptop" in name else "host"
     if category != "kernel":
         return None
     if "nccl" in name:
-        return "transfer"
-    return "pack" if any(k in name for k in _PACK_KERNELS) else "kernel"
+        return "nccl"
+    if MARKER_KERNEL in name:
+        return "marker"
+    return "pack" if "copy_rows" in name else "kernel"
+
+
+def mark_transfer_stream(stream: Any) -> None:
+    """Enqueue the marker on ``stream`` (a ``torch.cuda.Stream``) while a profiler records,
+    so that :func:`transfer_overlap` counts its copies as transfers."""
+    import torch
+
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(1)
 
 
 def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:

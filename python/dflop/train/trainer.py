@@ -573,10 +573,13 @@ class Trainer:
     def _start_profiler(self) -> Any:
         """A torch.profiler over the coming steps, started before a barrier that every
         rank then passes. In a thread world only rank 0 runs one: it sees the whole
-        process's GPU work (but only rank 0's thread's CPU ops)."""
+        process's GPU work (but only rank 0's thread's CPU ops), and marks the world's
+        communication stream in it."""
         import torch
 
         from dflop.runtime import comm as dist
+        from dflop.runtime.thread_world import current as current_world
+        from dflop.train.gpu_trace import mark_transfer_stream
 
         profiler = None
         if self.is_leader or dist.get_backend() != dist.THREADS:
@@ -585,6 +588,9 @@ class Trainer:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             profiler = torch.profiler.profile(activities=activities)
             profiler.start()
+            world = current_world()
+            if world is not None and world[0].comm_stream is not None:
+                mark_transfer_stream(world[0].comm_stream)  # NCCL's streams need none
         dist.barrier()  # started before any rank goes on
         return profiler
 
