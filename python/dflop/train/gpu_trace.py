@@ -71,7 +71,7 @@ def transfer_overlap(trace: str | os.PathLike[str] | Mapping[str, Any]) -> Trans
         with open(trace) as f:
             trace = json.load(f)
     intervals: dict[str, list[tuple[float, float, Any]]] = {
-        kind: [] for kind in ("nccl", "device_copy", "kernel", "pack", "marker", "host")
+        kind: [] for kind in ("nccl", "device_copy", "kernel", "marker", "host")
     }
     for event in trace.get("traceEvents", []):
         if not isinstance(event, Mapping) or event.get("ph") != "X":
@@ -113,7 +113,7 @@ def _kind(category: str, name: str) -> str | None:
         return "nccl"
     if MARKER_KERNEL in name:
         return "marker"
-    return "pack" if "copy_rows" in name else "kernel"
+    return None if "copy_rows" in name else "kernel"  # the bridge's pack: not compute
 
 
 def mark_transfer_stream(stream: Any) -> None:
