@@ -80,10 +80,13 @@ def test_tensors_match_the_shapes(family):
     batch = DatasetBatch(records.records, CONFIG, SCALER, family=family)
     shapes = batch.shapes
     scaled = SCALER.scale(records.distribution.samples)
-    for name in ("encoder_units", "llm_visual_tokens", "text_tokens", "modality"):
+    for name in ("encoder_units", "llm_visual_tokens", "text_tokens", "modality", "target_tokens"):
         np.testing.assert_array_equal(getattr(shapes, name), getattr(scaled, name))
     assert (shapes.llm_visual_tokens == shapes.encoder_units * TPU).all()
     targets = batch.target_tokens()
+    # The targets the runtime lays out are the shapes' (the profile's, scaled).
+    np.testing.assert_array_equal(targets, shapes.target_tokens)
+    assert not shapes.targets_estimated
     for i in range(len(batch)):
         pixels = batch.pixel_values([i])
         assert pixels.shape == (shapes.encoder_units[i], 3, SIDE, SIDE)

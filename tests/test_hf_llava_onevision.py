@@ -443,6 +443,9 @@ def test_records_follow_the_chat_template(tmp_path):
     encoded = tokenizer.encode(answer, add_special_tokens=False)
     assert target == encoded + list(inputs.template.footer)
     # The profiler's count of the record's text tokens matches the layout.
-    counted = inputs.text_counter()([t["value"] for t in record["conversations"]])
+    turns = [(t["from"], t["value"]) for t in record["conversations"]]
+    counted, counted_targets = inputs.text_counter().count_turns(turns)
     text_tokens = len(ids) - int(sample.placeholder_mask.sum())
     assert abs(counted - text_tokens) <= 2
+    # ... and its count of the targets is exactly the labels' (what the loss runs on).
+    assert counted_targets == len(target) == int(ProcessedBatch([sample], 16).target_tokens()[0])

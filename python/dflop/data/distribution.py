@@ -14,7 +14,7 @@ JSON (any path not ending with ``.parquet``)::
 
 Parquet (``.parquet``, needs ``pyarrow``): one row per sample with the columns
 ``encoder_units``, ``tokens_per_unit``, ``llm_visual_tokens``, ``text_tokens`` (int64) and
-``modality`` (int8); everything else (format, version, family, meta) is JSON in the schema
+``modality`` (int8), and ``target_tokens`` (int64); everything else (format, version, family, meta) is JSON in the schema
 metadata under the key ``dflop.shape_distribution``.
 
 ``meta`` holds: ``source`` (what was profiled), ``num_read`` (samples read, profiled or
@@ -22,6 +22,11 @@ skipped), ``skipped`` (count per reason), ``skipped_examples`` (the first few sk
 samples per reason: reason, file, index, message), ``sources`` (per dataset file: path,
 sampling strategy, samples read/profiled/skipped), ``text_tokens_method`` and ``extra``
 (free-form). Readers reject files of a newer version.
+
+``target_tokens`` (each sample's loss tokens) was added to version 1 later: a file without
+it loads with the documented estimate (:data:`dflop.data.shapes.TARGET_SHARE_ESTIMATE`),
+and says so (``SampleShapes.targets_estimated``, the summary's line "target tokens:
+estimated"); profile the dataset again to count them.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "ShapeDistribution"]
 FORMAT_NAME = "dflop.shape_distribution"
 FORMAT_VERSION = 1
 _COLUMNS = ("encoder_units", "tokens_per_unit", "llm_visual_tokens", "text_tokens", "modality")
+_OPTIONAL_COLUMNS = ("target_tokens",)
 _QUANTILES = (0.0, 0.10, 0.50, 0.90, 0.99, 1.0)
 
 
@@ -165,19 +171,25 @@ class ShapeDistribution:
             "meta": self._meta(),
         }
 
+    def _saved(self) -> tuple[str, ...]:
+        """The columns written: an estimate of the targets is not saved as a count."""
+        return _COLUMNS if self.samples.targets_estimated else _COLUMNS + _OPTIONAL_COLUMNS
+
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write to ``path``: Parquet when it ends with ``.parquet``, else JSON."""
         path = os.fspath(path)
         if path.lower().endswith(".parquet"):
             pa, pq = _pyarrow(path)
-            table = pa.table({name: np.asarray(getattr(self.samples, name)) for name in _COLUMNS})
+            table = pa.table(
+                {name: np.asarray(getattr(self.samples, name)) for name in self._saved()}
+            )
             table = table.replace_schema_metadata(
                 {FORMAT_NAME: json.dumps(self._header(), sort_keys=True)}
             )
             pq.write_table(table, path)
             return
         doc = self._header()
-        doc["columns"] = {name: getattr(self.samples, name).tolist() for name in _COLUMNS}
+        doc["columns"] = {name: getattr(self.samples, name).tolist() for name in self._saved()}
         with open(path, "w", encoding="utf-8") as f:
             json.dump(doc, f, separators=(",", ":"))
             f.write("\n")
@@ -210,7 +222,11 @@ class ShapeDistribution:
             missing = [c for c in _COLUMNS if c not in table.column_names]
             if missing:
                 raise ValueError(f"{path}: missing column(s) {', '.join(missing)}")
-            columns = {c: table.column(c).to_numpy() for c in _COLUMNS}
+            columns = {
+                c: table.column(c).to_numpy()
+                for c in _COLUMNS + _OPTIONAL_COLUMNS
+                if c in table.column_names
+            }
         else:
             try:
                 with open(path, encoding="utf-8") as f:
@@ -240,8 +256,10 @@ class ShapeDistribution:
         if not isinstance(columns, dict):
             raise ValueError(f"{path}: missing 'columns'")
         arrays = {}
-        for name in _COLUMNS:
+        for name in _COLUMNS + _OPTIONAL_COLUMNS:
             if name not in columns:
+                if name in _OPTIONAL_COLUMNS:
+                    continue
                 raise ValueError(f"{path}: missing column {name!r}")
             arr = np.asarray(columns[name])
             if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
@@ -259,8 +277,12 @@ class ShapeDistribution:
         family = header.get("family")
         if not isinstance(family, str):
             raise ValueError(f"{path}: missing 'family'")
+        try:
+            samples = SampleShapes(**arrays)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
         return cls(
-            samples=SampleShapes(**arrays),
+            samples=samples,
             family=family,
             source=str(meta.get("source", "")),
             num_read=meta.get("num_read"),
@@ -283,6 +305,14 @@ class ShapeDistribution:
         ]
         if self.text_tokens_method:
             lines.append(f"  text tokens: {self.text_tokens_method}")
+        if len(s):
+            share = s.target_tokens.sum() / max(int(s.seq_len.sum()), 1)
+            how = (
+                "estimated (this profile predates target counts: profile the data again)"
+                if s.targets_estimated
+                else "counted from the answer turns"
+            )
+            lines.append(f"  target tokens: {how}; {share:.1%} of all LLM tokens")
         lines.append(f"  read {self.num_read:,}, profiled {len(s):,}, skipped {self.num_skipped:,}")
         for reason, count in sorted(self.skipped.items(), key=lambda kv: (-kv[1], kv[0])):
             lines.append(f"    {reason}: {count:,}")

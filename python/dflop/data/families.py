@@ -695,6 +695,7 @@ def shapes_from_descriptors(
     video_num_frames: object | None = None,
     video_frame_width_px: object | None = None,
     video_frame_height_px: object | None = None,
+    target_tokens: object | None = None,
 ) -> SampleShapes:
     """Shapes of N samples from raw descriptors, by the family's rules.
 
@@ -709,6 +710,8 @@ def shapes_from_descriptors(
             (must be >= 1 there).
         video_frame_width_px, video_frame_height_px: (N,) a video's frame size (0 when
             unknown); native families patch the frames at it.
+        target_tokens: (N,) target (loss) tokens of each sample, at most its text tokens
+            (None: :func:`~dflop.data.shapes.estimate_target_tokens`, flagged).
 
     Returns:
         :class:`SampleShapes` with ``tokens_per_unit`` 0 for text-only samples.
@@ -804,10 +807,16 @@ def shapes_from_descriptors(
         units[vid] = v_units
         tokens[vid] = v_tokens
 
+    targets = None
+    if target_tokens is not None:
+        targets = _as_int_array("target_tokens", target_tokens, 0)
+        if targets.shape != (n,):
+            raise ValueError(f"target_tokens has {targets.shape[0]} entries, expected {n}")
     return SampleShapes(
         encoder_units=units,
         tokens_per_unit=per_unit,
         llm_visual_tokens=tokens,
         text_tokens=text,
         modality=mod,
+        target_tokens=targets,
     )

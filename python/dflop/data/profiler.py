@@ -107,6 +107,7 @@ class SampleDescriptor:
     Attributes:
         modality: a :class:`Modality` code.
         text_tokens: text tokens of the conversation.
+        target_tokens: its target (loss) tokens (:mod:`dflop.data.text_tokens`).
         image_sizes_px: ``(width_px, height_px)`` of each image (empty unless an image
             modality).
         num_frames: frames available (video only; 1 otherwise).
@@ -119,6 +120,7 @@ class SampleDescriptor:
     image_sizes_px: tuple[tuple[int, int], ...] = ()
     num_frames: int = 1
     frame_size_px: tuple[int, int] | None = None
+    target_tokens: int = 0
 
 
 # --------------------------------------------------------------------------- describe
@@ -217,7 +219,7 @@ class _ImageSizeCache:
             return SampleError("unreadable_image", f"{path}: {exc}")
 
 
-def _turn_texts(data: dict[str, Any]) -> list[str]:
+def _turns(data: dict[str, Any]) -> list[tuple[str, str]]:
     if "conversations" not in data:
         raise SampleError("missing_conversations", "the sample has no 'conversations' field")
     conv = data["conversations"]
@@ -225,7 +227,7 @@ def _turn_texts(data: dict[str, Any]) -> list[str]:
         raise SampleError(
             "bad_conversations", f"'conversations' must be a non-empty list, got {conv!r:.80}"
         )
-    texts = []
+    turns = []
     for k, turn in enumerate(conv):
         if (
             not isinstance(turn, dict)
@@ -236,8 +238,8 @@ def _turn_texts(data: dict[str, Any]) -> list[str]:
                 "bad_conversations",
                 f"conversations[{k}] must be {{'from': str, 'value': str}}, got {turn!r:.80}",
             )
-        texts.append(turn["value"])
-    return texts
+        turns.append((turn["from"], turn["value"]))
+    return turns
 
 
 def _video_frames(data: dict[str, Any], video: Any, folder: str) -> int:
@@ -299,11 +301,12 @@ def describe_sample(
         raise SampleError(
             "not_an_object", f"expected a JSON object, got {type(data).__name__}: {data!r:.80}"
         )
-    texts = _turn_texts(data)
+    turns = _turns(data)
     try:
-        text_tokens = int(count_text(texts))
+        text_tokens, target_tokens = (int(v) for v in count_text.count_turns(turns))
     except Exception as exc:  # a user tokenizer may raise anything
         raise SampleError("tokenizer_error", f"{type(exc).__name__}: {exc}") from None
+    counts = {"text_tokens": text_tokens, "target_tokens": target_tokens}
     image = data.get("image")
     video = data.get("video")
     if image is not None and video is not None:
@@ -314,9 +317,9 @@ def describe_sample(
         size = None
         if first is not None:
             size = (images if images is not None else _ImageSizeCache()).size(first)
-        return SampleDescriptor(Modality.VIDEO, text_tokens, num_frames=frames, frame_size_px=size)
+        return SampleDescriptor(Modality.VIDEO, num_frames=frames, frame_size_px=size, **counts)
     if image is None:
-        return SampleDescriptor(Modality.TEXT, text_tokens)
+        return SampleDescriptor(Modality.TEXT, **counts)
     paths = [image] if isinstance(image, str) else image
     if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p for p in paths):
         raise SampleError(
@@ -328,7 +331,7 @@ def describe_sample(
         cache = images if images is not None else _ImageSizeCache()
         sizes = [cache.size(os.path.join(raw.image_folder, p)) for p in paths]
     modality = Modality.IMAGE if len(paths) == 1 else Modality.MULTI_IMAGE
-    return SampleDescriptor(modality, text_tokens, tuple(sizes))
+    return SampleDescriptor(modality, image_sizes_px=tuple(sizes), **counts)
 
 
 # --------------------------------------------------------------------------- profile

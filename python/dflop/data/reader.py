@@ -178,6 +178,7 @@ def descriptor_shapes(spec: FamilySpec, descriptors: list[SampleDescriptor]) -> 
         video_num_frames=np.array([d.num_frames for d in descriptors], dtype=np.int64),
         video_frame_width_px=np.array([f[0] for f in frames], dtype=np.float64),
         video_frame_height_px=np.array([f[1] for f in frames], dtype=np.float64),
+        target_tokens=np.array([d.target_tokens for d in descriptors], dtype=np.int64),
     )
 
 

@@ -48,7 +48,9 @@ chart / diagram     0.15      long side ~ Uniform[300, 900]; aspect ~ Uniform[0.
 Text tokens (conversation, prompt + answers) are heavy-tailed: LogNormal bodies with
 medians of 150 (single image), 200 (multi image), 120 (video) and 350 (text only) tokens
 and sigma 1.0 / 0.9 / 0.8 / 1.2; 5% of samples are long multi-turn conversations drawn
-from LogNormal(median 2,000, sigma 0.7). All are clipped to [8, 8,192] tokens.
+from LogNormal(median 2,000, sigma 0.7). All are clipped to [8, 8,192] tokens. The
+answers' share of a sample's text (its target tokens) is Beta(2.5, 2) (mean 0.56), drawn
+from a stream of its own (``(seed, 1)``), so the other fields do not depend on it.
 """
 
 from __future__ import annotations
@@ -215,6 +217,12 @@ def _text_tokens(rng: np.random.Generator, modality: np.ndarray) -> np.ndarray:
     return np.clip(np.round(tokens), TEXT_TOKENS_MIN, TEXT_TOKENS_MAX).astype(np.int64)
 
 
+def _target_tokens(seed: int, text: np.ndarray) -> np.ndarray:
+    """The answers' tokens: a Beta(2.5, 2) share of the text, at least 1, leaving >= 1."""
+    share = np.random.default_rng([seed, 1]).beta(2.5, 2.0, size=text.shape[0])
+    return np.clip(np.round(share * text), 1, text - 1).astype(np.int64)
+
+
 def synthetic_shapes(
     num_samples: int,
     seed: int = 0,
@@ -281,4 +289,5 @@ def synthetic_shapes(
         image_width_px=image_w,
         image_height_px=image_h,
         video_num_frames=video_frames,
+        target_tokens=_target_tokens(int(seed), text),
     )

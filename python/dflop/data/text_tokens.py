@@ -11,6 +11,12 @@ Its text tokens are what the LLM reads besides the visual tokens:
   ``<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n`` = 11 tokens with the
   Qwen2 tokenizer used by LLaVA-OneVision).
 
+Target (loss) tokens are the tokens a chat template labels, as LLaVA's preprocessing and
+the Hugging Face processors do: the answer turns' text (``from`` is ``gpt`` or
+``assistant``, any case) plus ``target_tokens_per_answer`` end-of-turn tokens per answer
+(ChatML's ``<|im_end|>`` ``\n`` = 2); prompts, system turns, role headers and visual
+tokens are not targets.
+
 Counting the turns' text
 ------------------------
 * With a tokenizer (:func:`make_text_counter` with ``tokenizer=...``): the exact number of
@@ -22,6 +28,9 @@ Counting the turns' text
 * Without one: ``ceil(characters / chars_per_token)`` per turn, ``chars_per_token = 4``
   (the usual ratio of BPE tokenizers on English text; CJK text and code are denser, so
   the estimate is low for them).
+
+A turn's text is counted piece by piece between its visual placeholders, as the runtimes
+tokenise it (the visual tokens go between the pieces).
 """
 
 from __future__ import annotations
@@ -36,11 +45,14 @@ from typing import Any, Callable
 from dflop.errors import InputTypeError
 
 __all__ = [
+    "ANSWER_ROLES",
     "CHARS_PER_TOKEN",
+    "TARGET_TOKENS_PER_ANSWER",
     "TOKENS_PER_CONVERSATION",
     "TOKENS_PER_TURN",
     "VISUAL_PLACEHOLDERS",
     "TextTokenCounter",
+    "is_answer_turn",
     "make_text_counter",
     "strip_visual_placeholders",
 ]
@@ -48,7 +60,10 @@ __all__ = [
 CHARS_PER_TOKEN = 4.0
 TOKENS_PER_TURN = 5
 TOKENS_PER_CONVERSATION = 11
+TARGET_TOKENS_PER_ANSWER = 2
 VISUAL_PLACEHOLDERS = ("<image>", "<video>")
+ANSWER_ROLES = ("gpt", "assistant")
+"""``from`` values (lower-cased) of the turns whose text is a target."""
 
 _PLACEHOLDER_RE = re.compile("|".join(re.escape(p) for p in VISUAL_PLACEHOLDERS))
 
@@ -56,6 +71,11 @@ _PLACEHOLDER_RE = re.compile("|".join(re.escape(p) for p in VISUAL_PLACEHOLDERS)
 def strip_visual_placeholders(text: str) -> str:
     """``text`` without the ``<image>``/``<video>`` placeholders."""
     return _PLACEHOLDER_RE.sub("", text)
+
+
+def is_answer_turn(role: object) -> bool:
+    """Whether a turn of this ``from`` role is an answer (its tokens are targets)."""
+    return isinstance(role, str) and role.lower() in ANSWER_ROLES
 
 
 @dataclass(frozen=True)
@@ -67,17 +87,36 @@ class TextTokenCounter:
         count_text: tokens of one turn's text (placeholders already removed).
         tokens_per_turn: template tokens added per turn.
         tokens_per_conversation: template tokens added per conversation.
+        target_tokens_per_answer: template tokens of an answer turn that are targets (its
+            end-of-turn tokens; part of ``tokens_per_turn``).
     """
 
     method: str
     count_text: Callable[[str], int]
     tokens_per_turn: int = TOKENS_PER_TURN
     tokens_per_conversation: int = TOKENS_PER_CONVERSATION
+    target_tokens_per_answer: int = TARGET_TOKENS_PER_ANSWER
+
+    def body(self, text: str) -> int:
+        """Tokens of one turn's text, piece by piece between its visual placeholders."""
+        return sum(self.count_text(piece) for piece in _PLACEHOLDER_RE.split(text) if piece)
 
     def __call__(self, turn_texts: Sequence[str]) -> int:
         """Text tokens of a conversation given its turns' texts."""
-        body = sum(self.count_text(strip_visual_placeholders(t)) for t in turn_texts)
+        body = sum(self.body(t) for t in turn_texts)
         return body + self.tokens_per_turn * len(turn_texts) + self.tokens_per_conversation
+
+    def count_turns(self, turns: Sequence[tuple[str, str]]) -> tuple[int, int]:
+        """``(text tokens, target tokens)`` of a conversation given its ``(role,
+        text)`` turns (see the module docstring)."""
+        bodies = [self.body(text) for _, text in turns]
+        text = sum(bodies) + self.tokens_per_turn * len(turns) + self.tokens_per_conversation
+        targets = sum(
+            body + self.target_tokens_per_answer
+            for body, (role, _) in zip(bodies, turns)
+            if is_answer_turn(role)
+        )
+        return text, min(targets, text)
 
 
 def _estimate(chars_per_token: float) -> Callable[[str], int]:
@@ -112,6 +151,7 @@ def make_text_counter(
     chars_per_token: float = CHARS_PER_TOKEN,
     tokens_per_turn: int = TOKENS_PER_TURN,
     tokens_per_conversation: int = TOKENS_PER_CONVERSATION,
+    target_tokens_per_answer: int = TARGET_TOKENS_PER_ANSWER,
 ) -> TextTokenCounter:
     """A :class:`TextTokenCounter` for ``tokenizer`` (``None``: the character estimate).
 
@@ -120,6 +160,7 @@ def make_text_counter(
             ``encode``, or a callable ``text -> int`` (see the module docstring).
         chars_per_token: characters per token of the estimate (> 0).
         tokens_per_turn, tokens_per_conversation: template overheads (>= 0).
+        target_tokens_per_answer: end-of-turn tokens of an answer that are targets (>= 0).
 
     Raises:
         FileNotFoundError: the tokenizer folder does not exist.
@@ -131,12 +172,14 @@ def make_text_counter(
     for arg, value in (
         ("tokens_per_turn", tokens_per_turn),
         ("tokens_per_conversation", tokens_per_conversation),
+        ("target_tokens_per_answer", target_tokens_per_answer),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{arg}={value!r} must be an int >= 0")
     overheads = {
         "tokens_per_turn": tokens_per_turn,
         "tokens_per_conversation": tokens_per_conversation,
+        "target_tokens_per_answer": target_tokens_per_answer,
     }
     if tokenizer is None:
         return TextTokenCounter(

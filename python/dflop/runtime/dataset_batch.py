@@ -46,19 +46,23 @@ profiler), applied to the decoded image.
 
 Text (LLM ranks)
 ----------------
-A sample's ``T = text_tokens`` text positions (the scaled budget) are laid out as::
+A sample's ``T = text_tokens`` text positions of which ``A = target_tokens`` are targets
+(the scaled budget: :class:`ShapeScaler` keeps the profiled answers' share) are laid out
+as::
 
     [BOS] [turn 0] [turn 1] ...      visual placeholders inside the turns
 
-The budget minus BOS is split across turns in proportion to ``1 + counter(turn text)``
-(largest remainder; the first assistant turn gets at least one position). A turn with
-quota ``q >= 2`` is a role token (``USER_TOKEN_ID`` / ``ASSISTANT_TOKEN_ID``) plus
-``q - 1`` content positions, a turn with ``q = 1`` one content position. Content is the
-turn's tokens (a tokenizer's ids mapped into the model's vocab as ``RESERVED + id % (vocab
-- RESERVED)``, or, without a tokenizer, the UTF-8 bytes as ``RESERVED + byte``): cut when
-longer, padded with ``END_TOKEN_ID`` when shorter. Labels are the content ids (padding
-included: the end of an answer is a target) on ``gpt``/``assistant`` turns and -100
-elsewhere, so a sample's target count is known from the records alone (no tokenisation).
+The answer (``gpt``/``assistant``) turns get exactly ``A`` positions, split in proportion
+to ``1 + counter(turn text)`` (largest remainder; the first answer gets at least one), all
+of them content with labels; the other turns share the ``T - 1 - A`` others in the same
+way (with no other turn, they pad the start after BOS). A non-answer turn with quota ``q
+>= 2`` is a role token (``USER_TOKEN_ID``) plus ``q - 1`` content positions, with ``q = 1``
+one content position. Content is the turn's tokens (a tokenizer's ids mapped into the
+model's vocab as ``RESERVED + id % (vocab - RESERVED)``, or, without a tokenizer, the UTF-8
+bytes as ``RESERVED + byte``): cut when longer, padded with ``END_TOKEN_ID`` when shorter.
+Labels are the content ids (padding included: the end of an answer is a target) on answer
+turns and -100 elsewhere, so a sample has exactly its shape's target tokens, known from
+the records alone (no tokenisation).
 
 Visual placeholders: the ``<image>``/``<video>`` occurrences of the conversation; item k
 (image k; the video) goes where the k-th placeholder is when their counts agree, otherwise
@@ -102,11 +106,12 @@ from dflop.data.reader import (
 )
 from dflop.data.shapes import Modality, SampleShapes
 from dflop.data.text_tokens import (
+    ANSWER_ROLES,
     VISUAL_PLACEHOLDERS,
     TextTokenCounter,
+    is_answer_turn,
     load_local_tokenizer,
     make_text_counter,
-    strip_visual_placeholders,
 )
 from dflop.errors import InputTypeError
 from dflop.models.config import ModelConfig
@@ -138,11 +143,9 @@ END_TOKEN_ID = 2
 USER_TOKEN_ID = 3
 """Role token of a non-assistant turn (human, system, ...)."""
 ASSISTANT_TOKEN_ID = 4
-"""Role token of an assistant turn."""
+"""Reserved (answer turns carry no role token: their positions are the targets)."""
 RESERVED_TOKEN_IDS = 5
 """Ids below this are special (``IMAGE_TOKEN_ID`` = 0 and the ones above); text ids follow."""
-ANSWER_ROLES = frozenset({"gpt", "assistant"})
-"""``from`` values of the turns that carry labels."""
 
 PIXEL_CACHE_BYTES = 64 << 20
 """Per-process cache of rendered units (by file, tiling and model size), least recently
@@ -183,6 +186,8 @@ class _Plan:
     units: list[_Unit] = field(default_factory=list)
     """The selected units, in encoding order."""
     quotas: list[int] = field(default_factory=list)
+    lead_pad: int = 0
+    """Non-target positions after BOS when no turn is a prompt."""
     slot_items: list[list[int]] = field(default_factory=list)
     """Per placeholder occurrence (conversation order): the items placed there."""
     prepend_items: list[int] = field(default_factory=list)
@@ -418,9 +423,7 @@ class DatasetBatch(PackedBatchSource):
         return d
 
     def _plan(self, i: int, raw: RawSample, d: SampleDescriptor) -> _Plan:
-        turns = [
-            (str(t["from"]).lower() in ANSWER_ROLES, t["value"]) for t in raw.data["conversations"]
-        ]
+        turns = [(is_answer_turn(str(t["from"])), t["value"]) for t in raw.data["conversations"]]
         plan = _Plan(_where(raw, i), d, turns)
         u = int(self.shapes.encoder_units[i])
         if d.modality != Modality.TEXT:
@@ -432,14 +435,22 @@ class DatasetBatch(PackedBatchSource):
         num_items = len(d.image_sizes_px) if d.modality != Modality.VIDEO else 1
         self._place_items(plan, num_items if d.modality != Modality.TEXT else 0)
         budget = int(self.shapes.text_tokens[i])
-        plan.quotas = _quotas(
-            budget - 1,
-            [1 + self.counter.count_text(strip_visual_placeholders(t)) for _, t in turns],
-            next((k for k, (ans, _) in enumerate(turns) if ans), None),
-        )
-        plan.target_tokens = sum(
-            (q - 1 if q >= 2 else q) for q, (ans, _) in zip(plan.quotas, turns) if ans
-        )
+        targets = int(self.shapes.target_tokens[i])
+        weights = [1 + self.counter.body(t) for _, t in turns]
+        answers = [k for k, (ans, _) in enumerate(turns) if ans]
+        others = [k for k, (ans, _) in enumerate(turns) if not ans]
+        if targets and not answers:  # pragma: no cover - targets are counted from answers
+            raise RuntimeError(f"{plan.where}: {targets} target tokens but no answer turn")
+        plan.quotas = [0] * len(turns)
+        pools = ((answers, targets, 0), (others, budget - 1 - targets, None))
+        for members, pool, first in pools:
+            if not members:
+                continue
+            for k, q in zip(members, _quotas(pool, [weights[k] for k in members], first)):
+                plan.quotas[k] = q
+        if not others:
+            plan.lead_pad = budget - 1 - targets
+        plan.target_tokens = targets
         return plan
 
     def _all_units(self, raw: RawSample, d: SampleDescriptor) -> list[_Unit]:
@@ -585,9 +596,9 @@ class DatasetBatch(PackedBatchSource):
         per_item = np.bincount([u.item for u in plan.units], minlength=1) * tpu
         if plan.units and self.config.decoder.image_newline:
             per_item[plan.units[-1].item] += 1  # the newline row follows the last unit
-        tokens: list[int] = [BOS_TOKEN_ID]
-        labels: list[int] = [IGNORE_INDEX]
-        mask: list[bool] = [False]
+        tokens: list[int] = [BOS_TOKEN_ID] + [END_TOKEN_ID] * plan.lead_pad
+        labels: list[int] = [IGNORE_INDEX] * (1 + plan.lead_pad)
+        mask: list[bool] = [False] * (1 + plan.lead_pad)
 
         def visual(items: list[int]) -> None:
             n = int(sum(int(per_item[k]) for k in items if k < len(per_item)))
@@ -603,9 +614,10 @@ class DatasetBatch(PackedBatchSource):
                     stream.append(_SLOT)
                 elif piece:
                     stream.extend(self._encode(piece))
-            content = quota - 1 if quota >= 2 else quota
-            if quota >= 2:
-                tokens.append(ASSISTANT_TOKEN_ID if is_answer else USER_TOKEN_ID)
+            role = quota >= 2 and not is_answer
+            content = quota - 1 if role else quota
+            if role:
+                tokens.append(USER_TOKEN_ID)
                 labels.append(IGNORE_INDEX)
                 mask.append(False)
             if k == 0 and plan.prepend_items:
@@ -684,17 +696,17 @@ def _file_key(path: str) -> tuple[str, int, int]:
     return (os.path.abspath(path), st.st_mtime_ns, st.st_size)
 
 
-def _quotas(budget: int, weights: list[int], answer: int | None) -> list[int]:
-    """Split ``budget`` positions over turns in proportion to ``weights`` (largest
-    remainder, earlier turns first on ties); turn ``answer`` gets at least one."""
+def _quotas(budget: int, weights: list[int], first: int | None) -> list[int]:
+    """Split ``budget`` positions over turns in proportion to ``weights`` (> 0; largest
+    remainder, earlier turns first on ties); turn ``first`` gets at least one."""
     total = sum(weights)
     quotas = [budget * w // total for w in weights]
     rest = budget - sum(quotas)
     order = sorted(range(len(weights)), key=lambda k: (-(budget * weights[k] % total), k))
     for k in order[:rest]:
         quotas[k] += 1
-    if answer is not None and quotas[answer] == 0 and budget > 0:
+    if first is not None and quotas[first] == 0 and budget > 0:
         donor = max(range(len(quotas)), key=lambda k: (quotas[k], -k))
         quotas[donor] -= 1
-        quotas[answer] += 1
+        quotas[first] += 1
     return quotas

@@ -111,6 +111,7 @@ class ProcessedBatch(PackedBatchSource):
             llm_visual_tokens=np.array(visual, dtype=np.int64),
             text_tokens=np.array(lengths, dtype=np.int64) - np.array(visual, dtype=np.int64),
             modality=np.array([_modality(s.items) for s in self.samples], dtype=np.int8),
+            target_tokens=self.target_tokens(),
         )
 
     def __len__(self) -> int:

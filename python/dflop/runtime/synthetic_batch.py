@@ -10,11 +10,11 @@ Layout of sample i (``T = units * tokens_per_unit + text_tokens`` positions)::
 
     [prompt head][image placeholders: units * tokens_per_unit][prompt tail][answer]
 
-The prompt is ``max(1, text_tokens // 3)`` tokens split around the image, the answer the
-rest. Labels are the token ids on the answer and ``IGNORE_INDEX`` (-100) on the prompt and
-the placeholders, so sample i has exactly ``answer`` target tokens (the answer never starts
-at position 0, and the loss shifts within the sample): the global target count is known
-from shapes alone, with no communication.
+The answer is the shape's ``target_tokens``, the prompt the rest of its text, split around
+the image. Labels are the token ids on the answer and ``IGNORE_INDEX`` (-100) on the prompt
+and the placeholders, so sample i has exactly ``target_tokens`` target tokens (the answer
+never starts at position 0, and the loss shifts within the sample): the global target count
+is known from shapes alone, with no communication.
 
 Shapes of a real model family (729 tokens per unit, thousands of text tokens) do not fit a
 tiny CPU model: :class:`ShapeScaler` maps them onto the model first, keeping their relative
@@ -63,7 +63,9 @@ class ShapeScaler:
     visual sample keeps at least one unit, a text-only sample none); the LLM sees ``units *
     tokens_per_unit`` visual tokens (the model's own tokens per unit, so placeholders and
     features agree), plus one for the newline row with ``visual_newline``; text tokens become
-    ``clip(ceil(text_tokens / text_divisor), min_text_tokens, max_text_tokens)``.
+    ``clip(ceil(text_tokens / text_divisor), min_text_tokens, max_text_tokens)``, and keep
+    their targets' share of the text: ``clip(round(scaled text x target_tokens /
+    text_tokens), 1, scaled text - 1)`` (0 for a sample without targets).
     ``None`` disables a cap; ``ShapeScaler(tpu, max_units_per_sample=None, unit_divisor=1,
     text_divisor=1, min_text_tokens=2, max_text_tokens=None)`` only conforms the visual
     tokens to the model.
@@ -156,12 +158,17 @@ class ShapeScaler:
             text = np.minimum(text, self.max_text_tokens)
         tokens_per_unit = np.where(units > 0, self.tokens_per_unit, 0).astype(np.int64)
         newline = (units > 0).astype(np.int64) if self.visual_newline else 0
+        raw_text = np.maximum(shapes.text_tokens.astype(np.float64), 1.0)
+        share = shapes.target_tokens.astype(np.float64) / raw_text
+        targets = np.clip(np.round(text * share), 1, text - 1).astype(np.int64)
         return SampleShapes(
             encoder_units=units,
             tokens_per_unit=tokens_per_unit,
             llm_visual_tokens=units * tokens_per_unit + newline,
             text_tokens=text,
             modality=shapes.modality.copy(),
+            target_tokens=np.where(shapes.target_tokens > 0, targets, 0),
+            targets_estimated=shapes.targets_estimated,
         )
 
 
@@ -197,13 +204,17 @@ class SampleLayout:
         return self.prompt_head + self.visual + self.prompt_tail + self.answer
 
 
-def sample_layout(visual_tokens: int, text_tokens: int) -> SampleLayout:
-    """The layout of a sample with ``visual_tokens`` placeholders and ``text_tokens`` text."""
-    if text_tokens < 2:
-        raise ValueError(f"a sample needs >= 2 text tokens (prompt + answer), got {text_tokens}")
-    prompt = max(1, text_tokens // 3)
+def sample_layout(visual_tokens: int, text_tokens: int, target_tokens: int) -> SampleLayout:
+    """The layout of a sample with ``visual_tokens`` placeholders and ``text_tokens`` text
+    of which the last ``target_tokens`` are the answer."""
+    if not 0 <= target_tokens < text_tokens:
+        raise ValueError(
+            f"a sample needs a prompt token before its answer: target_tokens={target_tokens} "
+            f"must be in [0, text_tokens={text_tokens})"
+        )
+    prompt = text_tokens - target_tokens
     head = prompt // 2
-    return SampleLayout(head, visual_tokens, prompt - head, text_tokens - prompt)
+    return SampleLayout(head, visual_tokens, prompt - head, target_tokens)
 
 
 @dataclass(frozen=True)
@@ -326,7 +337,10 @@ class SyntheticBatch(PackedBatchSource):
         self.shapes = shapes
         self.config = config
         self.seed = seed
-        self._layouts = [sample_layout(int(v), int(t)) for v, t in zip(visual, shapes.text_tokens)]
+        self._layouts = [
+            sample_layout(int(v), int(t), int(a))
+            for v, t, a in zip(visual, shapes.text_tokens, shapes.target_tokens)
+        ]
         too_long = [
             i for i, lay in enumerate(self._layouts) if lay.seq_len > config.decoder.max_seq_len
         ]

@@ -756,7 +756,13 @@ class Trainer:
 def _same_shapes(a: Any, b: Any) -> bool:
     return len(a) == len(b) and all(
         np.array_equal(getattr(a, f), getattr(b, f))
-        for f in ("encoder_units", "tokens_per_unit", "llm_visual_tokens", "text_tokens")
+        for f in (
+            "encoder_units",
+            "tokens_per_unit",
+            "llm_visual_tokens",
+            "text_tokens",
+            "target_tokens",
+        )
     )
 
 

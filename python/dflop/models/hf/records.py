@@ -41,7 +41,7 @@ from torch import Tensor
 
 from dflop.data.families import image_shapes, video_shapes
 from dflop.data.image_header import FRAME_FILE_EXTENSIONS
-from dflop.data.text_tokens import TextTokenCounter
+from dflop.data.text_tokens import TextTokenCounter, is_answer_turn
 from dflop.models.decoder import IGNORE_INDEX
 from dflop.models.spec import VisualItem
 from dflop.runtime.processed_batch import ProcessedSample
@@ -54,7 +54,6 @@ __all__ = [
     "byte_encoder",
 ]
 
-_ANSWER_ROLES = ("gpt", "assistant")
 _CHAT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -92,6 +91,7 @@ class ChatTemplate:
 
     def header(self, speaker: str) -> tuple[int, ...]:
         """The header of a LLaVA speaker (``human``/``gpt``; ``system``; others as user)."""
+        speaker = speaker.lower()
         role = "system" if speaker == "system" else _CHAT_ROLES.get(speaker, "user")
         return self.headers[role]
 
@@ -230,7 +230,7 @@ class RecordInputs:
             ids += template.system
             labels += [IGNORE_INDEX] * len(template.system)
         for turn, text in zip(turns, texts):
-            answer = turn.get("from") in _ANSWER_ROLES
+            answer = is_answer_turn(turn.get("from"))
             if template is not None:
                 header = template.header(str(turn.get("from")))
                 ids += header
@@ -249,18 +249,21 @@ class RecordInputs:
         return ids, labels
 
     def text_counter(self) -> TextTokenCounter:
-        """Counts a record's text tokens as :meth:`sample` lays them out, for profiling a
-        dataset under this model (the template's tokens per turn: its headers' mean)."""
-        per_turn = per_conversation = 0
+        """Counts a record's text and target tokens as :meth:`sample` lays them out, for
+        profiling a dataset under this model (the template's tokens per turn: its headers'
+        mean; an answer's targets: its text and the template's end of turn)."""
+        per_turn = per_conversation = per_answer = 0
         if self.template is not None:
             headers = [len(h) for h in self.template.headers.values()]
             per_turn = round(sum(headers) / len(headers)) + len(self.template.footer)
             per_conversation = len(self.template.system)
+            per_answer = len(self.template.footer)
         return TextTokenCounter(
             "model-encoder",
             lambda text: len(self.encode(text)),
             tokens_per_turn=per_turn,
             tokens_per_conversation=per_conversation,
+            target_tokens_per_answer=per_answer,
         )
 
 
