@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         pred = float(perf.encoder_time_s(m.num_units))
         rows.append(("encoder", f"{m.num_units} units", m.time_s, pred))
     for m in measured.decoder:
-        pred = float(perf.llm_time_s(m.num_tokens, m.sum_seq_sq))
+        pred = float(perf.llm_time_s(m.num_tokens, m.sum_seq_sq, m.num_targets))
         shape = f"{m.num_tokens} tok = {'+'.join(str(s) for s in m.seq_lens)}"
         rows.append(("llm", shape, m.time_s, pred))
 

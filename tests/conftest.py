@@ -23,6 +23,7 @@ INTEGRATION_MODULES = frozenset(
         "test_hf_llava_onevision",
         "test_hf_qwen2_vl",
         "test_hf_train",
+        "test_loss",
         "test_pipeline",
         "test_reliability",
         "test_tensor_parallel",

@@ -190,7 +190,7 @@ def test_bounded_memory_and_determinism() -> None:
     )
     state = first._llm_fit
     assert len(state.residuals) <= first.adaptive_config.residual_window
-    assert state.xtx.shape == (3, 3)
+    assert state.xtx.shape == (4, 4)
 
 
 def test_reset_and_prior() -> None:

@@ -130,7 +130,7 @@ def test_reference_tiny_model_profiles() -> None:
         model.vision,
         model.decoder,
         unit_counts=[1, 2, 4],
-        seq_len_mixes=[(64,), (32, 32), (128,), (64, 64), (96, 32)],
+        seq_len_mixes=[(64,), (32, 32), (128,), (64, 64), (96, 32), (48, 16)],
         warmup=1,
         repeats=1,
         num_threads=1,

@@ -258,7 +258,7 @@ def test_interleaved_candidates_pruned_exactly_and_planned_end_to_end(tmp_path) 
     from dflop.train.planning import layout_from_plan
 
     interleave = PlannerConfig(num_batches=2, top_k=3, virtual_stage_choices=(1, 2))
-    inputs = _inputs(batch=64)
+    inputs = _inputs(batch=16)
     cluster = ClusterSpec(num_gpus=16)
     pruned, _ = search_layouts(cluster, inputs, interleave)
     full, _ = search_layouts(cluster, inputs, replace(interleave, prune=False))
@@ -289,7 +289,7 @@ def test_interleaved_candidates_pruned_exactly_and_planned_end_to_end(tmp_path) 
     # The plan file keeps the virtual stages, and the trainer's layout takes them (a reference
     # model of the same depth: 28 layers in 6 chunks).
     path = tmp_path / "plan.json"
-    result = _plan(16, config=replace(interleave, runtime_schedule=False))
+    result = _plan(16, batch=16, config=replace(interleave, runtime_schedule=False))
     assert result.best.llm.virtual_stages == 2
     result.save(path)
     assert Plan.load(path).best.llm.virtual_stages == 2

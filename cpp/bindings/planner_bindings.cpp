@@ -94,7 +94,9 @@ ModuleParams to_module(const py::dict& d, const char* w) {
   r.opt("first_stage_params", &p.first_stage_params);
   r.opt("last_stage_params", &p.last_stage_params);
   p.activation_bytes_per_token_layer = r.get<double>("activation_bytes_per_token_layer");
-  r.opt("last_stage_activation_bytes_per_token", &p.last_stage_activation_bytes_per_token);
+  r.opt("head_bytes_per_target_token", &p.head_bytes_per_target_token);
+  r.opt("head_chunk_tokens", &p.head_chunk_tokens);
+  r.opt("element_bytes", &p.element_bytes);
   r.opt("microbatch_constant_s", &p.microbatch_constant_s);
   r.opt("attention_compute_fraction", &p.attention_compute_fraction);
   r.opt("attention_param_fraction", &p.attention_param_fraction);
@@ -123,6 +125,9 @@ PlannerSamples to_samples(const py::dict& d) {
   x.encoder_units.assign(units.data(), units.data() + units.size());
   x.llm_tokens = column(r, "llm_tokens");
   x.visual_tokens = column(r, "visual_tokens");
+  DoubleArray targets;  // optional: without it, every token is a target
+  r.opt("llm_target_tokens", &targets);
+  x.llm_target_tokens.assign(targets.data(), targets.data() + targets.size());
   r.finish();
   return x;
 }

@@ -58,7 +58,6 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kTpAllReducesPerLayer = 4.0;  // 2 forward + 2 backward (Megatron-LM)
-constexpr double kBf16Bytes = 2.0;
 // Relative margin of the second bound's pruning test (see Search::evaluate_wave).
 constexpr double kBoundSlack = 1e-9;
 
@@ -99,9 +98,13 @@ void check_module(const char* module, const ModuleParams& p) {
       {"first_stage_params", p.first_stage_params},
       {"last_stage_params", p.last_stage_params},
       {"activation_bytes_per_token_layer", p.activation_bytes_per_token_layer},
-      {"last_stage_activation_bytes_per_token", p.last_stage_activation_bytes_per_token},
+      {"head_bytes_per_target_token", p.head_bytes_per_target_token},
       {"microbatch_constant_s", p.microbatch_constant_s}};
   for (const auto& [name, value] : fields) check_finite_nonneg((m + "." + name).c_str(), value);
+  require(std::isfinite(p.element_bytes) && p.element_bytes >= 1.0 && p.element_bytes <= 8.0,
+          m + ".element_bytes must be in [1, 8], got " + fmt(p.element_bytes));
+  require(p.head_chunk_tokens >= 0,
+          m + ".head_chunk_tokens must be >= 0, got " + std::to_string(p.head_chunk_tokens));
   const std::pair<const char*, double> fractions[] = {
       {"attention_compute_fraction", p.attention_compute_fraction},
       {"attention_param_fraction", p.attention_param_fraction},
@@ -184,7 +187,7 @@ struct ModuleModel {
   double compute_comm(int64_t t) const {
     if (t <= 1) return 0.0;
     return kTpAllReducesPerLayer * 2.0 * double(t - 1) / double(t) * double(p->hidden_size) *
-           kBf16Bytes / c->intra_node_bandwidth_bytes_per_s;
+           p->element_bytes / c->intra_node_bandwidth_bytes_per_s;
   }
   // Stage time of summed samples: body (spread over layers), last (last-stage-only) and
   // tokens; n layers on the stage.
@@ -200,26 +203,42 @@ struct ModuleModel {
     return p->microbatch_constant_s * double(n) / double(p->num_layers) +
            (t > 1 ? double(n) * kTpAllReducesPerLayer * c->link_latency_s : 0.0);
   }
-  double stage_params(const ModuleLayout& l, int64_t s) const {
-    return p->params_per_layer * double(stage_layers(l, s)) +
-           (s == 0 ? p->first_stage_params : 0.0) + (s == l.pp - 1 ? p->last_stage_params : 0.0);
+  // Parameters one GPU of stage s holds: the layers' and the last stage's (the LM head,
+  // vocabulary-parallel; the projector) sharded over tp, the first stage's (embeddings)
+  // replicated on every TP rank, as the runtime's tensor-parallel plans do.
+  double gpu_params(const ModuleLayout& l, int64_t s) const {
+    return (p->params_per_layer * double(stage_layers(l, s)) +
+            (s == l.pp - 1 ? p->last_stage_params : 0.0)) /
+               double(l.tp) +
+           (s == 0 ? p->first_stage_params : 0.0);
   }
-  double all_params() const {
-    return p->params_per_layer * double(p->num_layers) + p->first_stage_params +
-           p->last_stage_params;
+  // The whole module's on one GPU of tp t (a colocated encoder).
+  double gpu_all_params(int64_t t) const {
+    return (p->params_per_layer * double(p->num_layers) + p->last_stage_params) / double(t) +
+           p->first_stage_params;
   }
-  double state_bytes(double params, int64_t t, int64_t dp, bool zero1) const {
-    const double per_param = zero1 ? 4.0 + 12.0 / double(dp) : 16.0;
-    return params * per_param / double(t);
+  // Model states of `params` on a GPU: weights and gradients (element_bytes each) and Adam's
+  // 16 - 2 x element_bytes bytes (bf16: fp32 master, m, v; fp32: m, v), sharded over dp
+  // with zero1.
+  double state_bytes(double params, int64_t dp, bool zero1) const {
+    const double weights = 2.0 * p->element_bytes, optimizer = 16.0 - weights;
+    return params * (weights + (zero1 ? optimizer / double(dp) : optimizer));
   }
   // Activation bytes of one microbatch of `tokens` tokens per GPU on a stage.
   // Full recomputation keeps only each layer's bf16 input, plus one layer's working set.
-  double activation_bytes(int64_t t, bool recompute, int64_t n, bool is_last, double tokens) const {
-    const double layers = recompute ? double(n) * kBf16Bytes * double(p->hidden_size) +
+  double activation_bytes(int64_t t, bool recompute, int64_t n, double tokens) const {
+    const double layers = recompute ? double(n) * p->element_bytes * double(p->hidden_size) +
                                           p->activation_bytes_per_token_layer
                                     : double(n) * p->activation_bytes_per_token_layer;
-    return tokens * (layers + (is_last ? p->last_stage_activation_bytes_per_token : 0.0)) /
-           double(t);
+    return tokens * layers / double(t);
+  }
+  // The LM head's working set on the last stage while a microbatch of `targets` target
+  // tokens computes its loss: one chunk's logits (all targets' without chunking), each
+  // TP rank its vocabulary slice. Transient: one microbatch's at a time.
+  double head_bytes(int64_t t, double targets) const {
+    const double rows =
+        p->head_chunk_tokens > 0 ? std::min(targets, double(p->head_chunk_tokens)) : targets;
+    return rows * p->head_bytes_per_target_token / double(t);
   }
 };
 
@@ -237,7 +256,7 @@ double dp_bandwidth(const ClusterParams& c, const ModuleLayout& l, int64_t s) {
 double allreduce_time(const ClusterParams& c, const ModuleModel& mm, const ModuleLayout& l,
                       int64_t s, double extra_params) {
   if (l.dp <= 1) return 0.0;
-  const double bytes = kBf16Bytes * (mm.stage_params(l, s) + extra_params) / double(l.tp);
+  const double bytes = mm.p->element_bytes * (mm.gpu_params(l, s) + extra_params);
   return 2.0 * double(l.dp - 1) / double(l.dp) * bytes / dp_bandwidth(c, l, s) + c.link_latency_s;
 }
 
@@ -282,8 +301,8 @@ double encoder_llm_bandwidth(const ClusterParams& c, const ModuleLayout& enc,
 
 struct BatchSums {
   double enc_body = 0, enc_last = 0, enc_tokens = 0;
-  double llm_body = 0, llm_last = 0, llm_tokens = 0;
-  double max_enc_tokens = 0, max_llm_tokens = 0;
+  double llm_body = 0, llm_last = 0, llm_tokens = 0, llm_targets = 0;
+  double max_enc_tokens = 0, max_llm_tokens = 0, max_llm_targets = 0;
   // Largest single sample's (body, last, tokens) per module, by its total time at t = 1.
   std::array<double, 3> max_enc{0, 0, 0}, max_llm{0, 0, 0};
   // The encoder's largest single visual unit, by time, and the most tokens of one unit.
@@ -343,8 +362,10 @@ struct Context {
         s.llm_body += lb;
         s.llm_last += ll;
         s.llm_tokens += x.llm_tokens[k];
+        s.llm_targets += x.target_tokens(k);
         s.max_enc_tokens = std::max(s.max_enc_tokens, x.encoder_tokens[k]);
         s.max_llm_tokens = std::max(s.max_llm_tokens, x.llm_tokens[k]);
+        s.max_llm_targets = std::max(s.max_llm_targets, x.target_tokens(k));
         if (x.encoder_s[k] > best_e) {
           best_e = x.encoder_s[k];
           s.max_enc = {eb, el, x.encoder_tokens[k]};
@@ -438,14 +459,16 @@ int64_t virtual_stages_of(const PipelineSimInput& in) {
 // One schedule of one batch as the simulation needs it.
 struct BinSums {
   // Per bin: the LLM's loads and visual rows, and (colocated layouts) the encoder's.
-  std::vector<double> enc_body, enc_last, enc_tokens, llm_body, llm_last, llm_tokens, visual;
+  std::vector<double> enc_body, enc_last, enc_tokens, llm_body, llm_last, llm_tokens, visual,
+      llm_targets;
   // Disaggregated layouts, per microbatch k (schedule order) and encoder stage st: the
   // slowest encoder replica's seconds incl. the microbatch constant (0 if no replica has
   // work), at enc_stage_s[k * pp + st]; the largest replica's encoder tokens; and per stage
   // the encoder's compute seconds summed over replicas and microbatches (for idle shares).
   std::vector<double> enc_stage_s, enc_max_tokens, enc_busy_s;
   void resize(size_t bins) {
-    for (auto* v : {&enc_body, &enc_last, &enc_tokens, &llm_body, &llm_last, &llm_tokens, &visual})
+    for (auto* v : {&enc_body, &enc_last, &enc_tokens, &llm_body, &llm_last, &llm_tokens, &visual,
+                    &llm_targets})
       v->assign(bins, 0.0);
   }
 };
@@ -547,6 +570,7 @@ class Evaluator {
       s.llm_body[bin] += x.llm_s[k] * (1 - x.llm_last_fraction[k]);
       s.llm_last[bin] += x.llm_s[k] * x.llm_last_fraction[k];
       s.llm_tokens[bin] += x.llm_tokens[k];
+      s.llm_targets[bin] += x.target_tokens(k);
       s.visual[bin] += x.visual_tokens[k];
     }
     if (l.colocated) return s;
@@ -638,18 +662,20 @@ class Evaluator {
     return out;
   }
 
-  // Peak memory per GPU over all stages, given the largest LLM bin tokens, the largest
-  // encoder tokens per encoder GPU per microbatch (disaggregated) or per bin (colocated).
+  // Peak memory per GPU over all stages, given the largest LLM bin's tokens and target
+  // tokens, the largest encoder tokens per encoder GPU per microbatch (disaggregated) or
+  // per bin (colocated).
   struct Memory {
     double peak = 0.0;
     bool encoder = false;
     int64_t stage = 0;
   };
-  Memory memory(const Layout& l, double llm_bin_tokens, double enc_tokens) const {
+  Memory memory(const Layout& l, double llm_bin_tokens, double llm_bin_targets,
+                double enc_tokens) const {
     const Memory enc =
         l.colocated ? Memory{} : encoder_memory(l.encoder, l.llm, l.num_microbatches, enc_tokens);
-    return combine(enc,
-                   llm_memory(l.llm, l.colocated, l.num_microbatches, llm_bin_tokens, enc_tokens));
+    return combine(enc, llm_memory(l.llm, l.colocated, l.num_microbatches, llm_bin_tokens,
+                                   llm_bin_targets, enc_tokens));
   }
   // The peak over the encoder's stages (disaggregated: the LLM's stages g follow them).
   Memory encoder_memory(const ModuleLayout& e, const ModuleLayout& g, int64_t m,
@@ -659,16 +685,15 @@ class Evaluator {
     for (int64_t s = 0; s < e.pp; ++s) {
       const int64_t n = e.layers_per_stage[size_t(s)];
       const double in_flight = double(peak_in_flight(schedule_of(g), shape, m, s));
-      const double bytes =
-          ctx_.enc.state_bytes(ctx_.enc.stage_params(e, s), e.tp, e.dp, ctx_.o.zero1) +
-          in_flight * ctx_.enc.activation_bytes(e.tp, e.recompute, n, s == e.pp - 1, enc_tokens);
+      const double bytes = ctx_.enc.state_bytes(ctx_.enc.gpu_params(e, s), e.dp, ctx_.o.zero1) +
+                           in_flight * ctx_.enc.activation_bytes(e.tp, e.recompute, n, enc_tokens);
       if (bytes > out.peak) out = {bytes, true, s};
     }
     return out;
   }
   // The peak over the LLM's stages (colocated: the encoder's on the first).
   Memory llm_memory(const ModuleLayout& g, bool colocated, int64_t m, double llm_bin_tokens,
-                    double enc_tokens) const {
+                    double llm_bin_targets, double enc_tokens) const {
     Memory out;
     const bool zero1 = ctx_.o.zero1;
     const PipelineShape shape{{g.pp}, {g.virtual_stages}};
@@ -676,15 +701,15 @@ class Evaluator {
       // The activations of one microbatch on one chunk (the stage itself without chunks).
       const int64_t n = largest_chunk(g, s);
       const double in_flight = double(peak_in_flight(schedule_of(g), shape, m, s));
-      double bytes = ctx_.llm.state_bytes(ctx_.llm.stage_params(g, s), g.tp, g.dp, zero1) +
-                     in_flight * ctx_.llm.activation_bytes(g.tp, g.recompute, n, s == g.pp - 1,
-                                                           llm_bin_tokens);
+      double bytes = ctx_.llm.state_bytes(ctx_.llm.gpu_params(g, s), g.dp, zero1) +
+                     in_flight * ctx_.llm.activation_bytes(g.tp, g.recompute, n, llm_bin_tokens);
+      if (s == g.pp - 1) bytes += ctx_.llm.head_bytes(g.tp, llm_bin_targets);
       bool is_enc = false;
       if (colocated && s == 0) {
         const ModuleModel& ce = ctx_.colocated_enc(g.tp);
         const double enc_bytes =
-            ce.state_bytes(ce.all_params(), g.tp, g.dp, zero1) +
-            in_flight * ce.activation_bytes(g.tp, g.recompute, ce.p->num_layers, true, enc_tokens);
+            ce.state_bytes(ce.gpu_all_params(g.tp), g.dp, zero1) +
+            in_flight * ce.activation_bytes(g.tp, g.recompute, ce.p->num_layers, enc_tokens);
         bytes += enc_bytes;
         is_enc = enc_bytes > bytes - enc_bytes;
       }
@@ -708,6 +733,15 @@ class Evaluator {
       tokens = std::max(tokens, std::max(s.llm_tokens / bins, s.max_llm_tokens));
     }
     return tokens;
+  }
+  // The same for the largest bin's target tokens.
+  double llm_targets_lower_bound(int64_t m, int64_t dp) const {
+    double targets = 0;
+    const double bins = double(m * dp);
+    for (const BatchSums& s : ctx_.sums) {
+      targets = std::max(targets, std::max(s.llm_targets / bins, s.max_llm_targets));
+    }
+    return targets;
   }
   // Disaggregated: some microbatch holds >= total / m, so some replica >= total / (m dp);
   // and some replica holds the largest unit (Unit), sample (Sample) or its dp-th (Even).
@@ -733,7 +767,7 @@ class Evaluator {
   // Memory with the smallest bins any schedule could give (for pruning before balance).
   Memory memory_lower_bound(const Layout& l) const {
     const int64_t m = l.num_microbatches;
-    return memory(l, llm_tokens_lower_bound(m, l.llm.dp),
+    return memory(l, llm_tokens_lower_bound(m, l.llm.dp), llm_targets_lower_bound(m, l.llm.dp),
                   enc_tokens_lower_bound(m, l.llm.dp, l.colocated, l.encoder.dp));
   }
 
@@ -768,6 +802,7 @@ class Evaluator {
       return in.activation_bytes[size_t((r * (V - 1) + boundary) * m + k)];
     };
     const double enc_h = double(ctx_.enc.p->hidden_size), llm_h = double(ctx_.llm.p->hidden_size);
+    const double enc_bytes = ctx_.enc.p->element_bytes, llm_bytes = ctx_.llm.p->element_bytes;
     for (int64_t k = 0; k < m; ++k) {
       const int64_t mb = order[size_t(k)];
       if (!l.colocated) {
@@ -777,12 +812,12 @@ class Evaluator {
           for (int64_t r = 0; r < R; ++r) put(r, st, k, t);
           if (st < E - 1) {
             for (int64_t r = 0; r < R; ++r) {
-              bytes_at(r, st, k) = s.enc_max_tokens[size_t(mb)] * enc_h * kBf16Bytes / double(e.tp);
+              bytes_at(r, st, k) = s.enc_max_tokens[size_t(mb)] * enc_h * enc_bytes / double(e.tp);
             }
           }
         }
         for (int64_t r = 0; r < R; ++r) {
-          bytes_at(r, E - 1, k) = s.visual[size_t(mb * R + r)] * llm_h * kBf16Bytes;
+          bytes_at(r, E - 1, k) = s.visual[size_t(mb * R + r)] * llm_h * llm_bytes;
         }
       }
       for (int64_t r = 0; r < R; ++r) {
@@ -802,7 +837,7 @@ class Evaluator {
             }
             put(r, E + vs, k, t);
             if (!is_last)
-              bytes_at(r, E + vs, k) = s.llm_tokens[bin] * llm_h * kBf16Bytes / double(g.tp);
+              bytes_at(r, E + vs, k) = s.llm_tokens[bin] * llm_h * llm_bytes / double(g.tp);
           }
         }
       }
@@ -822,7 +857,8 @@ class Evaluator {
           st + 1 < g.pp ? stage_link_bandwidth(ctx_.c, g, st) : wrap_link_bandwidth(ctx_.c, g);
     }
     for (int64_t st = 0; st < g.pp; ++st) {
-      const double extra = (l.colocated && st == 0) ? ctx_.colocated_enc(g.tp).all_params() : 0.0;
+      const double extra =
+          (l.colocated && st == 0) ? ctx_.colocated_enc(g.tp).gpu_all_params(g.tp) : 0.0;
       in.allreduce_s[size_t(E + st)] = allreduce_time(ctx_.c, ctx_.llm, g, st, extra);
     }
     return in;
@@ -947,17 +983,18 @@ class Evaluator {
   Prepared prepare(const Layout& l, std::vector<BinSums> sums) const {
     Prepared out;
     out.sums = std::move(sums);
-    double llm_tokens = 0, enc_tokens = 0;
+    double llm_tokens = 0, llm_targets = 0, enc_tokens = 0;
     for (const BinSums& s : out.sums) {
       for (size_t bin = 0; bin < s.llm_tokens.size(); ++bin) {
         llm_tokens = std::max(llm_tokens, s.llm_tokens[bin]);
+        llm_targets = std::max(llm_targets, s.llm_targets[bin]);
         if (l.colocated) enc_tokens = std::max(enc_tokens, s.enc_tokens[bin]);
       }
       if (!l.colocated) {  // the largest encoder replica's activations
         for (const double t : s.enc_max_tokens) enc_tokens = std::max(enc_tokens, t);
       }
     }
-    out.mem = memory(l, llm_tokens, enc_tokens);
+    out.mem = memory(l, llm_tokens, llm_targets, enc_tokens);
     out.feasible = out.mem.peak <= ctx_.c.gpu_memory_bytes;
     return out;
   }
@@ -1372,7 +1409,7 @@ double colocated_batch_bound(const Context& ctx, const Layout& l, const BatchSum
       c += ce.stage_constant(g.tp, ce.p->num_layers);
     }
     const double busy = share / double(g.dp) + double(m) * c;
-    const double extra = st == 0 ? ce.all_params() : 0.0;
+    const double extra = st == 0 ? ce.gpu_all_params(g.tp) : 0.0;
     worst = std::max(worst, busy + allreduce_time(ctx.c, ctx.llm, g, st, extra));
   }
   return worst;
@@ -1967,7 +2004,9 @@ class Search {
         const PathPart llm_part =
             reference ? PathPart{} : module_path_mean(ctx_, ctx_.llm, g, m, false);
         const double llm_tokens = eval_.llm_tokens_lower_bound(m, g.dp);
-        const Evaluator::Memory llm_mem = eval_.llm_memory(g, false, m, llm_tokens, 0.0);
+        const double llm_targets = eval_.llm_targets_lower_bound(m, g.dp);
+        const Evaluator::Memory llm_mem =
+            eval_.llm_memory(g, false, m, llm_tokens, llm_targets, 0.0);
         for (size_t ei = 0; ei < encs.size(); ++ei) {
           const ModuleLayout& e = encs[ei];
           if (pass_ == Pass::All) ++stats_.num_candidates;
@@ -2231,6 +2270,9 @@ void validate_planner_input(const ClusterParams& c, const ModuleParams& enc,
   }
   check_column("llm_tokens", x.llm_tokens, total, false);
   check_column("visual_tokens", x.visual_tokens, total, false);
+  if (!x.llm_target_tokens.empty()) {
+    check_column("llm_target_tokens", x.llm_target_tokens, total, false);
+  }
 }
 
 PlanResult plan_layouts(const ClusterParams& c, const ModuleParams& enc, const ModuleParams& llm,

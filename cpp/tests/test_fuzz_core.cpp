@@ -2565,9 +2565,10 @@ std::string describe(const dflop::ModuleParams& p) {
   s << "{" << num(p.num_layers) << ", " << num(p.num_heads) << ", " << num(p.hidden_size) << ", "
     << num(p.params_per_layer) << ", " << num(p.first_stage_params) << ", "
     << num(p.last_stage_params) << ", " << num(p.activation_bytes_per_token_layer) << ", "
-    << num(p.last_stage_activation_bytes_per_token) << ", " << num(p.microbatch_constant_s) << ", "
-    << num(p.attention_compute_fraction) << ", " << num(p.attention_param_fraction) << ", "
-    << num(p.attention_activation_fraction) << ", " << num(p.forward_fraction) << "}";
+    << num(p.head_bytes_per_target_token) << ", " << num(p.head_chunk_tokens) << ", "
+    << num(p.microbatch_constant_s) << ", " << num(p.attention_compute_fraction) << ", "
+    << num(p.attention_param_fraction) << ", " << num(p.attention_activation_fraction) << ", "
+    << num(p.forward_fraction) << "}";
   return s.str();
 }
 
@@ -2627,7 +2628,8 @@ dflop::ModuleParams gen_module(Rng& r, bool encoder) {
   p.last_stage_params = r.chance(0.3) ? 0.0 : r.log_uniform(1e5, 1e8);
   p.activation_bytes_per_token_layer =
       34.0 * double(p.hidden_size) * (r.chance(0.2) ? r.uniform() : 1.0);
-  p.last_stage_activation_bytes_per_token = encoder || r.chance(0.3) ? 0.0 : 4.0 * 32000;
+  p.head_bytes_per_target_token = encoder || r.chance(0.3) ? 0.0 : 8.0 * 32000;
+  p.head_chunk_tokens = r.pick<int64_t>({0, 64, 1024});
   p.microbatch_constant_s = r.chance(0.3) ? 0.0 : r.uniform(0, 3e-3);
   p.attention_compute_fraction = r.chance(0.5) ? 1.0 : r.uniform();
   p.attention_param_fraction = r.chance(0.5) ? 1.0 : r.uniform();
@@ -2655,6 +2657,7 @@ PlannerCase gen_planner(Rng& r) {
   const bool equal_units = r.chance(0.6);
   const double unit_s = r.log_uniform(0.005, 0.1);
   const double tokens_per_unit = r.pick({729.0, 256.0, 1.0});
+  const bool targets = r.chance(0.5);
   for (int64_t i = 0; i < x.num_batches * x.batch_size; ++i) {
     const int64_t units = r.chance(1.0 / 3.0) ? 0
                           : r.chance(0.03)    ? r.range(11, 400)
@@ -2670,6 +2673,7 @@ PlannerCase gen_planner(Rng& r) {
     x.encoder_tokens.push_back(double(units) * tokens_per_unit);
     x.llm_tokens.push_back(seq);
     x.visual_tokens.push_back(double(units) * 100.0);
+    if (targets) x.llm_target_tokens.push_back(r.uniform(0.0, 0.3) * seq);
   }
   auto& o = c.o;
   const int strategy = int(r.below(20));
@@ -2736,10 +2740,11 @@ bool planner_documented_invalid(const PlannerCase& c) {
   }
   for (const auto* p : {&c.enc, &c.llm}) {
     if (p->num_layers < 1 || p->num_heads < 1 || p->hidden_size < 1) return true;
+    if (p->head_chunk_tokens < 0) return true;
     if (p->num_layers > dflop::kMaxPlannerLayers || p->num_heads > dflop::kMaxPlannerHeads)
       return true;  // KB8, KB9
     for (double v : {p->params_per_layer, p->first_stage_params, p->last_stage_params,
-                     p->activation_bytes_per_token_layer, p->last_stage_activation_bytes_per_token,
+                     p->activation_bytes_per_token_layer, p->head_bytes_per_target_token,
                      p->microbatch_constant_s}) {
       if (!(v >= 0.0 && v <= kMaxPlannerValue)) return true;
     }
@@ -2755,8 +2760,10 @@ bool planner_documented_invalid(const PlannerCase& c) {
     return true;                                                            // KB12
   if (c.o.balance_work_budget < -1) return true;                            // KB15
   const uint64_t total = uint64_t(x.num_batches) * uint64_t(x.batch_size);  // <= 2^40
-  for (const Doubles* v : {&x.encoder_s, &x.llm_s, &x.encoder_last_fraction, &x.llm_last_fraction,
-                           &x.encoder_tokens, &x.llm_tokens, &x.visual_tokens}) {
+  for (const Doubles* v :
+       {&x.encoder_s, &x.llm_s, &x.encoder_last_fraction, &x.llm_last_fraction, &x.encoder_tokens,
+        &x.llm_tokens, &x.visual_tokens, &x.llm_target_tokens}) {
+    if (v == &x.llm_target_tokens && v->empty()) continue;  // optional
     if (v->size() != total) return true;
     for (double e : *v) {
       if (!(e >= 0.0 && e <= kMaxPlannerValue)) return true;
@@ -2836,10 +2843,9 @@ void mutate_planner(Rng& r, PlannerCase& c) {
         break;
       }
       case 4: {
-        double* f =
-            r.pick<double*>({&p.params_per_layer, &p.first_stage_params, &p.last_stage_params,
-                             &p.activation_bytes_per_token_layer,
-                             &p.last_stage_activation_bytes_per_token, &p.microbatch_constant_s});
+        double* f = r.pick<double*>({&p.params_per_layer, &p.first_stage_params,
+                                     &p.last_stage_params, &p.activation_bytes_per_token_layer,
+                                     &p.head_bytes_per_target_token, &p.microbatch_constant_s});
         *f = weird_double(r);
         break;
       }
@@ -2944,13 +2950,13 @@ bool planner_moderate(const PlannerCase& c) {
   for (const auto* p : {&c.enc, &c.llm}) {
     if (p->hidden_size > (int64_t{1} << 40)) return false;
     for (double v : {p->params_per_layer, p->first_stage_params, p->last_stage_params,
-                     p->activation_bytes_per_token_layer, p->last_stage_activation_bytes_per_token,
+                     p->activation_bytes_per_token_layer, p->head_bytes_per_target_token,
                      p->microbatch_constant_s}) {
       if (!moderate(v)) return false;
     }
   }
   return moderate(x.encoder_s) && moderate(x.llm_s) && moderate(x.encoder_tokens) &&
-         moderate(x.llm_tokens) && moderate(x.visual_tokens);
+         moderate(x.llm_tokens) && moderate(x.visual_tokens) && moderate(x.llm_target_tokens);
 }
 
 // Layout rules the header documents (planner.hpp's model and ModuleLayout / Layout).

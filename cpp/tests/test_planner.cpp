@@ -247,6 +247,37 @@ TEST_CASE(colocated_encoder_heads_are_padded) {
   CHECK_THROWS_AS(run(q), dflop::InvalidArgument);
 }
 
+TEST_CASE(the_lm_head_holds_one_chunk_of_the_targets_logits) {
+  // One encoder GPU, one LLM GPU (pp = 1, so its stage is the last): the LM head's working
+  // set is min(largest bin's targets, chunk) rows of head_bytes_per_target_token, once.
+  Problem p = make_problem(2);
+  p.options.global_batch = 24;
+  dflop::Layout l;
+  l.encoder = {1, 1, 1, 0, {8}, false};
+  l.llm = {1, 1, 1, 1, {16}, false};
+  l.num_microbatches = 4;
+  p.samples.llm_target_tokens.assign(p.samples.llm_tokens.size(), 0.0);
+  p.llm.head_bytes_per_target_token = 1e6;
+  const auto none = dflop::evaluate_layout(p.cluster, p.encoder, p.llm, p.samples, p.options, l);
+  for (size_t k = 0; k < p.samples.llm_tokens.size(); ++k) {
+    p.samples.llm_target_tokens[k] = std::floor(p.samples.llm_tokens[k] / 10.0);
+  }
+  p.llm.head_chunk_tokens = 0;  // no chunking: every target of the bin at once
+  const auto whole = dflop::evaluate_layout(p.cluster, p.encoder, p.llm, p.samples, p.options, l);
+  p.llm.head_chunk_tokens = 64;
+  const auto chunked = dflop::evaluate_layout(p.cluster, p.encoder, p.llm, p.samples, p.options, l);
+  CHECK_EQ(chunked.peak_memory_bytes - none.peak_memory_bytes, 64 * 1e6);
+  CHECK(whole.peak_memory_bytes - none.peak_memory_bytes > 200 * 1e6);  // bins of >= 200
+  // Timing does not depend on where memory goes; without targets the head costs nothing.
+  CHECK_EQ(chunked.mean_step_time_s, none.mean_step_time_s);
+  // Element bytes in [1, 8]; a chunk of >= 0 rows.
+  p.llm.element_bytes = 0.5;
+  CHECK_THROWS_AS(run(p), dflop::InvalidArgument);
+  p.llm.head_chunk_tokens = -1;
+  p.llm.element_bytes = 4.0;
+  CHECK_THROWS_AS(run(p), dflop::InvalidArgument);
+}
+
 TEST_CASE(validation_names_the_problem) {
   Problem p = make_problem(8);
   p.options.global_batch = 10;

@@ -10,7 +10,7 @@
 //   (training FLOPs = 3 x forward).
 // - Tensor parallelism of degree t: compute / (t x eff(t)), eff(t) = 1 / (1 + gemm_loss x
 //   log2 t) (smaller GEMMs run less efficiently), plus per layer 4 activation all-reduces
-//   (2 forward, 2 backward; Megatron-LM's column/row split) of tokens x hidden x 2 bytes,
+//   (2 forward, 2 backward; Megatron-LM's column/row split) of tokens x hidden x element bytes,
 //   ring cost 2(t-1)/t x bytes / intra-node bandwidth, plus their latency once per
 //   microbatch. TP groups never cross a node: t divides gpus_per_node and every module's
 //   first rank is a multiple of t.
@@ -24,25 +24,34 @@
 //   the largest replica's. PlannerOptions::encoder_split selects whole-sample placement
 //   or the old idealised even split instead (ablations; the even split is not what any
 //   runtime can execute).
-// - Point-to-point: activations tokens x hidden x 2 bytes / t (sequence-parallel shards,
-//   one link per TP rank); encoder -> LLM features: visual tokens x LLM hidden x 2 bytes.
+// - Point-to-point: activations tokens x hidden x element bytes / t (sequence-parallel
+//   shards, one link per TP rank); encoder -> LLM features: visual tokens x LLM hidden x
+//   element bytes. (ModuleParams::element_bytes: 2 for bf16, 4 for fp32.)
 //   Intra-node bandwidth when both stages share a node, inter-node otherwise.
-// - Gradient all-reduce per stage (ring over the module's DP group): 2(dp-1)/dp x 2 bytes x
+// - Gradient all-reduce per stage (ring over the module's DP group): 2(dp-1)/dp x element bytes x
 //   params on the GPU / bandwidth (inter-node when the DP group spans nodes), not
 //   overlapped with the backward pass (as the simulator assumes).
 // Memory model (bytes per GPU of a stage):
-// - Model states, mixed-precision Adam: 2 (bf16 weights) + 2 (bf16 grads) + 12 (fp32
-//   master, m, v) = 16 bytes/param over t; with zero1 the 12 optimizer bytes are sharded
-//   over the DP group (Megatron's distributed optimizer): 4 + 12 / dp.
+// - Model states, Adam: 2 (bf16 weights) + 2 (bf16 grads) + 12 (fp32 master, m, v) = 16
+//   bytes/param in mixed precision, 4 + 4 + 8 (m, v) = 16 in fp32 (element_bytes 4); with
+//   zero1 the optimizer bytes are sharded over the DP group (Megatron's distributed
+//   optimizer): 4 + 12 / dp (bf16), 8 + 8 / dp (fp32). A GPU holds its stage's layers and
+//   last-stage parameters (LM head: vocabulary-parallel; projector) over t and the
+//   first-stage ones (embeddings) whole: the runtime's tensor-parallel plans replicate them.
 // - Activations: stage s keeps, at its peak, the pipeline schedule's peak_in_flight()
 //   (pipeline_program.hpp) microbatch-chunks' activations: 1F1B stage s of an S-stage
 //   pipeline min(S - s, m), an interleaved LLM stage p of P with v chunks
 //   min(2 (P - 1 - p) + (v - 1) P + 1, m v) chunks of its largest chunk's layers (the
 //   encoder's stages before it more); a microbatch keeps tokens x layers on the stage (or
 //   chunk) x activation bytes per token-layer / t (34 x hidden with FlashAttention and sequence
-//   parallelism, Korthikanti et al. 2022), plus the LLM's fp32 logits (vocab x 4 / t per token) on
-//   its last stage, using the largest bin of the sampled batches. The search tries each module with
-//   and without full activation recomputation (see ModuleLayout::recompute).
+//   parallelism, Korthikanti et al. 2022), using the largest bin of the sampled batches. The
+//   search tries each module with and without full activation recomputation (see
+//   ModuleLayout::recompute).
+// - The LM head (LLM's last stage): the runtime computes the head and the loss on the target
+//   tokens only, head_chunk_tokens rows at a time (dflop.models.loss), so while a microbatch
+//   computes its loss the stage holds min(targets of the largest bin, head_chunk_tokens) x
+//   head_bytes_per_target_token / t (vocabulary-parallel head) more, once: transient, one
+//   microbatch's at a time.
 // Padded attention heads (colocated layouts only): the encoder inside the LLM's first stage
 // runs at the LLM's tp, which need not divide the encoder's heads (InternViT-6B: 25). A
 // Megatron-LM user then does what NVLM does (Megatron-LM examples/multimodal/nvlm/
@@ -106,11 +115,13 @@ struct ModuleParams {
   int64_t num_heads = 1;
   int64_t hidden_size = 1;
   double params_per_layer = 0.0;
-  double first_stage_params = 0.0;                     // embeddings / patch embedding
-  double last_stage_params = 0.0;                      // LM head / projector
-  double activation_bytes_per_token_layer = 0.0;       // at t = 1
-  double last_stage_activation_bytes_per_token = 0.0;  // at t = 1 (fp32 logits)
-  double microbatch_constant_s = 0.0;                  // per microbatch, whole module, one GPU
+  double first_stage_params = 0.0;                // embeddings / patch embedding
+  double last_stage_params = 0.0;                 // LM head / projector
+  double activation_bytes_per_token_layer = 0.0;  // at t = 1
+  // The LM head's working set (logits and their gradient) per target row at t = 1, on the
+  // LLM's last stage (see head_chunk_tokens).
+  double head_bytes_per_target_token = 0.0;
+  double microbatch_constant_s = 0.0;  // per microbatch, whole module, one GPU
   // Shares that grow with padded attention heads (see "Padded attention heads"): of the
   // per-layer compute (QKV / output projections and the attention core), of
   // params_per_layer, of activation_bytes_per_token_layer. 1 (everything grows) unless known.
@@ -119,6 +130,10 @@ struct ModuleParams {
   double attention_activation_fraction = 1.0;
   // Forward share of a stage's forward + backward time (training = 3 x forward: 1/3).
   double forward_fraction = 1.0 / 3.0;
+  // The chunked loss's target rows per chunk (0: every target of a microbatch at once).
+  int64_t head_chunk_tokens = 0;
+  // Bytes of one weight, gradient or activation element (2: bf16 mixed precision; 4: fp32).
+  double element_bytes = 2.0;
 };
 
 // Per-sample inputs of num_batches sampled global batches of batch_size samples each,
@@ -134,6 +149,11 @@ struct PlannerSamples {
   std::vector<int64_t> encoder_units;         // visual units (0: text-only)
   std::vector<double> llm_tokens;             // sequence length
   std::vector<double> visual_tokens;          // features the encoder hands the LLM
+  std::vector<double> llm_target_tokens;      // loss tokens (the head's rows); empty: every token
+
+  double target_tokens(size_t k) const {
+    return llm_target_tokens.empty() ? llm_tokens[k] : llm_target_tokens[k];
+  }
 };
 
 // Bounds of the planner's inputs: far above any real model and cluster, small enough that

@@ -333,7 +333,11 @@ def _rebuilt(plan: Any, layout: Any, batch: int) -> Any:
         info.get("gpu_flops", 312e12),
         info.get("mfu", 0.4),
     )
-    config = PlannerConfig(seed=int(info.get("seed", 0)))
+    config = PlannerConfig(
+        seed=int(info.get("seed", 0)),
+        element_bytes=int(info.get("element_bytes", 2)),
+        loss_chunk_tokens=int(info.get("loss_chunk_tokens", PlannerConfig.loss_chunk_tokens)),
+    )
     if "forward_fraction" in info:  # what the plan was scored with
         config = replace(config, forward_fraction=tuple(info["forward_fraction"]))
     inputs = prepare_inputs(
@@ -345,5 +349,7 @@ def _rebuilt(plan: Any, layout: Any, batch: int) -> Any:
         num_batches=int(info.get("num_batches", 1)),
         seed=config.seed,
         forward_fraction=config.forward_fraction,
+        element_bytes=config.element_bytes,
+        loss_chunk_tokens=config.loss_chunk_tokens,
     )
     return simulate_layout(plan.cluster, inputs, layout, config, batch=batch)

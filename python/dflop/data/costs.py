@@ -15,13 +15,14 @@ layers), attention is bidirectional *within each unit*::
     attention         L * 4 * t^2 * h                          # QK^T and AV
     projector         p * 2 * (p_in * p_hid + p_hid * llm_h)   # p = t * projector_token_ratio
 
-LLM (per sample of ``s = visual + text`` tokens, hidden ``h``, ``n_q``/``n_kv`` heads of
-size ``d``, SwiGLU width ``I``, vocabulary ``V``); packed samples do not attend across
-samples, so the quadratic term is per sample::
+LLM (per sample of ``s = visual + text`` tokens of which ``a`` are targets, hidden ``h``,
+``n_q``/``n_kv`` heads of size ``d``, SwiGLU width ``I``, vocabulary ``V``); packed samples
+do not attend across samples, so the quadratic term is per sample; the LM head runs on the
+target tokens only (what dflop's runtime computes, :mod:`dflop.models.loss`)::
 
-    linear      s * (L * (2 * h * d * (n_q + 2 * n_kv) + 2 * n_q * d * h + 2 * 3 * h * I)
-                     + 2 * h * V)
+    linear      s * L * (2 * h * d * (n_q + 2 * n_kv) + 2 * n_q * d * h + 2 * 3 * h * I)
     attention   L * 4 * n_q * d * s^2 * causal_fraction       # 0.5: causal masking skipped
+    head        a * 2 * h * V
 
 Costs are additive per sample; a microbatch's stage time is the sum of its samples'
 costs plus a per-microbatch constant (kernel launches, pipeline hand-off, optimizer-free
@@ -154,7 +155,7 @@ class LLMConfig:
         hidden_size, num_layers, intermediate_size: model width, depth, MLP width.
         num_heads: query heads; ``num_kv_heads`` must divide it.
         num_kv_heads: key/value heads (grouped-query attention).
-        vocab_size: LM-head width (logits are computed for every token).
+        vocab_size: LM-head width (logits are computed for the target tokens).
         head_dim: per-head size; ``None`` means ``hidden_size // num_heads``.
         causal_fraction: fraction of the ``s^2`` score matrix computed (0.5: causal
             masking with FlashAttention-style block skipping; 1.0: dense).
@@ -204,17 +205,23 @@ class LLMConfig:
 
     @property
     def linear_flops_per_token(self) -> float:
-        """Forward FLOPs per token of every GEMM (projections, MLP, LM head)."""
+        """Forward FLOPs per token of the layers' GEMMs (projections, MLP; not the head)."""
         h = float(self.hidden_size)
         d = float(self.resolved_head_dim)
         attn_proj = (
             2.0 * h * d * (self.num_heads + 2 * self.num_kv_heads) + 2.0 * self.num_heads * d * h
         )
         mlp = 6.0 * h * self.intermediate_size
-        return self.num_layers * (attn_proj + mlp) + 2.0 * h * self.vocab_size
+        return self.num_layers * (attn_proj + mlp)
+
+    @property
+    def head_flops_per_target(self) -> float:
+        """Forward FLOPs of the LM head per target token (``2 h V``)."""
+        return 2.0 * self.hidden_size * self.vocab_size
 
     def forward_flops_parts(self, seq_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Forward ``(linear, attention)`` FLOPs (float64) of samples of ``seq_len`` tokens."""
+        """Forward ``(linear, attention)`` FLOPs (float64) of the layers of samples of
+        ``seq_len`` tokens (the head apart: :attr:`head_flops_per_target`)."""
         s = np.asarray(seq_len, dtype=np.float64)
         linear = s * self.linear_flops_per_token
         attention = (
@@ -228,10 +235,14 @@ class LLMConfig:
         )
         return linear, attention
 
-    def forward_flops(self, seq_len: np.ndarray) -> np.ndarray:
-        """Forward FLOPs (float64) of samples of ``seq_len`` tokens."""
+    def forward_flops(
+        self, seq_len: np.ndarray, target_tokens: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Forward FLOPs (float64) of samples of ``seq_len`` tokens with the head on
+        ``target_tokens`` of them (None: on every token, as in pre-training)."""
         linear, attention = self.forward_flops_parts(seq_len)
-        return linear + attention
+        targets = seq_len if target_tokens is None else target_tokens
+        return linear + attention + self.head_flops_per_target * np.asarray(targets, np.float64)
 
 
 ENCODER_PRESETS: dict[str, EncoderConfig] = {
@@ -318,6 +329,11 @@ class SampleCostModel(Protocol):
 
     def costs(self, shapes: SampleShapes) -> np.ndarray:
         """(N, 2) seconds per sample: (encoder + projector, LLM); additive per sample."""
+        ...
+
+    def head_costs(self, shapes: SampleShapes) -> np.ndarray:
+        """(N,) seconds of the LLM column that are its LM head and loss (on the sample's
+        target tokens): the part that runs on the LLM's last pipeline stage only."""
         ...
 
     @property
@@ -409,7 +425,7 @@ class AnalyticCostModel:
         out[:, 0] = self.encoder.forward_flops(
             shapes.encoder_units, shapes.tokens_per_unit, self.llm.hidden_size
         )
-        out[:, 1] = self.llm.forward_flops(shapes.seq_len)
+        out[:, 1] = self.llm.forward_flops(shapes.seq_len, shapes.target_tokens)
         out *= self.train_flops_factor
         return out
 
@@ -422,6 +438,12 @@ class AnalyticCostModel:
         out[:, 0] /= self.gpu_flops * self.encoder_mfu
         out[:, 1] /= self.gpu_flops * self.mfu
         return out
+
+    def head_costs(self, shapes: SampleShapes) -> np.ndarray:
+        """(N,) seconds of the LLM column that are the LM head (on the target tokens)."""
+        shapes = self._check_shapes(shapes)
+        flops = self.llm.head_flops_per_target * shapes.target_tokens.astype(np.float64)
+        return flops * self.train_flops_factor / (self.gpu_flops * self.mfu)
 
     def microbatch_time_s(self, shapes: SampleShapes) -> np.ndarray:
         """(2,) seconds of one microbatch made of ``shapes``: summed costs + the constant."""

@@ -87,6 +87,7 @@ REASONS: dict[str, str] = {
     "empty_frames_folder": "the video frames folder holds no image files",
     "video_without_frame_count": "a video file without frame-count metadata (no decoder)",
     "tokenizer_error": "the tokenizer failed on the text",
+    "too_long": "longer than max_seq_len and not cut (dflop.data.length)",
 }
 """Reasons a sample is skipped, with what they mean."""
 

@@ -17,9 +17,10 @@ Torch-free; nothing is decoded or tokenised beyond the text counter.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ import numpy as np
 from dflop.data.dataset import DatasetSource, RawSample, dataset_sources, iter_source
 from dflop.data.distribution import ShapeDistribution
 from dflop.data.families import FamilySpec, get_family, shapes_from_descriptors
+from dflop.data.length import LengthPolicy, TooLongError
 from dflop.data.profiler import (
     MAX_EXAMPLES_PER_REASON,
     SampleDescriptor,
@@ -249,6 +251,59 @@ class RecordSet:
         """``num_samples`` records uniformly with replacement (``ShapeDistribution.sample``'s
         draw)."""
         return [self.records[int(k)] for k in self.indices(num_samples, seed)]
+
+    def limited(self, policy: LengthPolicy, counter: TextTokenCounter) -> RecordSet:
+        """The records under ``policy`` (:mod:`dflop.data.length`): over-long ones with
+        their text cut (shapes as the runtime will cut them: the targets left in the kept
+        text, by ``counter``, the one that counted them), or left out and counted as
+        ``too_long``; with ``"error"``, :class:`~dflop.data.length.TooLongError` at the
+        first one. Returns ``self`` when every record fits."""
+        dist = self.distribution
+        shapes = dist.samples
+        keep, cut = policy.outcome(shapes)
+        over = np.flatnonzero(shapes.seq_len > policy.max_seq_len)
+        if over.size == 0:
+            return self
+        if policy.too_long == "error":
+            i = int(over[0])
+            raise TooLongError(policy.describe(self.records[i].where, shapes, i))
+        text = shapes.text_tokens.copy()
+        targets = shapes.target_tokens.copy()
+        for i in np.flatnonzero(cut):
+            text[i] = policy.max_seq_len - int(shapes.llm_visual_tokens[i])
+            turns = [(t["from"], t["value"]) for t in self.records[i].data["conversations"]]
+            targets[i] = min(counter.targets_in_prefix(turns, int(text[i])), int(text[i]))
+        limited = replace(shapes, text_tokens=text, target_tokens=targets).take(keep)
+        dropped = np.flatnonzero(~keep)
+        skipped = dict(dist.skipped)
+        examples = list(dist.skipped_examples)
+        if dropped.size:
+            skipped["too_long"] = skipped.get("too_long", 0) + int(dropped.size)
+        for i in dropped[:MAX_EXAMPLES_PER_REASON]:
+            raw = self.records[int(i)]
+            examples.append(
+                {
+                    "reason": "too_long",
+                    "file": raw.source,
+                    "index": raw.index,
+                    "line": raw.line,
+                    "message": policy.describe(raw.where, shapes, int(i)),
+                }
+            )
+        extra = {
+            **dist.extra,
+            "length_policy": {
+                "max_seq_len": policy.max_seq_len,
+                "too_long": policy.too_long,
+                "why": policy.why,
+                "truncated": int(cut.sum()),
+                "skipped": int(dropped.size),
+            },
+        }
+        profile = dataclasses.replace(
+            dist, samples=limited, skipped=skipped, skipped_examples=examples, extra=extra
+        )
+        return RecordSet([self.records[int(i)] for i in np.flatnonzero(keep)], profile)
 
 
 def read_records(

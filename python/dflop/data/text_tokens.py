@@ -109,14 +109,34 @@ class TextTokenCounter:
     def count_turns(self, turns: Sequence[tuple[str, str]]) -> tuple[int, int]:
         """``(text tokens, target tokens)`` of a conversation given its ``(role,
         text)`` turns (see the module docstring)."""
-        bodies = [self.body(text) for _, text in turns]
-        text = sum(bodies) + self.tokens_per_turn * len(turns) + self.tokens_per_conversation
-        targets = sum(
-            body + self.target_tokens_per_answer
-            for body, (role, _) in zip(bodies, turns)
-            if is_answer_turn(role)
-        )
-        return text, min(targets, text)
+        segments = self.segments(turns)
+        text = sum(n for n, _ in segments)
+        return text, sum(n for n, target in segments if target)
+
+    def segments(self, turns: Sequence[tuple[str, str]]) -> list[tuple[int, bool]]:
+        """The conversation's text in sequence order as ``(tokens, are targets)`` runs:
+        the template's once-per-conversation tokens, then per turn its header, its text
+        and its end of turn (the last two targets on an answer)."""
+        out = [(self.tokens_per_conversation, False)]
+        footer = min(self.target_tokens_per_answer, self.tokens_per_turn)
+        for role, text in turns:
+            answer = is_answer_turn(role)
+            out += [
+                (self.tokens_per_turn - footer, False),
+                (self.body(text), answer),
+                (footer, answer),
+            ]
+        return out
+
+    def targets_in_prefix(self, turns: Sequence[tuple[str, str]], keep: int) -> int:
+        """Target tokens among the first ``keep`` text tokens of the conversation (what a
+        sample truncated to ``keep`` text tokens still trains on)."""
+        left, targets = max(0, int(keep)), 0
+        for tokens, target in self.segments(turns):
+            taken = min(tokens, left)
+            targets += taken if target else 0
+            left -= taken
+        return targets
 
 
 def _estimate(chars_per_token: float) -> Callable[[str], int]:

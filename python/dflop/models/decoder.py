@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from dflop.models.config import DecoderConfig
 from dflop.models.init import init_weights
+from dflop.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, chunked_lm_loss
 
 __all__ = [
     "IGNORE_INDEX",
@@ -373,7 +374,12 @@ class DecoderStage(nn.Module):
         return self.lm_head(self.norm(x))
 
     def loss(
-        self, input_embeds: Tensor, cu_seqlens: Tensor, labels: Tensor
+        self,
+        input_embeds: Tensor,
+        cu_seqlens: Tensor,
+        labels: Tensor,
+        *,
+        chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
     ) -> tuple[Tensor, Tensor]:
         """Next-token cross-entropy, SUMMED over target tokens (needs ``has_head``).
 
@@ -381,7 +387,8 @@ class DecoderStage(nn.Module):
         (-100) where there is no loss; shifted within each sample (``next_token_targets``).
         Returns ``(sum_loss, num_target_tokens)`` as 0-dim tensors (float32, int64), so a
         caller divides the sum over all microbatches and ranks by the global target count.
-        The head runs only on positions that have a target.
+        The head runs only on positions that have a target, ``chunk_tokens`` of them at a
+        time (:func:`~dflop.models.loss.chunked_lm_loss`: no full logits tensor).
         """
         if self.lm_head is None:
             raise ValueError("this DecoderStage has no output head (has_head=False)")
@@ -392,8 +399,7 @@ class DecoderStage(nn.Module):
         x = self.hidden_states(input_embeds, cu_seqlens)
         targets = next_token_targets(labels.to(x.device), cu_seqlens.to(x.device))
         keep = targets != IGNORE_INDEX
-        logits = self.lm_head(self.norm(x[keep]))
-        sum_loss = F.cross_entropy(logits.float(), targets[keep], reduction="sum")
+        sum_loss = chunked_lm_loss(self.norm(x[keep]), self.lm_head, targets[keep], chunk_tokens)
         return sum_loss, keep.sum()
 
     def init_weights(self, seed: int) -> None:
@@ -403,9 +409,10 @@ class DecoderStage(nn.Module):
     # Tensor parallelism (dflop.runtime.tensor_parallel), Megatron-style.
 
     def tensor_parallel_plan(self) -> dict[str, str]:
-        """Submodule name -> ``"colwise"`` / ``"rowwise"``: attention q/k/v column- and
-        ``o_proj`` row-parallel, ``gate_proj`` / ``up_proj`` column- and ``down_proj``
-        row-parallel; embeddings, norms and the head replicated."""
+        """Submodule name -> ``"colwise"`` / ``"rowwise"`` / ``"vocab"``: attention q/k/v
+        column- and ``o_proj`` row-parallel, ``gate_proj`` / ``up_proj`` column- and
+        ``down_proj`` row-parallel, the head vocabulary-parallel; embeddings and norms
+        replicated."""
         plan: dict[str, str] = {}
         for i in self.layers:
             base = f"layers.{i}"
@@ -415,6 +422,8 @@ class DecoderStage(nn.Module):
             for name in ("gate_proj", "up_proj"):
                 plan[f"{base}.mlp.{name}"] = "colwise"
             plan[f"{base}.mlp.down_proj"] = "rowwise"
+        if self.lm_head is not None:
+            plan["lm_head"] = "vocab"
         return plan
 
     def tensor_parallel_sizes(self) -> list[tuple[str, int]]:

@@ -15,7 +15,8 @@ pipeline engine calls only what they declare:
 - :class:`LLMStageModule`: ``embed`` and ``merge_visual`` on the first stage (the per-sample
   visual operations of the model, e.g. LLaVA-OneVision's unpadding and newline rows, run
   there, where all of a sample's units have arrived), ``hidden_states`` on every stage and
-  ``loss`` (summed next-token cross-entropy within each packed sample) on the last. A
+  ``loss`` (summed next-token cross-entropy within each packed sample, the head on the
+  target tokens only, in chunks) on the last. A
   stage with a ``position_ids(text)`` method (Qwen-VL's multimodal rotary positions) gets
   them from the tokens on every stage, passed to ``hidden_states`` and ``loss`` as
   ``position_ids=``.
@@ -137,8 +138,11 @@ class LLMStageModule(Protocol):
         ...
 
     def loss(
-        self, input_embeds: Tensor, cu_seqlens: Tensor, labels: Tensor
-    ) -> tuple[Tensor, Tensor]: ...
+        self, input_embeds: Tensor, cu_seqlens: Tensor, labels: Tensor, *, chunk_tokens: int
+    ) -> tuple[Tensor, Tensor]:
+        """Summed loss and target count; the head runs on targets only, ``chunk_tokens``
+        at a time (:func:`dflop.models.loss.chunked_lm_loss`)."""
+        ...
 
 
 class ModelSpec:

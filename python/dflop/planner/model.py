@@ -21,12 +21,17 @@ Cost model (per GPU; the C++ core in ``cpp/include/dflop/planner.hpp`` is the re
   share a node. Gradient all-reduce per stage: ``2 (dp-1)/dp * 2 bytes * params / t`` over
   the DP group's bandwidth (inter-node when it spans nodes), after the last backward.
 
-Memory model (per GPU of a stage): ``16`` bytes per parameter for mixed-precision Adam
-over t (``4 + 12 / dp`` with ZeRO-1, Megatron's distributed optimizer, the default), plus
-activations of ``min(S - s, m)`` microbatches in flight at stage s of the 1F1B pipeline of
-S = pp_enc + pp_llm stages: ``tokens * layers * 34 * hidden / t`` bytes (FlashAttention,
-sequence parallelism; Korthikanti et al. 2022) plus the LLM's fp32 logits on its last
-stage, for the largest bin of the sampled batches; plus ``memory_reserve_bytes``.
+Memory model (per GPU of a stage): ``16`` bytes per parameter for Adam (bf16 mixed
+precision or fp32; with ZeRO-1, Megatron's distributed optimizer, ``4 + 12 / dp`` and
+``8 + 8 / dp``), the layers' and the last stage's parameters over t, the embeddings whole
+(replicated, as the runtime's tensor-parallel plans hold them), plus activations of
+``min(S - s, m)`` microbatches in flight at stage s of the 1F1B pipeline of S = pp_enc +
+pp_llm stages: ``tokens * layers * activation bytes per token and layer / t`` (34 x hidden
+in bf16 with FlashAttention and sequence parallelism, Korthikanti et al. 2022, or what the
+profiler measured), for the largest bin of the sampled batches, plus on the LLM's last
+stage the LM head's working set while a microbatch computes its loss: ``min(targets,
+loss_chunk_tokens) x vocab x logit bytes / t`` (the runtime's chunked loss on the target
+tokens, :mod:`dflop.models.loss`; vocabulary-parallel); plus ``memory_reserve_bytes``.
 
 Padded heads (colocated layouts): the encoder inside the LLM's first stage runs at the
 LLM's tp; where tp does not divide its heads (InternViT-6B: 25), they are padded to a
@@ -51,6 +56,17 @@ __all__ = ["ClusterSpec", "ModuleSpec", "PlannerConfig", "module_specs"]
 
 ACTIVATION_BYTES_PER_HIDDEN = 34.0
 """Activation bytes per token, layer and hidden unit (bf16, FlashAttention, SP)."""
+
+DEFAULT_LOSS_CHUNK_TOKENS = 1024
+"""The runtime's default chunk of the LM head and loss (``dflop.models.loss``; repeated
+here so that the planner imports without torch; a test keeps them equal)."""
+
+
+def logit_bytes(element_bytes: int) -> float:
+    """Bytes per logit the chunked loss holds at its peak (``dflop.models.loss``): the
+    chunk's float32 logits (exponentiated in place), plus their copy in the head's dtype
+    when that is not float32 (the head's output, then the gradient fed to its GEMMs)."""
+    return 4.0 + (0.0 if element_bytes == 4 else float(element_bytes))
 
 
 def _check_int(cls: str, name: str, value: Any, minimum: int) -> None:
@@ -133,8 +149,13 @@ class ModuleSpec:
         last_stage_params: parameters only the last stage holds (LM head, projector).
         activation_bytes_per_token_layer: activation bytes kept per token and layer at
             t = 1 for the backward pass.
-        last_stage_activation_bytes_per_token: extra bytes per token on the last stage at
-            t = 1 (the LLM's fp32 logits).
+        head_bytes_per_target_token: the LLM's last stage: the LM head's working set per
+            target row at t = 1 (vocabulary x :func:`logit_bytes`), held while a
+            microbatch computes its loss.
+        head_chunk_tokens: target rows the runtime's chunked loss computes at a time (0:
+            all of a microbatch's at once).
+        element_bytes: bytes of a weight, gradient or activation element (2: bf16 mixed
+            precision; 4: fp32, what ``dflop train`` runs).
         microbatch_constant_s: per-microbatch constant time of the whole module.
         attention_compute_fraction, attention_param_fraction,
         attention_activation_fraction: shares of the per-layer compute, of
@@ -152,7 +173,9 @@ class ModuleSpec:
     first_stage_params: float = 0.0
     last_stage_params: float = 0.0
     activation_bytes_per_token_layer: float = 0.0
-    last_stage_activation_bytes_per_token: float = 0.0
+    head_bytes_per_target_token: float = 0.0
+    head_chunk_tokens: int = 0
+    element_bytes: int = 2
     microbatch_constant_s: float = 0.0
     attention_compute_fraction: float = 1.0
     attention_param_fraction: float = 1.0
@@ -167,10 +190,14 @@ class ModuleSpec:
             "first_stage_params",
             "last_stage_params",
             "activation_bytes_per_token_layer",
-            "last_stage_activation_bytes_per_token",
+            "head_bytes_per_target_token",
             "microbatch_constant_s",
         ):
             _check_number("ModuleSpec", name, getattr(self, name), positive=False)
+        _check_int("ModuleSpec", "head_chunk_tokens", self.head_chunk_tokens, 0)
+        _check_int("ModuleSpec", "element_bytes", self.element_bytes, 1)
+        if self.element_bytes > 8:
+            raise ValueError(f"ModuleSpec.element_bytes={self.element_bytes} must be <= 8")
         for name in (
             "attention_compute_fraction",
             "attention_param_fraction",
@@ -194,10 +221,20 @@ class ModuleSpec:
 
 
 def module_specs(
-    encoder: EncoderConfig, llm: LLMConfig, microbatch_constant_s: Any = (0.0, 0.0)
+    encoder: EncoderConfig,
+    llm: LLMConfig,
+    microbatch_constant_s: Any = (0.0, 0.0),
+    *,
+    element_bytes: int = 2,
+    loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
 ) -> tuple[ModuleSpec, ModuleSpec]:
     """(encoder, LLM) :class:`ModuleSpec` from the configs (parameter counts of a ViT with
-    a 2-layer MLP projector and of a GQA/SwiGLU decoder with an untied LM head)."""
+    a 2-layer MLP projector and of a GQA/SwiGLU decoder with an untied LM head), for
+    training in ``element_bytes`` (2: bf16 mixed precision, 4: fp32) with the runtime's
+    chunked loss of ``loss_chunk_tokens`` rows."""
+    _check_int("module_specs", "element_bytes", element_bytes, 1)
+    _check_int("module_specs", "loss_chunk_tokens", loss_chunk_tokens, 0)
+    scale = element_bytes / 2.0  # the activation formula counts bf16 bytes
     constants = np.asarray(microbatch_constant_s, dtype=np.float64).reshape(-1)
     if constants.shape != (2,):
         raise ValueError(
@@ -221,7 +258,8 @@ def module_specs(
         params_per_layer=layer_params,
         first_stage_params=float(3 * encoder.patch_px**2 * h + encoder.tokens_per_unit * h),
         last_stage_params=float(p_in * p_hid + p_hid * llm.hidden_size),
-        activation_bytes_per_token_layer=ACTIVATION_BYTES_PER_HIDDEN * h,
+        activation_bytes_per_token_layer=ACTIVATION_BYTES_PER_HIDDEN * h * scale,
+        element_bytes=element_bytes,
         microbatch_constant_s=float(constants[0]),
         attention_compute_fraction=attention_flops
         / (attention_flops + 4.0 * h * encoder.intermediate_size),
@@ -242,8 +280,10 @@ def module_specs(
         ),
         first_stage_params=float(llm.vocab_size * g),
         last_stage_params=float(llm.vocab_size * g),
-        activation_bytes_per_token_layer=ACTIVATION_BYTES_PER_HIDDEN * g,
-        last_stage_activation_bytes_per_token=4.0 * llm.vocab_size,
+        activation_bytes_per_token_layer=ACTIVATION_BYTES_PER_HIDDEN * g * scale,
+        head_bytes_per_target_token=logit_bytes(element_bytes) * llm.vocab_size,
+        head_chunk_tokens=loss_chunk_tokens,
+        element_bytes=element_bytes,
         microbatch_constant_s=float(constants[1]),
     )
     return enc, llm_spec
@@ -289,6 +329,11 @@ class PlannerConfig:
             trainer computes for its steps (``dflop.pipeline_schedule``) and re-rank them,
             so that a plan predicts what the runtime executes; the search itself ranks
             candidates with the cheaper balanced schedule and microbatch orders.
+        element_bytes: bytes of a weight, gradient or activation element: 2 (bf16 mixed
+            precision, the GPU clusters the planner plans for) or 4 (fp32: what ``dflop
+            train`` runs; its local plans say so).
+        loss_chunk_tokens: the runtime's chunked loss: target rows per chunk of the LM
+            head (``TrainConfig.loss_chunk_tokens``), which bounds its logits memory.
         virtual_stage_choices: the LLM's model chunks per stage to try (1: 1F1B; v > 1:
             interleaved 1F1B with v virtual stages per stage, where llm pp >= 2, pp x v <=
             the LLM's layers and the microbatch count is a multiple of pp). Must hold 1.
@@ -326,11 +371,18 @@ class PlannerConfig:
     runtime_schedule: bool = True
     forward_fraction: tuple[float, float] = (1.0 / 3.0, 1.0 / 3.0)
     virtual_stage_choices: tuple[int, ...] = (1,)
+    element_bytes: int = 2
+    loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS
 
     def __post_init__(self) -> None:
         _check_int("PlannerConfig", "num_batches", self.num_batches, 1)
         _check_int("PlannerConfig", "seed", self.seed, 0)
         _check_int("PlannerConfig", "top_k", self.top_k, 1)
+        if self.element_bytes not in (2, 4):
+            raise ValueError(
+                f"PlannerConfig.element_bytes={self.element_bytes!r} must be 2 (bf16) or 4 (fp32)"
+            )
+        _check_int("PlannerConfig", "loss_chunk_tokens", self.loss_chunk_tokens, 1)
         if self.max_tp is not None:
             _check_int("PlannerConfig", "max_tp", self.max_tp, 1)
         if self.num_threads is not None:

@@ -15,7 +15,13 @@ from dflop import _core
 from dflop.data.costs import EncoderConfig, LLMConfig, SampleCostModel
 from dflop.data.shapes import SampleShapes
 from dflop.errors import InputTypeError
-from dflop.planner.model import ClusterSpec, ModuleSpec, PlannerConfig, module_specs
+from dflop.planner.model import (
+    DEFAULT_LOSS_CHUNK_TOKENS,
+    ClusterSpec,
+    ModuleSpec,
+    PlannerConfig,
+    module_specs,
+)
 from dflop.planner.plan import LayoutPlan, ModulePlan, Plan, StepPrediction
 from dflop.planner.steps import StepAudit, _sample_record
 from dflop.scheduling.balance import InfeasibleError
@@ -83,10 +89,15 @@ class PlannerInputs:
 
 
 def _last_stage_fractions(
-    shapes: SampleShapes, encoder: EncoderConfig, llm: LLMConfig
+    shapes: SampleShapes,
+    encoder: EncoderConfig,
+    llm: LLMConfig,
+    llm_costs: np.ndarray,
+    head_costs: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per-sample share of each module's FLOPs that runs on its last stage only: the
-    projector for the encoder, the LM head for the LLM."""
+    """Per-sample share of each module's time that runs on its last stage only: the
+    projector's share of the encoder's FLOPs; the LM head's of the LLM's cost, as the cost
+    model prices it (the head on the sample's target tokens)."""
     enc_total = encoder.forward_flops(shapes.encoder_units, shapes.tokens_per_unit, llm.hidden_size)
     p_in = float(encoder.projector_input_size or encoder.hidden_size)
     p_hid = float(encoder.projector_hidden_size or llm.hidden_size)
@@ -99,10 +110,9 @@ def _last_stage_fractions(
     enc_fraction = np.divide(
         projector, enc_total, out=np.zeros_like(enc_total), where=enc_total > 0
     )
-    seq = shapes.seq_len.astype(np.float64)
-    llm_total = llm.forward_flops(seq)
-    head = 2.0 * llm.hidden_size * llm.vocab_size * seq
-    llm_fraction = np.divide(head, llm_total, out=np.zeros_like(llm_total), where=llm_total > 0)
+    llm_fraction = np.divide(
+        head_costs, llm_costs, out=np.zeros_like(llm_costs), where=llm_costs > 0
+    )
     return np.clip(enc_fraction, 0.0, 1.0), np.clip(llm_fraction, 0.0, 1.0)
 
 
@@ -151,11 +161,14 @@ def prepare_inputs(
     num_batches: int = 4,
     seed: int = 0,
     forward_fraction: tuple[float, float] | None = None,
+    element_bytes: int = 2,
+    loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
 ) -> PlannerInputs:
     """Sample ``num_batches`` global batches (batch b with seed ``seed + b``; of a run's
     steps, see :func:`plan`: step b) and compute their per-sample costs with
     ``performance_model``; ``forward_fraction`` (encoder, LLM) overrides the modules'
-    forward share of a stage's time (1/3)."""
+    forward share of a stage's time (1/3); ``element_bytes`` and ``loss_chunk_tokens``
+    are the training's precision and chunked loss (:class:`PlannerConfig`)."""
     if not isinstance(encoder, EncoderConfig):
         raise InputTypeError(f"encoder must be an EncoderConfig, got {type(encoder).__name__}")
     if not isinstance(llm, LLMConfig):
@@ -164,12 +177,16 @@ def prepare_inputs(
         raise InputTypeError(f"global_batch must be an int, got {type(global_batch).__name__}")
     if global_batch < 1:
         raise ValueError(f"global_batch={global_batch} must be >= 1")
-    if not callable(getattr(performance_model, "costs", None)) or not hasattr(
-        performance_model, "microbatch_constant_s"
-    ):
+    missing = [
+        name
+        for name in ("costs", "head_costs", "microbatch_constant_s")
+        if not hasattr(performance_model, name)
+    ]
+    if missing:
         raise InputTypeError(
-            "performance_model must have .costs(shapes) and .microbatch_constant_s, got "
-            f"{type(performance_model).__name__}"
+            "performance_model must be a SampleCostModel (.costs(shapes), "
+            ".head_costs(shapes), .microbatch_constant_s); "
+            f"{type(performance_model).__name__} lacks {', '.join(missing)}"
         )
     batch = SampleShapes.concat(
         _batches(shapes, encoder.default_family, int(global_batch), int(num_batches), int(seed))
@@ -187,6 +204,8 @@ def prepare_inputs(
         int(num_batches),
         int(global_batch),
         forward_fraction,
+        element_bytes,
+        loss_chunk_tokens,
     )
 
 
@@ -196,9 +215,21 @@ def single_batch_inputs(
     llm: LLMConfig,
     shapes: SampleShapes,
     forward_fraction: tuple[float, float] | None = None,
+    element_bytes: int = 2,
+    loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
 ) -> PlannerInputs:
     """The planner's inputs for one given global batch (what the trainer runs)."""
-    return _inputs(performance_model, encoder, llm, shapes, 1, len(shapes), forward_fraction)
+    return _inputs(
+        performance_model,
+        encoder,
+        llm,
+        shapes,
+        1,
+        len(shapes),
+        forward_fraction,
+        element_bytes,
+        loss_chunk_tokens,
+    )
 
 
 def _inputs(
@@ -209,12 +240,21 @@ def _inputs(
     num_batches: int,
     global_batch: int,
     forward_fraction: tuple[float, float] | None = None,
+    element_bytes: int = 2,
+    loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
 ) -> PlannerInputs:
     costs = np.asarray(performance_model.costs(batch), dtype=np.float64)
     if costs.shape != (len(batch), 2):
         raise ValueError(f"performance_model.costs returned shape {costs.shape}, expected (N, 2)")
-    enc_fraction, llm_fraction = _last_stage_fractions(batch, encoder, llm)
-    enc_spec, llm_spec = module_specs(encoder, llm, performance_model.microbatch_constant_s)
+    head = np.asarray(performance_model.head_costs(batch), dtype=np.float64)
+    enc_fraction, llm_fraction = _last_stage_fractions(batch, encoder, llm, costs[:, 1], head)
+    enc_spec, llm_spec = module_specs(
+        encoder,
+        llm,
+        performance_model.microbatch_constant_s,
+        element_bytes=element_bytes,
+        loss_chunk_tokens=loss_chunk_tokens,
+    )
     if forward_fraction is not None:
         enc_spec = replace(enc_spec, forward_fraction=float(forward_fraction[0]))
         llm_spec = replace(llm_spec, forward_fraction=float(forward_fraction[1]))
@@ -229,6 +269,7 @@ def _inputs(
         "encoder_units": batch.encoder_units.astype(np.int64),
         "llm_tokens": batch.seq_len.astype(np.float64),
         "visual_tokens": batch.llm_visual_tokens.astype(np.float64),
+        "llm_target_tokens": batch.target_tokens.astype(np.float64),
     }
     return PlannerInputs(enc_spec, llm_spec, samples, int(global_batch), int(num_batches))
 
@@ -490,6 +531,8 @@ def plan(
         num_batches=config.num_batches,
         seed=config.seed,
         forward_fraction=config.forward_fraction,
+        element_bytes=config.element_bytes,
+        loss_chunk_tokens=config.loss_chunk_tokens,
     )
     layouts, raw = choose_layouts(cluster, inputs, config)
     if not layouts:
@@ -509,6 +552,8 @@ def plan(
     description.setdefault("num_batches", config.num_batches)
     description.setdefault("seed", config.seed)
     description.setdefault("forward_fraction", list(config.forward_fraction))
+    description.setdefault("element_bytes", config.element_bytes)
+    description.setdefault("loss_chunk_tokens", config.loss_chunk_tokens)
     return Plan(
         cluster=cluster,
         global_batch=int(global_batch),

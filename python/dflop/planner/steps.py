@@ -241,7 +241,15 @@ class StepPredictor:
         from dflop.planner.search import _options, single_batch_inputs
 
         fractions = self.config.forward_fraction if forward_fraction is None else forward_fraction
-        inputs = single_batch_inputs(cost_model, self.encoder, self.llm, shapes, fractions)
+        inputs = single_batch_inputs(
+            cost_model,
+            self.encoder,
+            self.llm,
+            shapes,
+            fractions,
+            self.config.element_bytes,
+            self.config.loss_chunk_tokens,
+        )
         cluster = self.cluster
         if link_latency_s is not None:
             cluster = replace(cluster, link_latency_s=float(link_latency_s))
@@ -267,7 +275,13 @@ class StepPredictor:
         from dflop.planner.search import _options, single_batch_inputs
 
         inputs = single_batch_inputs(
-            cost_model, self.encoder, self.llm, shapes, self.config.forward_fraction
+            cost_model,
+            self.encoder,
+            self.llm,
+            shapes,
+            self.config.forward_fraction,
+            self.config.element_bytes,
+            self.config.loss_chunk_tokens,
         )
         raw = _core.stage_costs(
             self.cluster.to_dict(),

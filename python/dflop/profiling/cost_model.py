@@ -3,7 +3,9 @@
 ``CostModel`` wraps a profiled ``PerformanceModel``:
 
 * ``costs(shapes)`` -> (N, 2) float64 seconds per sample: column 0 the encoder
-  (``per_unit_s * units``), column 1 the LLM (``per_token_s * seq + per_token_sq_s * seq^2``).
+  (``per_unit_s * units``), column 1 the LLM (``per_token_s * seq + per_token_sq_s * seq^2
+  + per_target_token_s * targets``; ``head_costs`` is the last term: the LM head and loss,
+  on the sample's target tokens).
   Costs are additive within a microbatch; the per-microbatch constants are reported apart
   (``microbatch_constant_s``) because the scheduler sums per-sample costs.
 * ``observe(shapes_per_microbatch, measured_times)`` re-fits the time coefficients from
@@ -11,7 +13,7 @@
 
 Adaptive correction, in one paragraph: every observed microbatch gives one linear
 equation ``time = features . coefficients`` (encoder features ``[units, 1]``; LLM features
-``[tokens, sum(seq^2), 1]``). Equations are weighted by ``1/time^2`` (relative errors), by
+``[tokens, sum(seq^2), targets, 1]``). Equations are weighted by ``1/time^2`` (relative errors), by
 a robust weight and by an exponential forgetting factor, and accumulated into sufficient
 statistics ``X^T W X`` and ``X^T W y`` (memory O(coefficients^2), whatever the number of
 steps). The coefficients solve a ridge problem anchored to the profiled prior, under
@@ -115,11 +117,15 @@ class ObservationReport:
 
 
 class _OnlineLinearFit:
-    """Exponentially weighted, robust, prior-anchored non-negative linear regression."""
+    """Exponentially weighted, robust, prior-anchored non-negative linear regression;
+    the coefficients ``fixed`` stay at their prior."""
 
-    def __init__(self, prior: np.ndarray, config: AdaptiveConfig) -> None:
+    def __init__(
+        self, prior: np.ndarray, config: AdaptiveConfig, fixed: tuple[int, ...] = ()
+    ) -> None:
         self.prior = np.asarray(prior, dtype=np.float64).copy()
         self.config = config
+        self.fixed = list(fixed)
         num = len(self.prior)
         self.xtx = np.zeros((num, num))
         self.xty = np.zeros(num)
@@ -138,6 +144,10 @@ class _OnlineLinearFit:
 
     def update(self, features: np.ndarray, measured: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Feed rows (features (n, p), measured (n,) > 0); returns (residuals, weights)."""
+        # A fixed term is priced by the prior and left out of the equations.
+        measured = measured - features[:, self.fixed] @ self.prior[self.fixed]
+        features = features.copy()
+        features[:, self.fixed] = 0.0
         predicted = features @ self.coefficients
         residuals = (measured - predicted) / np.maximum(predicted, 1e-12 * measured)
         # Push first: a persistent shift must be able to move the centre it is judged by.
@@ -185,14 +195,15 @@ def _check_shapes(name: str, shapes: Any) -> SampleShapes:
 def _microbatch_features(
     shapes: SampleShapes, model: PerformanceModel
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(encoder features [units, 1 if units else 0], LLM features [tokens, sum sq, 1 if
-    tokens]); units as the profiled units they equal."""
+    """(encoder features [units, 1 if units else 0], LLM features [tokens, sum sq,
+    targets, 1 if tokens]); units as the profiled units they equal."""
     units = float(np.sum(model.encoder_unit_equivalents(shapes)))
     seq = np.asarray(shapes.seq_len, dtype=np.float64)
     tokens = float(seq.sum())
     sum_sq = float(np.dot(seq, seq))
+    targets = float(np.sum(shapes.target_tokens))
     encoder = np.array([units, 1.0 if units > 0 else 0.0])
-    llm = np.array([tokens, sum_sq, 1.0 if tokens > 0 else 0.0])
+    llm = np.array([tokens, sum_sq, targets, 1.0 if tokens > 0 else 0.0])
     return encoder, llm
 
 
@@ -230,7 +241,11 @@ class CostModel:
         """Forget all observations; back to the profiled prior."""
         with self._lock:
             self._encoder_fit = _OnlineLinearFit(self._prior.encoder.as_array(), self._config)
-            self._llm_fit = _OnlineLinearFit(self._prior.llm.as_array(), self._config)
+            # The head's term is learned only where the profile separated it: a profile with
+            # the head on every token has it in per_token_s, a term that moves with it.
+            llm = self._prior.llm.as_array()
+            head_fixed = (2,) if llm[2] == 0.0 else ()
+            self._llm_fit = _OnlineLinearFit(llm, self._config, fixed=head_fixed)
             self._coefficients = (self._prior.encoder.as_array(), self._prior.llm.as_array())
 
     @property
@@ -248,7 +263,7 @@ class CostModel:
         enc, llm = self._coefficients
         return self._prior.with_time_coefficients(
             EncoderTimeCoefficients(per_unit_s=enc[0], constant_s=enc[1]),
-            LLMTimeCoefficients(per_token_s=llm[0], per_token_sq_s=llm[1], constant_s=llm[2]),
+            LLMTimeCoefficients.from_array(llm),
         )
 
     @property
@@ -265,13 +280,14 @@ class CostModel:
         The encoder constant applies to microbatches with at least one visual unit.
         """
         enc, llm = self._coefficients
-        return np.array([enc[1], llm[2]], dtype=np.float64)
+        return np.array([enc[1], llm[3]], dtype=np.float64)
 
     def costs(self, shapes: SampleShapes) -> np.ndarray:
         """(N, 2) float64 seconds per sample: column 0 encoder, column 1 LLM (C-contiguous).
 
         Encoder: ``per_unit_s * encoder_units``. LLM: ``per_token_s * seq_len +
-        per_token_sq_s * seq_len^2``. Per-microbatch constants are excluded.
+        per_token_sq_s * seq_len^2 + per_target_token_s * target_tokens``. Per-microbatch
+        constants are excluded.
         """
         shapes = _check_shapes("shapes", shapes)
         enc, llm = self._coefficients
@@ -279,8 +295,18 @@ class CostModel:
         seq = np.asarray(shapes.seq_len, dtype=np.float64)
         out = np.empty((len(shapes), 2), dtype=np.float64)
         out[:, 0] = enc[0] * units
-        out[:, 1] = llm[0] * seq + llm[1] * seq * seq
+        out[:, 1] = llm[0] * seq + llm[1] * seq * seq + self._head(llm, shapes)
         return out
+
+    def head_costs(self, shapes: SampleShapes) -> np.ndarray:
+        """(N,) seconds of ``costs``' LLM column that are the LM head and loss
+        (``per_target_token_s * target_tokens``): what runs on the LLM's last stage only."""
+        shapes = _check_shapes("shapes", shapes)
+        return self._head(self._coefficients[1], shapes)
+
+    @staticmethod
+    def _head(llm: np.ndarray, shapes: SampleShapes) -> np.ndarray:
+        return llm[2] * np.asarray(shapes.target_tokens, dtype=np.float64)
 
     def predict_microbatch(self, shapes_in_microbatch: SampleShapes) -> tuple[float, float]:
         """(encoder_s, llm_s) of one microbatch, constants included."""

@@ -9,10 +9,15 @@
   a pipeline);
 * the decoder over packed microbatches *and mixes* of sequence lengths: several mixes
   share the same total number of tokens but differ in ``sum(seq^2)``, which makes the
-  attention term identifiable. The decoder is called as ``decoder.loss(input_embeds[T,
-  hidden], cu_seqlens[num_seqs + 1], labels[T]) -> (sum_loss, num_target_tokens)`` when it
-  has a ``loss`` method, else as ``decoder(input_embeds, cu_seqlens) -> logits[T, vocab]``
-  with a cross-entropy loss. ``input_embeds`` requires grad (the encoder needs it).
+  attention term identifiable; and the mixes differ in their share of target tokens (the
+  last ``target_fractions[i % len]`` of every sequence of mix ``i`` are labelled, as an
+  answer is), which makes the LM head's term identifiable: the runtime runs the head and
+  the loss on the target tokens only. The decoder is called as ``decoder.loss(input_embeds[T,
+  hidden], cu_seqlens[num_seqs + 1], labels[T], chunk_tokens=...) -> (sum_loss,
+  num_target_tokens)`` when it has a ``loss`` method (``chunk_tokens`` when it takes one:
+  the runtime's chunked loss), else as ``decoder(input_embeds, cu_seqlens) -> logits[T,
+  vocab]`` with a cross-entropy loss on the labelled positions. ``input_embeds`` requires
+  grad (the encoder needs it).
 
 Any module with these call signatures can be profiled (dflop's reference ``VisionTower``
 and ``Decoder``, or a user's). Measurements: warm-up runs per shape, then ``repeats``
@@ -35,6 +40,7 @@ result; on CPU only ``tensor_parallel_size=1`` is supported.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -61,6 +67,7 @@ if TYPE_CHECKING:  # torch is imported lazily: dflop.profiling must import witho
     import torch
 
 __all__ = [
+    "DEFAULT_TARGET_FRACTIONS",
     "DecoderMeasurement",
     "EncoderMeasurement",
     "ProfileResult",
@@ -72,6 +79,10 @@ __all__ = [
 
 RESULT_FORMAT_NAME = "dflop.model_profile"
 RESULT_FORMAT_VERSION = 1
+
+DEFAULT_TARGET_FRACTIONS = (1 / 2, 1 / 8, 1 / 32)
+"""Shares of a profiled sequence that are targets, cycled over the mixes: real
+multimodal data has 2-15% of its tokens as targets, text-only data up to half."""
 
 
 # --------------------------------------------------------------------------------------
@@ -91,16 +102,25 @@ class EncoderMeasurement:
 
 @dataclass(frozen=True)
 class DecoderMeasurement:
-    """One packed decoder microbatch: its sequence lengths, median time, peak memory."""
+    """One packed decoder microbatch: its sequence lengths, median time, peak memory and
+    target tokens (None: a profile written before targets were varied, every position
+    with a next token was one)."""
 
     seq_lens: tuple[int, ...]
     time_s: float
     times_s: tuple[float, ...]
     peak_bytes: float
+    target_lens: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(sum(self.seq_lens))
+
+    @property
+    def num_targets(self) -> int:
+        if self.target_lens is None:
+            return int(sum(s - 1 for s in self.seq_lens))
+        return int(sum(self.target_lens))
 
     @property
     def sum_seq_sq(self) -> int:
@@ -152,6 +172,11 @@ class ProfileResult:
                     time_s=float(m["time_s"]),
                     times_s=tuple(float(t) for t in m["times_s"]),
                     peak_bytes=_float_or_nan(m["peak_bytes"]),
+                    target_lens=(
+                        None
+                        if m.get("target_lens") is None
+                        else tuple(int(t) for t in m["target_lens"])
+                    ),
                 )
                 for m in data.get("decoder", [])
             ]
@@ -494,6 +519,8 @@ def profile_model(
     num_threads: int | None = None,
     measure_memory: bool = True,
     cpu_clock: str = "wall",
+    target_fractions: Sequence[float] = DEFAULT_TARGET_FRACTIONS,
+    loss_chunk_tokens: int | None = None,
 ) -> ProfileResult:
     """Time forward+backward and measure peak memory of an encoder and a decoder.
 
@@ -523,6 +550,11 @@ def profile_model(
             shared, oversubscribed machine excludes the time other processes held the
             core; needs ``num_threads=1``, as torch then runs forward and backward on the
             calling thread).
+        target_fractions: shares of each sequence that are target tokens, cycled over
+            the mixes (each in (0, 1]; at least one target and one prompt token per
+            sequence): different shares separate the LM head's term from the body's.
+        loss_chunk_tokens: the chunk of the runtime's chunked loss, passed to
+            ``decoder.loss`` as ``chunk_tokens`` when it takes one (None: its default).
 
     Returns:
         A ``ProfileResult``; feed it to ``fit_performance_model``.
@@ -567,6 +599,11 @@ def profile_model(
     for i, mix in enumerate(mixes):
         if not mix:
             raise ValueError(f"seq_len_mixes[{i}] is empty")
+    fractions = [float(f) for f in target_fractions]
+    if not fractions or not all(0.0 < f <= 1.0 for f in fractions):
+        raise ValueError(f"target_fractions={target_fractions!r} must be shares in (0, 1]")
+    if loss_chunk_tokens is not None and int(loss_chunk_tokens) < 1:
+        raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens!r} must be >= 1")
     if vision is not None and not units:
         raise ValueError("unit_counts is empty")
     if decoder is not None and not mixes:
@@ -629,7 +666,11 @@ def profile_model(
             if vision is not None:
                 _profile_vision(vision, units, image_shape, grid, result)
             if decoder is not None:
-                _profile_decoder(decoder, mixes, vocab_size, grid, result)
+                shapes = [
+                    (mix, _target_lens(mix, fractions[i % len(fractions)]))
+                    for i, mix in enumerate(mixes)
+                ]
+                _profile_decoder(decoder, shapes, vocab_size, loss_chunk_tokens, grid, result)
     finally:
         if num_threads is not None:
             torch.set_num_threads(previous_threads)
@@ -698,10 +739,17 @@ def _profile_vision(
     result.metadata.setdefault("dtype", _dtype_name(dtype))
 
 
+def _target_lens(mix: tuple[int, ...], fraction: float) -> tuple[int, ...]:
+    """Targets of each sequence: ``round(fraction x length)`` within ``[1, length - 1]``
+    (a one-token sequence has none)."""
+    return tuple(max(0, min(s - 1, max(1, round(fraction * s)))) for s in mix)
+
+
 def _profile_decoder(
     decoder: Any,
-    mixes: list[tuple[int, ...]],
+    shapes: list[tuple[tuple[int, ...], tuple[int, ...]]],
     vocab_size: int | None,
+    chunk_tokens: int | None,
     grid: _Grid,
     result: ProfileResult,
 ) -> None:
@@ -728,11 +776,21 @@ def _profile_decoder(
     if int(vocab_size) < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     has_loss = callable(getattr(decoder, "loss", None))
+    loss_kwargs: dict[str, Any] = {}
+    takes_chunk = has_loss and "chunk_tokens" in inspect.signature(decoder.loss).parameters
+    if takes_chunk and chunk_tokens is not None:
+        loss_kwargs["chunk_tokens"] = int(chunk_tokens)
 
-    def make_inputs(mix: tuple[int, ...]) -> tuple[Any, ...]:
+    def make_inputs(shape: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[Any, ...]:
+        mix, target_lens = shape
         total = sum(mix)
         embeds = torch.randn((total, hidden), generator=generator) * 0.02
-        labels = torch.randint(0, int(vocab_size), (total,), generator=generator)
+        ids = torch.randint(0, int(vocab_size), (total,), generator=generator)
+        labels = torch.full((total,), -100, dtype=torch.long)
+        end = 0
+        for length, targets in zip(mix, target_lens):  # the last `targets` of each: answers
+            end += length
+            labels[end - targets : end] = ids[end - targets : end]
         cu = torch.tensor(np.concatenate([[0], np.cumsum(mix)]), dtype=torch.int32)
         embeds = embeds.to(device=device, dtype=dtype).requires_grad_(True)
         return embeds, cu.to(device), labels.to(device)
@@ -740,21 +798,25 @@ def _profile_decoder(
     def step(embeds: Any, cu_seqlens: Any, labels: Any) -> None:
         embeds.grad = None
         if has_loss:
-            sum_loss, num_targets = decoder.loss(embeds, cu_seqlens, labels)
+            sum_loss, num_targets = decoder.loss(embeds, cu_seqlens, labels, **loss_kwargs)
             # stays on the device: no host sync between forward and backward
             count = torch.as_tensor(num_targets, device=sum_loss.device)
             loss = sum_loss / count.clamp(min=1).to(sum_loss.dtype)
         else:
             logits = decoder(embeds, cu_seqlens)
-            loss = F.cross_entropy(logits.float(), labels)
+            loss = F.cross_entropy(logits.float(), labels, ignore_index=-100)
         loss.backward()
 
-    times, peaks = grid.run(mixes, make_inputs, step, decoder)
+    times, peaks = grid.run(shapes, make_inputs, step, decoder)
     result.decoder = [
         DecoderMeasurement(
-            seq_lens=tuple(m), time_s=float(np.median(t)), times_s=tuple(t), peak_bytes=p
+            seq_lens=tuple(m),
+            time_s=float(np.median(t)),
+            times_s=tuple(t),
+            peak_bytes=p,
+            target_lens=tuple(a),
         )
-        for m, t, p in zip(mixes, times, peaks)
+        for (m, a), t, p in zip(shapes, times, peaks)
     ]
     result.metadata["decoder"] = {
         **_describe_module(decoder),
@@ -762,6 +824,7 @@ def _profile_decoder(
         "hidden": hidden,
         "vocab_size": int(vocab_size),
         "loss": "decoder.loss" if has_loss else "cross_entropy(decoder(...))",
+        "loss_chunk_tokens": loss_kwargs.get("chunk_tokens"),
     }
     result.metadata.setdefault("dtype", _dtype_name(dtype))
 
@@ -808,8 +871,19 @@ def fit_performance_model(
     if result.decoder:
         tokens = np.array([m.num_tokens for m in result.decoder], dtype=np.float64)
         sq = np.array([m.sum_seq_sq for m in result.decoder], dtype=np.float64)
+        targets = np.array([m.num_targets for m in result.decoder], dtype=np.float64)
         times = np.array([m.time_s for m in result.decoder])
-        llm, llm_fit = fit_llm_time(tokens, sq, times, holdout_fraction=holdout_fraction, seed=seed)
+        # The head's own term needs targets that vary apart from the tokens (a profile
+        # whose every position was a target leaves the head in per_token_s).
+        varied = any(m.target_lens is not None for m in result.decoder)
+        llm, llm_fit = fit_llm_time(
+            tokens,
+            sq,
+            times,
+            num_targets=targets if varied else None,
+            holdout_fraction=holdout_fraction,
+            seed=seed,
+        )
         peaks = np.array([m.peak_bytes for m in result.decoder])
         if np.all(np.isfinite(peaks)):
             llm_memory = fit_memory(tokens, peaks)
@@ -821,6 +895,8 @@ def fit_performance_model(
         "llm": bool(result.decoder)
         and bool(np.all(np.isfinite([m.peak_bytes for m in result.decoder]))),
     }
+    if result.decoder and not any(m.target_lens is not None for m in result.decoder):
+        metadata["head_per_token"] = True
     metadata["fit"] = {
         "holdout_fraction": holdout_fraction,
         "seed": seed,

@@ -4,7 +4,9 @@ The model is deliberately small and physical:
 
 * encoder time of a microbatch  = ``per_unit_s * units + constant_s``
 * LLM time of a microbatch      = ``per_token_s * tokens + per_token_sq_s * sum(seq_len^2)
-  + constant_s`` (the quadratic term is attention; ``tokens = sum(seq_len)``)
+  + per_target_token_s * targets + constant_s`` (the quadratic term is attention; ``tokens
+  = sum(seq_len)``; the LM head and the loss run on the ``targets`` only, so they have a
+  term of their own)
 * peak memory of a microbatch   = ``per_item_bytes * items + constant_bytes`` (items are
   units for the encoder, tokens for the LLM)
 
@@ -41,7 +43,10 @@ __all__ = [
 ]
 
 FORMAT_NAME = "dflop.performance_model"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the LLM's head term ``per_target_token_s``. A version-1 file (profiled with the head
+on every token) loads with that term 0: its ``per_token_s`` holds the head, and
+``metadata["head_per_token"]`` says so; profile the model again to separate them."""
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -74,14 +79,17 @@ class EncoderTimeCoefficients:
 
 @dataclass(frozen=True)
 class LLMTimeCoefficients:
-    """LLM forward+backward time: ``per_token_s*tokens + per_token_sq_s*sum(seq^2) + constant_s``."""
+    """LLM forward+backward time: ``per_token_s*tokens + per_token_sq_s*sum(seq^2) +
+    per_target_token_s*targets + constant_s`` (the last-but-one: the LM head and loss, on
+    the target tokens)."""
 
     per_token_s: float
     per_token_sq_s: float
     constant_s: float
+    per_target_token_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("per_token_s", "per_token_sq_s", "constant_s"):
+        for name in ("per_token_s", "per_token_sq_s", "constant_s", "per_target_token_s"):
             object.__setattr__(
                 self,
                 name,
@@ -89,7 +97,20 @@ class LLMTimeCoefficients:
             )
 
     def as_array(self) -> np.ndarray:
-        return np.array([self.per_token_s, self.per_token_sq_s, self.constant_s], dtype=np.float64)
+        """``[per_token_s, per_token_sq_s, per_target_token_s, constant_s]`` (the order of
+        the fit's features)."""
+        return np.array(
+            [self.per_token_s, self.per_token_sq_s, self.per_target_token_s, self.constant_s],
+            dtype=np.float64,
+        )
+
+    @staticmethod
+    def from_array(values: Any) -> LLMTimeCoefficients:
+        """The inverse of :meth:`as_array`."""
+        a, b, h, c = (float(v) for v in values)
+        return LLMTimeCoefficients(
+            per_token_s=a, per_token_sq_s=b, constant_s=c, per_target_token_s=h
+        )
 
 
 @dataclass(frozen=True)
@@ -227,10 +248,13 @@ def _encoder_features(num_units: np.ndarray) -> np.ndarray:
     return np.stack([num_units, np.ones_like(num_units)], axis=1)
 
 
-def _llm_features(num_tokens: np.ndarray, sum_seq_sq: np.ndarray) -> np.ndarray:
+def _llm_features(
+    num_tokens: np.ndarray, sum_seq_sq: np.ndarray, num_targets: np.ndarray
+) -> np.ndarray:
     num_tokens = np.asarray(num_tokens, dtype=np.float64)
     sum_seq_sq = np.asarray(sum_seq_sq, dtype=np.float64)
-    return np.stack([num_tokens, sum_seq_sq, np.ones_like(num_tokens)], axis=1)
+    num_targets = np.asarray(num_targets, dtype=np.float64)
+    return np.stack([num_tokens, sum_seq_sq, num_targets, np.ones_like(num_tokens)], axis=1)
 
 
 def _split_holdout(
@@ -301,21 +325,29 @@ def fit_llm_time(
     sum_seq_sq: Any,
     time_s: Any,
     *,
+    num_targets: Any = None,
     holdout_fraction: float = 0.0,
     seed: int = 0,
 ) -> tuple[LLMTimeCoefficients, FitReport]:
-    """Fit ``time_s ~ per_token_s*num_tokens + per_token_sq_s*sum_seq_sq + constant_s``."""
+    """Fit ``time_s ~ per_token_s*num_tokens + per_token_sq_s*sum_seq_sq +
+    per_target_token_s*num_targets + constant_s`` (``num_targets`` None: every token is a
+    target, and the head's cost cannot be told from the body's: it stays in
+    ``per_token_s``)."""
     num_tokens = _as_1d("num_tokens", num_tokens)
     sum_seq_sq = _as_1d("sum_seq_sq", sum_seq_sq)
     time_s = _as_1d("time_s", time_s)
-    _check_same_length(num_tokens=num_tokens, sum_seq_sq=sum_seq_sq, time_s=time_s)
-    coef, report = _fit_with_holdout(
-        _llm_features(num_tokens, sum_seq_sq), time_s, holdout_fraction, seed, "LLM time"
+    separate = num_targets is not None
+    targets = _as_1d("num_targets", num_targets) if separate else np.zeros_like(num_tokens)
+    _check_same_length(
+        num_tokens=num_tokens, sum_seq_sq=sum_seq_sq, num_targets=targets, time_s=time_s
     )
-    return (
-        LLMTimeCoefficients(per_token_s=coef[0], per_token_sq_s=coef[1], constant_s=coef[2]),
-        report,
-    )
+    features = _llm_features(num_tokens, sum_seq_sq, targets)
+    if not separate:
+        features = features[:, [0, 1, 3]]
+    coef, report = _fit_with_holdout(features, time_s, holdout_fraction, seed, "LLM time")
+    if not separate:
+        coef = np.array([coef[0], coef[1], 0.0, coef[2]])
+    return LLMTimeCoefficients.from_array(coef), report
 
 
 def fit_memory(num_items: Any, peak_bytes: Any) -> MemoryCoefficients:
@@ -424,11 +456,19 @@ class PerformanceModel:
         time = self.encoder.per_unit_s * units + self.encoder.constant_s
         return np.where(units > 0, time, 0.0)
 
-    def llm_time_s(self, num_tokens: Any, sum_seq_sq: Any) -> np.ndarray:
-        """LLM time of microbatches with ``num_tokens`` tokens and ``sum(seq^2) = sum_seq_sq``."""
+    def llm_time_s(self, num_tokens: Any, sum_seq_sq: Any, num_targets: Any) -> np.ndarray:
+        """LLM time of microbatches with ``num_tokens`` tokens, ``sum(seq^2) = sum_seq_sq``
+        and ``num_targets`` target tokens."""
         tokens = np.asarray(num_tokens, dtype=np.float64)
         sq = np.asarray(sum_seq_sq, dtype=np.float64)
-        time = self.llm.per_token_s * tokens + self.llm.per_token_sq_s * sq + self.llm.constant_s
+        targets = np.asarray(num_targets, dtype=np.float64)
+        c = self.llm
+        time = (
+            c.per_token_s * tokens
+            + c.per_token_sq_s * sq
+            + c.per_target_token_s * targets
+            + c.constant_s
+        )
         return np.where(tokens > 0, time, 0.0)
 
     def encoder_peak_bytes(self, num_units: Any) -> np.ndarray:
@@ -486,9 +526,10 @@ class PerformanceModel:
                 f"expected {FORMAT_NAME!r}"
             )
         version = data.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in (1, FORMAT_VERSION):
             raise ValueError(
-                f"unsupported field 'format_version' {version!r} (this dflop reads {FORMAT_VERSION})"
+                f"unsupported field 'format_version' {version!r} (this dflop reads 1 to "
+                f"{FORMAT_VERSION})"
             )
 
         def section(name: str, kind: Any) -> Any:
@@ -509,6 +550,9 @@ class PerformanceModel:
             except TypeError as err:
                 raise ValueError(f"performance model field {name!r} is malformed: {err}") from None
 
+        metadata = dict(data.get("metadata") or {})
+        if version == 1:  # the head was profiled on every token: it is in per_token_s
+            metadata["head_per_token"] = True
         return PerformanceModel(
             encoder=section("encoder", EncoderTimeCoefficients),
             llm=section("llm", LLMTimeCoefficients),
@@ -519,7 +563,7 @@ class PerformanceModel:
             encoder_per_token=bool(data.get("encoder_per_token", False)),
             encoder_fit=report("encoder_fit"),
             llm_fit=report("llm_fit"),
-            metadata=dict(data.get("metadata") or {}),
+            metadata=metadata,
         )
 
     def save(self, path: PathLike) -> None:
@@ -566,6 +610,7 @@ class PerformanceModel:
                 f"n_holdout={self.encoder_fit.num_holdout_points})",
                 f"  llm:     {self.llm.per_token_s * 1e6:.4g} us/token + "
                 f"{self.llm.per_token_sq_s * 1e9:.4g} ns/token^2 + "
+                f"{self.llm.per_target_token_s * 1e6:.4g} us/target (head) + "
                 f"{self.llm.constant_s * 1e3:.4g} ms  (held-out median err "
                 f"{pct(self.llm_fit.holdout_median_abs_rel_error)}, "
                 f"n_fit={self.llm_fit.num_fit_points}, "
@@ -573,6 +618,14 @@ class PerformanceModel:
                 f"  memory:  encoder {self._memory_text('encoder')}; llm "
                 f"{self._memory_text('llm')}",
             ]
+            + (
+                [
+                    "  note: a version-1 profile, the LM head timed on every token (in us/token): "
+                    "profile the model again to price it on the target tokens"
+                ]
+                if self.metadata.get("head_per_token")
+                else []
+            )
         )
 
     def _memory_text(self, module: str) -> str:

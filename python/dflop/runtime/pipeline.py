@@ -64,6 +64,7 @@ from torch import Tensor, nn
 from dflop.errors import InputTypeError
 from dflop.models.config import ModelConfig
 from dflop.models.decoder import IGNORE_INDEX
+from dflop.models.loss import DEFAULT_LOSS_CHUNK_TOKENS
 from dflop.models.spec import EncoderStageModule, LLMStageModule, ModelSpec, model_spec
 from dflop.runtime import comm as dist
 from dflop.runtime import p2p
@@ -348,6 +349,8 @@ class PipelineEngine:
         device: where activations live; default: the stage's parameters' device.
         synchronized_start: a barrier of all ranks before the step's clock starts, so that
             step times measure the pipeline, not how late a rank arrived.
+        loss_chunk_tokens: the last LLM stage's head and loss run on this many target
+            tokens at a time (:func:`dflop.models.loss.chunked_lm_loss`).
     """
 
     def __init__(
@@ -359,6 +362,7 @@ class PipelineEngine:
         debug: bool = False,
         device: torch.device | str | None = None,
         synchronized_start: bool = True,
+        loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
     ) -> None:
         info = topology.info
         layout = topology.layout
@@ -380,6 +384,7 @@ class PipelineEngine:
         self.info = info
         self.layout = layout
         self.stage = stage
+        self.loss_chunk_tokens = int(loss_chunk_tokens)
         # Virtual stage -> (the chunk's module, its RankInfo: neighbours, first / last).
         self._chunks = {
             ci.virtual_stage: (module, ci)
@@ -592,7 +597,9 @@ class PipelineEngine:
             self._send(state.output.detach(), ci, mb.index, kind=p2p.FORWARD)
             return state, start
         labels = text.labels.masked_fill(text.image_token_mask, IGNORE_INDEX).to(self.device)
-        sum_loss, num_targets = stage.loss(x, cu_seqlens, labels, **extra)
+        sum_loss, num_targets = stage.loss(
+            x, cu_seqlens, labels, chunk_tokens=self.loss_chunk_tokens, **extra
+        )
         if self.debug and int(num_targets) != share.target_tokens:
             raise ShapeMismatchError(
                 f"rank {self.info.rank}, microbatch {mb.index}: {int(num_targets)} target "

@@ -10,6 +10,7 @@ counts it really has.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ from dflop.models.decoder import IGNORE_INDEX
 from dflop.models.spec import VisualItem
 from dflop.runtime.synthetic_batch import PackedBatchSource
 
-__all__ = ["ProcessedBatch", "ProcessedSample"]
+__all__ = ["ProcessedBatch", "ProcessedSample", "truncate_sample"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,28 @@ class ProcessedSample:
     @property
     def placeholder_mask(self) -> Tensor:
         return torch.isin(self.input_ids, torch.tensor(self.placeholder_ids))
+
+
+def truncate_sample(sample: ProcessedSample, max_seq_len: int) -> ProcessedSample:
+    """``sample`` cut to ``max_seq_len`` positions by the length policy
+    (:mod:`dflop.data.length`): every visual placeholder stays, and the first ``max_seq_len
+    - visual`` text positions in order (with their labels); unchanged when it fits.
+
+    Raises:
+        ValueError: its visual tokens alone exceed ``max_seq_len`` (they are never cut).
+    """
+    length = int(sample.input_ids.numel())
+    if length <= max_seq_len:
+        return sample
+    visual = sample.placeholder_mask
+    room = int(max_seq_len) - int(visual.sum())
+    if room < 0:
+        raise ValueError(
+            f"the sample's {int(visual.sum())} visual tokens exceed max_seq_len={max_seq_len}: "
+            "visual tokens are never cut"
+        )
+    keep = visual | (torch.cumsum(~visual, 0) <= room)
+    return dataclasses.replace(sample, input_ids=sample.input_ids[keep], labels=sample.labels[keep])
 
 
 def _modality(items: tuple[VisualItem, ...]) -> int:

@@ -3,10 +3,13 @@
 :func:`apply_tensor_parallel` shards any stage that declares its plan, Megatron-style,
 with ``torch.distributed.tensor.parallel.parallelize_module``. A stage declares:
 
-- ``tensor_parallel_plan() -> {submodule name: "colwise" | "rowwise"}``: typically
-  attention q/k/v column-parallel and the output projection row-parallel, the MLP's
-  first layer(s) column- and last layer row-parallel; every module not named stays
-  replicated (embeddings, norms, heads);
+- ``tensor_parallel_plan() -> {submodule name: "colwise" | "rowwise" | "vocab"}``:
+  typically attention q/k/v column-parallel and the output projection row-parallel, the
+  MLP's first layer(s) column- and last layer row-parallel, and the LM head
+  vocabulary-parallel (``"vocab"``: its weight's rows split over the ranks, as Megatron's
+  output layer; the chunked loss, :mod:`dflop.models.loss`, computes each rank's slice of
+  the logits, and a plain forward gathers them); every module not named stays replicated
+  (embeddings, norms);
 - ``tensor_parallel_sizes() -> [(config field, value)]``: what the TP size must divide
   (heads, KV heads, MLP widths), so an error names the field;
 - optionally ``use_local_heads(tp_size)``: set attention head counts to the local ones.
@@ -57,6 +60,7 @@ __all__ = [
 
 COLWISE = "colwise"
 ROWWISE = "rowwise"
+VOCAB = "vocab"
 
 
 def _check_tp_size(tp_size: Any) -> int:
@@ -93,12 +97,14 @@ def check_tensor_parallel(stage: nn.Module, tp_size: int) -> None:
 
 def tensor_parallel_plan(stage: nn.Module) -> dict[str, str]:
     """The stage's sharding plan: fully qualified submodule name -> ``"colwise"`` /
-    ``"rowwise"`` (names relative to ``stage``); every module not named stays replicated.
-    Pure: no torch.distributed."""
+    ``"rowwise"`` / ``"vocab"`` (names relative to ``stage``); every module not named stays
+    replicated. Pure: no torch.distributed."""
     plan = dict(_declared(stage, "tensor_parallel_plan"))
-    bad = sorted(kind for kind in set(plan.values()) if kind not in (COLWISE, ROWWISE))
+    bad = sorted(kind for kind in set(plan.values()) if kind not in (COLWISE, ROWWISE, VOCAB))
     if bad:
-        raise ValueError(f"tensor-parallel plan kind {bad[0]!r} is not 'colwise' or 'rowwise'")
+        raise ValueError(
+            f"tensor-parallel plan kind {bad[0]!r} is not 'colwise', 'rowwise' or 'vocab'"
+        )
     return plan
 
 
@@ -133,6 +139,7 @@ def apply_tensor_parallel(stage: nn.Module, tp_mesh_or_group: Any, *, tp_size: i
     check_tensor_parallel(stage, tp_size)
     if tp_size == 1:
         return stage
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -152,7 +159,12 @@ def apply_tensor_parallel(stage: nn.Module, tp_mesh_or_group: Any, *, tp_size: i
     local_heads = getattr(stage, "use_local_heads", None)
     if callable(local_heads):  # attention modules that reshape by a head count
         local_heads(tp_size)
-    styles = {COLWISE: ColwiseParallel, ROWWISE: RowwiseParallel}
+    styles = {
+        COLWISE: ColwiseParallel,
+        ROWWISE: RowwiseParallel,
+        # The head's rows over the ranks; a plain forward's logits gathered whole.
+        VOCAB: lambda: ColwiseParallel(output_layouts=Replicate()),
+    }
     plan = {name: styles[kind]() for name, kind in tensor_parallel_plan(stage).items()}
     if plan:
         # src_data_rank=None: every TP rank holds the same full weights, so each keeps its

@@ -86,6 +86,14 @@ class TrainConfig:
     num_microbatches: int | None = _field(
         "model", None, "microbatches per step (default: the plan's / layout's)"
     )
+    loss_chunk_tokens: int = _field(
+        "model",
+        1024,
+        "the LM head and loss run on a microbatch's target tokens this many at a time, "
+        "recomputing each chunk's logits in the backward: logits memory is one chunk x "
+        "vocabulary whatever the sample (the profiler, the planner's memory model and the "
+        "runtime all use it)",
+    )
     # [data]
     data: str = _field(
         "data",
@@ -269,6 +277,7 @@ class TrainConfig:
         integer("num_microbatches", 1, optional=True)
         integer("threads", 1, optional=True)
         integer("calibrate_steps", 0)
+        integer("loss_chunk_tokens", 1)
         for name, positive in (("lr", True), ("weight_decay", False), ("timeout_s", True)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from dflop.models.spec import ModelSpec, model_spec
+from dflop.planner.model import DEFAULT_LOSS_CHUNK_TOKENS
 from dflop.runtime.topology import ModuleLayout, RuntimeLayout, uniform_layer_ranges
 
 __all__ = [
@@ -155,6 +156,7 @@ def quick_profile(
     max_units: int = 16,
     max_tokens: int = 1024,
     repeats: int = 3,
+    loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
 ) -> Any:
     """A :class:`~dflop.profiling.PerformanceModel` of ``model`` on this CPU, measured in a
     few seconds (fewer repeats and shapes than ``dflop profile-model``): its spec's whole
@@ -181,6 +183,7 @@ def quick_profile(
         seed=seed,
         num_threads=threads,
         measure_memory=False,
+        loss_chunk_tokens=loss_chunk_tokens,
     )
     return per_token(fit_performance_model(result, seed=seed), unit_tokens)
 
@@ -213,6 +216,7 @@ def analytic_performance_model(
         llm=LLMTimeCoefficients(
             per_token_s=float(llm.linear_flops_per_token) * train,
             per_token_sq_s=float(attention[0]) * train,
+            per_target_token_s=float(llm.head_flops_per_target) * train,
             constant_s=1e-3,
         ),
         tokens_per_unit=int(unit_tokens),
@@ -242,6 +246,10 @@ class Calibration:
     forward_fraction: tuple[float, float]
 
 
+RUNTIME_ELEMENT_BYTES = 4
+"""dflop's runtime trains in float32 (weights, gradients, activations, Adam states) and
+keeps every optimizer state on its rank."""
+
 LOCAL_PLAN_BATCHES = 16
 """Global batches a local plan is scored on (the cluster planner's default is 4): on a
 small or varied dataset four batches' mean step is 10-15% off the run's, and a local
@@ -253,17 +261,35 @@ def _local_planning(
     seed: int,
     memory_bytes: float | None,
     calibration: Calibration | None,
+    loss_chunk_tokens: int,
     **config: Any,
 ) -> tuple[Any, Any]:
-    """(cluster, PlannerConfig) for local processes, calibrated when given."""
-    from dflop.planner import PlannerConfig
-
+    """(cluster, PlannerConfig) for local processes, calibrated when given: what dflop's
+    runtime runs (fp32 weights and Adam, no optimizer sharding, the run's chunked loss)."""
     latency = None if calibration is None else calibration.link_latency_s
     cluster = local_cluster(nproc, memory_bytes, link_latency_s=latency)
     if calibration is not None:
         config["forward_fraction"] = calibration.forward_fraction
-    return cluster, PlannerConfig(
-        seed=seed, max_tp=1, baseline=False, num_batches=LOCAL_PLAN_BATCHES, **config
+    return cluster, runtime_planner_config(
+        loss_chunk_tokens,
+        seed=seed,
+        max_tp=1,
+        baseline=False,
+        num_batches=LOCAL_PLAN_BATCHES,
+        **config,
+    )
+
+
+def runtime_planner_config(loss_chunk_tokens: int, **settings: Any) -> Any:
+    """A :class:`~dflop.planner.PlannerConfig` of what dflop's runtime executes (float32
+    training, no optimizer sharding, the run's chunked loss), with ``settings``."""
+    from dflop.planner import PlannerConfig
+
+    return PlannerConfig(
+        element_bytes=RUNTIME_ELEMENT_BYTES,
+        zero1=False,
+        loss_chunk_tokens=loss_chunk_tokens,
+        **settings,
     )
 
 
@@ -276,6 +302,7 @@ def evaluate_local(
     seed: int = 0,
     memory_bytes: float | None = None,
     calibration: Calibration | None = None,
+    loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
 ) -> Any:
     """A :class:`~dflop.planner.Plan` holding one given layout for its local processes,
     scored and audited as the planner scores its own choices (to force a layout): with
@@ -284,7 +311,9 @@ def evaluate_local(
     from dflop.planner import Plan, evaluate_layout, prepare_inputs, runtime_scored
 
     encoder, llm = cost_configs(model)
-    cluster, config = _local_planning(layout.world_size, seed, memory_bytes, calibration)
+    cluster, config = _local_planning(
+        layout.world_size, seed, memory_bytes, calibration, loss_chunk_tokens
+    )
     inputs = prepare_inputs(
         cost_model,
         encoder,
@@ -294,6 +323,8 @@ def evaluate_local(
         num_batches=config.num_batches,
         seed=seed,
         forward_fraction=config.forward_fraction,
+        element_bytes=config.element_bytes,
+        loss_chunk_tokens=config.loss_chunk_tokens,
     )
     scored = evaluate_layout(cluster, inputs, core_layout(layout), config)
     return Plan(
@@ -325,6 +356,7 @@ def plan_local(
     num_microbatches: int | None = None,
     memory_bytes: float | None = None,
     calibration: Calibration | None = None,
+    loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
 ) -> LocalPlan:
     """Plan ``model`` on ``nproc`` local processes with ``dflop.planner.plan``.
 
@@ -341,7 +373,13 @@ def plan_local(
     if choices is None:
         choices = tuple(m for m in (1, 2, 3, 4, 6, 8, 12, 16) if m <= global_batch)
     cluster, config = _local_planning(
-        nproc, seed, memory_bytes, calibration, microbatch_choices=choices, top_k=20
+        nproc,
+        seed,
+        memory_bytes,
+        calibration,
+        loss_chunk_tokens,
+        microbatch_choices=choices,
+        top_k=20,
     )
     result = plan(
         cost_model, encoder, llm, cluster, global_batch=global_batch, shapes=shapes, config=config

@@ -142,7 +142,13 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
         if config.layout is not None:
             layout = parse_layout(config.layout, model, global_batch, config.num_microbatches)
             plan = evaluate_local(
-                cost_model, model, layout, shapes, seed=config.seed, calibration=calibration
+                cost_model,
+                model,
+                layout,
+                shapes,
+                seed=config.seed,
+                calibration=calibration,
+                loss_chunk_tokens=config.loss_chunk_tokens,
             )
             return layout, plan, f"layout {config.layout}"
         nproc = config.nproc or 2
@@ -155,6 +161,7 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
             seed=config.seed,
             num_microbatches=config.num_microbatches,
             calibration=calibration,
+            loss_chunk_tokens=config.loss_chunk_tokens,
         )
         return local.layout, local.plan, f"planned for {nproc} local processes: {local.description}"
 
@@ -340,7 +347,9 @@ def _performance_model(
         return analytic_performance_model(model)
     threads = _threads_per_rank(config, nproc)
     log(f"profiling {config.model} on this CPU ({threads} thread(s)) ...")
-    perf = quick_profile(model, threads=threads, seed=config.seed)
+    perf = quick_profile(
+        model, threads=threads, seed=config.seed, loss_chunk_tokens=config.loss_chunk_tokens
+    )
     log(perf.summary())
     return perf
 

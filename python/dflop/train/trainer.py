@@ -123,7 +123,12 @@ class Trainer:
             tp_size=layout.module(self.info.module).tp,
             layout=layout,
         )
-        self.engine = PipelineEngine(self.topology, self.stage, debug=config.debug)
+        self.engine = PipelineEngine(
+            self.topology,
+            self.stage,
+            debug=config.debug,
+            loss_chunk_tokens=config.loss_chunk_tokens,
+        )
         # Sharded (DTensor) and replicated parameters in separate groups: torch's
         # multi-tensor kernels refuse a mixed list.
         self.optimizer = torch.optim.AdamW(
@@ -168,7 +173,12 @@ class Trainer:
         from dflop.planner import ClusterSpec, StepPredictor
         from dflop.profiling import CostModel, PerformanceModel
         from dflop.scheduling.async_scheduler import AsyncScheduler
-        from dflop.train.planning import core_layout, cost_configs, local_cluster
+        from dflop.train.planning import (
+            core_layout,
+            cost_configs,
+            local_cluster,
+            runtime_planner_config,
+        )
 
         if performance_model is None:
             raise ValueError("the dflop schedule needs a performance model on rank 0")
@@ -188,6 +198,7 @@ class Trainer:
             encoder,
             llm,
             core_layout(self.layout),
+            runtime_planner_config(self.config.loss_chunk_tokens, num_batches=1),
         )
         # Until the steps calibrate it, the latency the plan was scored with.
         self._link_latency_s = self.predictor.cluster.link_latency_s

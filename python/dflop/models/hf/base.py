@@ -13,7 +13,6 @@ import threading
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflop.models.decoder import IGNORE_INDEX, merge_visual_features, next_token_targets
@@ -29,6 +28,7 @@ from dflop.models.hf.common import (
     write_index,
     write_shard,
 )
+from dflop.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, chunked_lm_loss
 from dflop.models.spec import ModelSpec
 from dflop.runtime.tensor_parallel import apply_tensor_parallel
 
@@ -226,7 +226,8 @@ class HFStage(nn.Module):
     def tensor_parallel_plan(self) -> dict[str, str]:
         """A Qwen2 decoder's layers (the LLM stages of every family here): q/k/v and
         gate/up column-, o_proj and down_proj row-parallel (the attention infers its
-        local heads from the shard widths)."""
+        local heads from the shard widths); the LM head vocabulary-parallel unless tied to
+        the (replicated) token embedding."""
         plan: dict[str, str] = {}
         for i in range(self.first_layer, self.end_layer):
             base = f"{self.text_root}.layers.{i}"
@@ -234,6 +235,8 @@ class HFStage(nn.Module):
                 self._linear_plan(f"{base}.self_attn", ("q_proj", "k_proj", "v_proj"), ("o_proj",))
             )
             plan.update(self._linear_plan(f"{base}.mlp", ("gate_proj", "up_proj"), ("down_proj",)))
+        if self.has_head and not getattr(self.config, "tie_word_embeddings", False):
+            plan["lm_head"] = "vocab"
         return plan
 
     def tensor_parallel_sizes(self) -> list[tuple[str, int]]:
@@ -341,18 +344,20 @@ class HFStage(nn.Module):
         cu_seqlens: Tensor,
         labels: Tensor,
         position_ids: Tensor | None = None,
+        *,
+        chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
     ) -> tuple[Tensor, Tensor]:
         """Next-token cross-entropy within each packed sample, summed (float32 logits, as
-        transformers' loss), and the number of targets."""
+        transformers' loss), and the number of targets; the head runs on the targets only,
+        ``chunk_tokens`` at a time (:func:`~dflop.models.loss.chunked_lm_loss`)."""
         if not self.has_head:
             raise ValueError("this LLM stage has no head (not the last stage)")
         x = self.hidden_states(input_embeds, cu_seqlens, position_ids)
         targets = next_token_targets(labels.to(x.device), cu_seqlens.to(x.device))
         keep = targets != IGNORE_INDEX
         hidden = self.get_submodule(f"{self.text_root}.norm")(x[keep])
-        logits = self.get_submodule("lm_head")(hidden)
-        sum_loss = F.cross_entropy(logits.float(), targets[keep], reduction="sum")
-        return sum_loss, keep.sum()
+        head = self.get_submodule("lm_head")
+        return chunked_lm_loss(hidden, head, targets[keep], chunk_tokens), keep.sum()
 
 
 def _out(result: Any) -> Tensor:
