@@ -35,7 +35,7 @@ from dflop.runtime.topology import RuntimeLayout
 from dflop.scheduling.async_scheduler import AsyncScheduler
 from dflop.scheduling.balance import schedule_from_assignment
 from dflop.scheduling.pipeline import PipelineModel
-from dflop.train.planning import core_layout, cost_configs, local_cluster
+from dflop.train.planning import MemoryBudget, core_layout, cost_configs, local_cluster
 
 CONFIG = model_config("tiny")
 TPU = CONFIG.vision.tokens_per_unit
@@ -81,7 +81,7 @@ def test_trainer_derives_the_plans_split_and_stage_times(encoder_dp: int) -> Non
     encoder, llm = cost_configs(CONFIG)
     cost_model = AnalyticCostModel(encoder, llm)
     layout = _layout(encoder_dp)
-    cluster = local_cluster(layout.world_size, memory_bytes=8e9)
+    cluster = local_cluster(layout.world_size, MemoryBudget(8e9, 0.0, "test"))
     config = PlannerConfig(num_batches=len(UNITS), seed=0)
     inputs = prepare_inputs(
         cost_model, encoder, llm, global_batch=GLOBAL_BATCH, shapes=FixedBatches(), num_batches=3
@@ -145,7 +145,7 @@ def test_plan_schedules_each_step_as_the_trainer_does(encoder_dp: int) -> None:
     encoder, llm = cost_configs(CONFIG)
     cost_model = AnalyticCostModel(encoder, llm)
     layout = _layout(encoder_dp)
-    cluster = local_cluster(layout.world_size, memory_bytes=8e9, link_latency_s=2e-4)
+    cluster = local_cluster(layout.world_size, MemoryBudget(8e9, 0.0, "test"), link_latency_s=2e-4)
     config = PlannerConfig(num_batches=len(UNITS), seed=5, forward_fraction=(0.4, 0.35))
     inputs = prepare_inputs(
         cost_model, encoder, llm, global_batch=GLOBAL_BATCH, shapes=FixedBatches(), num_batches=3

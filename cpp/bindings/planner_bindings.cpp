@@ -255,6 +255,7 @@ py::dict from_score(const LayoutScore& s) {
   d["mean_idle_fraction"] = s.mean_idle_fraction;
   d["mean_step_time_as_scheduled_s"] = s.mean_step_time_as_scheduled_s;
   d["peak_memory_bytes"] = s.peak_memory_bytes;
+  d["stage_memory_bytes"] = s.stage_memory_bytes;
   d["steps"] = steps;
   return d;
 }

@@ -669,6 +669,12 @@ class Evaluator {
     double peak = 0.0;
     bool encoder = false;
     int64_t stage = 0;
+    std::vector<double> stage_bytes;  // per stage (the encoder's, then the LLM's), no reserve
+    void set_peak(double bytes, bool in_encoder, int64_t at) {
+      peak = bytes;
+      encoder = in_encoder;
+      stage = at;
+    }
   };
   Memory memory(const Layout& l, double llm_bin_tokens, double llm_bin_targets,
                 double enc_tokens) const {
@@ -687,7 +693,8 @@ class Evaluator {
       const double in_flight = double(peak_in_flight(schedule_of(g), shape, m, s));
       const double bytes = ctx_.enc.state_bytes(ctx_.enc.gpu_params(e, s), e.dp, ctx_.o.zero1) +
                            in_flight * ctx_.enc.activation_bytes(e.tp, e.recompute, n, enc_tokens);
-      if (bytes > out.peak) out = {bytes, true, s};
+      out.stage_bytes.push_back(bytes);
+      if (bytes > out.peak) out.set_peak(bytes, true, s);
     }
     return out;
   }
@@ -713,7 +720,8 @@ class Evaluator {
         bytes += enc_bytes;
         is_enc = enc_bytes > bytes - enc_bytes;
       }
-      if (bytes > out.peak) out = {bytes, is_enc, s};
+      out.stage_bytes.push_back(bytes);
+      if (bytes > out.peak) out.set_peak(bytes, is_enc, s);
     }
     return out;
   }
@@ -721,6 +729,8 @@ class Evaluator {
   Memory combine(const Memory& enc, const Memory& llm) const {
     Memory out = llm.peak > enc.peak ? llm : enc;
     out.peak += ctx_.c.memory_reserve_bytes;
+    out.stage_bytes = enc.stage_bytes;
+    out.stage_bytes.insert(out.stage_bytes.end(), llm.stage_bytes.begin(), llm.stage_bytes.end());
     return out;
   }
 
@@ -1132,6 +1142,7 @@ class Evaluator {
     LayoutScore out;
     out.layout = l;
     out.peak_memory_bytes = p.mem.peak;
+    out.stage_memory_bytes = p.mem.stage_bytes;
     const int64_t B = ctx_.x.num_batches, m = l.num_microbatches;
     std::vector<int64_t> identity(static_cast<size_t>(m));
     std::iota(identity.begin(), identity.end(), 0);
@@ -1181,6 +1192,7 @@ class Evaluator {
       LayoutScore out;
       out.layout = l;
       out.peak_memory_bytes = p.mem.peak;
+      out.stage_memory_bytes = p.mem.stage_bytes;
       return out;
     }
     return finish(l, p, given != nullptr);

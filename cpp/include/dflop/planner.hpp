@@ -263,7 +263,9 @@ struct LayoutScore {
   double estimate_s = 0.0;  // MeanShapeReference: the formula's estimate; else 0
   double mean_idle_fraction = 0.0;
   double mean_step_time_as_scheduled_s = 0.0;  // without microbatch ordering
-  double peak_memory_bytes = 0.0;              // over stages of both modules
+  double peak_memory_bytes = 0.0;              // over stages of both modules, with the reserve
+  // Per stage, the encoder's then the LLM's (colocated: the LLM's), without the reserve.
+  std::vector<double> stage_memory_bytes;
   std::vector<StepBreakdown> steps;            // one per sampled batch
 };
 

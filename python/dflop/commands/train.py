@@ -48,7 +48,11 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     for name, f in _FIELDS.items():
         meta = f.metadata
         flags = meta.get("flags") or (f"--{name.replace('_', '-')}",)
-        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": meta["doc"]}
+        kwargs: dict[str, Any] = {
+            "dest": name,
+            "default": argparse.SUPPRESS,
+            "help": meta["doc"].replace("%", "%%"),
+        }
         kind = str(f.type).split("|")[0].strip()
         if kind == "bool":
             kwargs["action"] = argparse.BooleanOptionalAction

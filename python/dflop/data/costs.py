@@ -341,6 +341,14 @@ class SampleCostModel(Protocol):
         """(2,) seconds added once per microbatch: (encoder, LLM)."""
         ...
 
+    def activation_bytes_per_token_layer(
+        self, encoder: EncoderConfig, llm: LLMConfig
+    ) -> tuple[float | None, float | None]:
+        """Measured activation bytes per token and layer of (encoder, LLM) for the
+        planner's memory model, or None where it has no measurement (the planner then
+        uses its formula)."""
+        ...
+
 
 class AnalyticCostModel:
     """Per-sample stage costs in seconds from FLOP counts.
@@ -444,6 +452,12 @@ class AnalyticCostModel:
         shapes = self._check_shapes(shapes)
         flops = self.llm.head_flops_per_target * shapes.target_tokens.astype(np.float64)
         return flops * self.train_flops_factor / (self.gpu_flops * self.mfu)
+
+    def activation_bytes_per_token_layer(
+        self, encoder: EncoderConfig, llm: LLMConfig
+    ) -> tuple[float | None, float | None]:
+        """None, None: FLOP counts measure no memory (the planner's formula applies)."""
+        return None, None
 
     def microbatch_time_s(self, shapes: SampleShapes) -> np.ndarray:
         """(2,) seconds of one microbatch made of ``shapes``: summed costs + the constant."""

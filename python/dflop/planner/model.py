@@ -227,11 +227,14 @@ def module_specs(
     *,
     element_bytes: int = 2,
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+    activation_bytes: tuple[float | None, float | None] = (None, None),
 ) -> tuple[ModuleSpec, ModuleSpec]:
     """(encoder, LLM) :class:`ModuleSpec` from the configs (parameter counts of a ViT with
     a 2-layer MLP projector and of a GQA/SwiGLU decoder with an untied LM head), for
     training in ``element_bytes`` (2: bf16 mixed precision, 4: fp32) with the runtime's
-    chunked loss of ``loss_chunk_tokens`` rows."""
+    chunked loss of ``loss_chunk_tokens`` rows. ``activation_bytes``: measured activation
+    bytes per token and layer of (encoder, LLM) (a profile's), used instead of the
+    formula (34 x hidden x element_bytes / 2) where given."""
     _check_int("module_specs", "element_bytes", element_bytes, 1)
     _check_int("module_specs", "loss_chunk_tokens", loss_chunk_tokens, 0)
     scale = element_bytes / 2.0  # the activation formula counts bf16 bytes
@@ -258,7 +261,11 @@ def module_specs(
         params_per_layer=layer_params,
         first_stage_params=float(3 * encoder.patch_px**2 * h + encoder.tokens_per_unit * h),
         last_stage_params=float(p_in * p_hid + p_hid * llm.hidden_size),
-        activation_bytes_per_token_layer=ACTIVATION_BYTES_PER_HIDDEN * h * scale,
+        activation_bytes_per_token_layer=(
+            ACTIVATION_BYTES_PER_HIDDEN * h * scale
+            if activation_bytes[0] is None
+            else float(activation_bytes[0])
+        ),
         element_bytes=element_bytes,
         microbatch_constant_s=float(constants[0]),
         attention_compute_fraction=attention_flops
@@ -280,7 +287,11 @@ def module_specs(
         ),
         first_stage_params=float(llm.vocab_size * g),
         last_stage_params=float(llm.vocab_size * g),
-        activation_bytes_per_token_layer=ACTIVATION_BYTES_PER_HIDDEN * g * scale,
+        activation_bytes_per_token_layer=(
+            ACTIVATION_BYTES_PER_HIDDEN * g * scale
+            if activation_bytes[1] is None
+            else float(activation_bytes[1])
+        ),
         head_bytes_per_target_token=logit_bytes(element_bytes) * llm.vocab_size,
         head_chunk_tokens=loss_chunk_tokens,
         element_bytes=element_bytes,

@@ -169,6 +169,10 @@ class StepPrediction:
     microbatch_orders: tuple[str, ...] = ()
     estimate_s: float = 0.0
     """The reference optimizer's mean-shape estimate (reference layouts only)."""
+    stage_memory_bytes: tuple[float, ...] = ()
+    """Per stage (encoder stages, then LLM stages): the memory model's peak on one GPU
+    of it over the sampled batches, without the cluster's reserve (``peak_memory_bytes``
+    is the largest, with it)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)

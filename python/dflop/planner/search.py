@@ -179,13 +179,19 @@ def prepare_inputs(
         raise ValueError(f"global_batch={global_batch} must be >= 1")
     missing = [
         name
-        for name in ("costs", "head_costs", "microbatch_constant_s")
+        for name in (
+            "costs",
+            "head_costs",
+            "microbatch_constant_s",
+            "activation_bytes_per_token_layer",
+        )
         if not hasattr(performance_model, name)
     ]
     if missing:
         raise InputTypeError(
             "performance_model must be a SampleCostModel (.costs(shapes), "
-            ".head_costs(shapes), .microbatch_constant_s); "
+            ".head_costs(shapes), .microbatch_constant_s, "
+            ".activation_bytes_per_token_layer(encoder, llm)); "
             f"{type(performance_model).__name__} lacks {', '.join(missing)}"
         )
     batch = SampleShapes.concat(
@@ -254,6 +260,7 @@ def _inputs(
         performance_model.microbatch_constant_s,
         element_bytes=element_bytes,
         loss_chunk_tokens=loss_chunk_tokens,
+        activation_bytes=performance_model.activation_bytes_per_token_layer(encoder, llm),
     )
     if forward_fraction is not None:
         enc_spec = replace(enc_spec, forward_fraction=float(forward_fraction[0]))
@@ -346,6 +353,7 @@ def _layout_plan(
         stage_bubble_s=tuple(float(v) for v in bubble),
         transfer_s=float(np.mean([s["transfer_s"] for s in steps])),
         peak_memory_bytes=float(raw["peak_memory_bytes"]),
+        stage_memory_bytes=tuple(float(v) for v in raw.get("stage_memory_bytes", ())),
         step_times_s=tuple(float(s["step_time_s"]) for s in steps),
         microbatch_orders=tuple(str(s["order"]) for s in steps),
         estimate_s=float(raw.get("estimate_s", 0.0)),

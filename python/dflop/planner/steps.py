@@ -265,6 +265,34 @@ class StepPredictor:
         )
         return StepAudit.from_core(raw, _sample_record(inputs.samples, 0, len(shapes)))
 
+    def stage_memory_bytes(
+        self, cost_model: Any, shapes: SampleShapes, assignment: Any
+    ) -> tuple[float, ...]:
+        """The memory model's peak per stage (encoder stages, then the LLM's; without the
+        reserve) of the step of ``shapes`` under ``assignment``: what each rank of a
+        stage should hold at most while it trains that step."""
+        from dflop.planner.search import evaluate_layout, single_batch_inputs
+
+        inputs = single_batch_inputs(
+            cost_model,
+            self.encoder,
+            self.llm,
+            shapes,
+            self.config.forward_fraction,
+            self.config.element_bytes,
+            self.config.loss_chunk_tokens,
+        )
+        # Any capacity: the prediction, not whether it fits.
+        roomy = replace(self.cluster, gpu_memory_bytes=1e30, memory_reserve_bytes=0.0)
+        scored = evaluate_layout(
+            roomy,
+            inputs,
+            self.layout,
+            self.config,
+            assignments=[np.asarray(assignment, dtype=np.int64)],
+        )
+        return scored.prediction.stage_memory_bytes
+
     def stage_costs(
         self, cost_model: Any, shapes: SampleShapes
     ) -> tuple[np.ndarray, tuple[float, float]]:

@@ -298,6 +298,22 @@ class CostModel:
         out[:, 1] = llm[0] * seq + llm[1] * seq * seq + self._head(llm, shapes)
         return out
 
+    def activation_bytes_per_token_layer(
+        self, encoder: Any, llm: Any
+    ) -> tuple[float | None, float | None]:
+        """The profile's measured memory per token (``PerformanceModel.llm_memory`` per
+        token; ``encoder_memory`` per unit, over its ``tokens_per_unit``) spread over the
+        module's layers, for the planner's memory model; None where not measured."""
+        perf = self._prior
+        measured = perf.metadata.get("memory_measured", {})
+        out: list[float | None] = [None, None]
+        if measured.get("encoder") and perf.encoder_memory.per_item_bytes > 0:
+            tokens = perf.tokens_per_unit or encoder.tokens_per_unit
+            out[0] = perf.encoder_memory.per_item_bytes / (tokens * encoder.num_layers)
+        if measured.get("llm") and perf.llm_memory.per_item_bytes > 0:
+            out[1] = perf.llm_memory.per_item_bytes / llm.num_layers
+        return out[0], out[1]
+
     def head_costs(self, shapes: SampleShapes) -> np.ndarray:
         """(N,) seconds of ``costs``' LLM column that are the LM head and loss
         (``per_target_token_s * target_tokens``): what runs on the LLM's last stage only."""

@@ -4,19 +4,24 @@ record of every CPU allocation on a CPU.
 On a GPU ``torch.cuda.max_memory_allocated`` is the peak. A CPU has no such counter, so
 :func:`measure_peak_bytes` runs the work under ``torch.profiler`` with
 ``profile_memory=True``: the profiler records every allocation and free of torch's CPU
-allocator with the bytes allocated at that moment, and the largest of those is the peak
-(what tensors held; not the Python interpreter, not fragmentation). This is what dflop's
-memory model is checked against (``benchmarks/bench_memory.py``).
+allocator while it runs, with the running total of what it saw allocated, whose largest
+value is the peak above the start (:func:`profiled_peak`); what was allocated before (the
+weights, the optimizer's states) is the bytes of the live tensors when it starts
+(:func:`live_tensor_bytes`: every tensor the interpreter holds, each storage once). The sum
+is what tensors held at the peak: not the interpreter, not the allocator's free lists.
+This is what dflop's memory model is checked against (``dflop train --memory-report``,
+``benchmarks/bench_memory.py``).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import tempfile
 from typing import Any, Callable
 
-__all__ = ["MemoryPeak", "measure_peak_bytes", "profiled_peak"]
+__all__ = ["MemoryPeak", "live_tensor_bytes", "measure_peak_bytes", "profiled_peak"]
 
 
 class MemoryPeak:
@@ -36,8 +41,8 @@ class MemoryPeak:
 
 
 def measure_peak_bytes(fn: Callable[[], Any], device: Any = "cpu") -> MemoryPeak:
-    """Run ``fn()`` and return the peak of the bytes torch's allocator held meanwhile
-    (see the module docstring) with ``fn``'s result."""
+    """Run ``fn()`` and return the peak of the bytes torch held meanwhile (see the module
+    docstring) with ``fn``'s result."""
     import torch
 
     device = torch.device(device)
@@ -50,15 +55,34 @@ def measure_peak_bytes(fn: Callable[[], Any], device: Any = "cpu") -> MemoryPeak
         return MemoryPeak(torch.cuda.max_memory_allocated(device), start, result)
     from torch.profiler import ProfilerActivity, profile
 
+    start = live_tensor_bytes()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
-    peak, start = profiled_peak(prof)
-    return MemoryPeak(peak, start, result)
+    return MemoryPeak(start + profiled_peak(prof), start, result)
 
 
-def profiled_peak(prof: Any) -> tuple[int, int]:
-    """``(peak, start)`` allocated bytes of a finished ``torch.profiler.profile`` run with
-    ``profile_memory=True`` (its trace's memory records; (0, 0) without any)."""
+def live_tensor_bytes(device_type: str = "cpu") -> int:
+    """Bytes of the storages of every tensor the interpreter holds on ``device_type``
+    (each storage once; a parameter's gradient and an optimizer's states included)."""
+    import torch
+
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        try:
+            # type(), not isinstance: no __class__ lookup on the interpreter's other objects
+            if not issubclass(type(obj), torch.Tensor) or obj.device.type != device_type:
+                continue
+            storage = obj.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        except (RuntimeError, NotImplementedError, ReferenceError):
+            continue  # meta, sparse and other tensors without a plain storage
+    seen.pop(0, None)  # empty tensors
+    return int(sum(seen.values()))
+
+
+def profiled_peak(prof: Any) -> int:
+    """The most bytes a finished ``torch.profiler.profile`` run (``profile_memory=True``)
+    saw allocated above what was allocated when it started (0 without any record)."""
     fd, path = tempfile.mkstemp(suffix=".json", prefix="dflop-memory-")
     os.close(fd)
     try:
@@ -67,13 +91,9 @@ def profiled_peak(prof: Any) -> tuple[int, int]:
             events = json.load(f).get("traceEvents", [])
     finally:
         os.unlink(path)
-    records = sorted(
-        (e for e in events if e.get("name") == "[memory]" and "Total Allocated" in e["args"]),
-        key=lambda e: e.get("ts", 0),
-    )
-    if not records:
-        return 0, 0
-    records = [e["args"] for e in records]
-    first = records[0]
-    start = int(first["Total Allocated"]) - int(first.get("Bytes", 0))
-    return max(int(r["Total Allocated"]) for r in records), start
+    totals = [
+        int(e["args"]["Total Allocated"])
+        for e in events
+        if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})
+    ]
+    return max([0, *totals])

@@ -11,7 +11,8 @@
   share the same total number of tokens but differ in ``sum(seq^2)``, which makes the
   attention term identifiable; and the mixes differ in their share of target tokens (the
   last ``target_fractions[i % len]`` of every sequence of mix ``i`` are labelled, as an
-  answer is), which makes the LM head's term identifiable: the runtime runs the head and
+  answer is; a mix of more than 1,024 tokens gets the targets of a 1,024-token one), which
+  makes the LM head's term identifiable: the runtime runs the head and
   the loss on the target tokens only. The decoder is called as ``decoder.loss(input_embeds[T,
   hidden], cu_seqlens[num_seqs + 1], labels[T], chunk_tokens=...) -> (sum_loss,
   num_target_tokens)`` when it has a ``loss`` method (``chunk_tokens`` when it takes one:
@@ -83,6 +84,10 @@ RESULT_FORMAT_VERSION = 1
 DEFAULT_TARGET_FRACTIONS = (1 / 2, 1 / 8, 1 / 32)
 """Shares of a profiled sequence that are targets, cycled over the mixes: real
 multimodal data has 2-15% of its tokens as targets, text-only data up to half."""
+
+TARGET_TOKENS_SCALE = 1024
+"""Mixes longer than this get the targets of a mix of this many tokens (see
+``_target_lens``)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -740,9 +745,13 @@ def _profile_vision(
 
 
 def _target_lens(mix: tuple[int, ...], fraction: float) -> tuple[int, ...]:
-    """Targets of each sequence: ``round(fraction x length)`` within ``[1, length - 1]``
-    (a one-token sequence has none)."""
-    return tuple(max(0, min(s - 1, max(1, round(fraction * s)))) for s in mix)
+    """Targets of each sequence: ``fraction`` of its length, of at most
+    :data:`TARGET_TOKENS_SCALE` tokens of the mix (a long mix gets the targets of one of
+    that size, spread over its sequences: the head's cost is per target, not per token,
+    and long mixes are there for the attention term), within ``[1, length - 1]`` (a
+    one-token sequence has none)."""
+    scale = min(1.0, TARGET_TOKENS_SCALE / max(sum(mix), 1))
+    return tuple(max(0, min(s - 1, max(1, round(fraction * scale * s)))) for s in mix)
 
 
 def _profile_decoder(

@@ -119,6 +119,21 @@ class TrainConfig:
     global_batch: int | None = _field(
         "data", None, "samples per step (default: the plan's, else 16)"
     )
+    max_seq_len: int | None = _field(
+        "data",
+        None,
+        "a model with its own shape rules (hf:): the longest sample in LLM tokens (visual + "
+        "text); longer ones are handled by too_long, by the data profiler and the runtime "
+        "alike (default: the model's position limit, max_position_embeddings)",
+    )
+    too_long: str = _field(
+        "data",
+        "truncate",
+        "a sample longer than max_seq_len: truncate (cut its text from the end; visual tokens "
+        "are never cut, a sample whose visual tokens alone are too long is skipped), skip "
+        "(left out, counted in the dataset report) or error (stop, naming it)",
+        choices=("truncate", "skip", "error"),
+    )
     check_images: bool = _field(
         "data",
         True,
@@ -213,6 +228,13 @@ class TrainConfig:
         "CPU ops)",
     )
     trace_steps: int = _field("output", 2, "how many final steps the timeline shows")
+    memory_report: bool = _field(
+        "output",
+        False,
+        "measure every rank's peak memory over the last trace_steps steps and print it beside "
+        "what the memory model predicts for its stage on those steps (CPU: torch's profiler "
+        "records the allocations, which slows those steps; GPU: the allocator's peak)",
+    )
     log_every: int = _field("output", 1, "print a line every this many steps (0: none)")
     progress: bool = _field("output", True, "a progress bar (tqdm) when stdout is a terminal")
     debug: bool = _field("output", False, "shape headers on every pipeline message")
@@ -243,6 +265,13 @@ class TrainConfig:
     )
     run_timeout_s: float | None = _field(
         "runtime", None, "limit of a whole local run (s; none: only the collectives')"
+    )
+    memory_gb: float | None = _field(
+        "runtime",
+        None,
+        "memory (GB) each local rank may use, what the planner fits layouts and samples "
+        "into (default: on a CPU 80% of this host's RAM split between the processes; on "
+        "GPUs the device's memory less an 8% reserve, at least 1 GB)",
     )
     threads: int | None = _field(
         "runtime", None, "torch threads per process (default: cores // processes)"
@@ -278,12 +307,21 @@ class TrainConfig:
         integer("threads", 1, optional=True)
         integer("calibrate_steps", 0)
         integer("loss_chunk_tokens", 1)
+        integer("max_seq_len", 2, optional=True)
+        if self.too_long not in ("truncate", "skip", "error"):
+            raise bad("too_long", "'truncate', 'skip' or 'error'")
         for name, positive in (("lr", True), ("weight_decay", False), ("timeout_s", True)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise bad(name, "a number")
             if not math.isfinite(value) or (value <= 0 if positive else value < 0):
                 raise bad(name, "finite and > 0" if positive else "finite and >= 0")
+        if self.memory_gb is not None and (
+            isinstance(self.memory_gb, bool)
+            or not isinstance(self.memory_gb, (int, float))
+            or not (math.isfinite(self.memory_gb) and self.memory_gb > 0)
+        ):
+            raise bad("memory_gb", "None or a finite number of GB > 0")
         if self.grad_clip_norm is not None and (
             isinstance(self.grad_clip_norm, bool)
             or not isinstance(self.grad_clip_norm, (int, float))
@@ -338,6 +376,12 @@ class TrainConfig:
                 raise ValueError(
                     f"TrainConfig.save_hf={self.save_hf!r} needs a Hugging Face model "
                     "(model='hf:PATH')"
+                )
+            if self.max_seq_len is not None:
+                raise ValueError(
+                    f"TrainConfig.max_seq_len={self.max_seq_len} applies to a Hugging Face "
+                    "model (model='hf:PATH'); dflop's reference model trains on shapes scaled "
+                    "to fit it (TrainConfig.scaler: max_text_tokens, max_units_per_sample)"
                 )
         for name, kind in (
             ("trace", "file"),

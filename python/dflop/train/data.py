@@ -25,15 +25,38 @@ from typing import Any
 
 import numpy as np
 
+from dflop.data.length import LengthPolicy
 from dflop.data.shapes import SampleShapes
 from dflop.models.spec import ModelSpec, model_spec
 from dflop.runtime.synthetic_batch import ShapeScaler
 
-__all__ = ["ScaledShapes", "StepShapes", "describe_records", "load_distribution"]
+__all__ = [
+    "ScaledShapes",
+    "StepShapes",
+    "describe_records",
+    "length_policy",
+    "load_distribution",
+]
 
 _DATASET_SUFFIXES = (".jsonl", ".yaml", ".yml")
 MAX_REDRAWS = 64
 """Redraws for one batch position before the run gives up on a dataset of bad images."""
+
+
+def length_policy(
+    model: ModelSpec | str, max_seq_len: int | None = None, too_long: str = "truncate"
+) -> LengthPolicy | None:
+    """The length policy (:mod:`dflop.data.length`) of a model with its own shape rules:
+    ``max_seq_len`` (default: the model's position limit) and ``too_long``. None for dflop's
+    reference model, whose shapes are scaled to fit it (:class:`ShapeScaler`)."""
+    spec = model_spec(model)
+    if spec.family is None:
+        return None
+    if max_seq_len is None:
+        return LengthPolicy(
+            spec.max_seq_len, too_long, "the model's position limit, max_position_embeddings"
+        )
+    return LengthPolicy(int(max_seq_len), too_long, "TrainConfig.max_seq_len")
 
 
 def load_distribution(
@@ -44,12 +67,13 @@ def load_distribution(
     image_folder: str | None = None,
     video_folder: str | None = None,
     model: ModelSpec | str | None = None,
+    length: LengthPolicy | None = None,
 ) -> Any:
     """The sample source of ``data``: None for ``"synthetic"``, a ShapeDistribution for a
     saved one, or a :class:`~dflop.data.reader.RecordSet` (records + their
     profile) for a LLaVA-style dataset (image / video paths relative to the folders).
     A ``model`` with its own shape rules profiles the dataset by them and its text
-    converter, and needs a dataset."""
+    converter, under ``length`` (:func:`length_policy`), and needs a dataset."""
     spec = None if model is None else model_spec(model)
     own_rules = spec is not None and spec.family is not None
     if own_rules and (data == "synthetic" or not data.endswith((".json", *_DATASET_SUFFIXES))):
@@ -81,7 +105,10 @@ def load_distribution(
         )
 
     if own_rules:
-        return records()
+        found = records()
+        if length is None:
+            return found
+        return found.limited(length, spec.dataset_inputs().text_counter())
 
     if data.endswith(_DATASET_SUFFIXES):
         return records()
@@ -131,10 +158,14 @@ class StepShapes:
         family: str = "llava-ov",
         mix: dict[str, float] | None = None,
         scaler: dict[str, Any] | None = None,
+        length: LengthPolicy | None = None,
     ) -> None:
         from dflop.data.reader import RecordSet
 
         self.spec = model_spec(model)
+        self.length = length
+        """The length policy the records were profiled under: the runtime cuts the
+        samples the same way (:func:`~dflop.runtime.processed_batch.truncate_sample`)."""
         self.global_batch = int(global_batch)
         self.seed = int(seed)
         self.records = distribution if isinstance(distribution, RecordSet) else None
@@ -248,7 +279,7 @@ class StepShapes:
         """The batch of a model with its own rules, kept from the scheduler's look at a
         step ahead until the step trains (unless a record was replaced since); the batches
         of earlier steps (and the pixels they decoded) are dropped."""
-        from dflop.runtime.processed_batch import ProcessedBatch
+        from dflop.runtime.processed_batch import ProcessedBatch, truncate_sample
 
         for old in [s for s in self._batches if s < step]:
             del self._batches[old]
@@ -263,6 +294,8 @@ class StepShapes:
                 )
                 for raw in records
             ]
+            if self.length is not None:
+                samples = [truncate_sample(s, self.length.max_seq_len) for s in samples]
             self._batches[step] = (key, ProcessedBatch(samples, self.spec.tokens_per_unit))
         return self._batches[step][1]
 

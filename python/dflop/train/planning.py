@@ -23,14 +23,18 @@ from dflop.runtime.topology import ModuleLayout, RuntimeLayout, uniform_layer_ra
 __all__ = [
     "Calibration",
     "LocalPlan",
+    "MemoryBudget",
     "core_layout",
     "cost_configs",
     "evaluate_local",
     "layout_from_plan",
     "local_cluster",
+    "memory_budget",
     "parse_layout",
     "plan_local",
+    "profiled_tokens",
     "quick_profile",
+    "runtime_planner_config",
 ]
 
 _LAYOUT_KEYS = {
@@ -155,12 +159,15 @@ def quick_profile(
     seed: int = 0,
     max_units: int = 16,
     max_tokens: int = 1024,
+    num_totals: int = 4,
     repeats: int = 3,
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
 ) -> Any:
     """A :class:`~dflop.profiling.PerformanceModel` of ``model`` on this CPU, measured in a
     few seconds (fewer repeats and shapes than ``dflop profile-model``): its spec's whole
-    encoder and LLM (:meth:`~dflop.models.spec.ModelSpec.whole_module`)."""
+    encoder and LLM (:meth:`~dflop.models.spec.ModelSpec.whole_module`): LLM microbatches
+    of ``max_tokens`` tokens and ``num_totals - 1`` halvings of it, packed several ways
+    (:func:`~dflop.profiling.default_seq_len_mixes`)."""
     from dflop.profiling import (
         default_seq_len_mixes,
         default_unit_counts,
@@ -177,15 +184,31 @@ def quick_profile(
         image_shape=image_shape,
         vocab_size=spec.architecture()[1].vocab_size,
         unit_counts=default_unit_counts(max_units),
-        seq_len_mixes=default_seq_len_mixes(min(max_tokens, spec.max_seq_len)),
+        seq_len_mixes=default_seq_len_mixes(
+            min(max_tokens, spec.max_seq_len), num_totals=num_totals
+        ),
         warmup=1,
         repeats=repeats,
         seed=seed,
         num_threads=threads,
-        measure_memory=False,
+        measure_memory=True,
         loss_chunk_tokens=loss_chunk_tokens,
     )
     return per_token(fit_performance_model(result, seed=seed), unit_tokens)
+
+
+def profiled_tokens(seq_lens: Any) -> tuple[int, int]:
+    """``(max_tokens, num_totals)`` of a quick profile for data of these sequence lengths:
+    the LLM microbatches reach the data's 99th percentile (a power of two, 1,024 to
+    4,096 tokens), so the attention term, quadratic in the length, is measured where the
+    data needs it rather than extrapolated from short sequences; longer grids drop their
+    smallest total to keep the profile's time."""
+    lens = np.asarray(seq_lens, dtype=np.float64)
+    longest = float(np.quantile(lens, 0.99)) if lens.size else 0.0
+    tokens = 1024
+    while tokens < min(longest, 4096):
+        tokens *= 2
+    return tokens, 4 if tokens == 1024 else 3
 
 
 NOMINAL_CPU_FLOPS = 2e10
@@ -259,7 +282,7 @@ plan, which searches few layouts, can afford more."""
 def _local_planning(
     nproc: int,
     seed: int,
-    memory_bytes: float | None,
+    budget: MemoryBudget | None,
     calibration: Calibration | None,
     loss_chunk_tokens: int,
     **config: Any,
@@ -267,7 +290,7 @@ def _local_planning(
     """(cluster, PlannerConfig) for local processes, calibrated when given: what dflop's
     runtime runs (fp32 weights and Adam, no optimizer sharding, the run's chunked loss)."""
     latency = None if calibration is None else calibration.link_latency_s
-    cluster = local_cluster(nproc, memory_bytes, link_latency_s=latency)
+    cluster = local_cluster(nproc, budget, link_latency_s=latency)
     if calibration is not None:
         config["forward_fraction"] = calibration.forward_fraction
     return cluster, runtime_planner_config(
@@ -300,7 +323,7 @@ def evaluate_local(
     shapes: Any,
     *,
     seed: int = 0,
-    memory_bytes: float | None = None,
+    budget: MemoryBudget | None = None,
     calibration: Calibration | None = None,
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
 ) -> Any:
@@ -312,7 +335,7 @@ def evaluate_local(
 
     encoder, llm = cost_configs(model)
     cluster, config = _local_planning(
-        layout.world_size, seed, memory_bytes, calibration, loss_chunk_tokens
+        layout.world_size, seed, budget, calibration, loss_chunk_tokens
     )
     inputs = prepare_inputs(
         cost_model,
@@ -354,7 +377,7 @@ def plan_local(
     *,
     seed: int = 0,
     num_microbatches: int | None = None,
-    memory_bytes: float | None = None,
+    budget: MemoryBudget | None = None,
     calibration: Calibration | None = None,
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
 ) -> LocalPlan:
@@ -375,7 +398,7 @@ def plan_local(
     cluster, config = _local_planning(
         nproc,
         seed,
-        memory_bytes,
+        budget,
         calibration,
         loss_chunk_tokens,
         microbatch_choices=choices,
@@ -415,24 +438,76 @@ def plan_local(
     return LocalPlan(layout, best.describe(), best.prediction.step_time_s, result)
 
 
+CPU_MEMORY_SHARE = 0.8
+"""Local CPU processes: the share of this host's RAM they may use together (the rest: the
+system, the launcher, the interpreters); each gets ``share / processes`` of it."""
+
+GPU_MEMORY_RESERVE = 0.08
+"""A GPU rank: the share of the device's memory kept free (CUDA context, NCCL buffers,
+the allocator's fragmentation), at least 1 GB."""
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The memory one local rank may use: ``memory_bytes``, of which ``reserve_bytes`` are
+    kept free (the planner's ``memory_reserve_bytes``), and where the figure comes from."""
+
+    memory_bytes: float
+    reserve_bytes: float
+    source: str
+
+    def describe(self) -> str:
+        usable = (self.memory_bytes - self.reserve_bytes) / 1e9
+        return f"{usable:.1f} GB per process ({self.source})"
+
+
+def memory_budget(nproc: int, device: str = "cpu", memory_gb: float | None = None) -> MemoryBudget:
+    """What each of ``nproc`` local ranks may hold on ``device`` (``"cpu"`` or
+    ``"cuda"``): ``memory_gb`` when given (``TrainConfig.memory_gb``); else on a CPU
+    :data:`CPU_MEMORY_SHARE` of this host's RAM split evenly; on GPUs the device's memory
+    (shared by the ranks a GPU holds) less :data:`GPU_MEMORY_RESERVE`."""
+    if memory_gb is not None:
+        return MemoryBudget(float(memory_gb) * 1e9, 0.0, f"--memory-gb {memory_gb:g}")
+    if device == "cuda":
+        import torch
+
+        props = torch.cuda.get_device_properties(0)
+        ranks = -(-nproc // max(torch.cuda.device_count(), 1))
+        total = float(props.total_memory) / ranks
+        reserve = max(1e9, GPU_MEMORY_RESERVE * total)
+        shared = f", shared by {ranks} ranks" if ranks > 1 else ""
+        return MemoryBudget(
+            total,
+            reserve,
+            f"{props.name}'s {props.total_memory / 1e9:.1f} GB{shared}, less a "
+            f"{reserve / 1e9:.1f} GB reserve; set --memory-gb to change",
+        )
+    host = _host_memory_bytes()
+    return MemoryBudget(
+        CPU_MEMORY_SHARE * host / nproc,
+        0.0,
+        f"{CPU_MEMORY_SHARE:.0%} of this host's {host / 1e9:.1f} GB of RAM over {nproc} "
+        "processes; set --memory-gb to change",
+    )
+
+
 def local_cluster(
-    nproc: int, memory_bytes: float | None = None, link_latency_s: float | None = None
+    nproc: int, budget: MemoryBudget | None = None, link_latency_s: float | None = None
 ) -> Any:
-    """The planner's "cluster" of ``nproc`` local CPU processes: one node, this host's
-    RAM split between them, shared-memory links, gloo's loopback latency (or a calibrated
-    one)."""
+    """The planner's "cluster" of ``nproc`` local processes: one node, each with the
+    memory of ``budget`` (default: :func:`memory_budget` on the CPU), shared-memory links,
+    gloo's loopback latency (or a calibrated one)."""
     from dflop.planner import ClusterSpec
 
-    if memory_bytes is None:
-        memory_bytes = _host_memory_bytes() / nproc
+    budget = budget or memory_budget(nproc)
     return ClusterSpec(
         num_gpus=max(2, nproc),
         gpus_per_node=max(2, nproc),
-        gpu_memory_bytes=float(memory_bytes),
+        gpu_memory_bytes=float(budget.memory_bytes),
         intra_node_bandwidth_bytes_per_s=5e9,  # shared memory between local processes
         inter_node_bandwidth_bytes_per_s=5e9,
         link_latency_s=1e-4 if link_latency_s is None else float(link_latency_s),
-        memory_reserve_bytes=0.0,
+        memory_reserve_bytes=float(budget.reserve_bytes),
     )
 
 

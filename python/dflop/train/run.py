@@ -23,6 +23,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 from dflop.runtime.topology import RuntimeLayout
 from dflop.train.config import TrainConfig, check_local_processes
 from dflop.train.metrics import ModeSummary, summarise
@@ -69,22 +71,25 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
     from dflop.data.reader import RecordSet
     from dflop.models.spec import model_spec
     from dflop.planner import Plan
-    from dflop.train.data import StepShapes, describe_records, load_distribution
+    from dflop.train.data import StepShapes, describe_records, length_policy, load_distribution
     from dflop.train.planning import (
         evaluate_local,
         layout_from_plan,
         local_cluster,
+        memory_budget,
         parse_layout,
         plan_local,
     )
 
     model = model_spec(config.model)
+    length = length_policy(model, config.max_seq_len, config.too_long)
     distribution = load_distribution(
         config.data,
         config.family,
         image_folder=config.image_folder,
         video_folder=config.video_folder,
         model=model,
+        length=length,
     )
     if isinstance(distribution, RecordSet):
         account, poor = describe_records(distribution)
@@ -104,7 +109,8 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
         _check_plan_inputs(plan_file, config, log)
     perf = None
     if "dflop" in config.modes or plan_file is None:
-        perf = _performance_model(config, plan_file, model, config.nproc or 2, log)
+        seq_lens = distribution.distribution.samples.seq_len if model.family else ()
+        perf = _performance_model(config, plan_file, model, config.nproc or 2, log, seq_lens)
     if plan_file is not None:
         layout = layout_from_plan(config.plan, model, config.global_batch, config.num_microbatches)
         best = plan_file.best
@@ -132,48 +138,64 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
         family=config.family,
         mix=config.mix,
         scaler=config.scaler,
+        length=length,
     )
 
-    def local_plan(calibration: Any = None) -> tuple[RuntimeLayout, Any, str]:
-        """(layout, plan, description): the forced layout scored, or the planner's choice."""
+    forced = (
+        parse_layout(config.layout, model, global_batch, config.num_microbatches)
+        if config.layout is not None
+        else None
+    )
+    nproc = forced.world_size if forced is not None else config.nproc or 2
+    budget = memory_budget(nproc, _planning_device(config), config.memory_gb)
+
+    def local_plan(calibration: Any = None, data: Any = shapes) -> tuple[RuntimeLayout, Any, str]:
+        """(layout, plan, description): the forced layout scored, or the planner's choice,
+        for the run's steps (``data``: other shapes, to find what fits)."""
         from dflop.profiling import CostModel
 
         cost_model = CostModel(perf if calibration is None else calibration.performance_model)
-        if config.layout is not None:
-            layout = parse_layout(config.layout, model, global_batch, config.num_microbatches)
-            plan = evaluate_local(
-                cost_model,
-                model,
-                layout,
-                shapes,
-                seed=config.seed,
-                calibration=calibration,
-                loss_chunk_tokens=config.loss_chunk_tokens,
-            )
-            return layout, plan, f"layout {config.layout}"
-        nproc = config.nproc or 2
+        common = {
+            "seed": config.seed,
+            "calibration": calibration,
+            "loss_chunk_tokens": config.loss_chunk_tokens,
+            "budget": budget,
+        }
+        if forced is not None:
+            plan = evaluate_local(cost_model, model, forced, data, **common)
+            return forced, plan, f"layout {config.layout}"
         local = plan_local(
             cost_model,
             model,
             nproc,
             global_batch,
-            shapes,
-            seed=config.seed,
+            data,
             num_microbatches=config.num_microbatches,
-            calibration=calibration,
-            loss_chunk_tokens=config.loss_chunk_tokens,
+            **common,
         )
         return local.layout, local.plan, f"planned for {nproc} local processes: {local.description}"
+
+    def fitted_plan(calibration: Any = None) -> tuple[RuntimeLayout, Any, str]:
+        """:func:`local_plan`, or a ValueError naming what does not fit in memory."""
+        from dflop.planner import InfeasibleClusterError
+        from dflop.scheduling.balance import InfeasibleError
+
+        try:
+            return local_plan(calibration)
+        except (InfeasibleClusterError, InfeasibleError) as error:
+            raise ValueError(
+                _memory_failure(error, budget, distribution, lambda d: local_plan(calibration, d))
+            ) from None
 
     if perf is None:  # a manual layout run data-blind: nothing to plan with
         layout = parse_layout(config.layout, model, global_batch, config.num_microbatches)
         plan, description = None, f"layout {config.layout}"
     else:
-        layout, plan, description = local_plan()
+        layout, plan, description = fitted_plan()
     if plan is not None and config.calibrate_steps:
         calibration = calibrate(config, layout, perf, distribution, log)
         perf = calibration.performance_model
-        layout, plan, description = local_plan(calibration)
+        layout, plan, description = fitted_plan(calibration)
         description += f" (calibrated by {config.calibrate_steps} steps)"
     if config.nproc is not None and config.nproc != layout.world_size:
         raise ValueError(
@@ -189,8 +211,65 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
         description=description,
         predicted_step_time_s=plan.best.prediction.step_time_s if plan else math.nan,
         plan=plan,
-        cluster=(plan.cluster if plan else local_cluster(layout.world_size)).to_dict(),
+        cluster=(plan.cluster if plan else local_cluster(layout.world_size, budget)).to_dict(),
         forward_fraction=_plan_forward_fraction(plan),
+    )
+
+
+def _planning_device(config: TrainConfig) -> str:
+    """The device the ranks will most likely train on, for their memory budget (before a
+    layout is chosen: ``_device_kind`` decides with it)."""
+    if config.device == "cpu":
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 1 else "cpu"
+
+
+def _memory_failure(error: Exception, budget: Any, distribution: Any, plan_for: Any) -> str:
+    """Why no layout fits this run's memory, naming the samples or the setting: with a
+    dataset, the longest sequence some layout fits (found by planning on the samples up to
+    each length) and the samples longer than it, with what to do about them."""
+    from dflop.data.reader import RecordSet
+
+    head = f"{error}\nmemory: {budget.describe()}"
+    if not isinstance(distribution, RecordSet):
+        return head + "; give each process more (--memory-gb) or use more processes"
+    shapes = distribution.distribution.samples
+    lengths = np.unique(shapes.seq_len)
+
+    def fits(limit: int) -> bool:
+        try:
+            plan_for(shapes.take(np.flatnonzero(shapes.seq_len <= limit)))
+        except ValueError:
+            return False
+        return True
+
+    low, high = 0, len(lengths) - 1  # the longest length that fits: lengths[low - 1]
+    if not fits(int(lengths[0])):
+        return (
+            head + f"; even the shortest samples ({int(lengths[0])} tokens) do not fit: the "
+            "model's states and one microbatch need more memory per process (--memory-gb) "
+            "or more processes"
+        )
+    low = 1
+    while low <= high:
+        mid = (low + high) // 2
+        if fits(int(lengths[mid])):
+            low = mid + 1
+        else:
+            high = mid - 1
+    limit = int(lengths[low - 1])
+    over = np.flatnonzero(shapes.seq_len > limit)
+    names = ", ".join(
+        f"{distribution.records[int(i)].where} ({int(shapes.seq_len[i])} tokens)" for i in over[:3]
+    )
+    more = f" and {len(over) - 3} more" if len(over) > 3 else ""
+    return (
+        head + f"; {len(over)} sample(s) are too long for it: {names}{more}. Layouts fit "
+        f"samples of up to {limit} tokens: --max-seq-len {limit} with --too-long truncate "
+        "(cut their text), skip (leave them out, counted) or error; or give each process "
+        "more memory (--memory-gb)"
     )
 
 
@@ -330,11 +409,18 @@ def calibrate(
 
 
 def _performance_model(
-    config: TrainConfig, plan: Any, model: Any, nproc: int, log: Callable[[str], None]
+    config: TrainConfig,
+    plan: Any,
+    model: Any,
+    nproc: int,
+    log: Callable[[str], None],
+    seq_lens: Any = (),
 ) -> Any:
-    """``config.perf``, else the model a local plan was made with, else a quick profile."""
+    """``config.perf``, else the model a local plan was made with, else a quick profile
+    over the sequence lengths the model trains on (``seq_lens``, the data's as the model
+    sees them; none: the default grid)."""
     from dflop.profiling import PerformanceModel
-    from dflop.train.planning import quick_profile
+    from dflop.train.planning import profiled_tokens, quick_profile
 
     if config.perf:
         return PerformanceModel.load(config.perf)
@@ -347,8 +433,14 @@ def _performance_model(
         return analytic_performance_model(model)
     threads = _threads_per_rank(config, nproc)
     log(f"profiling {config.model} on this CPU ({threads} thread(s)) ...")
+    tokens, totals = profiled_tokens(seq_lens)
     perf = quick_profile(
-        model, threads=threads, seed=config.seed, loss_chunk_tokens=config.loss_chunk_tokens
+        model,
+        threads=threads,
+        seed=config.seed,
+        max_tokens=tokens,
+        num_totals=totals,
+        loss_chunk_tokens=config.loss_chunk_tokens,
     )
     log(perf.summary())
     return perf

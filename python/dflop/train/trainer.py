@@ -40,7 +40,7 @@ from dflop.runtime.topology import RuntimeLayout
 from dflop.scheduling.balance import Schedule, data_blind_schedule, schedule_from_assignment
 from dflop.scheduling.pipeline import PipelineModel
 from dflop.train.config import TrainConfig
-from dflop.train.data import StepShapes, _step_seed
+from dflop.train.data import StepShapes, _step_seed, length_policy
 from dflop.train.metrics import (
     RankRecord,
     StepMetrics,
@@ -142,6 +142,7 @@ class Trainer:
             family=config.family,
             mix=config.mix,
             scaler=config.scaler,
+            length=length_policy(self.spec, config.max_seq_len, config.too_long),
         )
         self.start_step = 0
         self._resume()
@@ -157,28 +158,47 @@ class Trainer:
             maxlen=32
         )
         self._calibrated = False
-        self.predictor = None
+        self._plan_cost_model: Any = None
+        # Rank 0: the planner's model of this run's steps (times, memory).
+        self.predictor = self._step_predictor(cluster) if self.is_leader else None
         self._submitted: dict[int, Any] = {}  # rank 0: the shapes each schedule was asked for
         self.samples_replaced = 0
         """Batch samples replaced because their record's images did not decode."""
         self.transfer_overlaps: list[tuple[str, dict[str, Any]]] = []
+        # memory_report: the measured window's steps (shapes and every mode's schedule).
+        self._memory_steps: list[tuple[Any, list[np.ndarray]]] = []
+        self.memory_report: list[dict[str, Any]] = []
+        self._memory_start_bytes = 0
         self.stopped_after_step: int | None = None
         """The step after which a SIGTERM stopped the run (None: it ran to the end)."""
         if self.is_leader and "dflop" in config.modes:
-            self._start_scheduler(performance_model, cluster)
+            self._start_scheduler(performance_model)
 
     # ------------------------------------------------------------------ setup
 
-    def _start_scheduler(self, performance_model: Any, cluster: dict[str, Any] | None) -> None:
+    def _step_predictor(self, cluster: dict[str, Any] | None) -> Any:
+        """The planner's model of this run's steps on its cluster (the plan's, else the
+        local processes'), as dflop's runtime executes them."""
         from dflop.planner import ClusterSpec, StepPredictor
-        from dflop.profiling import CostModel, PerformanceModel
-        from dflop.scheduling.async_scheduler import AsyncScheduler
         from dflop.train.planning import (
             core_layout,
             cost_configs,
             local_cluster,
             runtime_planner_config,
         )
+
+        encoder, llm = cost_configs(self.spec)
+        return StepPredictor(
+            ClusterSpec.from_dict(cluster) if cluster else local_cluster(self.world_size),
+            encoder,
+            llm,
+            core_layout(self.layout),
+            runtime_planner_config(self.config.loss_chunk_tokens, num_batches=1),
+        )
+
+    def _start_scheduler(self, performance_model: Any) -> None:
+        from dflop.profiling import CostModel, PerformanceModel
+        from dflop.scheduling.async_scheduler import AsyncScheduler
 
         if performance_model is None:
             raise ValueError("the dflop schedule needs a performance model on rank 0")
@@ -191,14 +211,6 @@ class Trainer:
         self._plan_forward_fraction = (
             self._forward_fraction["encoder"],
             self._forward_fraction["llm"],
-        )
-        encoder, llm = cost_configs(self.spec)
-        self.predictor = StepPredictor(
-            ClusterSpec.from_dict(cluster) if cluster else local_cluster(self.world_size),
-            encoder,
-            llm,
-            core_layout(self.layout),
-            runtime_planner_config(self.config.loss_chunk_tokens, num_batches=1),
         )
         # Until the steps calibrate it, the latency the plan was scored with.
         self._link_latency_s = self.predictor.cluster.link_latency_s
@@ -461,7 +473,7 @@ class Trainer:
         profiler = None
         try:
             for step in range(self.start_step, config.steps):
-                if config.profile_trace and step == profiled_from:
+                if step == profiled_from and self._profiling():
                     profiler = self._start_profiler()
                 if step == fault:
                     raise RuntimeError(
@@ -475,6 +487,9 @@ class Trainer:
                 if self.is_leader and self.cost_model is not None:
                     audits = {mode: self._audit(s, shapes) for mode, s in schedules.items()}
                     planned = self._plan_audit(schedules["dflop"], shapes).step_time_s
+                if config.memory_report and self.is_leader and step >= profiled_from:
+                    assignments = [np.asarray(s.assignment) for s in schedules.values()]
+                    self._memory_steps.append((shapes, assignments))
                 order = list(config.modes) if step % 2 == 0 else list(reversed(config.modes))
                 results, plans = {}, {}
                 for mode in order:
@@ -542,7 +557,7 @@ class Trainer:
                         self.save_checkpoint(step)
                     self.stopped_after_step = step
                     break
-            if config.profile_trace:
+            if self._profiling():
                 self._finish_profiler(profiler)
                 profiler = None
             if config.save_hf:
@@ -578,14 +593,23 @@ class Trainer:
                 "forward_fraction": dict(self._forward_fraction),
                 # With profile_trace: (trace file, TransferOverlap fields) per profiled rank.
                 "transfer_overlap": self.transfer_overlaps,
+                # With memory_report: per rank, its stage's measured and predicted peak.
+                "memory": self.memory_report,
             },
         )
+
+    def _profiling(self) -> bool:
+        """Whether the last ``trace_steps`` steps run under a torch.profiler (a trace, or
+        memory measured; on a GPU the allocator's peak needs no profiler)."""
+        config = self.config
+        return bool(config.profile_trace) or (config.memory_report and self.device.type != "cuda")
 
     def _start_profiler(self) -> Any:
         """A torch.profiler over the coming steps, started before a barrier that every
         rank then passes. In a thread world only rank 0 runs one: it sees the whole
         process's GPU work (but only rank 0's thread's CPU ops), and marks the world's
-        communication stream in it."""
+        communication stream in it. With ``memory_report`` it records allocations (on a
+        GPU the peak comes from the allocator, reset here)."""
         import torch
 
         from dflop.runtime import comm as dist
@@ -597,7 +621,12 @@ class Trainer:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            profiler = torch.profiler.profile(activities=activities)
+            memory = self.config.memory_report and self.device.type != "cuda"
+            if memory:  # the profiler counts from here: what is held before, once
+                from dflop.profiling.memory import live_tensor_bytes
+
+                self._memory_start_bytes = live_tensor_bytes()
+            profiler = torch.profiler.profile(activities=activities, profile_memory=memory)
             profiler.start()
             world = current_world()
             if world is not None and world[0].comm_stream is not None:
@@ -616,9 +645,14 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dist.barrier()  # every rank's (thread's) profiled work is done
-        found = None
         if profiler is not None:
             profiler.stop()
+        if self.config.memory_report:
+            self._report_memory(profiler)
+        if not self.config.profile_trace:
+            return
+        found = None
+        if profiler is not None:
             path = self.config.profile_trace
             if dist.get_backend() != dist.THREADS and self.world_size > 1:
                 root, ext = os.path.splitext(path)
@@ -632,6 +666,58 @@ class Trainer:
             self.transfer_overlaps = [g for g in gathered if g is not None]
             for path, numbers in self.transfer_overlaps:
                 print(f"profile {path}: {TransferOverlap(**numbers).describe()}", flush=True)
+
+    def _report_memory(self, profiler: Any) -> None:
+        """Every rank's peak memory over the measured steps (CPU: the profiler's record of
+        the allocator; GPU: the allocator's peak), gathered on the leader beside what the
+        memory model predicts for each rank's stage on those very steps and schedules."""
+        import torch
+
+        from dflop.profiling.memory import profiled_peak
+        from dflop.runtime import comm as dist
+
+        if self.device.type == "cuda":
+            measured: float | None = float(torch.cuda.max_memory_allocated(self.device))
+        else:
+            measured = (
+                float(self._memory_start_bytes + profiled_peak(profiler))
+                if profiler is not None
+                else None
+            )
+        found = (self.rank, self.info.global_stage, measured)
+        gathered: list[Any] | None = [None] * self.world_size if self.is_leader else None
+        dist.gather_object(found, gathered, dst=0)
+        if not self.is_leader:
+            return
+        cost_model = self._plan_cost_model or self._memory_cost_model()
+        predicted: list[float] = []
+        for shapes, assignments in self._memory_steps:
+            for assignment in assignments:
+                stages = self.predictor.stage_memory_bytes(cost_model, shapes, assignment)
+                predicted = [max(a, b) for a, b in zip(predicted, stages)] or list(stages)
+        threads = dist.get_backend() == dist.THREADS
+        lines = ["memory, peak per rank over the last steps: measured | the memory model's"]
+        for rank, stage, peak in gathered:
+            if peak is None:  # a thread world: one process, measured on rank 0
+                continue
+            model = sum(predicted) if threads else predicted[stage]
+            what = "all ranks (one process)" if threads else f"rank {rank} (stage {stage})"
+            self.memory_report.append(
+                {"rank": rank, "stage": stage, "measured_bytes": peak, "predicted_bytes": model}
+            )
+            lines.append(
+                f"  {what}: {peak / 1e9:.3f} GB | {model / 1e9:.3f} GB "
+                f"({(model - peak) / peak:+.1%})"
+            )
+        print("\n".join(lines), flush=True)
+
+    def _memory_cost_model(self) -> Any:
+        """A cost model for the memory prediction of a run with none (blind mode): memory
+        does not depend on time."""
+        from dflop.profiling import CostModel
+        from dflop.train.planning import analytic_performance_model
+
+        return CostModel(analytic_performance_model(self.spec))
 
     def _clip_gradients(self) -> float:
         """The global gradient norm of this step (every rank gets it), after which the

@@ -87,7 +87,7 @@ def _tiny_decoder(vocab_size: int, text_layers: int) -> dict[str, Any]:
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "vocab_size": vocab_size,
-        "max_position_embeddings": 8192,
+        "max_position_embeddings": 32768,  # Qwen2's: samples of 18k tokens fit
     }
 
 
@@ -166,14 +166,15 @@ def tiny_qwen2_vl_config(
 
 
 def save_tiny_qwen_vl(
-    folder: str, *, family: str = "qwen2_vl", seed: int = 0, weights: bool = True
+    folder: str, *, family: str = "qwen2_vl", seed: int = 0, weights: bool = True, **sizes: Any
 ) -> str:
     """A local model folder of :func:`tiny_qwen2_vl_config` (``family="qwen2_5_vl"``:
     :func:`tiny_qwen2_5_vl_config`): ``config.json``, an image processor of the model's
     patch sizes whose resize bounds keep images between 16 x 16 and 128 x 128 pixels
     (at most 1,024 patches, for CPU runs), video frames within 16 x 16 and 64 x 64
     pixels, and, with ``weights``, safetensors of the model
-    built after ``torch.manual_seed(seed)``."""
+    built after ``torch.manual_seed(seed)``; ``sizes`` go to the config function (e.g.
+    ``vocab_size=151936``, a real Qwen2 vocabulary)."""
     import torch
 
     transformers = require_transformers()
@@ -181,7 +182,7 @@ def save_tiny_qwen_vl(
         "qwen2_vl": (tiny_qwen2_vl_config, "Qwen2VLForConditionalGeneration"),
         "qwen2_5_vl": (tiny_qwen2_5_vl_config, "Qwen2_5_VLForConditionalGeneration"),
     }[family]
-    config = make()
+    config = make(**sizes)
     vision = config.vision_config
     module = transformers.models.qwen2_vl.image_processing_pil_qwen2_vl
     module.Qwen2VLImageProcessorPil(
