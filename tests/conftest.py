@@ -25,6 +25,7 @@ INTEGRATION_MODULES = frozenset(
         "test_hf_train",
         "test_loss",
         "test_pipeline",
+        "test_real_sizes",
         "test_reliability",
         "test_tensor_parallel",
         "test_topology",

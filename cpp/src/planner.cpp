@@ -35,6 +35,7 @@
 #include <cmath>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <map>
 #include <numeric>
@@ -676,47 +677,70 @@ class Evaluator {
       stage = at;
     }
   };
-  Memory memory(const Layout& l, double llm_bin_tokens, double llm_bin_targets,
-                double enc_tokens) const {
+  // Tokens that k microbatches in flight on one GPU hold together, for k = 1, 2, ...: the
+  // k largest of a GPU's microbatches (the largest over GPUs and batches), or, as a lower
+  // bound before scheduling, max(k x an average one, the largest sample).
+  struct InFlightTokens {
+    std::vector<double> top;  // top[k - 1]: the k largest's sum; empty: the bound below
+    double average = 0.0, single = 0.0;
+    double at(int64_t k) const {
+      if (top.empty()) return std::max(double(k) * average, single);
+      return top[size_t(std::min<int64_t>(std::max<int64_t>(k, 1), int64_t(top.size())) - 1)];
+    }
+    // Folds in one GPU's microbatch tokens.
+    void add(std::vector<double> tokens) {
+      std::sort(tokens.begin(), tokens.end(), std::greater<double>());
+      if (top.size() < tokens.size()) top.resize(tokens.size(), top.empty() ? 0.0 : top.back());
+      double sum = 0.0;
+      for (size_t k = 0; k < top.size(); ++k) {
+        if (k < tokens.size()) sum += tokens[k];
+        top[k] = std::max(top[k], sum);
+      }
+    }
+  };
+  Memory memory(const Layout& l, const InFlightTokens& llm_tokens, double llm_bin_targets,
+                const InFlightTokens& enc_tokens) const {
     const Memory enc =
         l.colocated ? Memory{} : encoder_memory(l.encoder, l.llm, l.num_microbatches, enc_tokens);
-    return combine(enc, llm_memory(l.llm, l.colocated, l.num_microbatches, llm_bin_tokens,
+    return combine(enc, llm_memory(l.llm, l.colocated, l.num_microbatches, llm_tokens,
                                    llm_bin_targets, enc_tokens));
   }
   // The peak over the encoder's stages (disaggregated: the LLM's stages g follow them).
   Memory encoder_memory(const ModuleLayout& e, const ModuleLayout& g, int64_t m,
-                        double enc_tokens) const {
+                        const InFlightTokens& enc_tokens) const {
     Memory out;
     const PipelineShape shape{{e.pp, g.pp}, {1, g.virtual_stages}};
     for (int64_t s = 0; s < e.pp; ++s) {
       const int64_t n = e.layers_per_stage[size_t(s)];
-      const double in_flight = double(peak_in_flight(schedule_of(g), shape, m, s));
-      const double bytes = ctx_.enc.state_bytes(ctx_.enc.gpu_params(e, s), e.dp, ctx_.o.zero1) +
-                           in_flight * ctx_.enc.activation_bytes(e.tp, e.recompute, n, enc_tokens);
+      const int64_t in_flight = peak_in_flight(schedule_of(g), shape, m, s);
+      const double bytes =
+          ctx_.enc.state_bytes(ctx_.enc.gpu_params(e, s), e.dp, ctx_.o.zero1) +
+          ctx_.enc.activation_bytes(e.tp, e.recompute, n, enc_tokens.at(in_flight));
       out.stage_bytes.push_back(bytes);
       if (bytes > out.peak) out.set_peak(bytes, true, s);
     }
     return out;
   }
   // The peak over the LLM's stages (colocated: the encoder's on the first).
-  Memory llm_memory(const ModuleLayout& g, bool colocated, int64_t m, double llm_bin_tokens,
-                    double llm_bin_targets, double enc_tokens) const {
+  Memory llm_memory(const ModuleLayout& g, bool colocated, int64_t m,
+                    const InFlightTokens& llm_tokens, double llm_bin_targets,
+                    const InFlightTokens& enc_tokens) const {
     Memory out;
     const bool zero1 = ctx_.o.zero1;
     const PipelineShape shape{{g.pp}, {g.virtual_stages}};
     for (int64_t s = 0; s < g.pp; ++s) {
       // The activations of one microbatch on one chunk (the stage itself without chunks).
       const int64_t n = largest_chunk(g, s);
-      const double in_flight = double(peak_in_flight(schedule_of(g), shape, m, s));
+      const int64_t in_flight = peak_in_flight(schedule_of(g), shape, m, s);
       double bytes = ctx_.llm.state_bytes(ctx_.llm.gpu_params(g, s), g.dp, zero1) +
-                     in_flight * ctx_.llm.activation_bytes(g.tp, g.recompute, n, llm_bin_tokens);
+                     ctx_.llm.activation_bytes(g.tp, g.recompute, n, llm_tokens.at(in_flight));
       if (s == g.pp - 1) bytes += ctx_.llm.head_bytes(g.tp, llm_bin_targets);
       bool is_enc = false;
       if (colocated && s == 0) {
         const ModuleModel& ce = ctx_.colocated_enc(g.tp);
         const double enc_bytes =
             ce.state_bytes(ce.gpu_all_params(g.tp), g.dp, zero1) +
-            in_flight * ce.activation_bytes(g.tp, g.recompute, ce.p->num_layers, enc_tokens);
+            ce.activation_bytes(g.tp, g.recompute, ce.p->num_layers, enc_tokens.at(in_flight));
         bytes += enc_bytes;
         is_enc = enc_bytes > bytes - enc_bytes;
       }
@@ -734,15 +758,17 @@ class Evaluator {
     return out;
   }
 
-  // Smallest tokens of the largest bin (LLM) / largest encoder load per GPU (disaggregated:
-  // per microbatch over encoder_dp GPUs; colocated: per bin) any schedule could give.
-  double llm_tokens_lower_bound(int64_t m, int64_t dp) const {
-    double tokens = 0;
+  // The fewest tokens any schedule could put in flight on an LLM GPU / encoder GPU
+  // (disaggregated: per microbatch over encoder_dp GPUs; colocated: per bin): some GPU
+  // holds an average microbatch or more, and some the largest sample (unit).
+  InFlightTokens llm_tokens_lower_bound(int64_t m, int64_t dp) const {
+    InFlightTokens out;
     const double bins = double(m * dp);
     for (const BatchSums& s : ctx_.sums) {
-      tokens = std::max(tokens, std::max(s.llm_tokens / bins, s.max_llm_tokens));
+      out.average = std::max(out.average, s.llm_tokens / bins);
+      out.single = std::max(out.single, s.max_llm_tokens);
     }
-    return tokens;
+    return out;
   }
   // The same for the largest bin's target tokens.
   double llm_targets_lower_bound(int64_t m, int64_t dp) const {
@@ -755,23 +781,24 @@ class Evaluator {
   }
   // Disaggregated: some microbatch holds >= total / m, so some replica >= total / (m dp);
   // and some replica holds the largest unit (Unit), sample (Sample) or its dp-th (Even).
-  double enc_tokens_lower_bound(int64_t m, int64_t llm_dp, bool colocated,
-                                int64_t encoder_dp) const {
-    double tokens = 0;
+  InFlightTokens enc_tokens_lower_bound(int64_t m, int64_t llm_dp, bool colocated,
+                                        int64_t encoder_dp) const {
+    InFlightTokens out;
     const double bins = double(m * llm_dp);
     for (const BatchSums& s : ctx_.sums) {
       if (colocated) {
-        tokens = std::max(tokens, std::max(s.enc_tokens / bins, s.max_enc_tokens));
+        out.average = std::max(out.average, s.enc_tokens / bins);
+        out.single = std::max(out.single, s.max_enc_tokens);
         continue;
       }
-      const double share = s.enc_tokens / double(m) / double(encoder_dp);
       double largest = s.max_enc_unit_tokens;
       if (ctx_.o.encoder_split == EncoderSplit::Sample) largest = s.max_enc_tokens;
       if (ctx_.o.encoder_split == EncoderSplit::Even)
         largest = s.max_enc_tokens / double(encoder_dp);
-      tokens = std::max(tokens, std::max(share, largest));
+      out.average = std::max(out.average, s.enc_tokens / double(m) / double(encoder_dp));
+      out.single = std::max(out.single, largest);
     }
-    return tokens;
+    return out;
   }
 
   // Memory with the smallest bins any schedule could give (for pruning before balance).
@@ -993,16 +1020,21 @@ class Evaluator {
   Prepared prepare(const Layout& l, std::vector<BinSums> sums) const {
     Prepared out;
     out.sums = std::move(sums);
-    double llm_tokens = 0, llm_targets = 0, enc_tokens = 0;
+    InFlightTokens llm_tokens, enc_tokens;
+    double llm_targets = 0;
+    const int64_t m = l.num_microbatches, dp = l.llm.dp;
+    std::vector<double> llm_gpu(static_cast<size_t>(m)), enc_gpu(static_cast<size_t>(m));
     for (const BinSums& s : out.sums) {
-      for (size_t bin = 0; bin < s.llm_tokens.size(); ++bin) {
-        llm_tokens = std::max(llm_tokens, s.llm_tokens[bin]);
-        llm_targets = std::max(llm_targets, s.llm_targets[bin]);
-        if (l.colocated) enc_tokens = std::max(enc_tokens, s.enc_tokens[bin]);
+      for (const double t : s.llm_targets) llm_targets = std::max(llm_targets, t);
+      for (int64_t r = 0; r < dp; ++r) {  // an LLM replica's microbatches: bins k dp + r
+        for (int64_t k = 0; k < m; ++k) {
+          llm_gpu[size_t(k)] = s.llm_tokens[size_t(k * dp + r)];
+          enc_gpu[size_t(k)] = l.colocated ? s.enc_tokens[size_t(k * dp + r)] : 0.0;
+        }
+        llm_tokens.add(llm_gpu);
+        if (l.colocated) enc_tokens.add(enc_gpu);
       }
-      if (!l.colocated) {  // the largest encoder replica's activations
-        for (const double t : s.enc_max_tokens) enc_tokens = std::max(enc_tokens, t);
-      }
+      if (!l.colocated) enc_tokens.add(s.enc_max_tokens);  // the largest replica's, each
     }
     out.mem = memory(l, llm_tokens, llm_targets, enc_tokens);
     out.feasible = out.mem.peak <= ctx_.c.gpu_memory_bytes;
@@ -2015,10 +2047,10 @@ class Search {
         const double llm_busy = reference ? 0.0 : module_bound(ctx_, ctx_.llm, g, m, false, 0.0);
         const PathPart llm_part =
             reference ? PathPart{} : module_path_mean(ctx_, ctx_.llm, g, m, false);
-        const double llm_tokens = eval_.llm_tokens_lower_bound(m, g.dp);
+        const Evaluator::InFlightTokens llm_tokens = eval_.llm_tokens_lower_bound(m, g.dp);
         const double llm_targets = eval_.llm_targets_lower_bound(m, g.dp);
         const Evaluator::Memory llm_mem =
-            eval_.llm_memory(g, false, m, llm_tokens, llm_targets, 0.0);
+            eval_.llm_memory(g, false, m, llm_tokens, llm_targets, {});
         for (size_t ei = 0; ei < encs.size(); ++ei) {
           const ModuleLayout& e = encs[ei];
           if (pass_ == Pass::All) ++stats_.num_candidates;
@@ -2041,7 +2073,8 @@ class Search {
             if (pass_ == Pass::Collect && k.key > threshold_) continue;
             if (!admits(k.order)) continue;
           }
-          const double enc_tokens = eval_.enc_tokens_lower_bound(m, g.dp, false, e.dp);
+          const Evaluator::InFlightTokens enc_tokens =
+              eval_.enc_tokens_lower_bound(m, g.dp, false, e.dp);
           if (!fits(eval_.combine(eval_.encoder_memory(e, g, m, enc_tokens), llm_mem))) {
             continue;
           }

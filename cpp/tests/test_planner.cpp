@@ -278,6 +278,44 @@ TEST_CASE(the_lm_head_holds_one_chunk_of_the_targets_logits) {
   CHECK_THROWS_AS(run(p), dflop::InvalidArgument);
 }
 
+TEST_CASE(memory_holds_the_largest_microbatches_in_flight) {
+  // Encoder (pp 1) then LLM (pp 1): the encoder's stage keeps 2 microbatches in flight,
+  // the LLM's 1. With every sample its own microbatch, the encoder stage holds the two
+  // largest samples' activations (not twice the largest), the LLM stage the largest.
+  Problem p = make_problem(2);
+  dflop::Layout l;
+  l.encoder = {1, 1, 1, 0, {8}, false};
+  l.llm = {1, 1, 1, 1, {16}, false};
+  l.num_microbatches = 24;
+  std::vector<std::vector<int64_t>> bins(2);
+  for (int64_t b = 0; b < 2; ++b) {
+    for (int64_t i = 0; i < 24; ++i) bins[size_t(b)].push_back(i);
+  }
+  const auto score =
+      dflop::evaluate_layout(p.cluster, p.encoder, p.llm, p.samples, p.options, l, &bins);
+  double top2 = 0, top1 = 0;  // the two largest of either batch; the largest
+  for (int64_t b = 0; b < 2; ++b) {
+    std::vector<double> e(p.samples.encoder_tokens.begin() + b * 24,
+                          p.samples.encoder_tokens.begin() + (b + 1) * 24);
+    std::sort(e.rbegin(), e.rend());
+    top2 = std::max(top2, e[0] + e[1]);
+    for (int64_t i = 0; i < 24; ++i)
+      top1 = std::max(top1, p.samples.llm_tokens[size_t(b * 24 + i)]);
+  }
+  const auto& q = p.encoder;
+  const double enc_states =
+      16.0 * (q.params_per_layer * 8 + q.first_stage_params + q.last_stage_params);
+  const double enc_expected = enc_states + top2 * 8 * q.activation_bytes_per_token_layer;
+  CHECK_EQ(score.stage_memory_bytes.size(), size_t{2});
+  CHECK(std::abs(score.stage_memory_bytes[0] - enc_expected) <= 1e-9 * enc_expected);
+  const auto& g = p.llm;
+  const double llm_expected =
+      16.0 * (g.params_per_layer * 16 + g.first_stage_params + g.last_stage_params) +
+      top1 * 16 * g.activation_bytes_per_token_layer +
+      top1 * g.head_bytes_per_target_token;  // no target column: every token a target
+  CHECK(std::abs(score.stage_memory_bytes[1] - llm_expected) <= 1e-9 * llm_expected);
+}
+
 TEST_CASE(validation_names_the_problem) {
   Problem p = make_problem(8);
   p.options.global_batch = 10;

@@ -131,6 +131,8 @@ def train_main(config, json_path: str | None = None) -> int:
                     "bad_records": bad,
                     "samples_replaced": report.stats.get("samples_replaced", 0),
                     "transfer_overlap": report.stats.get("transfer_overlap", []),
+                    "memory": report.stats.get("memory", []),
+                    "performance_model": report.performance_model,
                 },
                 f,
                 indent=1,

@@ -184,7 +184,14 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
             return local_plan(calibration)
         except (InfeasibleClusterError, InfeasibleError) as error:
             raise ValueError(
-                _memory_failure(error, budget, distribution, lambda d: local_plan(calibration, d))
+                _memory_failure(
+                    error,
+                    budget,
+                    distribution,
+                    lambda data: local_plan(calibration, data),
+                    config,
+                    model,
+                )
             ) from None
 
     if perf is None:  # a manual layout run data-blind: nothing to plan with
@@ -226,21 +233,58 @@ def _planning_device(config: TrainConfig) -> str:
     return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 1 else "cpu"
 
 
-def _memory_failure(error: Exception, budget: Any, distribution: Any, plan_for: Any) -> str:
-    """Why no layout fits this run's memory, naming the samples or the setting: with a
-    dataset, the longest sequence some layout fits (found by planning on the samples up to
-    each length) and the samples longer than it, with what to do about them."""
+def _memory_failure(
+    error: Exception,
+    budget: Any,
+    distribution: Any,
+    plan_for: Any,
+    config: TrainConfig,
+    model: Any,
+) -> str:
+    """Why no layout fits this run's memory, naming the settings and the samples: the LM
+    head's chunk when its logits take much of the budget, and, with a dataset, the longest
+    sequence some layout fits (the run's own steps planned with the samples cut to each
+    length, as ``--max-seq-len`` would cut them) and the samples longer than it, with what
+    to do about them."""
+    from dflop.data.length import LengthPolicy
     from dflop.data.reader import RecordSet
+    from dflop.planner.model import logit_bytes
+    from dflop.train.data import StepShapes
+    from dflop.train.planning import RUNTIME_ELEMENT_BYTES
 
     head = f"{error}\nmemory: {budget.describe()}"
-    if not isinstance(distribution, RecordSet):
-        return head + "; give each process more (--memory-gb) or use more processes"
+    vocab = model.architecture()[1].vocab_size
+    per_row = vocab * logit_bytes(RUNTIME_ELEMENT_BYTES)
+    chunk = config.loss_chunk_tokens
+    usable = budget.memory_bytes - budget.reserve_bytes
+    if chunk * per_row > 0.25 * usable:  # the head's logits: a chunk a tenth of the budget
+        smaller = max(1, 2 ** int(math.log2(max(1.0, 0.1 * usable / per_row))))
+        head += (
+            f"; the LM head computes {chunk} target tokens at a time (--loss-chunk-tokens), "
+            f"{chunk * per_row / 1e9:.2f} GB of logits at a vocabulary of {vocab:,}: "
+            f"--loss-chunk-tokens {smaller} holds {smaller * per_row / 1e9:.2f} GB"
+        )
+    if not isinstance(distribution, RecordSet) or model.family is None:  # scaled shapes
+        return head + "; or give each process more (--memory-gb), or use more processes"
     shapes = distribution.distribution.samples
     lengths = np.unique(shapes.seq_len)
 
+    counter = model.dataset_inputs().text_counter()
+
     def fits(limit: int) -> bool:
+        policy = LengthPolicy(max(2, limit), "truncate")
+        steps = StepShapes(
+            model,
+            config.global_batch or 16,
+            seed=config.seed,
+            distribution=distribution.limited(policy, counter),
+            family=config.family,
+            mix=config.mix,
+            scaler=config.scaler,
+            length=policy,
+        )
         try:
-            plan_for(shapes.take(np.flatnonzero(shapes.seq_len <= limit)))
+            plan_for(steps)
         except ValueError:
             return False
         return True
