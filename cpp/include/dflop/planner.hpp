@@ -266,7 +266,7 @@ struct LayoutScore {
   double peak_memory_bytes = 0.0;              // over stages of both modules, with the reserve
   // Per stage, the encoder's then the LLM's (colocated: the LLM's), without the reserve.
   std::vector<double> stage_memory_bytes;
-  std::vector<StepBreakdown> steps;            // one per sampled batch
+  std::vector<StepBreakdown> steps;  // one per sampled batch
 };
 
 struct PlannerStats {
