@@ -11,6 +11,10 @@ model against what ``dflop train`` measures on this machine.
    against the memory model's prediction for its stage on the same steps.
 2. ``reference``: dflop's reference model (``tiny``, and ``small`` over 3 processes with
    an LLM of 2 stages), the same memory comparison.
+3. ``loss``: the LM head and loss at the real vocabulary, in one process: the peak memory
+   above the weights (torch's profiler) of the chunked loss (1,024 target tokens a chunk)
+   against the unchunked cross-entropy, for 512 to 8,192 target tokens (the unchunked one
+   up to 2,048: 8,192 would hold 15 GB), and their time.
 
     python benchmarks/bench_real_sizes.py                         # prints the tables
     python benchmarks/bench_real_sizes.py --markdown benchmarks/README.md
@@ -29,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -58,6 +63,50 @@ def _memory_rows(name: str, report: dict) -> list[str]:
         rows.append(
             f"| {name} | {m['rank']} | {m['stage']} | {measured / 1e6:.1f} | "
             f"{predicted / 1e6:.1f} | {(predicted - measured) / measured:+.1%} |"
+        )
+    return rows
+
+
+def _loss_rows() -> list[str]:
+    """Peak memory and time of the head + loss, chunked and not, by target tokens."""
+    import torch
+    import torch.nn.functional as F
+    from dflop.models.loss import chunked_lm_loss
+    from dflop.profiling.memory import measure_peak_bytes
+
+    torch.manual_seed(0)
+    hidden = 64
+    head = torch.nn.Linear(hidden, VOCAB, bias=False)
+    rows = []
+    for targets in (512, 2048, 8192):
+        x = torch.randn(targets, hidden, requires_grad=True)
+        labels = torch.randint(0, VOCAB, (targets,))
+        found = {}
+        for name, chunked in (("chunked", True), ("unchunked", False)):
+            if not chunked and targets > 2048:
+                found[name] = None
+                continue
+
+            def step(chunked: bool = chunked, x: Any = x, labels: Any = labels) -> None:
+                if chunked:
+                    loss = chunked_lm_loss(x, head, labels, 1024)
+                else:
+                    loss = F.cross_entropy(head(x).float(), labels, reduction="sum")
+                loss.backward()
+
+            head.zero_grad()
+            x.grad = None
+            begin = time.perf_counter()
+            peak = measure_peak_bytes(step).added_bytes
+            found[name] = (peak, time.perf_counter() - begin)
+        chunked_peak, chunked_s = found["chunked"]
+        plain = found["unchunked"]
+        rows.append(
+            f"| {targets:,} | {chunked_peak / 1e6:,.0f} | "
+            + (f"{plain[0] / 1e6:,.0f} | {plain[0] / chunked_peak:.1f}x" if plain else "- | -")
+            + f" | {chunked_s:.2f} | "
+            + (f"{plain[1]:.2f}" if plain else "-")
+            + " |"
         )
     return rows
 
@@ -98,6 +147,7 @@ def main() -> None:
         report = _train(out, name.replace(" ", "_").replace(",", ""), *extra,
                         "--steps", str(args.steps), "--global-batch", "16")  # fmt: skip
         memory_rows += _memory_rows(name, report)
+    loss_rows = _loss_rows()
     minutes = (time.perf_counter() - start) / 60
     head = (
         f"Command: `python benchmarks/bench_real_sizes.py --markdown benchmarks/README.md` "
@@ -123,6 +173,16 @@ def main() -> None:
             "| run | rank | stage | measured (MB) | predicted (MB) | predicted vs measured |",
             "|---|---:|---:|---:|---:|---:|",
             *memory_rows,
+            "",
+            f"The LM head and loss at a vocabulary of {VOCAB:,} (hidden 64, one process, "
+            "CPU): peak memory above the weights and time of forward + backward, chunked "
+            "(1,024 target tokens a chunk, logits remade in the backward) against the "
+            "unchunked cross-entropy:",
+            "",
+            "| target tokens | chunked peak (MB) | unchunked peak (MB) | unchunked / chunked "
+            "| chunked s | unchunked s |",
+            "|---:|---:|---:|---:|---:|---:|",
+            *loss_rows,
         ]
     )
     print(text)

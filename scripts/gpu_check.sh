@@ -76,14 +76,19 @@ step gpu_tests 120 python3 -m pytest -q -p no:cacheprovider -W error::RuntimeWar
   tests/test_rows.py tests/test_thread_world.py
 # dflop train on the one GPU: its 2 ranks (encoder, LLM) as threads (NCCL refuses two
 # ranks on one device), each on its own stream, messages on the world's stream; the
-# profiler trace of the last 2 steps gives the transfers' overlap with compute.
+# profiler trace of the last 2 steps gives the transfers' overlap with compute, and the
+# allocator's peak the memory model's error (one process: both ranks against the sum).
 step train_one_gpu 240 python3 -m dflop.cli train --device cuda --launch threads \
   --model small --layout enc_dp=1,llm_pp=1,m=4 --steps 8 --schedule compare \
-  --profile-trace /tmp/dflop_train_trace.json --json "$OUT/train.json"
+  --profile-trace /tmp/dflop_train_trace.json --memory-report --json "$OUT/train.json"
 step train_trace_measured 60 python3 -c "
 import json
-(path, found), = json.load(open('$OUT/train.json'))['transfer_overlap']
+report = json.load(open('$OUT/train.json'))
+(path, found), = report['transfer_overlap']
 print(path, found)
+for m in report['memory']:
+    print('memory: measured', m['measured_bytes'] / 1e9, 'GB, model', m['predicted_bytes'] / 1e9,
+          'GB, error', (m['predicted_bytes'] - m['measured_bytes']) / m['measured_bytes'])
 assert found['num_transfers'] > 0 and found['num_kernels'] > 0, 'no GPU transfers or kernels'"
 # torch's CUDA sanitizer sees the main thread's ops only (the rows tests); the thread
 # world's stream order is tested directly by the GPU tests above.

@@ -247,7 +247,9 @@ def test_logits_memory_does_not_grow_with_the_targets():
 
     logits = chunk * vocab * 4
     small, large = peak(512, chunk), peak(4096, chunk)
-    assert large - small < 0.05 * logits, (small, large)
+    # 8x the targets: at most a fraction of one chunk more (hidden states, their gradient,
+    # the allocator's order), where the unchunked loss would hold 3,584 rows more.
+    assert large - small < 0.25 * logits, (small, large)
     assert logits <= small < 1.5 * logits + 2 * vocab * hidden * 4, small
     full_small = peak(512, None)
     assert full_small > 2 * small  # 512 rows of logits, their softmax and gradient

@@ -227,6 +227,20 @@ class StepPredictor:
         self.layout = dict(layout)
         self.config = config or PlannerConfig(num_batches=1)
 
+    def _inputs(self, cost_model: Any, shapes: SampleShapes, fractions: Any = None) -> Any:
+        """The planner's inputs of one batch under this predictor's settings."""
+        from dflop.planner.search import single_batch_inputs
+
+        return single_batch_inputs(
+            cost_model,
+            self.encoder,
+            self.llm,
+            shapes,
+            self.config.forward_fraction if fractions is None else fractions,
+            self.config.element_bytes,
+            self.config.loss_chunk_tokens,
+        )
+
     def audit(
         self,
         cost_model: Any,
@@ -238,18 +252,10 @@ class StepPredictor:
     ) -> StepAudit:
         """The step of ``shapes`` under ``assignment`` (microbatch indices = execution
         order), priced by ``cost_model`` (``.costs(shapes)`` and ``.microbatch_constant_s``)."""
-        from dflop.planner.search import _options, single_batch_inputs
+        from dflop.planner.search import _options
 
         fractions = self.config.forward_fraction if forward_fraction is None else forward_fraction
-        inputs = single_batch_inputs(
-            cost_model,
-            self.encoder,
-            self.llm,
-            shapes,
-            fractions,
-            self.config.element_bytes,
-            self.config.loss_chunk_tokens,
-        )
+        inputs = self._inputs(cost_model, shapes, fractions)
         cluster = self.cluster
         if link_latency_s is not None:
             cluster = replace(cluster, link_latency_s=float(link_latency_s))
@@ -271,17 +277,9 @@ class StepPredictor:
         """The memory model's peak per stage (encoder stages, then the LLM's; without the
         reserve) of the step of ``shapes`` under ``assignment``: what each rank of a
         stage should hold at most while it trains that step."""
-        from dflop.planner.search import evaluate_layout, single_batch_inputs
+        from dflop.planner.search import evaluate_layout
 
-        inputs = single_batch_inputs(
-            cost_model,
-            self.encoder,
-            self.llm,
-            shapes,
-            self.config.forward_fraction,
-            self.config.element_bytes,
-            self.config.loss_chunk_tokens,
-        )
+        inputs = self._inputs(cost_model, shapes)
         # Any capacity: the prediction, not whether it fits.
         roomy = replace(self.cluster, gpu_memory_bytes=1e30, memory_reserve_bytes=0.0)
         scored = evaluate_layout(
@@ -300,17 +298,9 @@ class StepPredictor:
         planner's model (tp, recompute and layers per stage included): ``(costs, constants)``,
         the ``(N, 2)`` per-sample seconds of an average encoder stage (one replica) and
         LLM stage, and each module's per-microbatch constant of an average stage."""
-        from dflop.planner.search import _options, single_batch_inputs
+        from dflop.planner.search import _options
 
-        inputs = single_batch_inputs(
-            cost_model,
-            self.encoder,
-            self.llm,
-            shapes,
-            self.config.forward_fraction,
-            self.config.element_bytes,
-            self.config.loss_chunk_tokens,
-        )
+        inputs = self._inputs(cost_model, shapes)
         raw = _core.stage_costs(
             self.cluster.to_dict(),
             inputs.encoder.to_dict(),

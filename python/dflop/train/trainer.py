@@ -676,8 +676,11 @@ class Trainer:
         from dflop.profiling.memory import profiled_peak
         from dflop.runtime import comm as dist
 
-        if self.device.type == "cuda":
-            measured: float | None = float(torch.cuda.max_memory_allocated(self.device))
+        threads = dist.get_backend() == dist.THREADS
+        if threads and not self.is_leader:  # one process, one allocator: rank 0 reads it
+            measured: float | None = None
+        elif self.device.type == "cuda":
+            measured = float(torch.cuda.max_memory_allocated(self.device))
         else:
             measured = (
                 float(self._memory_start_bytes + profiled_peak(profiler))
@@ -695,12 +698,12 @@ class Trainer:
             for assignment in assignments:
                 stages = self.predictor.stage_memory_bytes(cost_model, shapes, assignment)
                 predicted = [max(a, b) for a, b in zip(predicted, stages)] or list(stages)
-        threads = dist.get_backend() == dist.THREADS
         lines = ["memory, peak per rank over the last steps: measured | the memory model's"]
         for rank, stage, peak in gathered:
             if peak is None:  # a thread world: one process, measured on rank 0
                 continue
-            model = sum(predicted) if threads else predicted[stage]
+            # A thread world's one process holds every rank's stage.
+            model = sum(predicted[g[1]] for g in gathered) if threads else predicted[stage]
             what = "all ranks (one process)" if threads else f"rank {rank} (stage {stage})"
             self.memory_report.append(
                 {"rank": rank, "stage": stage, "measured_bytes": peak, "predicted_bytes": model}
