@@ -336,7 +336,17 @@ def test_lazy_samples_load_what_eager_ones_hold():
     for name in ("encoder_units", "llm_visual_tokens", "text_tokens", "modality"):
         assert np.array_equal(getattr(lazy.shapes, name), getattr(eager.shapes, name)), name
     ids = list(range(len(eager)))
-    assert torch.equal(lazy.pixel_values(ids), eager.pixel_values(ids))
+    pixels = lazy.pixel_values(ids)
+    assert torch.equal(pixels, eager.pixel_values(ids))
+    lazy.release_pixels()  # what the runtime does once a step's pieces are read
+    assert torch.equal(lazy.pixel_values(ids), pixels)  # decoded again, the same
+    # The planner prices the pixels the runtime holds: bytes per encoder token.
+    from dflop.planner.model import module_specs
+
+    spec = spec_from_config(_config())
+    encoder_tokens = int(lazy.shapes.encoder_units.sum()) * spec.tokens_per_unit
+    priced = module_specs(*spec.architecture())[0].input_bytes_per_token
+    assert priced == pixels.numel() * pixels.element_size() / encoder_tokens
     assert torch.equal(lazy.text_inputs(ids).token_ids, eager.text_inputs(ids).token_ids)
 
 

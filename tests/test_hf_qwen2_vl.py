@@ -200,7 +200,13 @@ def test_native_rule_matches_the_processor():
         expected = [os.path.join(root, "images", p) for p in paths]
         assert batch.visual_files(k) == list(dict.fromkeys(expected))
     pixels = batch.pixel_values(list(range(len(samples))))  # checks the grids
-    assert pixels.shape[0] == sum(sum(t) for t in batch.unit_tokens())
+    encoder_tokens = sum(sum(t) for t in batch.unit_tokens())
+    assert pixels.shape[0] == encoder_tokens
+    # The planner prices the pixels the runtime holds: bytes per encoder token.
+    from dflop.planner.model import module_specs
+
+    priced = module_specs(*spec.architecture())[0].input_bytes_per_token
+    assert priced == pixels.numel() * pixels.element_size() / encoder_tokens
     merge = spec.token_merge
     for sample in samples:
         wrap = 2 * len(sample.items)  # vision start and end

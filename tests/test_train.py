@@ -312,6 +312,7 @@ def test_threads_train_like_processes_and_share_checkpoints(tmp_path) -> None:
 def test_profile_trace_is_written_and_measured(tmp_path) -> None:
     # One trace for a thread world (the profiler sees the whole process), one per rank
     # for processes; on CPU there are no GPU transfers to measure, and the report says so.
+    # The memory report reads the same traces (a profiler exports once).
     for launch, files in (
         ("threads", ["run.json"]),
         ("processes", ["run.rank0.json", "run.rank1.json"]),
@@ -319,7 +320,7 @@ def test_profile_trace_is_written_and_measured(tmp_path) -> None:
         folder = tmp_path / launch
         result, report = _train(
             tmp_path, "", "--deterministic", "--layout", LAYOUT, "--steps", "2", "--launch",
-            launch, "--profile-trace", str(folder / "run.json"),
+            launch, "--profile-trace", str(folder / "run.json"), "--memory-report",
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
         assert sorted(p.name for p in folder.iterdir()) == files
@@ -330,6 +331,8 @@ def test_profile_trace_is_written_and_measured(tmp_path) -> None:
                 e.get("cat") == "cpu_op" for e in json.loads(Path(path).read_text())["traceEvents"]
             )
         assert "the trace holds no GPU work (a CPU run)" in result.stdout
+        assert len(report["memory"]) == (1 if launch == "threads" else 2)
+        assert all(row["measured_bytes"] > 0 for row in report["memory"])
 
 
 def test_threads_failing_rank_and_refused_layouts(tmp_path) -> None:

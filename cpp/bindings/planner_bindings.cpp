@@ -97,6 +97,7 @@ ModuleParams to_module(const py::dict& d, const char* w) {
   r.opt("head_bytes_per_target_token", &p.head_bytes_per_target_token);
   r.opt("head_chunk_tokens", &p.head_chunk_tokens);
   r.opt("element_bytes", &p.element_bytes);
+  r.opt("input_bytes_per_token", &p.input_bytes_per_token);
   r.opt("microbatch_constant_s", &p.microbatch_constant_s);
   r.opt("attention_compute_fraction", &p.attention_compute_fraction);
   r.opt("attention_param_fraction", &p.attention_param_fraction);

@@ -100,6 +100,7 @@ void check_module(const char* module, const ModuleParams& p) {
       {"last_stage_params", p.last_stage_params},
       {"activation_bytes_per_token_layer", p.activation_bytes_per_token_layer},
       {"head_bytes_per_target_token", p.head_bytes_per_target_token},
+      {"input_bytes_per_token", p.input_bytes_per_token},
       {"microbatch_constant_s", p.microbatch_constant_s}};
   for (const auto& [name, value] : fields) check_finite_nonneg((m + "." + name).c_str(), value);
   require(std::isfinite(p.element_bytes) && p.element_bytes >= 1.0 && p.element_bytes <= 8.0,
@@ -225,14 +226,25 @@ struct ModuleModel {
     const double weights = 2.0 * p->element_bytes, optimizer = 16.0 - weights;
     return params * (weights + (zero1 ? optimizer / double(dp) : optimizer));
   }
-  // Activation bytes of one microbatch of `tokens` tokens per GPU on a stage.
-  // Full recomputation keeps only each layer's bf16 input, plus one layer's working set.
+  // Activation bytes that microbatches of `tokens` tokens in all keep per GPU on a stage of
+  // n layers between their forward and backward: every layer's (full recomputation: each
+  // layer's input only).
   double activation_bytes(int64_t t, bool recompute, int64_t n, double tokens) const {
-    const double layers = recompute ? double(n) * p->element_bytes * double(p->hidden_size) +
-                                          p->activation_bytes_per_token_layer
-                                    : double(n) * p->activation_bytes_per_token_layer;
-    return tokens * layers / double(t);
+    const double per_layer =
+        recompute ? p->element_bytes * double(p->hidden_size) : p->activation_bytes_per_token_layer;
+    return tokens * double(n) * per_layer / double(t);
   }
+  // With full recomputation, the one layer the backward remakes at a time holds its
+  // activations again (of one microbatch of `tokens` tokens). The gradients a backward op
+  // makes are not counted: measured at the start of the backward (where CPU peaks fell),
+  // they are a fraction of one layer's activations, within the model's error.
+  double recompute_bytes(int64_t t, bool recompute, double tokens) const {
+    return recompute ? tokens * p->activation_bytes_per_token_layer / double(t) : 0.0;
+  }
+  // The first stage's inputs of a step of `tokens` tokens per GPU, read before it starts
+  // (prefetched; each microbatch's then kept for its backward, which the activations count
+  // too: a bound above by the in-flight ones'). Every TP rank holds them whole.
+  double input_bytes(double tokens) const { return tokens * p->input_bytes_per_token; }
   // The LM head's working set on the last stage while a microbatch of `targets` target
   // tokens computes its loss: one chunk's logits (all targets' without chunking), each
   // TP rank its vocabulary slice. Transient: one microbatch's at a time.
@@ -715,7 +727,9 @@ class Evaluator {
       const int64_t in_flight = peak_in_flight(schedule_of(g), shape, m, s);
       const double bytes =
           ctx_.enc.state_bytes(ctx_.enc.gpu_params(e, s), e.dp, ctx_.o.zero1) +
-          ctx_.enc.activation_bytes(e.tp, e.recompute, n, enc_tokens.at(in_flight));
+          ctx_.enc.activation_bytes(e.tp, e.recompute, n, enc_tokens.at(in_flight)) +
+          ctx_.enc.recompute_bytes(e.tp, e.recompute, enc_tokens.at(1)) +
+          (s == 0 ? ctx_.enc.input_bytes(enc_tokens.at(m)) : 0.0);
       out.stage_bytes.push_back(bytes);
       if (bytes > out.peak) out.set_peak(bytes, true, s);
     }
@@ -734,16 +748,22 @@ class Evaluator {
       const int64_t in_flight = peak_in_flight(schedule_of(g), shape, m, s);
       double bytes = ctx_.llm.state_bytes(ctx_.llm.gpu_params(g, s), g.dp, zero1) +
                      ctx_.llm.activation_bytes(g.tp, g.recompute, n, llm_tokens.at(in_flight));
-      if (s == g.pp - 1) bytes += ctx_.llm.head_bytes(g.tp, llm_bin_targets);
+      // One transient at a time on top of what is held: a remade layer or (last stage,
+      // all layers' activations still held) the head's chunk.
+      double working = ctx_.llm.recompute_bytes(g.tp, g.recompute, llm_tokens.at(1));
+      if (s == g.pp - 1) working = std::max(working, ctx_.llm.head_bytes(g.tp, llm_bin_targets));
       bool is_enc = false;
       if (colocated && s == 0) {
         const ModuleModel& ce = ctx_.colocated_enc(g.tp);
         const double enc_bytes =
             ce.state_bytes(ce.gpu_all_params(g.tp), g.dp, zero1) +
-            ce.activation_bytes(g.tp, g.recompute, ce.p->num_layers, enc_tokens.at(in_flight));
+            ce.activation_bytes(g.tp, g.recompute, ce.p->num_layers, enc_tokens.at(in_flight)) +
+            ce.input_bytes(enc_tokens.at(m));
+        working = std::max(working, ce.recompute_bytes(g.tp, g.recompute, enc_tokens.at(1)));
+        is_enc = enc_bytes > bytes;
         bytes += enc_bytes;
-        is_enc = enc_bytes > bytes - enc_bytes;
       }
+      bytes += working;
       out.stage_bytes.push_back(bytes);
       if (bytes > out.peak) out.set_peak(bytes, is_enc, s);
     }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <numeric>
 #include <vector>
 
 #include "check.hpp"
@@ -281,7 +282,8 @@ TEST_CASE(the_lm_head_holds_one_chunk_of_the_targets_logits) {
 TEST_CASE(memory_holds_the_largest_microbatches_in_flight) {
   // Encoder (pp 1) then LLM (pp 1): the encoder's stage keeps 2 microbatches in flight,
   // the LLM's 1. With every sample its own microbatch, the encoder stage holds the two
-  // largest samples' activations (not twice the largest), the LLM stage the largest.
+  // largest samples' activations (not twice the largest), the LLM stage the largest and
+  // the head's logits.
   Problem p = make_problem(2);
   dflop::Layout l;
   l.encoder = {1, 1, 1, 0, {8}, false};
@@ -293,12 +295,13 @@ TEST_CASE(memory_holds_the_largest_microbatches_in_flight) {
   }
   const auto score =
       dflop::evaluate_layout(p.cluster, p.encoder, p.llm, p.samples, p.options, l, &bins);
-  double top2 = 0, top1 = 0;  // the two largest of either batch; the largest
+  double top2 = 0, enc_top1 = 0, top1 = 0;  // the two largest of either batch; the largest
   for (int64_t b = 0; b < 2; ++b) {
     std::vector<double> e(p.samples.encoder_tokens.begin() + b * 24,
                           p.samples.encoder_tokens.begin() + (b + 1) * 24);
     std::sort(e.rbegin(), e.rend());
     top2 = std::max(top2, e[0] + e[1]);
+    enc_top1 = std::max(enc_top1, e[0]);
     for (int64_t i = 0; i < 24; ++i)
       top1 = std::max(top1, p.samples.llm_tokens[size_t(b * 24 + i)]);
   }
@@ -314,6 +317,29 @@ TEST_CASE(memory_holds_the_largest_microbatches_in_flight) {
       top1 * 16 * g.activation_bytes_per_token_layer +
       top1 * g.head_bytes_per_target_token;  // no target column: every token a target
   CHECK(std::abs(score.stage_memory_bytes[1] - llm_expected) <= 1e-9 * llm_expected);
+  // The encoder's first stage holds the pixels of all its microbatches of a step (read
+  // before it starts): the batch with the most encoder tokens.
+  double step_tokens = 0;
+  for (int64_t b = 0; b < 2; ++b) {
+    step_tokens = std::max(step_tokens,
+                           std::accumulate(p.samples.encoder_tokens.begin() + b * 24,
+                                           p.samples.encoder_tokens.begin() + (b + 1) * 24, 0.0));
+  }
+  p.encoder.input_bytes_per_token = 1000.0;
+  const auto with_inputs =
+      dflop::evaluate_layout(p.cluster, p.encoder, p.llm, p.samples, p.options, l, &bins);
+  const double enc_inputs = with_inputs.stage_memory_bytes[0] - score.stage_memory_bytes[0];
+  CHECK(std::abs(enc_inputs - 1000.0 * step_tokens) <= 1e-9 * enc_inputs);
+  CHECK_EQ(with_inputs.stage_memory_bytes[1], score.stage_memory_bytes[1]);
+  // Full recomputation: each layer's input (element_bytes x hidden per token) in flight,
+  // and the one layer the backward remakes, of the largest microbatch.
+  l.encoder.recompute = true;
+  const auto remade =
+      dflop::evaluate_layout(p.cluster, p.encoder, p.llm, p.samples, p.options, l, &bins);
+  const double enc_remade = enc_states + 1000.0 * step_tokens +
+                            top2 * 8 * q.element_bytes * double(q.hidden_size) +
+                            enc_top1 * q.activation_bytes_per_token_layer;
+  CHECK(std::abs(remade.stage_memory_bytes[0] - enc_remade) <= 1e-9 * enc_remade);
 }
 
 TEST_CASE(validation_names_the_problem) {

@@ -134,6 +134,9 @@ struct ModuleParams {
   int64_t head_chunk_tokens = 0;
   // Bytes of one weight, gradient or activation element (2: bf16 mixed precision; 4: fp32).
   double element_bytes = 2.0;
+  // The first stage's input per token (the encoder's pixels), which the runtime reads for
+  // every microbatch of a step before the step starts.
+  double input_bytes_per_token = 0.0;
 };
 
 // Per-sample inputs of num_batches sampled global batches of batch_size samples each,

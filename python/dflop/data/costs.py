@@ -10,7 +10,7 @@ the backward pass costing twice the forward):
 Encoder (per unit = one tile or frame of ``t`` tokens, hidden ``h``, MLP width ``I``, ``L``
 layers), attention is bidirectional *within each unit*::
 
-    patch embedding   2 * t * h * 3 * patch_px^2
+    patch embedding   2 * t * h * 3 * patch_px^2 * frames_per_patch
     linear            L * t * (2 * 4 * h^2 + 2 * 2 * h * I)   # qkv + out, fc1 + fc2
     attention         L * 4 * t^2 * h                          # QK^T and AV
     projector         p * 2 * (p_in * p_hid + p_hid * llm_h)   # p = t * projector_token_ratio
@@ -67,6 +67,10 @@ def _check_positive_ints(obj: object, names: tuple[str, ...]) -> None:
             raise ValueError(f"{cls}.{name}={value} must be >= 1")
 
 
+PIXEL_BYTES = 4
+"""Bytes of a pixel value as the runtime's batch sources deliver them (float32)."""
+
+
 @dataclass(frozen=True)
 class EncoderConfig:
     """A ViT vision encoder plus its 2-layer MLP projector into the LLM.
@@ -79,7 +83,9 @@ class EncoderConfig:
         num_heads: attention heads (must divide ``hidden_size``).
         tokens_per_unit: patch tokens per tile/frame at the native resolution
             (informational; costs use each sample's ``SampleShapes.tokens_per_unit``).
-        patch_px: patch side in pixels (patch-embedding FLOPs).
+        patch_px: patch side in pixels (patch-embedding FLOPs, pixel bytes).
+        frames_per_patch: frames one patch spans (1; Qwen2-VL's 3D patches span 2, an
+            image repeated over them).
         projector_input_size: width the projector reads (``hidden_size``; ``4 *
             hidden_size`` after InternVL's pixel shuffle).
         projector_token_ratio: projector tokens per encoder token (1.0; 0.25 after pixel
@@ -101,6 +107,7 @@ class EncoderConfig:
     projector_token_ratio: float = 1.0
     projector_hidden_size: int | None = None
     default_family: str = "llava-ov"
+    frames_per_patch: int = 1
 
     def __post_init__(self) -> None:
         _check_positive_ints(
@@ -112,6 +119,7 @@ class EncoderConfig:
                 "num_heads",
                 "tokens_per_unit",
                 "patch_px",
+                "frames_per_patch",
             ),
         )
         for name in ("projector_input_size", "projector_hidden_size"):
@@ -127,6 +135,17 @@ class EncoderConfig:
             raise ValueError(f"EncoderConfig.projector_token_ratio={ratio!r} must be in (0, 1]")
         get_family(self.default_family)
 
+    @property
+    def pixels_per_token(self) -> int:
+        """Pixel values one patch token reads (3 channels x patch^2 x frames)."""
+        return 3 * self.patch_px**2 * self.frames_per_patch
+
+    @property
+    def input_bytes_per_token(self) -> int:
+        """Bytes of those pixel values as the runtime's batch sources deliver them
+        (float32, :data:`PIXEL_BYTES` each)."""
+        return PIXEL_BYTES * self.pixels_per_token
+
     def forward_flops(
         self, encoder_units: np.ndarray, tokens_per_unit: np.ndarray, llm_hidden_size: int
     ) -> np.ndarray:
@@ -134,7 +153,7 @@ class EncoderConfig:
         units = np.asarray(encoder_units, dtype=np.float64)
         t = np.asarray(tokens_per_unit, dtype=np.float64)
         h = float(self.hidden_size)
-        per_token = 2.0 * h * 3 * self.patch_px**2 + self.num_layers * (
+        per_token = 2.0 * h * self.pixels_per_token + self.num_layers * (
             8.0 * h * h + 4.0 * h * self.intermediate_size
         )
         p_in = float(self.projector_input_size or self.hidden_size)

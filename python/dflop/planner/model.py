@@ -154,6 +154,9 @@ class ModuleSpec:
             microbatch computes its loss.
         head_chunk_tokens: target rows the runtime's chunked loss computes at a time (0:
             all of a microbatch's at once).
+        input_bytes_per_token: the first stage's input per token (the encoder's pixels,
+            ``EncoderConfig.input_bytes_per_token``), which the runtime reads for all of a
+            step's microbatches before the step starts.
         element_bytes: bytes of a weight, gradient or activation element (2: bf16 mixed
             precision; 4: fp32, what ``dflop train`` runs).
         microbatch_constant_s: per-microbatch constant time of the whole module.
@@ -176,6 +179,7 @@ class ModuleSpec:
     head_bytes_per_target_token: float = 0.0
     head_chunk_tokens: int = 0
     element_bytes: int = 2
+    input_bytes_per_token: float = 0.0
     microbatch_constant_s: float = 0.0
     attention_compute_fraction: float = 1.0
     attention_param_fraction: float = 1.0
@@ -191,6 +195,7 @@ class ModuleSpec:
             "last_stage_params",
             "activation_bytes_per_token_layer",
             "head_bytes_per_target_token",
+            "input_bytes_per_token",
             "microbatch_constant_s",
         ):
             _check_number("ModuleSpec", name, getattr(self, name), positive=False)
@@ -259,7 +264,7 @@ def module_specs(
         hidden_size=h,
         # qkv + out (4 h^2), MLP (2 h I), biases and two norms.
         params_per_layer=layer_params,
-        first_stage_params=float(3 * encoder.patch_px**2 * h + encoder.tokens_per_unit * h),
+        first_stage_params=float(encoder.pixels_per_token * h + encoder.tokens_per_unit * h),
         last_stage_params=float(p_in * p_hid + p_hid * llm.hidden_size),
         activation_bytes_per_token_layer=(
             ACTIVATION_BYTES_PER_HIDDEN * h * scale
@@ -267,6 +272,7 @@ def module_specs(
             else float(activation_bytes[0])
         ),
         element_bytes=element_bytes,
+        input_bytes_per_token=float(encoder.input_bytes_per_token),
         microbatch_constant_s=float(constants[0]),
         attention_compute_fraction=attention_flops
         / (attention_flops + 4.0 * h * encoder.intermediate_size),

@@ -302,14 +302,16 @@ class CostModel:
         self, encoder: Any, llm: Any
     ) -> tuple[float | None, float | None]:
         """The profile's measured memory per token (``PerformanceModel.llm_memory`` per
-        token; ``encoder_memory`` per unit, over its ``tokens_per_unit``) spread over the
-        module's layers, for the planner's memory model; None where not measured."""
+        token; ``encoder_memory`` per unit, over its ``tokens_per_unit``, less the pixels
+        it read, which the planner counts apart) spread over the module's layers, for the
+        planner's memory model; None where not measured."""
         perf = self._prior
         measured = perf.metadata.get("memory_measured", {})
         out: list[float | None] = [None, None]
         if measured.get("encoder") and perf.encoder_memory.per_item_bytes > 0:
             tokens = perf.tokens_per_unit or encoder.tokens_per_unit
-            out[0] = perf.encoder_memory.per_item_bytes / (tokens * encoder.num_layers)
+            held = perf.encoder_memory.per_item_bytes / tokens - encoder.input_bytes_per_token
+            out[0] = max(held, 0.0) / encoder.num_layers
         if measured.get("llm") and perf.llm_memory.per_item_bytes > 0:
             out[1] = perf.llm_memory.per_item_bytes / llm.num_layers
         return out[0], out[1]

@@ -80,17 +80,24 @@ def live_tensor_bytes(device_type: str = "cpu") -> int:
     return int(sum(seen.values()))
 
 
-def profiled_peak(prof: Any) -> int:
+def profiled_peak(prof: Any, trace_path: str | None = None) -> int:
     """The most bytes a finished ``torch.profiler.profile`` run (``profile_memory=True``)
-    saw allocated above what was allocated when it started (0 without any record)."""
+    saw allocated above what was allocated when it started (0 without any record).
+    ``trace_path``: the run's trace, already exported there (a profiler exports once)."""
+    if trace_path is not None:
+        return _trace_peak(trace_path)
     fd, path = tempfile.mkstemp(suffix=".json", prefix="dflop-memory-")
     os.close(fd)
     try:
         prof.export_chrome_trace(path)
-        with open(path, encoding="utf-8") as f:
-            events = json.load(f).get("traceEvents", [])
+        return _trace_peak(path)
     finally:
         os.unlink(path)
+
+
+def _trace_peak(path: str) -> int:
+    with open(path, encoding="utf-8") as f:
+        events = json.load(f).get("traceEvents", [])
     totals = [
         int(e["args"]["Total Allocated"])
         for e in events

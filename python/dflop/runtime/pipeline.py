@@ -282,6 +282,9 @@ class _Prefetched:
         self.batch = batch
         self.device = device
         self._pixels = {_piece_key(s): self._read_pixels(s) for s in encoder_shares}
+        release = getattr(batch, "release_pixels", None)
+        if release is not None:  # the pieces are copies: the source's decoded ones go
+            release()
         self._text = {_key(s.sample_ids): batch.text_inputs(s.sample_ids) for s in llm_shares}
 
     def _read_pixels(self, share: EncoderShare) -> Tensor:

@@ -140,6 +140,11 @@ class ProcessedBatch(PackedBatchSource):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def release_pixels(self) -> None:
+        """Drop the samples' decoded pixels (kept so that a sample split into pieces
+        decodes once): once a step's pieces are read, the pieces hold copies of them."""
+        self._pixels.clear()
+
     def _sample_pixels(self, i: int) -> Tensor | None:
         if i not in self._pixels:
             sample = self.samples[i]

@@ -645,21 +645,23 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dist.barrier()  # every rank's (thread's) profiled work is done
+        trace_path = None
         if profiler is not None:
             profiler.stop()
+            if self.config.profile_trace:  # a profiler exports once: the memory report reads it
+                trace_path = self.config.profile_trace
+                if dist.get_backend() != dist.THREADS and self.world_size > 1:
+                    root, ext = os.path.splitext(trace_path)
+                    trace_path = f"{root}.rank{self.rank}{ext or '.json'}"
+                os.makedirs(os.path.dirname(os.path.abspath(trace_path)), exist_ok=True)
+                profiler.export_chrome_trace(trace_path)
         if self.config.memory_report:
-            self._report_memory(profiler)
+            self._report_memory(profiler, trace_path)
         if not self.config.profile_trace:
             return
         found = None
-        if profiler is not None:
-            path = self.config.profile_trace
-            if dist.get_backend() != dist.THREADS and self.world_size > 1:
-                root, ext = os.path.splitext(path)
-                path = f"{root}.rank{self.rank}{ext or '.json'}"
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            profiler.export_chrome_trace(path)
-            found = (path, dataclasses.asdict(transfer_overlap(path)))
+        if trace_path is not None:
+            found = (trace_path, dataclasses.asdict(transfer_overlap(trace_path)))
         gathered: list[Any] | None = [None] * self.world_size if self.is_leader else None
         dist.gather_object(found, gathered, dst=0)
         if self.is_leader:
@@ -667,10 +669,11 @@ class Trainer:
             for path, numbers in self.transfer_overlaps:
                 print(f"profile {path}: {TransferOverlap(**numbers).describe()}", flush=True)
 
-    def _report_memory(self, profiler: Any) -> None:
+    def _report_memory(self, profiler: Any, trace_path: str | None) -> None:
         """Every rank's peak memory over the measured steps (CPU: the profiler's record of
-        the allocator; GPU: the allocator's peak), gathered on the leader beside what the
-        memory model predicts for each rank's stage on those very steps and schedules."""
+        the allocator, from its exported trace at ``trace_path`` if there is one; GPU: the
+        allocator's peak), gathered on the leader beside what the memory model predicts for
+        each rank's stage on those very steps and schedules."""
         import torch
 
         from dflop.profiling.memory import profiled_peak
@@ -683,7 +686,7 @@ class Trainer:
             measured = float(torch.cuda.max_memory_allocated(self.device))
         else:
             measured = (
-                float(self._memory_start_bytes + profiled_peak(profiler))
+                float(self._memory_start_bytes + profiled_peak(profiler, trace_path))
                 if profiler is not None
                 else None
             )

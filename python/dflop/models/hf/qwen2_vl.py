@@ -194,6 +194,7 @@ class Qwen2VLSpec(HFSpec):
             projector_token_ratio=1.0 / self.token_merge,
             projector_hidden_size=merged,
             default_family="llava-ov",
+            frames_per_patch=vision.temporal_patch_size,
         )
         return encoder, decoder_architecture(f"{self.name}.text", text, self.llm_layers)
 
