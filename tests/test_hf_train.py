@@ -200,3 +200,22 @@ def test_architecture_matches_the_model(tmp_path, feature_layer):
     planned = dec.num_layers * dec.params_per_layer + dec.first_stage_params
     planned += dec.last_stage_params
     assert planned == pytest.approx(text, rel=0.03)
+
+
+def test_qwen_vl_architecture_matches_the_model():
+    """The same for Qwen2-VL's vision tower: 3D patches (2 frames), rotary positions (no
+    learned table), the 2x2 merger as the projector."""
+    from dflop.models.hf import spec_from_config
+    from dflop.models.hf.tiny import tiny_qwen2_vl_config
+    from dflop.planner.model import module_specs
+
+    config = tiny_qwen2_vl_config()
+    spec = spec_from_config(config)
+    encoder, _ = spec.architecture()
+    assert encoder.frames_per_patch == 2 and not encoder.learned_positions
+    enc, _ = module_specs(*spec.architecture())
+    model = transformers.Qwen2VLForConditionalGeneration(config)
+    vision = sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.visual."))
+    planned = enc.num_layers * enc.params_per_layer + enc.first_stage_params
+    planned += enc.last_stage_params
+    assert planned == pytest.approx(vision, rel=0.03)

@@ -86,6 +86,8 @@ class EncoderConfig:
         patch_px: patch side in pixels (patch-embedding FLOPs, pixel bytes).
         frames_per_patch: frames one patch spans (1; Qwen2-VL's 3D patches span 2, an
             image repeated over them).
+        learned_positions: a learned position table of ``tokens_per_unit`` rows (ViT,
+            SigLIP); False for rotary positions (Qwen2-VL's ViT).
         projector_input_size: width the projector reads (``hidden_size``; ``4 *
             hidden_size`` after InternVL's pixel shuffle).
         projector_token_ratio: projector tokens per encoder token (1.0; 0.25 after pixel
@@ -108,6 +110,7 @@ class EncoderConfig:
     projector_hidden_size: int | None = None
     default_family: str = "llava-ov"
     frames_per_patch: int = 1
+    learned_positions: bool = True
 
     def __post_init__(self) -> None:
         _check_positive_ints(

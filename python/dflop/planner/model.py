@@ -264,7 +264,10 @@ def module_specs(
         hidden_size=h,
         # qkv + out (4 h^2), MLP (2 h I), biases and two norms.
         params_per_layer=layer_params,
-        first_stage_params=float(encoder.pixels_per_token * h + encoder.tokens_per_unit * h),
+        # Patch embedding and (a ViT's, SigLIP's) learned position table.
+        first_stage_params=float(
+            encoder.pixels_per_token * h + encoder.learned_positions * encoder.tokens_per_unit * h
+        ),
         last_stage_params=float(p_in * p_hid + p_hid * llm.hidden_size),
         activation_bytes_per_token_layer=(
             ACTIVATION_BYTES_PER_HIDDEN * h * scale

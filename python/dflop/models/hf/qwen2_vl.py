@@ -195,6 +195,7 @@ class Qwen2VLSpec(HFSpec):
             projector_hidden_size=merged,
             default_family="llava-ov",
             frames_per_patch=vision.temporal_patch_size,
+            learned_positions=False,  # 2D rotary positions
         )
         return encoder, decoder_architecture(f"{self.name}.text", text, self.llm_layers)
 
