@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 
 import numpy as np
@@ -359,3 +360,69 @@ def test_spawn_local_fails_fast_and_clearly(how: str, needle: str) -> None:
 
 def test_spawn_local_returns_results_in_rank_order() -> None:
     assert spawn_local(_failing_worker, 2, args=("none",), timeout_s=30) == [0, 1]
+
+
+# ---- a local run listens on loopback only -------------------------------------------------
+
+
+def _listening_addresses(pid: int) -> list[str]:
+    """The local addresses of the TCP sockets process ``pid`` listens on (what ``ss -ltn``
+    lists for it), read from /proc."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                hex_addr, hex_port = fields[1].split(":")
+                raw = bytes.fromhex(hex_addr)
+                # /proc prints the address as host-order 32-bit words.
+                words = [raw[i : i + 4][::-1] for i in range(0, len(raw), 4)]
+                addr = b"".join(words)
+                if width == 8:
+                    text = socket.inet_ntop(socket.AF_INET, addr)
+                else:
+                    text = socket.inet_ntop(socket.AF_INET6, addr)
+                out.append(f"{text}:{int(hex_port, 16)}")
+    return out
+
+
+def _listening_worker(rank: int, world_size: int, launcher_pid: int) -> dict[int, list[str]]:
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.ones(4)
+    dist.all_reduce(tensor)  # gloo's pairs are connected: its listeners exist
+    dist.barrier()
+    mine = {os.getpid(): _listening_addresses(os.getpid())}
+    if rank == 0:
+        mine[launcher_pid] = _listening_addresses(launcher_pid)
+    dist.barrier()  # every rank read its sockets while all are up
+    return mine
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0]
+    return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/net"), reason="reads /proc (Linux)")
+def test_a_local_run_listens_on_loopback_only() -> None:
+    """The rendezvous store (hosted by the launcher) and gloo's sockets (in the ranks)
+    accept no connection from another machine: every listening socket of the run is on
+    127.0.0.0/8."""
+    results = spawn_local(_listening_worker, 2, args=(os.getpid(),), timeout_s=60)
+    sockets = {pid: addrs for result in results for pid, addrs in result.items()}
+    assert sockets[os.getpid()], "the launcher's rendezvous store should be listening"
+    outside = {pid: [a for a in addrs if not _is_loopback(a)] for pid, addrs in sockets.items()}
+    assert not any(outside.values()), f"listening outside loopback: {outside}"

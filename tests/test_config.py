@@ -68,13 +68,31 @@ def test_a_config_file_with_flags_on_top(tmp_path, suffix):
         ("lr = 1\n", r"unknown section \[lr\] \('lr' is a field of \[optim\]\)"),
         ("[optim]\nsteps = 0\n", r"TrainConfig.steps=0 must be an integer >= 1"),
         ("[optim\n", "not valid TOML"),
+        # A value of the wrong kind is named as such, not read letter by letter.
+        ('[data]\nmix = ", \\"-5\\""\n', r"mix must be a table of fractions .*got str"),
+        ("[output]\ntrace = 5\n", r"TrainConfig.trace must be text, got int 5"),
+        ('[data]\ncheck_images = "no"\n', r"check_images must be true or false, got str 'no'"),
+        # Timeouts: nan, 1e-300 and 1e300 are named, with the range (no network error).
+        ("[runtime]\nrun_timeout_s = nan\n", r"run_timeout_s=nan must be a number of seconds"),
+        ("[runtime]\ntimeout_s = 1e-300\n", r"timeout_s=1e-300 must be a number of seconds from 1"),
+        ("[runtime]\ntimeout_s = 1e300\n", r"timeout_s=1e\+300 must be .* \(one year\)"),
     ],
 )
 def test_config_file_errors_name_the_problem(tmp_path, text, message):
     path = tmp_path / "bad.toml"
     path.write_text(text)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         _config("--config", str(path))
+
+
+def test_a_huge_value_is_quoted_in_a_short_message():
+    """A value that expanded to millions of items is quoted in a bounded message."""
+    nested = [1] * 9
+    for _ in range(7):
+        nested = [nested] * 9  # 9^8 items, as a YAML alias bomb builds
+    with pytest.raises(ValueError) as info:
+        TrainConfig(steps=nested)
+    assert "TrainConfig.steps=[[[" in str(info.value) and len(str(info.value)) < 250
 
 
 def test_config_file_errors_are_one_line_on_the_command_line(tmp_path, capsys):

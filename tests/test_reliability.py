@@ -155,8 +155,21 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
         (["--json", "nodir/m.json"], "does not exist"),
         (["--checkpoint-dir", __file__], "is a file; give a folder"),
         (["--trace", os.path.dirname(__file__)], "is a folder; give a file path"),
+        (["--timeout-s", "1e-300"], "timeout_s=1e-300 must be a number of seconds from 1"),
+        (["--layout", "enc_dp=1000000,m=2"], "1000001 local processes exceed"),
+        (["--global-batch", "10000000"], "TrainConfig.global_batch=10,000,000 is more than"),
     ],
-    ids=["nproc", "stages", "layout_procs", "json", "checkpoint_dir", "trace"],
+    ids=[
+        "nproc",
+        "stages",
+        "layout_procs",
+        "json",
+        "checkpoint_dir",
+        "trace",
+        "timeout",
+        "million_ranks",
+        "huge_batch",
+    ],
 )
 def test_bad_runs_are_refused_before_any_process_starts(tmp_path, args, message):
     """One line, exit code 2, nothing started or written (a few seconds at most)."""
@@ -285,3 +298,199 @@ def test_deterministic_runs_and_resumes_give_identical_losses(tmp_path):
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
     resumed = {**losses("c", "--steps", "3", *ckpt), **losses("d", "--steps", "6", *ckpt)}
     assert resumed == first
+
+
+# ---- one run per checkpoint folder ---------------------------------------------------------
+
+
+def test_a_second_run_on_a_held_checkpoint_folder_exits_2_naming_the_first(tmp_path):
+    """Two runs on one --checkpoint-dir: the second is refused at once, in one line naming
+    the first's process and host; the first trains on, unharmed, and releases the folder."""
+    import signal
+    import socket
+
+    ckpt = tmp_path / "ckpt"
+    first = _start_long_run(tmp_path, ckpt)
+    try:
+        second = run_cli("train", "--layout", LAYOUT, "--steps", "2", "--checkpoint-dir", str(ckpt))
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert len(second.stderr.strip().splitlines()) == 1, second.stderr
+        assert f"is in use by another run: process {first.pid} on host" in second.stderr
+        assert socket.gethostname() in second.stderr
+        assert "resumed" not in second.stdout
+        assert first.poll() is None  # still training
+    finally:
+        first.send_signal(signal.SIGTERM)
+        _, err = first.communicate(timeout=120)
+    assert first.returncode == 143, err
+    assert not (ckpt / "dflop.lock").exists()  # released on exit
+    third, _ = _train(tmp_path, "--steps", "1", "--checkpoint-dir", str(ckpt))
+    assert third.returncode == 0, third.stderr  # the folder is free again
+
+
+def test_a_lock_left_by_a_killed_run_is_reported_and_taken_over(tmp_path):
+    """SIGKILL leaves the lock file (no handler runs): the next run says whose it was and
+    that it no longer runs, removes the dead run's temporary files, and resumes."""
+    ckpt = tmp_path / "ckpt"
+    proc = _start_long_run(tmp_path, ckpt)
+    proc.kill()
+    proc.communicate(timeout=30)
+    assert (ckpt / "dflop.lock").exists()
+    leftover = ckpt / _settled(ckpt) / "rank-00000.pt.tmp-999999"
+    leftover.write_bytes(b"half a checkpoint")
+    latest = int((ckpt / "latest").read_text().split("-")[1])
+    result, report = _train(tmp_path, "--steps", str(latest + 2), "--checkpoint-dir", str(ckpt))
+    assert result.returncode == 0, result.stderr
+    assert f"was left by process {proc.pid} on host" in result.stdout
+    assert "no longer running; taking the folder over" in result.stdout
+    assert "removed 1 temporary file(s)" in result.stdout and not leftover.exists()
+    assert sorted(_losses(report)) == [latest + 1]
+
+
+def test_a_lock_from_another_host_is_refused(tmp_path):
+    """A lock file written on another host (a shared file system) cannot be checked from
+    here: refused, naming that host and the file to delete once that run is gone."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    record = {"pid": 4242, "host": "node-17", "started": "2026-01-01 00:00:00"}
+    (ckpt / "dflop.lock").write_text(json.dumps(record))
+    result = run_cli("train", "--layout", LAYOUT, "--steps", "1", "--checkpoint-dir", str(ckpt))
+    assert result.returncode == 2, result.stderr
+    assert "process 4242 on host node-17" in result.stderr
+    assert f"delete {str(ckpt / 'dflop.lock')!r}" in result.stderr
+
+
+# ---- a resumed run's settings: honoured or refused by name ---------------------------------
+
+
+def test_a_changed_learning_rate_is_honoured_on_resume(tmp_path):
+    """--lr on a resume applies from the first resumed step (it used to be the saved
+    optimizer's): said in one line, the losses after it differ, the saved state has it."""
+    ckpt = _checkpointed(tmp_path, steps=2)
+    same_dir, other_dir = tmp_path / "same", tmp_path / "other"
+    import shutil
+
+    shutil.copytree(ckpt, same_dir)
+    shutil.copytree(ckpt, other_dir)
+    same, same_report = _train(tmp_path, "--steps", "4", "--checkpoint-dir", str(same_dir))
+    other, other_report = _train(
+        tmp_path, "--steps", "4", "--checkpoint-dir", str(other_dir), "--lr", "3e-2"
+    )
+    assert same.returncode == 0 and other.returncode == 0, same.stderr + other.stderr
+    assert "resuming with lr=0.03 instead of the checkpoint's 0.001" in other.stdout
+    assert "resuming with" not in same.stdout
+    same_losses, other_losses = _losses(same_report), _losses(other_report)
+    assert same_losses[2] == other_losses[2]  # step 2's loss is before its update
+    assert same_losses[3] != other_losses[3]
+    saved = torch.load(other_dir / "step-000003" / "rank-00000.pt", weights_only=True)
+    assert {g["lr"] for g in saved["optimizer"]["param_groups"]} == {3e-2}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--seed", "3"], "seed=3, the checkpoint's 0"),
+        (
+            ["--scaler", '{"max_text_tokens": 64}'],
+            "scaler={'max_text_tokens': 64}, the checkpoint's {}",
+        ),
+        (["--global-batch", "16"], "with global_batch=16: its layout has global_batch=8"),
+        (
+            ["--layout", "enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1,m=4"],
+            "num_microbatches 4 vs the checkpoint's 2",
+        ),
+    ],
+)
+def test_a_resume_refuses_a_changed_setting_by_name(tmp_path, args, message):
+    """A setting that changes what the checkpoint means: one line, exit 2, before any
+    rank starts; the checkpoint is untouched."""
+    ckpt = _checkpointed(tmp_path, steps=2)
+    before = (ckpt / "latest").read_text()
+    extra = [] if "--layout" in args else ["--layout", LAYOUT]
+    command = ["train", "--schedule", "blind", "--global-batch", "8", *extra, *args]
+    result = run_cli(*command, "--steps", "4", "--checkpoint-dir", str(ckpt))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "resumed" not in result.stdout
+    assert (ckpt / "latest").read_text() == before
+
+
+def test_every_setting_is_classified_for_resume():
+    """A new TrainConfig field must say what a resume does with it."""
+    import dataclasses
+
+    from dflop.train import TrainConfig
+    from dflop.train.resume import HONOURED, LAYOUT_FIELDS, MUST_MATCH
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    classified = [*MUST_MATCH, *LAYOUT_FIELDS, *HONOURED]
+    assert len(classified) == len(set(classified))
+    assert set(classified) - {"allow_outside_paths"} == fields - {"allow_outside_paths"}
+
+
+# ---- a full disk is named, and leaves no partial file --------------------------------------
+
+
+def _on_small_disk(folder: Path, size: str, script: str, timeout_s: float = 300):
+    """Run ``script`` (sh) with a ``size`` tmpfs mounted on ``folder``, in a private mount
+    namespace (no root needed where user namespaces are allowed; skipped elsewhere)."""
+    import shutil
+    import subprocess
+
+    unshare = shutil.which("unshare")
+    probe = [unshare, "--user", "--map-root-user", "--mount", "true"] if unshare else None
+    if probe is None or subprocess.run(probe, capture_output=True).returncode != 0:
+        pytest.skip("needs unshare with user namespaces to mount a small disk")
+    folder.mkdir()
+    body = f"mount -t tmpfs -o size={size} tmpfs {folder} || exit 99; {script}"
+    return subprocess.run(
+        [unshare, "--user", "--map-root-user", "--mount", "sh", "-c", body],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def _dflop() -> str:
+    import shlex
+    import shutil
+    import sys
+
+    executable = shutil.which("dflop")
+    return shlex.quote(executable) if executable else f"{shlex.quote(sys.executable)} -m dflop.cli"
+
+
+def test_a_full_checkpoint_disk_is_named_and_leaves_no_temporary_file(tmp_path):
+    disk = tmp_path / "disk"
+    train = f"{_dflop()} train --schedule blind --layout {LAYOUT} --global-batch 8 --quiet"
+    result = _on_small_disk(
+        disk,
+        "1m",  # the first step's files do not fit (rank 1's is 1.7 MB)
+        f"{train} --steps 2 --checkpoint-dir {disk}/ckpt; rc=$?; "
+        f"echo FILES; find {disk} -type f; exit $rc",
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "WriteError: could not write" in result.stderr
+    assert "the disk is full" in result.stderr
+    assert "enforce fail" not in result.stderr and "Traceback" not in result.stderr
+    files = result.stdout.split("FILES", 1)[1].split()
+    assert not [f for f in files if ".tmp" in f or f.endswith("dflop.lock")], files
+
+
+def test_full_disk_outputs_are_one_line_and_no_empty_file(tmp_path):
+    """--trace and --json on a full disk: one line naming the file and the full disk,
+    exit 1, no empty or partial file (they used to be a traceback and a 0-byte file)."""
+    disk = tmp_path / "disk"
+    train = f"{_dflop()} train --schedule blind --layout {LAYOUT} --global-batch 8 --quiet"
+    result = _on_small_disk(
+        disk,
+        "64k",
+        f"head -c 1000000 /dev/zero > {disk}/filler 2>/dev/null; "
+        f"{train} --steps 2 --json {disk}/m.json --trace {disk}/t.json; rc=$?; "
+        f"echo FILES; find {disk} -type f; exit $rc",
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    last = result.stderr.strip().splitlines()
+    assert len(last) == 1, result.stderr
+    assert f"could not write {str(disk / 't.json')!r}: the disk is full" in last[0]
+    assert result.stdout.split("FILES", 1)[1].split() == [str(disk / "filler")]

@@ -29,11 +29,11 @@ py::dict balance_py(const py::array_t<double, py::array::c_style | py::array::fo
   if (time_budget_ms) options.work_budget = work_budget_for_ms(*time_budget_ms);
   options.time_limit_s = time_limit_or_none(time_limit_s);
   options.interrupted = python_signal_check();
-  const double* data = costs.data();
+  const std::vector<double> data = owned_copy(costs);
   BalanceResult result;
   {
     py::gil_scoped_release release;
-    result = balance(data, n, d, options);
+    result = balance(data.data(), n, d, options);
   }
   const int64_t num_bins = num_microbatches * dp_size;
   py::dict out;

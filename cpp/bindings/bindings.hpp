@@ -22,6 +22,17 @@ pybind11::array_t<T> to_numpy(std::vector<T>&& v, std::vector<pybind11::ssize_t>
   return pybind11::array_t<T>(shape, owned->data(), free_when_done);
 }
 
+// A copy of a caller's array, taken while the GIL is held. The native calls release the
+// GIL and read their input for the whole search (and validate it first): given the
+// caller's buffer itself, another Python thread could write to it mid-search, and the
+// result would match neither the validated input nor the new one. Every binding that
+// releases the GIL hands the core memory of its own, never a numpy buffer.
+template <typename T, int Flags>
+std::vector<T> owned_copy(const pybind11::array_t<T, Flags>& a) {
+  static_assert((Flags & pybind11::array::c_style) != 0, "a C-contiguous array: data() is flat");
+  return std::vector<T>(a.data(), a.data() + a.size());
+}
+
 // A search's optional wall-clock limit: None -> -1 (none), else finite and >= 0.
 inline double time_limit_or_none(std::optional<double> time_limit_s) {
   if (!time_limit_s) return -1.0;

@@ -62,11 +62,11 @@ py::dict pipeline_schedule_py(const CostArray& costs, std::vector<int64_t> start
   if (time_budget_ms) o.work_budget = pipeline_work_budget_for_ms(*time_budget_ms);
   o.time_limit_s = time_limit_or_none(time_limit_s);
   o.interrupted = python_signal_check();
-  const double* data = costs.data();
+  const std::vector<double> data = owned_copy(costs);
   PipelineScheduleResult result;
   {
     py::gil_scoped_release release;
-    result = pipeline_schedule(data, n, d, start_assignment, o);
+    result = pipeline_schedule(data.data(), n, d, start_assignment, o);
   }
   py::dict out;
   out["assignment"] = to_numpy(std::move(result.assignment), {n});
@@ -92,8 +92,9 @@ double simulated_step_time_py(const CostArray& costs, std::vector<int64_t> assig
       pipeline_options(num_microbatches, dp_size, std::move(microbatch_dims), std::move(stages),
                        std::move(forward_fraction), std::move(microbatch_constant_s),
                        link_latency_s, std::move(replicas), std::move(units), std::move(chunks));
+  const std::vector<double> data = owned_copy(costs);
   py::gil_scoped_release release;
-  return simulated_step_time(costs.data(), costs.shape(0), costs.shape(1), assignment, o);
+  return simulated_step_time(data.data(), costs.shape(0), costs.shape(1), assignment, o);
 }
 
 }  // namespace

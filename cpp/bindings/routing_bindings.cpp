@@ -55,10 +55,12 @@ py::dict split_units_py(const IntArray& units, const DoubleArray& costs, int64_t
   const py::ssize_t n = units.shape(0);
   check_1d(costs, "costs", n);
   const SplitGranularity g = parse_granularity(granularity);
+  const std::vector<int64_t> unit_data = owned_copy(units);
+  const std::vector<double> cost_data = owned_copy(costs);
   UnitSplit split;
   {
     py::gil_scoped_release release;
-    split = split_units(units.data(), costs.data(), n, num_replicas, g);
+    split = split_units(unit_data.data(), cost_data.data(), n, num_replicas, g);
   }
   const auto pieces = static_cast<py::ssize_t>(split.sample.size());
   py::dict out;

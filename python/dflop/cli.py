@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from dflop.errors import InputTypeError
+from dflop.errors import InputTypeError, InUseError, WriteError
 
 __all__ = ["build_parser", "main"]
 
@@ -46,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except (
         ValueError,
+        InUseError,  # e.g. a checkpoint folder another run holds
         InputTypeError,  # a validation message; any other TypeError is a bug: traceback
         FileNotFoundError,
         ImportError,
@@ -56,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Bad input: one clear line, no traceback.
         print(f"dflop {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except WriteError as error:
+        # An output could not be written (a full disk): named, nothing half-written.
+        print(f"dflop {args.command}: error: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -188,9 +188,11 @@ def to_chrome_trace(timeline: EventsLike) -> dict[str, Any]:
 
 
 def write_chrome_trace(timeline: EventsLike, path: str | os.PathLike) -> None:
-    """Write :func:`to_chrome_trace` as JSON to ``path``."""
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(to_chrome_trace(timeline), f)
+    """Write :func:`to_chrome_trace` as JSON to ``path`` (whole or not at all: a failure
+    raises :class:`~dflop.errors.WriteError` and leaves no partial file)."""
+    from dflop.output import write_text
+
+    write_text(path, json.dumps(to_chrome_trace(timeline)))
 
 
 def _require_matplotlib() -> Any:
@@ -273,4 +275,6 @@ def write_gantt_png(
     if title:
         ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(os.fspath(path), dpi=dpi, format="png")
+    from dflop.output import write_file
+
+    write_file(path, lambda f: fig.savefig(f, dpi=dpi, format="png"))

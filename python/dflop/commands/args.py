@@ -42,6 +42,8 @@ def json_object(text: str) -> dict:
         value = json.loads(text)
     except json.JSONDecodeError as error:
         raise argparse.ArgumentTypeError(f"not valid JSON ({error})") from None
+    except RecursionError:
+        raise argparse.ArgumentTypeError("JSON nested too deeply") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("expected a JSON object")
     return value

@@ -75,6 +75,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     local.add_argument("--data", default="synthetic", help="synthetic, shapes file or dataset")
     local.add_argument("--image-folder", default=None, help="root of a dataset's image paths")
     local.add_argument("--video-folder", default=None, help="root of a dataset's video paths")
+    local.add_argument(
+        "--allow-outside-paths",
+        action="store_true",
+        help="accept dataset image/video paths that are absolute or leave the folders "
+        "(as 'dflop train --allow-outside-paths')",
+    )
     local.add_argument("--family", default="llava-ov", help="dataset shape rules (local)")
     local.add_argument("--layout", default=None, help="force a layout: enc_dp=2,llm_pp=1,m=8")
     local.add_argument(
@@ -242,6 +248,7 @@ def _run_local_plan(args: argparse.Namespace) -> int:
         data=args.data,
         image_folder=args.image_folder,
         video_folder=args.video_folder,
+        allow_outside_paths=args.allow_outside_paths,
         family=args.family,
         mix=args.mix,
         scaler=args.scaler,

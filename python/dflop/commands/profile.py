@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from dflop.commands.args import non_negative_int, positive_int
@@ -29,6 +28,13 @@ def _register_profile_data(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", required=True, help="output .json or .parquet")
     p.add_argument("--image-folder", default=None, help="root of relative image paths")
     p.add_argument("--video-folder", default=None, help="root of relative video paths")
+    p.add_argument(
+        "--allow-outside-paths",
+        action="store_true",
+        help="accept image/video paths that are absolute or lead outside --image-folder / "
+        "--video-folder ('..', symlinks); by default such a sample is skipped "
+        "(outside_folder) without opening its files",
+    )
     p.add_argument("--tokenizer", default=None, help="local tokenizer folder (optional)")
     p.add_argument("--max-samples", type=positive_int, default=None)
     p.add_argument("--seed", type=int, default=0, help="seed of random: sampling strategies")
@@ -52,12 +58,14 @@ def _register_inspect(subparsers: argparse._SubParsersAction) -> None:
 
 def run_profile_data(args: argparse.Namespace) -> int:
     from dflop.data import profile_dataset
+    from dflop.safe_io import check_regular_file
     from dflop.train.config import check_output_path
 
     if not Path(args.dataset).exists():
         raise FileNotFoundError(f"dataset file not found: {args.dataset}")
     if Path(args.dataset).is_dir():
         raise ValueError(f"{args.dataset} is a folder; give a .json, .jsonl or .yaml file")
+    check_regular_file(args.dataset, "dataset")  # a named pipe would block open() forever
     check_output_path("-o/--output", args.output)
     check_output_path("--plot", args.plot)
     distribution = profile_dataset(
@@ -70,6 +78,7 @@ def run_profile_data(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         seed=args.seed,
         max_samples=args.max_samples,
+        allow_outside_paths=args.allow_outside_paths,
     )
     if len(distribution.samples) == 0:  # nothing to save: say why instead
         reasons = ", ".join(f"{r} x{n}" for r, n in sorted(distribution.skipped.items()))
@@ -89,12 +98,14 @@ def run_profile_data(args: argparse.Namespace) -> int:
 
 
 def _kind(path: Path) -> str:
+    from dflop.safe_io import load_json, open_regular
+
     if path.suffix == ".parquet":
         return "dflop.shape_distribution"
-    with path.open() as f:
+    with open_regular(path, "r", "file") as f:  # a named pipe: refused, not opened
         try:
-            header = json.load(f)
-        except json.JSONDecodeError as error:
+            header = load_json(f)
+        except ValueError as error:  # invalid JSON, not UTF-8, nested too deeply
             raise ValueError(f"{path} is not a JSON file written by dflop: {error}") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path} is not a file written by dflop (top level is not an object)")

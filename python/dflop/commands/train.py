@@ -121,8 +121,11 @@ def train_main(config, json_path: str | None = None) -> int:
             f"({report.stats['samples_replaced']} batch sample(s) redrawn), e.g. {bad[0]}"
         )
     if json_path:
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(
+        from dflop.output import write_text
+
+        write_text(
+            json_path,
+            json.dumps(
                 {
                     "layout": report.layout,
                     "steps": [m.to_dict() for m in report.metrics],
@@ -134,9 +137,9 @@ def train_main(config, json_path: str | None = None) -> int:
                     "memory": report.stats.get("memory", []),
                     "performance_model": report.performance_model,
                 },
-                f,
                 indent=1,
-            )
+            ),
+        )
     if stopped is not None:
         saved = f"; checkpoint in {config.checkpoint_dir}" if config.checkpoint_dir else ""
         print(f"dflop train: stopped by SIGTERM after step {stopped}{saved}", file=sys.stderr)

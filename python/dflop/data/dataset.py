@@ -40,16 +40,20 @@ Folders
 Image folder of an entry: the entry's ``image_folder`` key, else the ``image_folder``
 argument, else the recipe's top-level ``image_folder`` key, else the folder of the
 entry's JSON file. Video folder: the same chain with ``video_folder``, ending with the
-entry's image folder.
+entry's image folder. A sample's image / video / frame paths must stay under these
+folders: one that is absolute or resolves outside (``..``, symlinks) is skipped with
+reason ``outside_folder`` unless ``allow_outside_paths`` is set
+(:func:`dflop.data.reader.check_confined`).
 
-File-level problems (a missing file, a JSON file that is not a list, an unknown sampling
-strategy, a malformed recipe) raise :class:`DatasetError` naming the file; problems of a
-single sample never raise here.
+File-level problems (a missing file, a JSON file that is not a list or is nested too deeply
+to parse, an unknown sampling strategy, a malformed recipe, a path that is a named pipe or
+device rather than a regular file, a YAML recipe whose aliases expand past a bound) raise
+:class:`DatasetError` naming the file; problems of a single sample never raise here (a
+JSONL line nested too deeply is an unparseable line, like invalid JSON).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -58,6 +62,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from dflop.errors import bounded_repr
+from dflop.safe_io import (
+    load_json,
+    load_yaml,
+    loads_json,
+    not_regular_reason,
+    open_regular,
+    path_repr,
+)
 
 __all__ = [
     "DATASET_SUFFIXES",
@@ -125,24 +139,26 @@ def parse_sampling_strategy(text: object, *, where: str = "sampling_strategy") -
     if text is None:
         return SamplingStrategy("all")
     if not isinstance(text, str):
-        raise DatasetError(f"{where}: sampling_strategy must be a string, got {text!r}")
+        raise DatasetError(f"{where}: sampling_strategy must be a string, got {bounded_repr(text)}")
     s = text.strip()
     if s == "all":
         return SamplingStrategy("all", text=s)
     m = _STRATEGY_RE.match(s)
     if m is None:
         raise DatasetError(
-            f"{where}: unknown sampling_strategy {text!r}; expected all, first:N, first:P%, "
-            "end:N, end:P%, random:N or random:P%"
+            f"{where}: unknown sampling_strategy {bounded_repr(text)}; expected all, first:N, "
+            "first:P%, end:N, end:P%, random:N or random:P%"
         )
     kind, number, percent = m.groups()
     if percent:
         value = float(number)
         if value > 100.0:
-            raise DatasetError(f"{where}: sampling_strategy {text!r} exceeds 100%")
+            raise DatasetError(f"{where}: sampling_strategy {bounded_repr(text)} exceeds 100%")
         return SamplingStrategy(kind, percent=value, text=s)
     if "." in number:
-        raise DatasetError(f"{where}: sampling_strategy {text!r} needs an integer count")
+        raise DatasetError(
+            f"{where}: sampling_strategy {bounded_repr(text)} needs an integer count"
+        )
     return SamplingStrategy(kind, count=int(number), text=s)
 
 
@@ -204,15 +220,30 @@ def _suffix(path: str) -> str:
 
 
 def _check_dataset_file(path: str, where: str) -> None:
+    name = path_repr(path)
     if not os.path.exists(path):
-        raise DatasetError(f"{where}: dataset file {path!r} does not exist")
+        raise DatasetError(f"{where}: dataset file {name} does not exist")
     if os.path.isdir(path):
-        raise DatasetError(f"{where}: dataset path {path!r} is a folder, expected a file")
+        raise DatasetError(f"{where}: dataset path {name} is a folder, expected a file")
+    problem = not_regular_reason(path)
+    if problem is not None:  # a FIFO would block open() forever
+        raise DatasetError(f"{where}: dataset file {name} {problem}")
     if _suffix(path) not in (".json", ".jsonl"):
         raise DatasetError(
-            f"{where}: dataset file {path!r} must end with .json or .jsonl "
-            f"(got {_suffix(path) or 'no suffix'!r})"
+            f"{where}: dataset file {name} must end with .json or .jsonl "
+            f"(got {bounded_repr(_suffix(path) or 'no suffix')})"
         )
+
+
+def _open(path: str, mode: str, what: str = "dataset file") -> Any:
+    """``path`` opened for reading, refusing anything but a regular file (a named pipe
+    would block ``open()`` forever) with a :class:`DatasetError`."""
+    try:
+        return open_regular(path, mode, what, encoding="utf-8" if mode == "r" else None)
+    except FileNotFoundError:
+        raise
+    except ValueError as exc:
+        raise DatasetError(str(exc)) from None
 
 
 def dataset_sources(
@@ -254,10 +285,12 @@ def read_recipe(
     """The entries of a LLaVA-OneVision YAML recipe (see the module docstring)."""
     path = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as f:
+        with _open(path, "r", "recipe") as f:
             text = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"recipe {path!r} does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path}: the recipe is not UTF-8 text: {exc}") from None
     doc = _load_yaml(text, path)
     if not isinstance(doc, dict) or "datasets" not in doc:
         raise DatasetError(f"{path}: a recipe must be a mapping with a 'datasets' list")
@@ -268,7 +301,9 @@ def read_recipe(
 
     def rel(value: object, key: str, where: str) -> str:
         if not isinstance(value, str) or not value:
-            raise DatasetError(f"{where}: {key} must be a non-empty string, got {value!r}")
+            raise DatasetError(
+                f"{where}: {key} must be a non-empty string, got {bounded_repr(value)}"
+            )
         return value if os.path.isabs(value) else os.path.join(base, value)
 
     top_images = doc.get("image_folder")
@@ -277,7 +312,9 @@ def read_recipe(
     for i, entry in enumerate(entries):
         where = f"{path}: datasets[{i}]"
         if not isinstance(entry, dict):
-            raise DatasetError(f"{where} must be a mapping with json_path, got {entry!r}")
+            raise DatasetError(
+                f"{where} must be a mapping with json_path, got {bounded_repr(entry)}"
+            )
         if "json_path" not in entry:
             raise DatasetError(f"{where} has no json_path")
         json_path = entry["json_path"]
@@ -311,13 +348,13 @@ def read_recipe(
 
 def _load_yaml(text: str, path: str) -> Any:
     try:
-        import yaml
+        import yaml  # noqa: F401
     except ImportError:
         return _parse_simple_yaml(text, path)
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise DatasetError(f"{path}: invalid YAML: {exc}") from None
+    try:  # bounded: an alias bomb, a recursive alias or deep nesting is refused
+        return load_yaml(text, path)
+    except ValueError as exc:
+        raise DatasetError(str(exc)) from None
 
 
 def _scalar(value: str) -> Any:
@@ -362,7 +399,7 @@ def _parse_simple_yaml(text: str, path: str) -> dict[str, Any]:
         if indent == 0 and not body.startswith("- "):
             key, sep, value = body.partition(":")
             if not sep:
-                raise DatasetError(f"{where}: expected 'key: value', got {body!r}")
+                raise DatasetError(f"{where}: expected 'key: value', got {bounded_repr(body)}")
             if value.strip():
                 doc[key.strip()] = _scalar(value)
                 current_list = None
@@ -371,7 +408,7 @@ def _parse_simple_yaml(text: str, path: str) -> dict[str, Any]:
             current_item = None
             continue
         if current_list is None:
-            raise DatasetError(f"{where}: unexpected indented line {body!r}")
+            raise DatasetError(f"{where}: unexpected indented line {bounded_repr(body)}")
         if body.startswith("- ") or body == "-":
             current_item = {}
             current_list.append(current_item)
@@ -380,10 +417,10 @@ def _parse_simple_yaml(text: str, path: str) -> dict[str, Any]:
             if not body:
                 continue
         elif current_item is None or indent < item_indent:
-            raise DatasetError(f"{where}: unexpected line {body!r}")
+            raise DatasetError(f"{where}: unexpected line {bounded_repr(body)}")
         key, sep, value = body.partition(":")
         if not sep or not key.strip():
-            raise DatasetError(f"{where}: expected 'key: value', got {body!r}")
+            raise DatasetError(f"{where}: expected 'key: value', got {bounded_repr(body)}")
         assert current_item is not None
         current_item[key.strip()] = _scalar(value)
     return doc
@@ -393,7 +430,7 @@ def _parse_simple_yaml(text: str, path: str) -> dict[str, Any]:
 
 
 def _count_jsonl_samples(path: str) -> int:
-    with open(path, "rb") as f:
+    with _open(path, "rb") as f:
         return sum(1 for line in f if line.strip())
 
 
@@ -420,8 +457,10 @@ def iter_source(source: DatasetSource, *, seed: int = 0) -> Iterator[RawSample]:
 
 def _iter_json(source: DatasetSource, seed: int) -> Iterator[RawSample]:
     try:
-        with open(source.path, encoding="utf-8") as f:
-            data = json.load(f)
+        with _open(source.path, "r") as f:
+            data = load_json(f)  # nesting too deep: a ValueError, not a RecursionError
+    except DatasetError:
+        raise
     except (ValueError, UnicodeDecodeError) as exc:
         raise DatasetError(f"{source.path}: invalid JSON file: {exc}") from None
     if not isinstance(data, list):
@@ -448,7 +487,7 @@ def _iter_jsonl(source: DatasetSource, seed: int) -> Iterator[RawSample]:
     wanted = None if selected is None or isinstance(selected, range) else set(selected.tolist())
     last = None if selected is None else int(selected[-1])
     index = -1
-    with open(source.path, "rb") as f:
+    with _open(source.path, "rb") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -459,8 +498,8 @@ def _iter_jsonl(source: DatasetSource, seed: int) -> Iterator[RawSample]:
             elif isinstance(selected, range) and index not in selected:
                 continue
             try:
-                data, error = json.loads(line.decode("utf-8")), None
-            except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+                data, error = loads_json(line.decode("utf-8")), None
+            except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, too deep
                 data, error = None, f"invalid JSON: {exc}"
             yield RawSample(
                 source.path,

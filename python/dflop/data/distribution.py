@@ -42,6 +42,7 @@ import numpy as np
 from dflop.data.families import FamilySpec, get_family
 from dflop.data.shapes import Modality, SampleShapes
 from dflop.errors import InputTypeError
+from dflop.safe_io import check_regular_file, load_json, loads_json, open_regular
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "ShapeDistribution"]
 
@@ -207,6 +208,7 @@ class ShapeDistribution:
         path = os.fspath(path)
         if not os.path.exists(path):
             raise FileNotFoundError(f"shape distribution file {path!r} does not exist")
+        check_regular_file(path, "shape distribution file")  # a named pipe blocks open()
         if path.lower().endswith(".parquet"):
             pa, pq = _pyarrow(path)
             try:
@@ -218,7 +220,10 @@ class ShapeDistribution:
                 raise ValueError(
                     f"{path}: not a dflop shape distribution (no {FORMAT_NAME!r} metadata)"
                 )
-            header = json.loads(raw)
+            try:
+                header = loads_json(raw)
+            except ValueError as exc:
+                raise ValueError(f"{path}: unreadable {FORMAT_NAME!r} metadata: {exc}") from None
             missing = [c for c in _COLUMNS if c not in table.column_names]
             if missing:
                 raise ValueError(f"{path}: missing column(s) {', '.join(missing)}")
@@ -229,8 +234,8 @@ class ShapeDistribution:
             }
         else:
             try:
-                with open(path, encoding="utf-8") as f:
-                    header = json.load(f)
+                with open_regular(path, "r", "shape distribution file") as f:
+                    header = load_json(f)  # nested too deeply: a ValueError
             except (ValueError, UnicodeDecodeError) as exc:
                 raise ValueError(f"{path}: not a JSON shape distribution: {exc}") from None
             if not isinstance(header, dict):

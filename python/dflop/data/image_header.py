@@ -39,10 +39,13 @@ import os
 import struct
 from typing import BinaryIO, NamedTuple, Union
 
+from dflop.safe_io import not_regular_reason, open_regular
+
 __all__ = [
     "FRAME_FILE_EXTENSIONS",
     "ImageHeader",
     "ImageHeaderError",
+    "NotARegularFileError",
     "count_frame_files",
     "image_decode_error",
     "read_image_header",
@@ -63,6 +66,11 @@ _EXIF_ORIENTATION_TAG = 0x0112
 
 class ImageHeaderError(ValueError):
     """The file is not a supported image or its header is truncated/corrupt."""
+
+
+class NotARegularFileError(ImageHeaderError):
+    """The path is a folder, named pipe, device or socket: refused without reading it (a
+    named pipe would block ``open()`` forever)."""
 
 
 class ImageHeader(NamedTuple):
@@ -94,7 +102,9 @@ def read_image_size(
 
     Raises:
         FileNotFoundError: no such file.
+        NotARegularFileError: a folder, named pipe, device or socket (never opened).
         ImageHeaderError: not a PNG/JPEG/GIF/BMP/WebP file, or a truncated/corrupt header.
+            Messages name the file and the problem, never the file's bytes.
     """
     header = read_image_header(source)
     if apply_exif_orientation and header.orientation in (5, 6, 7, 8):
@@ -109,7 +119,13 @@ def read_image_header(source: ImageSource) -> ImageHeader:
     """
     if isinstance(source, (str, os.PathLike)):
         name = os.fspath(source)
-        with open(name, "rb") as f:
+        try:  # checked before opening: a named pipe would block open() forever
+            f = open_regular(name, "rb", "image")
+        except FileNotFoundError:
+            raise
+        except ValueError as exc:
+            raise NotARegularFileError(str(exc)) from None
+        with f:
             return _read_header(f, name)
     name = getattr(source, "name", "<file object>")
     return _read_header(source, str(name))
@@ -138,6 +154,9 @@ def image_decode_error(path: str | os.PathLike[str]) -> str | None:
     Needs Pillow."""
     from PIL import Image
 
+    problem = not_regular_reason(path)
+    if problem is not None:  # never opened: a named pipe would block forever
+        return f"cannot decode image {os.fspath(path)!r}: it {problem}"
     try:
         with Image.open(path) as image:
             if image.format == "JPEG":
@@ -163,9 +182,10 @@ def _read_header(f: BinaryIO, name: str) -> ImageHeader:
         return _webp(head, name)
     if not head:
         raise ImageHeaderError(f"{name}: empty file, not an image")
+    # The file's bytes are not quoted: the file may be anything (a password file).
     raise ImageHeaderError(
-        f"{name}: unrecognised image format (first bytes {head[:8].hex(' ')}); "
-        "supported: PNG, JPEG, GIF, BMP, WebP"
+        f"{name}: unrecognised image format: not a PNG, JPEG, GIF, BMP or WebP image "
+        "(its header matches none of them)"
     )
 
 
@@ -226,7 +246,7 @@ def _webp(head: bytes, name: str) -> ImageHeader:
         width = int.from_bytes(head[24:27], "little") + 1
         height = int.from_bytes(head[27:30], "little") + 1
         return _checked(width, height, name, "webp")
-    raise ImageHeaderError(f"{name}: WebP with an unknown first chunk {chunk!r}")
+    raise ImageHeaderError(f"{name}: WebP with an unknown first chunk type (corrupt file)")
 
 
 def _jpeg(f: BinaryIO, name: str) -> ImageHeader:
@@ -238,8 +258,7 @@ def _jpeg(f: BinaryIO, name: str) -> ImageHeader:
             raise ImageHeaderError(f"{name}: JPEG ends before its start-of-frame marker")
         if byte != b"\xff":
             raise ImageHeaderError(
-                f"{name}: corrupt JPEG (expected a marker at byte {f.tell() - 1}, "
-                f"found 0x{byte.hex()})"
+                f"{name}: corrupt JPEG (no segment marker at byte {f.tell() - 1})"
             )
         marker = 0xFF
         while marker == 0xFF:  # fill bytes

@@ -24,6 +24,15 @@ once). Size fields, all as (width, height) in pixels like ``PIL.Image.size``:
 image), ``image_sizes`` (a list of those), or ``width`` and ``height`` (ints, or lists
 with one entry per image). Text tokens: :mod:`dflop.data.text_tokens`.
 
+Paths and special files
+-----------------------
+Image, video and frame paths must stay under their folder: a sample whose path is
+absolute or resolves (``..``, symlinks) outside its image / video folder is skipped with
+reason ``outside_folder`` before anything of it is opened, unless
+``allow_outside_paths=True``. A path that is a named pipe, device or socket is refused
+without being opened (reason ``not_a_regular_file``: reading a named pipe would block
+forever). Error messages name the file and what is wrong with it, never its bytes.
+
 Unreadable samples
 ------------------
 A sample that cannot be profiled is *skipped and counted* by reason (the ``REASONS``
@@ -48,11 +57,14 @@ from dflop.data.families import FamilySpec, get_family
 from dflop.data.image_header import (
     FRAME_FILE_EXTENSIONS,
     ImageHeaderError,
+    NotARegularFileError,
     count_frame_files,
     read_image_size,
 )
 from dflop.data.shapes import Modality, SampleShapes
 from dflop.data.text_tokens import TextTokenCounter, make_text_counter
+from dflop.errors import bounded_repr
+from dflop.safe_io import path_repr
 
 __all__ = [
     "DataProfile",
@@ -82,6 +94,10 @@ REASONS: dict[str, str] = {
     "bad_size_metadata": "size fields are malformed or do not match the images",
     "bad_frame_metadata": "'num_frames'/'frames' is malformed",
     "missing_image": "an image file does not exist",
+    "not_a_regular_file": "an image or frame path is a folder, named pipe, device or socket, "
+    "not a regular file (refused before opening: reading a named pipe blocks forever)",
+    "outside_folder": "an image or video path is absolute or leads outside its image / video "
+    "folder (symlinks resolved); allowed with allow_outside_paths (--allow-outside-paths)",
     "unreadable_image": "an image header cannot be parsed (corrupt or unsupported format)",
     "missing_video": "the video file or frames folder does not exist",
     "empty_frames_folder": "the video frames folder holds no image files",
@@ -154,11 +170,11 @@ def _metadata_sizes(data: dict[str, Any], num_images: int) -> list[tuple[int, in
             if any(s is None for s in sizes):
                 raise SampleError(
                     "bad_size_metadata",
-                    f"{key}={value!r} must be [width, height] pairs of integers >= 1",
+                    f"{key}={bounded_repr(value)} must be [width, height] pairs of integers >= 1",
                 )
         else:
             raise SampleError(
-                "bad_size_metadata", f"{key}={value!r} must be [width, height] (pixels)"
+                "bad_size_metadata", f"{key}={bounded_repr(value)} must be [width, height] (pixels)"
             )
         if len(sizes) != num_images:
             raise SampleError(
@@ -173,14 +189,16 @@ def _metadata_sizes(data: dict[str, Any], num_images: int) -> list[tuple[int, in
         if not isinstance(h, list) or len(w) != len(h):
             raise SampleError(
                 "bad_size_metadata",
-                f"width={data.get('width')!r} and "
-                f"height={data.get('height')!r} must both be ints or lists of equal length",
+                f"width={bounded_repr(data.get('width'))} and "
+                f"height={bounded_repr(data.get('height'))} must both be ints or lists of "
+                "equal length",
             )
         sizes = [_as_size((a, b)) for a, b in zip(w, h)]
         if any(s is None for s in sizes):
             raise SampleError(
                 "bad_size_metadata",
-                f"width={data.get('width')!r}, height={data.get('height')!r} must be integers >= 1",
+                f"width={bounded_repr(data.get('width'))}, "
+                f"height={bounded_repr(data.get('height'))} must be integers >= 1",
             )
         if len(sizes) != num_images:
             raise SampleError(
@@ -211,13 +229,16 @@ class _ImageSizeCache:
     @staticmethod
     def _read(path: str) -> tuple[int, int] | SampleError:
         try:
-            return read_image_size(path)
+            return read_image_size(path)  # refuses a named pipe before opening it
+        except NotARegularFileError as exc:
+            return SampleError("not_a_regular_file", str(exc))
         except FileNotFoundError:
-            return SampleError("missing_image", f"image file {path!r} does not exist")
+            return SampleError("missing_image", f"image file {path_repr(path)} does not exist")
         except ImageHeaderError as exc:
             return SampleError("unreadable_image", str(exc))
-        except OSError as exc:
-            return SampleError("unreadable_image", f"{path}: {exc}")
+        except OSError as exc:  # the message without the path again (it may be long)
+            why = exc.strerror or type(exc).__name__
+            return SampleError("unreadable_image", f"{path_repr(path)}: {why}")
 
 
 def _turns(data: dict[str, Any]) -> list[tuple[str, str]]:
@@ -226,7 +247,8 @@ def _turns(data: dict[str, Any]) -> list[tuple[str, str]]:
     conv = data["conversations"]
     if not isinstance(conv, list) or not conv:
         raise SampleError(
-            "bad_conversations", f"'conversations' must be a non-empty list, got {conv!r:.80}"
+            "bad_conversations",
+            f"'conversations' must be a non-empty list, got {bounded_repr(conv, 80)}",
         )
     turns = []
     for k, turn in enumerate(conv):
@@ -237,7 +259,8 @@ def _turns(data: dict[str, Any]) -> list[tuple[str, str]]:
         ):
             raise SampleError(
                 "bad_conversations",
-                f"conversations[{k}] must be {{'from': str, 'value': str}}, got {turn!r:.80}",
+                f"conversations[{k}] must be {{'from': str, 'value': str}}, "
+                f"got {bounded_repr(turn, 80)}",
             )
         turns.append((turn["from"], turn["value"]))
     return turns
@@ -252,27 +275,33 @@ def _video_frames(data: dict[str, Any], video: Any, folder: str) -> int:
             value = len(value)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SampleError(
-                "bad_frame_metadata", f"{key}={data[key]!r:.80} must be an int >= 1 or a list"
+                "bad_frame_metadata",
+                f"{key}={bounded_repr(data[key], 80)} must be an int >= 1 or a list",
             )
         return value
     if not isinstance(video, str) or not video:
-        raise SampleError("bad_video_field", f"'video' must be a path, got {video!r:.80}")
+        raise SampleError(
+            "bad_video_field", f"'video' must be a path, got {bounded_repr(video, 80)}"
+        )
     path = os.path.join(folder, video)
     if os.path.isdir(path):
         try:
             frames = count_frame_files(path)
         except OSError as exc:
-            raise SampleError("missing_video", f"frames folder {path!r}: {exc}") from None
+            why = exc.strerror or type(exc).__name__
+            raise SampleError("missing_video", f"frames folder {path_repr(path)}: {why}") from None
         if frames == 0:
-            raise SampleError("empty_frames_folder", f"frames folder {path!r} has no images")
+            raise SampleError(
+                "empty_frames_folder", f"frames folder {path_repr(path)} has no images"
+            )
         return frames
     if os.path.exists(path):
         raise SampleError(
             "video_without_frame_count",
-            f"video file {path!r} has no 'num_frames' metadata; dflop does not decode "
+            f"video file {path_repr(path)} has no 'num_frames' metadata; dflop does not decode "
             "videos: add num_frames to the sample or extract frames to a folder",
         )
-    raise SampleError("missing_video", f"video {path!r} does not exist")
+    raise SampleError("missing_video", f"video {path_repr(path)} does not exist")
 
 
 def _first_frame(data: dict[str, Any], video: Any, folder: str) -> str | None:
@@ -283,7 +312,11 @@ def _first_frame(data: dict[str, Any], video: Any, folder: str) -> str | None:
     path = os.path.join(folder, video) if isinstance(video, str) and video else None
     if path is None or not os.path.isdir(path):
         return None
-    names = sorted(n for n in os.listdir(path) if n.lower().endswith(FRAME_FILE_EXTENSIONS))
+    names = sorted(
+        n
+        for n in os.listdir(path)
+        if n.lower().endswith(FRAME_FILE_EXTENSIONS) and os.path.isfile(os.path.join(path, n))
+    )
     return os.path.join(path, names[0]) if names else None
 
 
@@ -300,7 +333,8 @@ def describe_sample(
     data = raw.data
     if not isinstance(data, dict):
         raise SampleError(
-            "not_an_object", f"expected a JSON object, got {type(data).__name__}: {data!r:.80}"
+            "not_an_object",
+            f"expected a JSON object, got {type(data).__name__}: {bounded_repr(data, 80)}",
         )
     turns = _turns(data)
     try:
@@ -325,7 +359,7 @@ def describe_sample(
     if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p for p in paths):
         raise SampleError(
             "bad_image_field",
-            f"'image' must be a path or a non-empty list of paths, got {image!r:.80}",
+            f"'image' must be a path or a non-empty list of paths, got {bounded_repr(image, 80)}",
         )
     sizes = _metadata_sizes(data, len(paths))
     if sizes is None:
@@ -365,6 +399,7 @@ def profile_dataset(
     progress: bool = True,
     seed: int = 0,
     max_samples: int | None = None,
+    allow_outside_paths: bool = False,
     chunk_samples: int = CHUNK_SAMPLES,
 ) -> ShapeDistribution:
     """Profile a dataset: the shape of every (selected) sample under ``family``'s rules.
@@ -385,6 +420,9 @@ def profile_dataset(
             is a terminal).
         seed: seed of ``random:`` sampling strategies.
         max_samples: stop after reading this many samples (profiled + skipped).
+        allow_outside_paths: accept image / video paths that are absolute or lead outside
+            the image / video folder (``..``, symlinks). By default such a sample is
+            skipped with reason ``outside_folder`` before any of its files is opened.
         chunk_samples: samples per vectorised call of the shape rules.
 
     Returns:
@@ -410,6 +448,7 @@ def profile_dataset(
         seed=seed,
         max_samples=max_samples,
         strict=strict,
+        allow_outside_paths=allow_outside_paths,
     )
     parts: list[SampleShapes] = []
     chunk: list[SampleDescriptor] = []

@@ -38,10 +38,12 @@ from dflop.data.profiler import (
 )
 from dflop.data.shapes import Modality, SampleShapes
 from dflop.data.text_tokens import TextTokenCounter, make_text_counter
+from dflop.safe_io import not_regular_reason, path_repr
 
 __all__ = [
     "DatasetReader",
     "RecordSet",
+    "check_confined",
     "descriptor_shapes",
     "frames_folder_problem",
     "image_paths",
@@ -64,6 +66,10 @@ class DatasetReader:
         loadable: also skip records whose pixels cannot be found (reason
             ``video_without_frames``, or ``missing_image`` for an image known only from
             size fields).
+        allow_outside_paths: accept image / video / frame paths that are absolute or lead
+            outside the record's image / video folder. By default such a record is skipped
+            (reason ``outside_folder``, :func:`check_confined`) before any of its files is
+            opened: a dataset reads only files under the folders it was given.
     """
 
     def __init__(
@@ -77,6 +83,7 @@ class DatasetReader:
         max_samples: int | None = None,
         strict: bool = False,
         loadable: bool = False,
+        allow_outside_paths: bool = False,
     ) -> None:
         if max_samples is not None and (
             isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 0
@@ -88,6 +95,7 @@ class DatasetReader:
         self.max_samples = max_samples
         self.strict = strict
         self.loadable = loadable
+        self.allow_outside_paths = bool(allow_outside_paths)
         self._sources = dataset_sources(path, image_folder=image_folder, video_folder=video_folder)
         self.num_read = 0
         self.skipped: dict[str, int] = {}
@@ -96,6 +104,7 @@ class DatasetReader:
 
     def __iter__(self) -> Iterator[tuple[RawSample, SampleDescriptor]]:
         images = _ImageSizeCache()  # repeated paths are read once
+        roots: dict[str, str] = {}  # folder -> its real path
         for source in self._sources:
             if self.max_samples is not None and self.num_read >= self.max_samples:
                 return
@@ -107,6 +116,8 @@ class DatasetReader:
                 self.num_read += 1
                 stats["num_read"] += 1
                 try:
+                    if not self.allow_outside_paths:
+                        check_confined(raw, roots)  # before any file of it is opened
                     descriptor = describe_sample(raw, self.counter, images)
                     if self.loadable:
                         check_loadable(raw, descriptor)
@@ -184,6 +195,54 @@ def descriptor_shapes(spec: FamilySpec, descriptors: list[SampleDescriptor]) -> 
     )
 
 
+# --------------------------------------------------------------------------- confined
+
+
+def _inside(folder: str, name: str, roots: dict[str, str]) -> bool:
+    root = roots.get(folder)
+    if root is None:
+        root = roots[folder] = os.path.realpath(folder)
+    target = os.path.realpath(os.path.join(folder, name))
+    try:
+        return os.path.commonpath([root, target]) == root
+    except ValueError:  # different drives (Windows)
+        return False
+
+
+def check_confined(raw: RawSample, roots: dict[str, str] | None = None) -> None:
+    """Raise :class:`SampleError` (reason ``outside_folder``) when a record's ``image``
+    path(s), ``video`` or ``frames`` paths are absolute or resolve (``..``, symlinks:
+    :func:`os.path.realpath`) outside its image / video folder; ``bad_image_field`` /
+    ``bad_video_field`` for a path holding a NUL character. Fields of other types are
+    left to :func:`~dflop.data.profiler.describe_sample` to report. ``roots`` caches the
+    folders' real paths."""
+    data = raw.data
+    if not isinstance(data, dict):
+        return
+    roots = {} if roots is None else roots
+    image = data.get("image")
+    names = [image] if isinstance(image, str) else image if isinstance(image, list) else []
+    checks = [("image", raw.image_folder, n) for n in names if isinstance(n, str) and n]
+    video = data.get("video")
+    if isinstance(video, str) and video:
+        checks.append(("video", raw.video_folder, video))
+    frames = data.get("frames")
+    if video is not None and isinstance(frames, list):
+        checks.extend(("frame", raw.video_folder, f) for f in frames if isinstance(f, str) and f)
+    for kind, folder, name in checks:
+        if "\0" in name:
+            field = "bad_image_field" if kind == "image" else "bad_video_field"
+            raise SampleError(field, f"{kind} path {path_repr(name)} holds a NUL character")
+        if os.path.isabs(name) or not _inside(folder, name, roots):
+            where = "absolute" if os.path.isabs(name) else "outside its folder"
+            raise SampleError(
+                "outside_folder",
+                f"{kind} path {path_repr(name)} is {where} (folder {path_repr(folder)}); "
+                "dataset paths stay under the image / video folder unless "
+                "allow_outside_paths (--allow-outside-paths) is set",
+            )
+
+
 # --------------------------------------------------------------------------- loadable
 
 
@@ -203,7 +262,7 @@ def frames_folder_problem(raw: RawSample) -> str | None:
     if os.path.isdir(path):
         return None
     return (
-        f"video {path!r} is not a frames folder; DatasetBatch reads video frames from a "
+        f"video {path_repr(path)} is not a frames folder; DatasetBatch reads video frames from a "
         "folder of images (dflop does not decode video files): extract its frames to a "
         "folder, or list the frame paths in 'frames'"
     )
@@ -216,10 +275,20 @@ def check_loadable(raw: RawSample, d: SampleDescriptor) -> None:
         problem = frames_folder_problem(raw)
         if problem is not None:
             raise SampleError("video_without_frames", problem)
+        frames = raw.data.get("frames")
+        if isinstance(frames, list):  # a named pipe among them would block the decoder
+            for name in (f for f in frames if isinstance(f, str)):
+                path = os.path.join(raw.video_folder, name)
+                problem = not_regular_reason(path)
+                if problem is not None:
+                    raise SampleError("not_a_regular_file", f"frame {path_repr(path)} {problem}")
     elif d.modality != Modality.TEXT:
         for path in image_paths(raw):
             if not os.path.isfile(path):
-                raise SampleError("missing_image", f"image file {path!r} does not exist")
+                problem = not_regular_reason(path)
+                if problem is not None:
+                    raise SampleError("not_a_regular_file", f"image {path_repr(path)} {problem}")
+                raise SampleError("missing_image", f"image file {path_repr(path)} does not exist")
 
 
 # --------------------------------------------------------------------------- records
@@ -315,12 +384,14 @@ def read_records(
     text_counter: TextTokenCounter | None = None,
     seed: int = 0,
     max_samples: int | None = None,
+    allow_outside_paths: bool = False,
 ) -> RecordSet:
     """Read a ``.json``/``.jsonl`` dataset or ``.yaml`` recipe into the records a
     :class:`~dflop.runtime.dataset_batch.DatasetBatch` can load, plus their profile.
     Records the profiler would skip are counted by reason (``distribution.skipped``), as
-    is a video *file* without extracted frames (reason ``video_without_frames``); nothing
-    is decoded or tokenised."""
+    is a video *file* without extracted frames (reason ``video_without_frames``), and,
+    unless ``allow_outside_paths``, a record whose paths leave its folders (reason
+    ``outside_folder``, :class:`DatasetReader`); nothing is decoded or tokenised."""
     spec = get_family(family)
     reader = DatasetReader(
         path,
@@ -330,6 +401,7 @@ def read_records(
         seed=seed,
         max_samples=max_samples,
         loadable=True,
+        allow_outside_paths=allow_outside_paths,
     )
     records: list[RawSample] = []
     descriptors: list[SampleDescriptor] = []

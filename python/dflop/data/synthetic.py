@@ -63,7 +63,7 @@ import numpy as np
 
 from dflop.data.families import FamilySpec, get_family, shapes_from_descriptors
 from dflop.data.shapes import Modality, SampleShapes
-from dflop.errors import InputTypeError
+from dflop.errors import InputTypeError, bounded_repr
 
 __all__ = ["MixSpec", "synthetic_shapes"]
 
@@ -133,11 +133,17 @@ class MixSpec:
     @classmethod
     def from_mapping(cls, mix: Mapping[str, float]) -> MixSpec:
         """A MixSpec from ``{"single_image": .., ...}``; missing keys keep their defaults."""
+        if not isinstance(mix, Mapping):  # a string would be read letter by letter
+            raise InputTypeError(
+                f"mix must map modalities to fractions, got {type(mix).__name__} "
+                f"{bounded_repr(mix)}"
+            )
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(mix) - known)
+        unknown = sorted(map(str, set(mix) - known))
         if unknown:
             raise ValueError(
-                f"mix has unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+                f"mix has unknown field(s) {', '.join(map(bounded_repr, unknown))}; known: "
+                f"{', '.join(sorted(known))}"
             )
         return cls(**dict(mix))
 

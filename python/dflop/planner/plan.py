@@ -19,7 +19,9 @@ stage) and ``stage_ranks`` (per stage, per DP replica, the TP ranks); global ran
 ``first_rank + stage * tp * dp + dp_rank * tp + tp_rank``. A colocated layout (baseline)
 runs the encoder inside the LLM's first stage (``encoder.num_gpus == 0``). Plus
 ``num_microbatches`` (per LLM DP rank and step), ``global_batch`` and the prediction.
-Readers reject files of a newer version.
+Readers reject files of a newer version, and check every field before using any
+(:mod:`dflop.planner.plan_check`): a bad plan fails at load, in one line naming the file,
+the field and the rule, before any process starts.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflop.planner.model import ClusterSpec
+from dflop.planner.plan_check import PlanError, check_plan
 from dflop.planner.steps import StepAudit
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "LayoutPlan",
     "ModulePlan",
     "Plan",
+    "PlanError",
     "StepAudit",
     "StepPrediction",
 ]
@@ -301,15 +305,15 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
-        if data.get("format") != PLAN_FORMAT:
-            raise ValueError(f"not a dflop plan (format={data.get('format')!r})")
-        version = data.get("version")
-        if not isinstance(version, int) or version < 1 or version > PLAN_VERSION:
-            raise ValueError(
-                f"plan version {version!r} is not supported (this dflop reads 1..{PLAN_VERSION})"
-            )
-        if not data.get("layouts"):  # the planner raises instead of planning nothing
-            raise ValueError("the plan holds no layout")
+        """The plan of parsed JSON ``data``, every field checked first
+        (:func:`dflop.planner.plan_check.check_plan`).
+
+        Raises:
+            dflop.planner.plan_check.PlanError: (a ValueError) naming the first field
+                that breaks a rule, its value and the rule.
+        """
+        check_plan(data, plan_format=PLAN_FORMAT, max_version=PLAN_VERSION)
+        version = data["version"]
         return cls(
             cluster=ClusterSpec.from_dict(data["cluster"]),
             global_batch=int(data["global_batch"]),
@@ -336,15 +340,22 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
-        with open(path, encoding="utf-8") as f:
+        from dflop.safe_io import JSONTooDeepError, load_json, open_regular
+
+        with open_regular(path, "r", "plan file") as f:  # a named pipe: refused, not opened
             try:
-                data = json.load(f)
-            except json.JSONDecodeError as error:
+                data = load_json(f)
+            except (json.JSONDecodeError, JSONTooDeepError) as error:
                 raise ValueError(f"{os.fspath(path)} is not valid JSON: {error}") from None
+            except ValueError as error:  # bad UTF-8, an integer too long to parse
+                what = " ".join(str(error).split())[:200]
+                raise ValueError(f"{os.fspath(path)} is not valid JSON: {what}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{os.fspath(path)} is not a dflop plan")
         try:
             return cls.from_dict(data)
+        except PlanError as error:  # "FILE: field.path=value rule"
+            raise ValueError(f"{os.fspath(path)}: {error}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             what = f"missing field {error}" if isinstance(error, KeyError) else str(error)
             raise ValueError(f"{os.fspath(path)}: not a valid dflop plan: {what}") from None

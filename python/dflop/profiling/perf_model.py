@@ -577,13 +577,15 @@ class PerformanceModel:
 
     @staticmethod
     def load(path: PathLike) -> PerformanceModel:
+        from dflop.safe_io import JSONTooDeepError, load_json, open_regular
+
         path = os.fspath(path)
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+        try:  # a named pipe is refused before it is opened (it would block forever)
+            with open_regular(path, "r", "performance model file") as f:
+                data = load_json(f)
         except FileNotFoundError:
             raise FileNotFoundError(f"performance model file not found: {path}") from None
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, JSONTooDeepError) as err:
             raise ValueError(f"{path}: not valid JSON ({err})") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object")

@@ -573,8 +573,11 @@ class DatasetBatch(PackedBatchSource):
         return canvas.crop((c * side, r * side, (c + 1) * side, (r + 1) * side))
 
     def _decode(self, path: str, where: str) -> Any:
+        from dflop.safe_io import check_regular_file
+
         pil = _pil()
         try:
+            check_regular_file(path, "image")  # a file swapped for a pipe must not block
             with pil.open(path) as image:
                 image.load()
                 rgb = image.convert("RGB")

@@ -18,11 +18,14 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
+
+from dflop.errors import InUseError, WriteError
 
 __all__ = [
     "StopRequested",
@@ -62,6 +65,15 @@ class ProcessInfo(NamedTuple):
     backend: str
 
 
+def _loopback_interface() -> str | None:
+    """The name of this host's loopback interface (``lo`` on Linux), if it has one."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:  # pragma: no cover - platforms without the call
+        return None
+    return next((n for n in names if n == "lo" or n.startswith("lo0")), None)
+
+
 def _describe_exit(exitcode: int | None) -> str:
     if exitcode is None:
         return "is still running"
@@ -92,6 +104,12 @@ def _child_main(
     exitcode = 0
     _die_with(launcher_alive)
     try:
+        # A local run talks over loopback only: gloo's and NCCL's bootstrap sockets bind
+        # to the interface these name (a user's own setting wins).
+        loopback = _loopback_interface()
+        if loopback is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
         os.environ.update(
             MASTER_ADDR=host,
             MASTER_PORT=str(port),
@@ -124,7 +142,9 @@ def _child_main(
         if not isinstance(exitcode, int):
             exitcode = 1
         try:
-            text = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
+            text = f"{type(error).__name__}: {error}"
+            if not isinstance(error, (WriteError, InUseError)):  # named: no traceback needed
+                text += f"\n{traceback.format_exc()}"
             conn.send(("error", text, time.time()))
         except Exception:  # the parent may already be gone
             pass
@@ -235,14 +255,26 @@ def spawn_local(
     if num_threads is None:
         num_threads = max(1, (os.cpu_count() or 1) // world_size)
     host = "127.0.0.1"
-    store = dist.TCPStore(
-        host,
-        0,
-        None,
-        is_master=True,
-        timeout=datetime.timedelta(seconds=collective_timeout_s),
-        wait_for_workers=False,
-    )
+    # TCPStore's server listens on every interface when it binds the port itself; given
+    # a socket already listening on loopback it serves that one, so no other machine can
+    # read or write the rendezvous (the store has no authentication).
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((host, 0))
+    listener.listen(max(128, world_size))
+    try:
+        # The store owns (and closes) the descriptor it is given: hand it a copy.
+        store = dist.TCPStore(
+            host,
+            listener.getsockname()[1],
+            None,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=os.dup(listener.fileno()),
+            use_libuv=True,
+        )
+    finally:
+        listener.close()
     if start_method is None:
         available = multiprocessing.get_all_start_methods()
         start_method = "forkserver" if "forkserver" in available else "spawn"

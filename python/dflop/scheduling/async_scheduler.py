@@ -113,7 +113,9 @@ class AsyncScheduler:
         the samples' visual units, needed when the pipeline replicates a module."""
         if pipeline is not None and not isinstance(pipeline, PipelineModel):
             raise InputTypeError(f"pipeline must be a dflop.PipelineModel, got {pipeline!r}")
-        array = np.asarray(costs, dtype=np.float64)
+        # Copies: the schedule is solved later, on another thread, for the costs as
+        # submitted (the caller may reuse or overwrite its arrays meanwhile).
+        array = np.array(costs, dtype=np.float64, copy=True)
         deadline = None if deadline_s is None else time.monotonic() + float(deadline_s)
         with self._cond:
             if self._closed:
@@ -127,7 +129,7 @@ class AsyncScheduler:
                 costs=array,
                 deadline=deadline,
                 pipeline=pipeline or self._pipeline,
-                units=None if units is None else np.asarray(units),
+                units=None if units is None else np.array(units, copy=True),
                 done=threading.Event(),
             )
             self._jobs[step] = job

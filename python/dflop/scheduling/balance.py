@@ -114,7 +114,10 @@ def _as_costs(costs: Any) -> np.ndarray:
         array = array.reshape(-1, 1)
     if array.ndim != 2:
         raise ValueError(f"costs must be 1-D (N,) or 2-D (N, D), got shape {array.shape}")
-    return np.ascontiguousarray(array, dtype=np.float64)
+    # A copy of our own, always: the core validates it, then searches it with the GIL
+    # released, and the loads are recomputed from it after: another thread writing into
+    # the caller's array meanwhile changes none of them.
+    return np.array(array, dtype=np.float64, order="C", copy=True)
 
 
 MAX_TIME_BUDGET_MS = 3_600_000.0

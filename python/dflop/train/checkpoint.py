@@ -5,9 +5,15 @@ Layout of ``checkpoint_dir``::
     step-000012/rank-00000.pt         {"step", "stage", "optimizer", "layout", "model", ...}
     step-000012/rank-00000.pt.sha256  the file's SHA-256
     step-000012/rank-00001.pt ...
+    step-000012/settings.json         the run's settings and layout (rank 0; a resumed run
+                                      compares its own with them)
     latest                            "step-000012" (written by rank 0 after every rank saved)
+    dflop.lock                        the process and host of the run using the folder
 
-Files are written to a temporary name and renamed, each with its checksum; ``latest``
+One run at a time: :class:`CheckpointLock` holds an exclusive lock on the folder for the
+whole run (a second run is refused, naming the first's process and host; a lock left by a
+process that died is reported and taken over). Files are written to a temporary name
+that carries the writer's process id and renamed, each with its checksum; ``latest``
 moves only after a barrier and after rank 0 has verified every rank's file of the new
 step, so a run killed mid-save, or a save that reached the disk damaged, leaves the
 previous checkpoint in place. Rotation keeps the newest ``keep`` verified steps and never
@@ -23,14 +29,25 @@ verifies, else the newest step that does, and says what it found.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import json
 import os
+import re
 import shutil
+import socket
+import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
+from dflop.errors import InUseError
+from dflop.output import write_file, write_text
+
 __all__ = [
     "CheckpointError",
+    "CheckpointLock",
+    "checkpoint_settings",
     "find_checkpoint",
     "load_checkpoint",
     "save_checkpoint",
@@ -38,6 +55,9 @@ __all__ = [
 ]
 
 _LATEST = "latest"
+_LOCK = "dflop.lock"
+_SETTINGS = "settings.json"
+_TEMPORARY = re.compile(r"\.tmp(-\d+)?$")  # what write_file (and older dflops) wrote
 
 
 class CheckpointError(RuntimeError):
@@ -112,14 +132,18 @@ def save_checkpoint(
     barrier: Any,
     world_size: int,
     keep: int = 2,
+    settings: dict[str, Any] | None = None,
 ) -> Path:
     """Save this rank's ``state`` for ``step`` with its checksum; ``barrier()`` is called
     before rank 0 verifies the step and moves the marker (every rank must call this
-    function).
+    function). ``settings`` (rank 0): the run's settings, saved beside the step as
+    ``settings.json`` (what :func:`checkpoint_settings` reads).
 
     Raises:
         CheckpointError: on rank 0, the new step does not verify (the marker and the older
             steps are left as they were).
+        dflop.errors.WriteError: a file could not be written (a full disk is named as such, with the
+            path and the space left); its temporary file is removed.
     """
     import torch
 
@@ -127,26 +151,149 @@ def save_checkpoint(
     folder = root / f"step-{step:06d}"
     folder.mkdir(parents=True, exist_ok=True)
     target = _rank_file(folder, rank)
-    tmp = target.with_suffix(".pt.tmp")
-    torch.save({**state, "step": step}, tmp)
-    checksum = _sha256(tmp)
-    os.replace(tmp, target)
-    check_tmp = target.with_name(target.name + ".sha256.tmp")
-    check_tmp.write_text(checksum)
-    os.replace(check_tmp, target.with_name(target.name + ".sha256"))
+    write_file(target, lambda f: torch.save({**state, "step": step}, f), durable=True)
+    write_text(target.with_name(target.name + ".sha256"), _sha256(target), durable=True)
+    if rank == 0 and settings is not None:
+        text = json.dumps(settings, indent=1, default=str)
+        write_text(folder / _SETTINGS, text, durable=True)
     barrier()
     if rank == 0:
         problem = verify_checkpoint(folder, world_size)
         if problem is not None:
             raise CheckpointError(f"the checkpoint of step {step} did not verify: {problem}")
-        marker_tmp = root / (_LATEST + ".tmp")
-        marker_tmp.write_text(folder.name)
-        os.replace(marker_tmp, root / _LATEST)
+        write_text(root / _LATEST, folder.name, durable=True)
         steps = sorted(p for p in root.glob("step-*") if p.is_dir())
         for old in steps[:-keep] if keep > 0 else []:
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
     return folder
+
+
+def checkpoint_settings(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The settings a run saved beside checkpoint ``folder`` (None if it saved none)."""
+    path = Path(folder) / _SETTINGS
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError):
+        return None
+
+
+class CheckpointLock:
+    """An exclusive lock on a checkpoint folder, held by one run from before it reads the
+    folder until it exits (a ``with`` block; the kernel drops it if the process dies).
+
+    The lock is ``dflop.lock`` in the folder, locked with ``flock`` and holding the
+    process id, host and command of its holder. A second run is refused with
+    :class:`~dflop.errors.InUseError` naming them. A lock file whose process is gone (a
+    killed run) is reported and taken over; one written on another host is only taken
+    over once it is unlocked and when that host cannot still run it is not knowable
+    here, so it is refused (delete the file once that run is gone). ``flock`` works on
+    local disks and on NFSv4; on file systems without it the host check still applies.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], log: Callable[[str], None] = print):
+        self.folder = Path(folder)
+        self.path = self.folder / _LOCK
+        self._log = log
+        self._fd: int | None = None
+
+    def __enter__(self) -> CheckpointLock:
+        import fcntl
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                if error.errno not in (errno.EAGAIN, errno.EACCES):
+                    os.close(fd)
+                    raise
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise InUseError(
+                    f"checkpoint folder {str(self.folder)!r} is in use by another run: "
+                    f"{_describe_holder(holder)}; wait for it to end or use another "
+                    "--checkpoint-dir"
+                ) from None
+            # The file may have been removed (its holder released it) between our open
+            # and our lock: then we hold a lock on a deleted file; start again.
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        holder = _read_holder(fd)
+        if holder:
+            host = holder.get("host")
+            if host != socket.gethostname():
+                os.close(fd)
+                raise InUseError(
+                    f"checkpoint folder {str(self.folder)!r} has a lock left by "
+                    f"{_describe_holder(holder)}; whether that run still runs cannot be "
+                    f"told from here: once it has ended, delete {str(self.path)!r}"
+                )
+            self._log(
+                f"checkpoint: {self.path} was left by {_describe_holder(holder)}, which is no "
+                "longer running; taking the folder over"
+            )
+        self._fd = fd
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": " ".join(sys.argv)[:300],
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        self._remove_stale_temporaries()
+        return self
+
+    def _remove_stale_temporaries(self) -> None:
+        """Temporary files of runs that died mid-write (this run holds the folder now)."""
+        stale = [
+            p for p in self.folder.rglob("*.tmp*") if p.is_file() and _TEMPORARY.search(p.name)
+        ]
+        for path in stale:
+            path.unlink(missing_ok=True)
+        if stale:
+            self._log(
+                f"checkpoint: removed {len(stale)} temporary file(s) a stopped run left in "
+                f"{self.folder}"
+            )
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._fd is None:
+            return
+        # Unlink before unlocking: a run waiting on this file then retries on a new one.
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            os.close(self._fd)  # releases the flock
+            self._fd = None
+
+
+def _read_holder(fd: int) -> dict[str, Any]:
+    try:
+        text = os.pread(fd, 4096, 0).decode("utf-8", "replace")
+        holder = json.loads(text) if text.strip() else {}
+    except ValueError:
+        return {"unreadable": True}
+    return holder if isinstance(holder, dict) else {"unreadable": True}
+
+
+def _describe_holder(holder: dict[str, Any]) -> str:
+    if not holder or "pid" not in holder:
+        return "a run that did not say which (unreadable lock file)"
+    command = f", {holder['command']!r}" if holder.get("command") else ""
+    return (
+        f"process {holder['pid']} on host {holder.get('host', '?')} (started "
+        f"{holder.get('started', '?')}{command})"
+    )
 
 
 def _safe_types() -> list[Any]:

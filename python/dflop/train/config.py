@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflop.errors import InputTypeError
+from dflop.errors import InputTypeError, bounded_repr
+from dflop.safe_io import not_regular_reason
 
 __all__ = [
     "SCHEDULE_MODES",
@@ -41,6 +42,10 @@ SECTIONS: dict[str, str] = {
     "runtime": "runtime",
 }
 """The sections of :class:`TrainConfig` (the tables of a config file), with their titles."""
+
+
+_MIN_TIMEOUT_S = 1.0
+_MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 def _field(section: str, default: Any, doc: str, **cli: Any) -> Any:
@@ -140,6 +145,13 @@ class TrainConfig:
         "decode every dataset record's image files once before its first step (spread over "
         "the ranks) and replace a record whose files do not decode by a seeded redraw, "
         "counted and reported (off: such a file fails the run at the step that decodes it)",
+    )
+    allow_outside_paths: bool = _field(
+        "data",
+        False,
+        "accept dataset image/video paths that are absolute or lead outside image_folder / "
+        "video_folder ('..', symlinks resolved); by default such a record is skipped "
+        "(outside_folder) without opening its files",
     )
     # [optim]
     steps: int = _field("optim", 20, "total steps (a resumed run continues up to it)")
@@ -286,7 +298,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"TrainConfig.{name}={getattr(self, name)!r} must be {rule}")
+            value = bounded_repr(getattr(self, name))
+            return ValueError(f"TrainConfig.{name}={value} must be {rule}")
 
         def integer(name: str, minimum: int, optional: bool = False) -> None:
             value = getattr(self, name)
@@ -295,6 +308,21 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise bad(name, f"an integer >= {minimum}")
 
+        for name, f in _FIELDS.items():  # kinds first: the checks below use the values
+            kind = str(f.type)
+            value = getattr(self, name)
+            if kind == "bool" and not isinstance(value, bool):  # "no" would be truthy
+                raise InputTypeError(
+                    f"TrainConfig.{name} must be true or false, got {type(value).__name__} "
+                    f"{bounded_repr(value)}"
+                )
+            if kind.startswith("str") and not isinstance(value, str):
+                if value is None and "None" in kind:
+                    continue
+                raise InputTypeError(
+                    f"TrainConfig.{name} must be text, got {type(value).__name__} "
+                    f"{bounded_repr(value)}"
+                )
         integer("steps", 1)
         integer("global_batch", 1, optional=True)
         integer("seed", 0)
@@ -310,12 +338,33 @@ class TrainConfig:
         integer("max_seq_len", 2, optional=True)
         if self.too_long not in ("truncate", "skip", "error"):
             raise bad("too_long", "'truncate', 'skip' or 'error'")
-        for name, positive in (("lr", True), ("weight_decay", False), ("timeout_s", True)):
+        for name, positive in (("lr", True), ("weight_decay", False)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise bad(name, "a number")
             if not math.isfinite(value) or (value <= 0 if positive else value < 0):
                 raise bad(name, "finite and > 0" if positive else "finite and >= 0")
+        for name in ("timeout_s", "run_timeout_s"):
+            value = getattr(self, name)
+            if value is None and name == "run_timeout_s":
+                continue
+            # Below a second no rendezvous completes; past a year is a typo (and past
+            # what a timedelta holds).
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not _MIN_TIMEOUT_S <= value <= _MAX_TIMEOUT_S
+            ):
+                raise bad(
+                    name,
+                    f"a number of seconds from {_MIN_TIMEOUT_S:g} to {_MAX_TIMEOUT_S:g} "
+                    "(one year)" + (" or None" if name == "run_timeout_s" else ""),
+                )
+        if self.mix is not None and not isinstance(self.mix, Mapping):
+            raise InputTypeError(
+                f"TrainConfig.mix must be a table of fractions (e.g. {{text = 0.4}}), got "
+                f"{type(self.mix).__name__} {bounded_repr(self.mix)}"
+            )
         if self.memory_gb is not None and (
             isinstance(self.memory_gb, bool)
             or not isinstance(self.memory_gb, (int, float))
@@ -351,10 +400,14 @@ class TrainConfig:
             path = getattr(self, name)
             if path is not None and not os.path.exists(path):
                 raise FileNotFoundError(f"TrainConfig.{name}={path!r}: no such file")
+            if path is not None and (special := not_regular_reason(path)) is not None:
+                raise ValueError(f"TrainConfig.{name}={path!r} {special}")
         if self.data != "synthetic" and not os.path.exists(self.data):
             raise FileNotFoundError(
                 f"TrainConfig.data={self.data!r}: no such file (or use 'synthetic')"
             )
+        if self.data != "synthetic" and (special := not_regular_reason(self.data)) is not None:
+            raise ValueError(f"TrainConfig.data={self.data!r} {special}")  # e.g. a named pipe
         if not isinstance(self.scaler, dict):
             raise InputTypeError(
                 f"TrainConfig.scaler must be a dict, got {type(self.scaler).__name__}"
@@ -403,7 +456,8 @@ class TrainConfig:
             unknown = sorted(set(self.scaler) - known)
             if unknown:
                 raise ValueError(
-                    f"TrainConfig.scaler has unknown field {unknown[0]!r}; known: {sorted(known)}"
+                    f"TrainConfig.scaler has unknown field {bounded_repr(unknown[0])}; known: "
+                    f"{sorted(known)}"
                 )
             for name, value in self.scaler.items():
                 wanted = bool if name == "visual_newline" else int
@@ -412,7 +466,7 @@ class TrainConfig:
                         continue
                     raise InputTypeError(
                         f"TrainConfig.scaler[{name!r}] must be {'a bool' if wanted is bool else 'an integer'}, "
-                        f"got {type(value).__name__} {value!r}"
+                        f"got {type(value).__name__} {bounded_repr(value)}"
                     )
 
     @property
@@ -466,7 +520,7 @@ class TrainConfig:
                 if section in _FIELDS:
                     hint = f" ({section!r} is a field of [{_section_of(section)}])"
                 raise ValueError(
-                    f"{source}: unknown section [{section}]{hint}; sections: "
+                    f"{source}: unknown section [{str(section)[:80]}]{hint}; sections: "
                     + ", ".join(f"[{s}]" for s in SECTIONS)
                 )
             if not isinstance(table, Mapping):
@@ -476,7 +530,7 @@ class TrainConfig:
             for name, value in table.items():
                 if name not in _FIELDS:
                     raise ValueError(
-                        f"{source}: [{section}] has no field {name!r}"
+                        f"{source}: [{section}] has no field {bounded_repr(name)}"
                         f"{_did_you_mean(str(name), _FIELDS)}; its fields: "
                         + ", ".join(n for n in _FIELDS if _section_of(n) == section)
                     )
@@ -504,7 +558,12 @@ class TrainConfig:
             steps = 1000
             lr = 3e-4
         """
+        from dflop.safe_io import load_yaml, open_regular
+
         path = os.fspath(path)
+        special = not_regular_reason(path)
+        if special is not None:  # e.g. a named pipe: open() would block forever
+            raise ValueError(f"config file {path!r} {special}")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"config file {path!r} does not exist (or is not a file)")
         if path.endswith(".toml"):
@@ -518,19 +577,17 @@ class TrainConfig:
                         f"reading {path} needs Python 3.11+ or 'pip install tomli' (or use "
                         "a .yaml config)"
                     ) from None
-            with open(path, "rb") as f:
+            with open_regular(path, "rb", "config file") as f:
                 try:
                     sections = tomllib.load(f)
                 except tomllib.TOMLDecodeError as error:
                     raise ValueError(f"{path}: not valid TOML: {error}") from None
+                except RecursionError:
+                    raise ValueError(f"{path}: not valid TOML: nested too deeply") from None
         elif path.endswith((".yaml", ".yml")):
-            import yaml
-
-            with open(path, encoding="utf-8") as f:
-                try:
-                    sections = yaml.safe_load(f) or {}
-                except yaml.YAMLError as error:
-                    raise ValueError(f"{path}: not valid YAML: {error}") from None
+            with open_regular(path, "r", "config file") as f:
+                # bounded: invalid YAML, an alias bomb or deep nesting is a ValueError
+                sections = load_yaml(f, path) or {}
         else:
             raise ValueError(f"config file {path!r}: give a .toml or .yaml file")
         return cls.from_sections(sections, source=path, **overrides)

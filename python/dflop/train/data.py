@@ -68,12 +68,15 @@ def load_distribution(
     video_folder: str | None = None,
     model: ModelSpec | str | None = None,
     length: LengthPolicy | None = None,
+    allow_outside_paths: bool = False,
 ) -> Any:
     """The sample source of ``data``: None for ``"synthetic"``, a ShapeDistribution for a
     saved one, or a :class:`~dflop.data.reader.RecordSet` (records + their
     profile) for a LLaVA-style dataset (image / video paths relative to the folders).
     A ``model`` with its own shape rules profiles the dataset by them and its text
-    converter, under ``length`` (:func:`length_policy`), and needs a dataset."""
+    converter, under ``length`` (:func:`length_policy`), and needs a dataset. A record
+    whose paths are absolute or leave the folders is skipped (``outside_folder``) unless
+    ``allow_outside_paths``."""
     spec = None if model is None else model_spec(model)
     own_rules = spec is not None and spec.family is not None
     if own_rules and (data == "synthetic" or not data.endswith((".json", *_DATASET_SUFFIXES))):
@@ -99,9 +102,14 @@ def load_distribution(
                 image_folder=image_folder,
                 video_folder=video_folder,
                 text_counter=spec.dataset_inputs().text_counter(),
+                allow_outside_paths=allow_outside_paths,
             )
         return read_records(
-            data, family=family, image_folder=image_folder, video_folder=video_folder
+            data,
+            family=family,
+            image_folder=image_folder,
+            video_folder=video_folder,
+            allow_outside_paths=allow_outside_paths,
         )
 
     if own_rules:

@@ -21,9 +21,11 @@ from dflop.planner.model import DEFAULT_LOSS_CHUNK_TOKENS
 from dflop.runtime.topology import ModuleLayout, RuntimeLayout, uniform_layer_ranges
 
 __all__ = [
+    "MAX_LOCAL_GLOBAL_BATCH",
     "Calibration",
     "LocalPlan",
     "MemoryBudget",
+    "check_local_global_batch",
     "core_layout",
     "cost_configs",
     "evaluate_local",
@@ -103,26 +105,62 @@ def parse_layout(
     )
 
 
+MAX_LOCAL_GLOBAL_BATCH = 1 << 16
+"""The largest global batch ``dflop train --plan`` runs (65,536 samples per step): the
+plan's ``global_batch``, or the run's ``--global-batch`` that replaces it. Every rank of
+the local run builds each step's per-sample arrays (shapes, costs, the schedule's
+assignment) for the whole global batch and the scheduler balances all of it every step,
+so a larger batch costs gigabytes and minutes per rank before the first step (10^7
+samples: 3.8 GB and 40 s, then a failure inside a rank). A plan for a bigger batch (a
+cluster's) is refused before any process starts. (Plan files themselves may hold up to
+``dflop.planner.plan_check.MAX_PLAN_GLOBAL_BATCH``, the planner's own bound.)"""
+
+
+def check_local_global_batch(global_batch: int, path: str | os.PathLike[str] | None = None) -> int:
+    """``global_batch`` if ``dflop train`` can run it locally (at most
+    :data:`MAX_LOCAL_GLOBAL_BATCH`); else a ValueError naming where it came from: the plan
+    file ``path`` (its ``global_batch`` field), or the run's ``global_batch`` setting."""
+    if global_batch > MAX_LOCAL_GLOBAL_BATCH:
+        where = (
+            f"{os.fspath(path)}: global_batch" if path is not None else "TrainConfig.global_batch"
+        )
+        raise ValueError(
+            f"{where}={global_batch:,} is more than dflop train runs on local processes: "
+            f"at most {MAX_LOCAL_GLOBAL_BATCH:,} samples per step (every rank builds each "
+            "step's per-sample arrays for the whole batch)"
+        )
+    return global_batch
+
+
 def layout_from_plan(
     path: str | os.PathLike[str],
     model: ModelSpec | str,
     global_batch: int | None = None,
     num_microbatches: int | None = None,
 ) -> RuntimeLayout:
-    """The best layout of a plan JSON as a :class:`RuntimeLayout`.
+    """The best layout of a plan JSON as a :class:`RuntimeLayout`; ``global_batch`` and
+    ``num_microbatches`` (when given) replace the plan's. The plan file is checked whole
+    at load (:meth:`dflop.planner.Plan.load`), here against ``model`` and the local run.
 
     Raises:
-        ValueError: a colocated layout (the runtime needs disjoint encoder and LLM ranks),
-            or layer counts that do not match ``model``.
+        ValueError: one line naming the file and the field: a field that breaks the plan
+            format's rules, a colocated layout (the runtime needs disjoint encoder and LLM
+            ranks), layer counts that do not match ``model``, or a global batch above
+            :data:`MAX_LOCAL_GLOBAL_BATCH`.
     """
     from dflop.planner import Plan
 
     plan = Plan.load(path)
     best = plan.best
+    if global_batch is None:
+        check_local_global_batch(best.global_batch, path)
+    else:
+        check_local_global_batch(global_batch)
     if best.colocated:
         raise ValueError(
-            f"{path}: the best layout is colocated ({best.describe()}); dflop's runtime runs "
-            "the encoder and the LLM on disjoint ranks"
+            f"{path}: layouts[0].colocated=true: the best layout is colocated "
+            f"({best.describe()}); dflop's runtime runs the encoder and the LLM on disjoint "
+            "ranks"
         )
     modules = {}
     spec = model_spec(model)
@@ -132,8 +170,9 @@ def layout_from_plan(
     ):
         if sum(part.layers_per_stage) != layers:
             raise ValueError(
-                f"{path}: the plan's {name} has {sum(part.layers_per_stage)} layers, the model "
-                f"{layers}: plan for the same model (dflop plan --encoder/--llm)"
+                f"{path}: layouts[0].{name}.layers_per_stage={list(part.layers_per_stage)} "
+                f"sum to {sum(part.layers_per_stage)} layers, the model's {name} has "
+                f"{layers}: plan for the same model (dflop plan --encoder/--llm, or --local)"
             )
         modules[name] = ModuleLayout(
             part.tp, part.pp, part.dp, tuple(part.layer_ranges), part.virtual_stages

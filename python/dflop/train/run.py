@@ -16,6 +16,7 @@ code runs with NCCL, one GPU per rank.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -67,12 +68,27 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
     """Resolve the data source, the performance model and the layout: a plan file (its
     layout, cluster and, unless ``perf`` is given, the performance model it was made
     with), a manual layout (scored by the planner for the local processes), or the
-    planner run for ``nproc`` local processes."""
+    planner run for ``nproc`` local processes. A run resuming a checkpoint first compares
+    its settings with the checkpoint's (:mod:`dflop.train.resume`): a change it cannot
+    honour is a ValueError naming the setting."""
+    from dflop.train.resume import check_layout, check_settings, resume_point
+
+    point = resume_point(config.checkpoint_dir)
+    if point is not None:
+        check_settings(config, point, log)
+    prepared = _prepare(config, log)
+    if point is not None:
+        check_layout(config, prepared.layout, point)
+    return prepared
+
+
+def _prepare(config: TrainConfig, log: Callable[[str], None]) -> Prepared:
     from dflop.data.reader import RecordSet
     from dflop.models.spec import model_spec
     from dflop.planner import Plan
     from dflop.train.data import StepShapes, describe_records, length_policy, load_distribution
     from dflop.train.planning import (
+        check_local_global_batch,
         evaluate_local,
         layout_from_plan,
         local_cluster,
@@ -81,6 +97,8 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
         plan_local,
     )
 
+    if config.global_batch is not None:
+        check_local_global_batch(config.global_batch)
     model = model_spec(config.model)
     length = length_policy(model, config.max_seq_len, config.too_long)
     distribution = load_distribution(
@@ -90,6 +108,7 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
         video_folder=config.video_folder,
         model=model,
         length=length,
+        allow_outside_paths=config.allow_outside_paths,
     )
     if isinstance(distribution, RecordSet):
         account, poor = describe_records(distribution)
@@ -101,18 +120,24 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
                 "warning: most of the dataset is unusable or it has no visual sample left: "
                 "the run will not exercise the encoder as the data intends"
             )
+    if config.layout is not None and not _under_torchrun():
+        # Refused before any profiling: a layout too big to start here.
+        forced = parse_layout(
+            config.layout, model, config.global_batch or 16, config.num_microbatches
+        )
+        check_local_processes(forced.world_size, config.oversubscribe)
     saved = _saved_run(config, log)
     if saved is not None:
         return Prepared(distribution=distribution, **saved)
     plan_file = Plan.load(config.plan) if config.plan is not None else None
-    if plan_file is not None:
+    if plan_file is not None:  # checked in full before any profiling
         _check_plan_inputs(plan_file, config, log)
+        layout = layout_from_plan(config.plan, model, config.global_batch, config.num_microbatches)
     perf = None
     if "dflop" in config.modes or plan_file is None:
         seq_lens = distribution.distribution.samples.seq_len if model.family else ()
         perf = _performance_model(config, plan_file, model, config.nproc or 2, log, seq_lens)
     if plan_file is not None:
-        layout = layout_from_plan(config.plan, model, config.global_batch, config.num_microbatches)
         best = plan_file.best
         same = (layout.global_batch, layout.num_microbatches) == (
             best.global_batch,
@@ -360,9 +385,14 @@ def _saved_run(config: TrainConfig, log: Callable[[str], None]) -> dict[str, Any
         return None
     log(f"resuming: the layout and cost model the run chose, from {path}")
     fraction = saved.get("forward_fraction")
+    performance_model = saved.get("performance_model")
+    if config.perf:  # honoured: the schedules of the resumed steps use it
+        from dflop.profiling import PerformanceModel
+
+        performance_model = PerformanceModel.load(config.perf).to_dict()
     return {
         "layout": layout,
-        "performance_model": saved.get("performance_model"),
+        "performance_model": performance_model,
         "description": f"{saved.get('description', 'saved run')} (resumed)",
         "predicted_step_time_s": float(saved.get("predicted_step_time_s", math.nan)),
         "cluster": saved.get("cluster"),
@@ -374,6 +404,8 @@ def _saved_run(config: TrainConfig, log: Callable[[str], None]) -> dict[str, Any
 def _save_run(config: TrainConfig, prepared: Prepared) -> None:
     """Write what :func:`_saved_run` reads (a resumed run keeps what it read)."""
     import json
+
+    from dflop.output import write_text
 
     if not config.checkpoint_dir or prepared.resumed:
         return
@@ -387,10 +419,7 @@ def _save_run(config: TrainConfig, prepared: Prepared) -> None:
         "cluster": prepared.cluster,
         "forward_fraction": prepared.forward_fraction,
     }
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, default=float)
-    os.replace(tmp, path)
+    write_text(path, json.dumps(data, indent=1, default=float))
 
 
 def calibrate(
@@ -631,8 +660,28 @@ def run_training(
     Raises:
         SpawnError: a local rank failed (the message names it and carries its traceback).
     """
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if _under_torchrun():
         return _run_torchrun(config, log)
+    with checkpoint_lock(config, log):
+        return _run_local(config, log, prepared)
+
+
+def _under_torchrun() -> bool:
+    """This process is one rank of a torchrun job (else a local launcher)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def checkpoint_lock(config: TrainConfig, log: Callable[[str], None] = print) -> Any:
+    """The run's exclusive hold on its checkpoint folder (a no-op without one): taken
+    before the folder is read, released when the run ends however it ends."""
+    from dflop.train.checkpoint import CheckpointLock
+
+    if not config.checkpoint_dir:
+        return contextlib.nullcontext()
+    return CheckpointLock(config.checkpoint_dir, log)
+
+
+def _run_local(config: TrainConfig, log: Callable[[str], None], prepared: Prepared | None) -> Any:
     from dflop.runtime.launch import spawn_local, spawn_threads
 
     if prepared is None:
@@ -692,14 +741,22 @@ def run_training(
 
 
 def _run_torchrun(config: TrainConfig, log: Callable[[str], None]) -> Any:
-    import torch
-    import torch.distributed as dist
-
     from dflop.runtime.launch import StopRequested, init_from_env
-    from dflop.train.trainer import Trainer
 
     StopRequested.install()  # torchrun passes a SIGTERM on to its workers
     info = init_from_env(timeout_s=config.timeout_s)
+    # Rank 0 holds the checkpoint folder for the run (ranks on other nodes share it
+    # through the file system; the lock is one per run, not per rank).
+    with checkpoint_lock(config, log) if info.rank == 0 else contextlib.nullcontext():
+        return _torchrun_rank(config, log, info)
+
+
+def _torchrun_rank(config: TrainConfig, log: Callable[[str], None], info: Any) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    from dflop.train.trainer import Trainer
+
     payload: list[Any] = [None]
     if info.rank == 0:
         prepared = prepare(config, log)

@@ -248,6 +248,11 @@ class Trainer:
         state = load_checkpoint(choice[0], self.rank, self._checkpoint_identity())
         self.stage.load_state_dict(state["stage"])
         self.optimizer.load_state_dict(state["optimizer"])
+        # The optimizer's state restores the saved run's hyper-parameters; this run's
+        # settings apply from its first step (the launcher said which ones changed).
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.lr
+            group["weight_decay"] = self.config.weight_decay
         self.start_step = int(state["step"]) + 1
         if self.is_leader:
             print(f"resumed from {choice[0]} (step {self.start_step} next)", flush=True)
@@ -771,6 +776,7 @@ class Trainer:
         """Save every rank's stage and optimizer after ``step`` (call on every rank)."""
         from dflop.runtime import comm as dist
         from dflop.train.checkpoint import save_checkpoint
+        from dflop.train.resume import run_settings
 
         state = {
             "stage": self.stage.state_dict(),
@@ -784,6 +790,7 @@ class Trainer:
             state,
             barrier=dist.barrier,
             world_size=self.world_size,
+            settings=run_settings(self.config, self.layout),
         )
 
     def save_hf_checkpoint(self, folder: str) -> None:

@@ -45,6 +45,7 @@ from dflop.data.text_tokens import TextTokenCounter, is_answer_turn
 from dflop.models.decoder import IGNORE_INDEX
 from dflop.models.spec import VisualItem
 from dflop.runtime.processed_batch import ProcessedSample
+from dflop.safe_io import check_regular_file
 
 __all__ = [
     "ChatTemplate",
@@ -131,7 +132,11 @@ def _frame_paths(record: dict[str, Any], video_folder: str, where: str) -> list[
             f"{where}: {folder!r} is not a frames folder (dflop decodes no video files: "
             "extract its frames to a folder, or list them in 'frames')"
         )
-    names = sorted(n for n in os.listdir(folder) if n.lower().endswith(FRAME_FILE_EXTENSIONS))
+    names = sorted(
+        n
+        for n in os.listdir(folder)
+        if n.lower().endswith(FRAME_FILE_EXTENSIONS) and os.path.isfile(os.path.join(folder, n))
+    )  # a named pipe called x.jpg is not a frame (opening it would block)
     if not names:
         raise ValueError(f"{where}: frames folder {folder!r} holds no image files")
     return [os.path.join(folder, n) for n in names]
@@ -141,6 +146,7 @@ def _open_rgb(path: str, where: str) -> Any:
     from PIL import Image
 
     try:
+        check_regular_file(path, "image")  # never open a pipe (it blocks)
         with Image.open(path) as im:
             return im.convert("RGB")
     except (OSError, ValueError) as err:
@@ -152,6 +158,7 @@ def _header_size(path: str, where: str) -> tuple[int, int]:
     from PIL import Image
 
     try:
+        check_regular_file(path, "image")
         with Image.open(path) as im:
             width, height = im.size
     except (OSError, ValueError) as err:
