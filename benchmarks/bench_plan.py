@@ -58,7 +58,7 @@ from dflop.planner import (
     prepare_inputs,
     runtime_scored,
 )
-from dflop.planner.search import _options
+from dflop.planner.inputs import core_options
 from dflop.runtime.routing import split_units
 
 SETTINGS = (
@@ -363,7 +363,7 @@ def validate(count: int) -> dict:
 
         def best(prune: bool, inputs=inputs, cluster=cluster):
             config = PlannerConfig(num_batches=2, prune=prune, virtual_stage_choices=(1, 2))
-            options = _options(config, "data_aware", inputs.global_batch, 3)
+            options = core_options(config, "data_aware", inputs.global_batch, 3)
             raw = _core.plan_layouts(
                 cluster.to_dict(),
                 inputs.encoder.to_dict(),

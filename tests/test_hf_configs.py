@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from dflop.data.costs import ENCODER_PRESETS, LLM_PRESETS, AnalyticCostModel  # noqa: E402
 from dflop.data.synthetic import synthetic_shapes  # noqa: E402
-from dflop.models.spec import model_spec  # noqa: E402
+from dflop.models import model_spec  # noqa: E402
 from dflop.planner.model import module_specs  # noqa: E402
 from test_train import run_cli  # noqa: E402
 

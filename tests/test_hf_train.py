@@ -14,8 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from dflop.models import model_spec  # noqa: E402
 from dflop.models.hf.tiny import save_tiny_llava_onevision, save_tiny_qwen_vl  # noqa: E402
-from dflop.models.spec import model_spec  # noqa: E402
 from test_train import run_cli  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "llava_mini")

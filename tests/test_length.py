@@ -94,7 +94,7 @@ def real(tmp_path_factory):
 def test_profile_runtime_and_planner_see_the_same_cut_samples(real, too_long):
     """Under a 4,096-token limit: the profile's shapes of the records a step draws are the
     runtime's batch shapes (its labels counted), and the planner's inputs carry them."""
-    from dflop.models.spec import model_spec
+    from dflop.models import model_spec
     from dflop.planner import prepare_inputs
     from dflop.profiling import CostModel
     from dflop.train.planning import analytic_performance_model, cost_configs
@@ -131,7 +131,7 @@ def test_profile_runtime_and_planner_see_the_same_cut_samples(real, too_long):
 
 
 def test_the_error_policy_names_the_sample(real):
-    from dflop.models.spec import model_spec
+    from dflop.models import model_spec
 
     recipe, model = real
     spec = model_spec(model)
@@ -154,7 +154,7 @@ def test_memory_budget_and_profiled_lengths():
 
 
 def test_a_real_size_dataset_reaches_18k_tokens(real, tmp_path):
-    from dflop.models.spec import model_spec
+    from dflop.models import model_spec
 
     recipe, model = real
     dist = load_distribution(recipe, model=model_spec(model)).distribution

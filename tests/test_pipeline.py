@@ -9,6 +9,7 @@ returns its stage's gradients under the full model's parameter names; the parent
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -17,12 +18,30 @@ torch = pytest.importorskip("torch")
 
 from dflop.data.shapes import Modality, SampleShapes  # noqa: E402
 from dflop.models import build_model, model_config  # noqa: E402
-from dflop.runtime import RuntimeLayout, SpawnError, Topology, spawn_local  # noqa: E402
-from dflop.runtime.pipeline import PipelineEngine, build_stage  # noqa: E402
+from dflop.runtime import (  # noqa: E402
+    RuntimeLayout,
+    SpawnError,
+    Topology,
+    spawn_local,
+    spawn_threads,
+)
+from dflop.runtime import pipeline as pipeline_module  # noqa: E402
+from dflop.runtime.pipeline import (  # noqa: E402
+    PipelineEngine,
+    UnsupportedActionError,
+    build_stage,
+    check_executable,
+)
 from dflop.runtime.step_data import StepPlan  # noqa: E402
 from dflop.runtime.synthetic_batch import ShapeScaler, SyntheticBatch  # noqa: E402
 from dflop.runtime.tensor_parallel import full_tensor  # noqa: E402
-from dflop.scheduling.actions import pipeline_program  # noqa: E402
+from dflop.scheduling.actions import (  # noqa: E402
+    PipelineAction,
+    PipelineProgram,
+    load_program,
+    pipeline_program,
+    save_program,
+)
 from dflop.scheduling.balance import schedule_from_assignment  # noqa: E402
 
 PRESET = "tiny"
@@ -107,9 +126,11 @@ def _rank_step(
     tamper: bool,
     config=CONFIG,
     device: str = "cpu",
+    program_path: str | None = None,
 ):
     """One pipelined step on one rank; returns its losses, actions and gradients.
-    ``tamper``: the second encoder stage's plan disagrees with the first's."""
+    ``tamper``: the second encoder stage's plan disagrees with the first's.
+    ``program_path``: run the program in that file instead of the layout's schedule."""
     layout, plan, batch = _step_inputs(spec, assignment, config)
     topology = Topology.create(layout, rank)
     info = topology.info
@@ -128,7 +149,8 @@ def _rank_step(
         tp_size=layout.module(info.module).tp,
         layout=layout,
     )
-    engine = PipelineEngine(topology, stage, debug=debug)
+    program = None if program_path is None else load_program(program_path)
+    engine = PipelineEngine(topology, stage, debug=debug, program=program)
     result = engine.run_step(plan, batch)
     chunked = info.num_chunks > 1  # a StageChunks: names start with the chunk's index
     grads = {  # full_tensor gathers tensor-parallel shards (a no-op for plain tensors)
@@ -140,9 +162,10 @@ def _rank_step(
         if p.grad is not None
     }
     stages, chunks = layout.pipeline_stages
-    program = pipeline_program(
-        layout.default_schedule, stages, plan.num_microbatches, chunks=chunks
-    )
+    if program is None:
+        program = pipeline_program(
+            layout.default_schedule, stages, plan.num_microbatches, chunks=chunks
+        )
     expected = list(program.actions[info.global_stage])
     return {
         "loss_sum": result.loss_sum,
@@ -307,6 +330,139 @@ def test_debug_mode_reports_a_shape_mismatch():
             timeout_s=SPAWN_TIMEOUT_S,
             num_threads=1,
         )
+
+
+# ---------------------------------------------------------------- programs the engine runs
+
+
+def _split_backward(program: PipelineProgram, stage: int) -> PipelineProgram:
+    """``program`` with every B of physical ``stage`` split into I then W (still valid)."""
+    split = tuple(
+        b
+        for a in program.actions[stage]
+        for b in (
+            [PipelineAction(a.stage, "I", a.microbatch), PipelineAction(a.stage, "W", a.microbatch)]
+            if a.kind == "B"
+            else [a]
+        )
+    )
+    actions = list(program.actions)
+    actions[stage] = split
+    return PipelineProgram(program.num_microbatches, program.owner, tuple(actions))
+
+
+def _with_kind(program: PipelineProgram, stage: int, index: int, kind: str) -> PipelineProgram:
+    actions = [list(a) for a in program.actions]
+    v, _, j = actions[stage][index]
+    actions[stage][index] = PipelineAction(v, kind, j)
+    return PipelineProgram(program.num_microbatches, program.owner, tuple(map(tuple, actions)))
+
+
+def test_check_executable_takes_f_and_b_and_refuses_the_rest():
+    program = pipeline_program("interleaved-1f1b", [1, 2], 4, chunks=[1, 2])
+    check_executable(program)  # F and B only
+    with pytest.raises(
+        UnsupportedActionError,
+        match=r"stage 2, action 3 \(I4.0\) is the input-gradient half of a split backward, "
+        r"which is not executable yet: the runtime does not split the backward; the runtime "
+        r"executes F \(forward\) and B \(full backward\) actions only",
+    ):
+        check_executable(_split_backward(program, 2))
+    with pytest.raises(UnsupportedActionError, match=r"stage 0, action 1 \(W0.1\) is the weight"):
+        check_executable(_with_kind(program, 0, 1, "W"))
+    with pytest.raises(
+        UnsupportedActionError,
+        match=r"stage 1, action 0 has kind 'X', not an action kind \(F, B, I, W\); the "
+        r"runtime executes F",
+    ):
+        check_executable(_with_kind(program, 1, 0, "X"))
+
+
+# Case (e): the smallest pipeline, encoder -> LLM (2 ranks), 2 microbatches.
+LAYOUT_E = dict(num_microbatches=2)
+ASSIGN_E = [0, 1, 0, 1, 0, 1, 0, 1]
+
+
+def _engine_refusal(rank: int, world_size: int, spec: dict, edit: str):
+    """Builds the engine with an edited program of the layout on every rank: the message
+    each rank refused it with (None: accepted)."""
+    layout = _layout(spec)
+    topology = Topology.create(layout, rank)
+    info = topology.info
+    stage = build_stage(CONFIG, info, seed=MODEL_SEED, tp_group=topology.tp_group, layout=layout)
+    stages, chunks = layout.pipeline_stages
+    program = pipeline_program("1f1b", stages, layout.num_microbatches, chunks=chunks)
+    program = _split_backward(program, 1) if edit == "split" else _with_kind(program, 1, 2, "Z")
+    try:
+        PipelineEngine(topology, stage, program=program)
+    except UnsupportedActionError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        ("split", r"stage 1, action 1 \(I1.0\) is the input-gradient half of a split backward"),
+        ("unknown", r"stage 1, action 2 has kind 'Z', not an action kind"),
+    ],
+)
+def test_the_engine_refuses_a_program_it_cannot_run_on_every_rank(edit, match):
+    """The engine of every rank (a real topology in a thread world) refuses the program
+    before anything runs, the ranks that hold no such action too."""
+    results = spawn_threads(_engine_refusal, 2, args=(LAYOUT_E, edit), timeout_s=60.0)
+    assert len(results) == 2 and results[0] == results[1]
+    assert re.search(match, results[0])
+    assert "the runtime executes F (forward) and B (full backward) actions only" in results[0]
+
+
+def _step_refusal(rank: int, world_size: int, spec: dict, assignment: list[int]):
+    """run_step of an engine whose generated program holds a split backward: (message,
+    whether the step's clock started)."""
+    layout, plan, batch = _step_inputs(spec, assignment)
+    topology = Topology.create(layout, rank)
+    info = topology.info
+    stage = build_stage(CONFIG, info, seed=MODEL_SEED, tp_group=topology.tp_group, layout=layout)
+    engine = PipelineEngine(topology, stage)
+    try:
+        engine.run_step(plan, batch)
+    except UnsupportedActionError as error:
+        return str(error), hasattr(engine, "clock")
+    return None, True
+
+
+def test_run_step_refuses_a_generated_split_backward_before_anything_runs(monkeypatch):
+    """A schedule generator that emits I / W (a zero-bubble schedule, once registered):
+    run_step refuses the whole program on every rank before the step starts."""
+    real = pipeline_module.pipeline_program
+    monkeypatch.setattr(
+        pipeline_module,
+        "pipeline_program",
+        lambda *args, **kwargs: _split_backward(real(*args, **kwargs), 1),
+    )
+    results = spawn_threads(_step_refusal, 2, args=(LAYOUT_E, ASSIGN_E), timeout_s=60.0)
+    for message, started in results:
+        assert "(I1.0) is the input-gradient half of a split backward" in message
+        assert not started
+
+
+def test_a_program_loaded_from_a_file_runs_and_matches_single_process(tmp_path):
+    """GPipe instead of the layout's 1F1B, from a file: the engine runs exactly it, and the
+    step gives the single-process loss and gradients."""
+    layout = _layout(LAYOUT_A)
+    stages, chunks = layout.pipeline_stages
+    program = pipeline_program("gpipe", stages, layout.num_microbatches, chunks=chunks)
+    assert program != pipeline_program("1f1b", stages, layout.num_microbatches, chunks=chunks)
+    path = tmp_path / "gpipe.txt"
+    save_program(program, path)
+    results = spawn_threads(
+        _rank_step,
+        layout.world_size,
+        args=(LAYOUT_A, ASSIGN_A, False, False, CONFIG, "cpu", str(path)),
+        timeout_s=60.0,
+    )
+    _check_against_reference(results)
+    assert [r["expected_actions"] for r in results][-1] == list(program.actions[-1])
 
 
 # ---------------------------------------------------------------- single-process parts

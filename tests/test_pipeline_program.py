@@ -1,6 +1,7 @@
 """Pipeline programs through the Python API: the generated orders, the validator's
-messages, the memory rule, and the simulator on interleaved and split-backward programs
-against an independent pass-by-pass reference."""
+messages (with the stage x time grid), the memory rule, the simulator on interleaved and
+split-backward programs against an independent pass-by-pass reference, the schedule
+registry and choice, and actions and programs as text and files."""
 
 from __future__ import annotations
 
@@ -9,13 +10,25 @@ import itertools
 import numpy as np
 import pytest
 from dflop.scheduling import (
+    SCHEDULES,
     PipelineAction,
     PipelineProgram,
+    format_action,
+    format_program,
+    load_program,
+    parse_action,
+    parse_program,
     peak_in_flight,
     pipeline_program,
+    program_grid,
+    save_program,
+    schedule_for,
     validate_program,
 )
+from dflop.scheduling.actions import ACTION_KINDS
 from dflop.simulator import simulate_pipeline
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def _text(actions) -> str:
@@ -167,3 +180,212 @@ def test_every_small_generated_program_runs():
         assert res.step_time_s == pytest.approx(
             _reference_step(program, np.ones((V, m)), np.ones((V, m)), 0.0)
         )
+
+
+# ---------------------------------------------------------------- the schedule registry
+
+
+def test_schedules_come_from_the_registry_and_the_choice_is_the_cores():
+    from dflop import _core
+    from dflop.runtime.topology import RuntimeLayout
+
+    assert SCHEDULES == tuple(_core.schedule_names()) == ("1f1b", "gpipe", "interleaved-1f1b")
+    assert schedule_for(([4], [1])) == "1f1b"
+    assert schedule_for(([2, 3], [1, 1])) == "1f1b"
+    assert schedule_for(([2, 3], [1, 2])) == "interleaved-1f1b"
+    for v, expected in [(1, "1f1b"), (2, "interleaved-1f1b")]:
+        layout = RuntimeLayout.simple(
+            llm_pp=2,
+            encoder_layers=2,
+            llm_layers=4,
+            num_microbatches=4,
+            global_batch=8,
+            llm_virtual_stages=v,
+        )
+        assert schedule_for(layout) == layout.default_schedule == expected
+    with pytest.raises(ValueError, match=r"shape.stages\[0\] must be in \[1"):
+        schedule_for(([0], [1]))
+    with pytest.raises(TypeError, match="RuntimeLayout or a"):
+        schedule_for("1f1b")
+
+
+# ---------------------------------------------------------------- actions and programs as text
+
+_ACTIONS = st.builds(
+    PipelineAction,
+    st.integers(0, 10**12 - 1),
+    st.sampled_from(ACTION_KINDS),
+    st.integers(0, 10**12 - 1),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_ACTIONS)
+def test_an_action_round_trips_through_its_text(action):
+    text = format_action(action)
+    assert text == str(action) == f"{action.kind}{action.stage}.{action.microbatch}"
+    assert parse_action(text) == action
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.from_regex(r"[FBIW](0|[1-9][0-9]{0,11})\.(0|[1-9][0-9]{0,11})", fullmatch=True))
+def test_an_action_text_round_trips(text):
+    assert format_action(parse_action(text)) == text
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("F01.3", "is not an action"),
+        ("F1.3 ", "is not an action"),
+        ("F1", "is not an action"),
+        ("1F3", "is not an action"),
+        ("F-1.3", "is not an action"),
+        ("F1.1234567890123", "is not an action"),
+        ("", "is not an action"),
+        ("X1.3", "has kind 'X', not one of F, B, I, W"),
+        ("f1.3", "has kind 'f'"),
+    ],
+)
+def test_a_bad_action_text_is_refused(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_action(text)
+
+
+def test_format_action_refuses_what_it_cannot_write():
+    with pytest.raises(ValueError, match="'X' is not one of F, B, I, W"):
+        format_action(PipelineAction(0, "X", 0))
+    with pytest.raises(ValueError, match="negative"):
+        format_action(PipelineAction(-1, "F", 0))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    schedule=st.sampled_from(SCHEDULES),
+    encoder_stages=st.integers(0, 2),
+    llm_stages=st.integers(1, 4),
+    chunks=st.integers(1, 3),
+    rounds=st.integers(1, 3),
+    split=st.booleans(),
+)
+def test_a_program_round_trips_through_its_text_and_a_file(
+    tmp_path_factory, schedule, encoder_stages, llm_stages, chunks, rounds, split
+):
+    if schedule == "1f1b":
+        chunks = 1
+    stages = [encoder_stages, llm_stages] if encoder_stages else [llm_stages]
+    chunk_counts = [1, chunks] if encoder_stages else [chunks]
+    m = llm_stages * rounds
+    program = pipeline_program(schedule, stages, m, chunks=chunk_counts)
+    if split:  # every B of the last stage as I then W: still valid, and written as such
+        last = tuple(
+            b
+            for a in program.actions[-1]
+            for b in (
+                [
+                    PipelineAction(a.stage, "I", a.microbatch),
+                    PipelineAction(a.stage, "W", a.microbatch),
+                ]
+                if a.kind == "B"
+                else [a]
+            )
+        )
+        program = PipelineProgram(m, program.owner, (*program.actions[:-1], last))
+    text = format_program(program)
+    assert parse_program(text) == program
+    path = tmp_path_factory.mktemp("program") / "program.txt"
+    save_program(program, path)
+    assert path.read_text() == text
+    assert load_program(path) == program
+    assert load_program(str(path)).virtual_stages_of(len(stages) - 1) == program.virtual_stages_of(
+        len(stages) - 1
+    )
+
+
+def test_the_program_text_format():
+    program = pipeline_program("1f1b", [2], 2)
+    assert format_program(program).splitlines()[-4:] == [
+        "microbatches 2",
+        "owners 0 1",
+        "stage 0: F0.0 F0.1 B0.0 B0.1",
+        "stage 1: F1.0 B1.0 F1.1 B1.1",
+    ]
+    # Comments, blank lines and extra spaces are ignored; the words are as written.
+    loose = "\n  # a comment\nowners 0   1\nmicrobatches 2  # m\n\nstage 0 : F0.0 F0.1 B0.0 B0.1\n"
+    assert parse_program(loose + "stage 1:F1.0  B1.0 F1.1 B1.1") == program
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("owners 0 1\nstage 0: F0.0\n", r"lacks microbatches"),
+        ("microbatches 2\nstage 0: F0.0\n", r"lacks owners"),
+        ("microbatches 2\nowners 0 1\n", r"lacks stage lines"),
+        ("microbatches 2\nmicrobatches 2\n", r"line 2: 'microbatches' takes one count"),
+        ("microbatches two\n", r"line 1: 'two' is not a whole number"),
+        ("microbatches 2\nowners 0\nowners 0\n", r"line 3: 'owners' is given twice"),
+        ("microbatches 2\nowners 0 1\nstage 1: F1.0\n", r"line 3: expected 'stage 0:'"),
+        ("microbatches 2\nowners 0 1\nstage 0 F0.0\n", r"line 3: expected 'stage 0:'"),
+        ("microbatches 2\nowners 0\nstage 0: F0.0 F0.x\n", r"line 3, action 1: 'F0.x' is not"),
+        ("microbatches 2\nowners 0\nstage 0: F0.0 S0.1\n", r"line 3, action 1: 'S0.1' has kind"),
+        ("schedule 1f1b\n", r"line 1: 'schedule' is not 'microbatches', 'owners' or 'stage'"),
+    ],
+)
+def test_a_malformed_program_text_names_the_line(text, match):
+    with pytest.raises(ValueError, match=r"^my.txt(, line \d+)?.*" + match):
+        parse_program(text, source="my.txt")
+
+
+def test_an_invalid_program_file_shows_the_grid_with_the_failing_action(tmp_path):
+    program = pipeline_program("1f1b", [2], 2)
+    swapped = list(program.actions[1])
+    swapped[0], swapped[1] = swapped[1], swapped[0]
+    bad = PipelineProgram(2, program.owner, (program.actions[0], tuple(swapped)))
+    path = tmp_path / "bad.txt"
+    save_program(bad, path)  # saving does not validate
+    with pytest.raises(ValueError) as info:
+        load_program(path)
+    message = str(info.value)
+    assert message.startswith(f"pipeline program file {str(path)!r} is not a valid program: ")
+    assert "stage 1, action 0 (B of virtual stage 1, microbatch 0): needs its forward" in message
+    assert message.splitlines()[-3:] == [
+        "slot     0       1       2       3",
+        "stage 0  F0.0    F0.1    B0.0    B0.1",
+        "stage 1  >B1.0<  F1.0    F1.1    B1.1",
+    ]
+    # A deadlock marks every waiting stage.
+    order = {
+        0: [("F", 0), ("B", 0), ("F", 1), ("B", 1)],
+        1: [("F", 1), ("F", 0), ("B", 0), ("B", 1)],
+    }
+    deadlock = PipelineProgram(
+        2, (0, 1), tuple(tuple(PipelineAction(s, k, j) for k, j in order[s]) for s in (0, 1))
+    )
+    with pytest.raises(ValueError, match=r"(?s)deadlocks.*stage 0  F0.0    >B0.0<.*>F1.1<"):
+        parse_program(format_program(deadlock))
+
+
+def test_the_grid_of_a_big_program_is_bounded():
+    program = pipeline_program("gpipe", [64], 500)
+    stage_actions = list(program.actions[40])
+    stage_actions[700] = PipelineAction(40, "B", 600)  # a microbatch out of range
+    bad = PipelineProgram(
+        500, program.owner, (*program.actions[:40], tuple(stage_actions), *program.actions[41:])
+    )
+    with pytest.raises(ValueError) as info:
+        validate_program(bad)
+    message = str(info.value)
+    assert ">B40.600<" in message
+    assert "(stages 0 to 31 not shown)" in message and "(stages 48 to 63 not shown)" in message
+    assert len(message.splitlines()) <= 22 and len(message) < 4000
+    # The same grid, asked for.
+    assert program_grid(bad, [(40, 700)]) in message
+
+
+def test_program_grid_of_a_valid_program():
+    grid = program_grid(pipeline_program("gpipe", [2], 2))
+    assert grid.splitlines()[1:] == [
+        "slot     0     1     2     3",
+        "stage 0  F0.0  F0.1  B0.0  B0.1",
+        "stage 1  F1.0  F1.1  B1.0  B1.1",
+    ]

@@ -508,20 +508,20 @@ def test_the_core_reads_its_argument_dicts_strictly(monkeypatch) -> None:
     value of the wrong type (it used to be a bare cast error)."""
     from dflop.planner import search
 
-    valid = search._options
+    valid = search.core_options  # what plan() calls (dflop.planner.inputs)
 
     def misspelt(*args, **kwargs):
         options = valid(*args, **kwargs)
         options["prunee"] = options.pop("prune")
         return options
 
-    monkeypatch.setattr(search, "_options", misspelt)
+    monkeypatch.setattr(search, "core_options", misspelt)
     with pytest.raises(ValueError, match=r'options has unknown key "prunee" \(known: strategy'):
         _plan(8)
 
     def wrong_type(*args, **kwargs):
         return {**valid(*args, **kwargs), "top_k": "five"}
 
-    monkeypatch.setattr(search, "_options", wrong_type)
+    monkeypatch.setattr(search, "core_options", wrong_type)
     with pytest.raises(ValueError, match=r'options\["top_k"\] has the wrong type: str'):
         _plan(8)

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
+from dflop.models import model_spec  # noqa: E402
 from dflop.models.hf.tiny import save_tiny_llava_onevision, save_tiny_qwen_vl  # noqa: E402
-from dflop.models.spec import model_spec  # noqa: E402
 from dflop.train.data import StepShapes, length_policy, load_distribution  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -158,12 +158,18 @@ py::tuple pipeline_program_py(const std::string& schedule, const std::vector<int
   return py::make_tuple(program.owner, to_arrays(program.actions));
 }
 
-void validate_program_py(const std::vector<int64_t>& owner, const std::vector<IntArray>& actions,
-                         int64_t num_microbatches) {
+PipelineProgram to_program(const std::vector<int64_t>& owner, const std::vector<IntArray>& actions,
+                           int64_t num_microbatches) {
   PipelineProgram program;
   program.num_microbatches = num_microbatches;
   program.owner = owner;
   for (size_t s = 0; s < actions.size(); ++s) program.actions.push_back(to_actions(actions[s], s));
+  return program;
+}
+
+void validate_program_py(const std::vector<int64_t>& owner, const std::vector<IntArray>& actions,
+                         int64_t num_microbatches) {
+  const PipelineProgram program = to_program(owner, actions, num_microbatches);
   py::gil_scoped_release release;
   validate_program(program);
 }
@@ -196,6 +202,30 @@ void register_simulator(py::module_& m) {
       },
       py::arg("schedule"), py::arg("stages"), py::arg("chunks"), py::arg("num_microbatches"),
       py::arg("stage"), "The memory rule of a generated schedule; see dflop.scheduling.");
+  m.def(
+      "schedule_names",
+      [] {
+        std::vector<std::string> names;
+        for (const ScheduleDef& def : schedule_registry()) names.emplace_back(def.name);
+        return names;
+      },
+      "The registered (generated) schedules' names, in registry order.");
+  m.def(
+      "schedule_for",
+      [](const std::vector<int64_t>& stages, const std::vector<int64_t>& chunks) {
+        return std::string(schedule_kind_name(schedule_for(to_shape(stages, chunks))));
+      },
+      py::arg("stages"), py::arg("chunks"),
+      "The schedule dflop runs on a pipeline of these segments; see dflop.scheduling.");
+  m.def(
+      "program_grid",
+      [](const std::vector<int64_t>& owner, const std::vector<IntArray>& actions,
+         int64_t num_microbatches, const std::vector<std::pair<int64_t, int64_t>>& marks) {
+        return program_grid(to_program(owner, actions, num_microbatches), marks);
+      },
+      py::arg("owner"), py::arg("actions"), py::arg("num_microbatches"), py::arg("marks"),
+      "A program's stage x time grid with the actions at marks shown as >X<; see "
+      "dflop.scheduling.program_grid.");
 }
 
 }  // namespace dflop::bindings

@@ -1,11 +1,13 @@
-// Pipeline schedules as action lists: the generators, the memory rule and the validator
-// (see pipeline_program.hpp).
+// Pipeline schedules as action lists: the schedule registry (each schedule's generator and
+// memory rule), the one choice of a pipeline's schedule, the validator and its grid (see
+// pipeline_program.hpp).
 #include "dflop/pipeline_program.hpp"
 
 #include <algorithm>
 #include <cctype>
 #include <deque>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dflop/errors.hpp"
@@ -26,11 +28,6 @@ void check_microbatches(int64_t m) {
   require(m >= 1 && m <= kMaxPipelineMicrobatches, "num_microbatches must be in [1, " +
                                                        std::to_string(kMaxPipelineMicrobatches) +
                                                        "], got " + std::to_string(m));
-}
-
-bool is_known(ScheduleKind kind) {
-  return kind == ScheduleKind::OneFOneB || kind == ScheduleKind::GPipe ||
-         kind == ScheduleKind::Interleaved1F1B;
 }
 
 // One segment's stage: its forwards in rounds of `round` microbatches, chunk by chunk, and
@@ -96,45 +93,82 @@ Place place_of(const PipelineShape& shape, int64_t stage) {
                         std::to_string(stage));
 }
 
-// The warm-up forwards of a physical stage under 1F1B / interleaved 1F1B.
-int64_t warmup_of(ScheduleKind kind, const PipelineShape& shape, int64_t m, const Place& p) {
+// The forwards, in order, and backwards of physical stage p.
+StageOrder order_at(const PipelineShape& shape, int64_t m, const Place& p) {
+  return stage_order(p.first_virtual, shape.stages[size_t(p.segment)],
+                     shape.chunks[size_t(p.segment)], p.local, m);
+}
+
+// ---------------------------------------------------------------------------------------
+// The schedules: what each can run, its generator and its memory rule.
+
+// 1F1B's warm-up (every segment one chunk): the physical stages after this one.
+int64_t plain_warmup(const PipelineShape& shape, int64_t m, const Place& p) {
+  return std::min(shape.stages[size_t(p.segment)] - 1 - p.local + p.stages_after, m);
+}
+
+// Interleaved 1F1B's warm-up (chunks on the last segment only).
+int64_t interleaved_warmup(const PipelineShape& shape, int64_t m, const Place& p) {
   const int64_t last = int64_t(shape.stages.size()) - 1;
-  const int64_t P = shape.stages[size_t(p.segment)], v = shape.chunks[size_t(p.segment)];
-  if (kind == ScheduleKind::OneFOneB || p.segment < last) {
-    const int64_t below = P - 1 - p.local;
-    if (kind == ScheduleKind::OneFOneB || shape.chunks[size_t(last)] == 1) {
-      return std::min(below + p.stages_after, m);
-    }
+  const int64_t L = shape.stages[size_t(last)], vl = shape.chunks[size_t(last)];
+  if (vl == 1) return plain_warmup(shape, m, p);
+  if (p.segment < last) {
     // Earlier segments feed the last one's first stage, which runs `demand` forwards of its
     // first chunk before the first backward of it: its warm-up W0, then one forward per
     // backward until backward (vl - 1) L (the first of chunk 0), in rounds of L x vl forwards
     // of which L are chunk 0's (m is a multiple of L).
-    const int64_t L = shape.stages[size_t(last)], vl = shape.chunks[size_t(last)];
+    const int64_t below = shape.stages[size_t(p.segment)] - 1 - p.local;
     const int64_t warmup0 = std::min(2 * (L - 1) + (vl - 1) * L, m * vl);
     const int64_t issued = std::min(warmup0 + (vl - 1) * L + 1, m * vl);
     const int64_t demand = issued / (L * vl) * L + std::min(issued % (L * vl), L);
     return std::min(below + (p.stages_after - L) + demand, m);
   }
-  if (v == 1) return std::min(P - 1 - p.local, m);
-  return std::min(2 * (P - 1 - p.local) + (v - 1) * P, m * v);
+  return std::min(2 * (L - 1 - p.local) + (vl - 1) * L, m * vl);
 }
 
-void check_program_args(ScheduleKind kind, const PipelineShape& shape, int64_t m) {
-  require(is_known(kind), "schedule kind " + std::to_string(int(kind)) + " is not a ScheduleKind");
-  validate_shape(shape);
-  check_microbatches(m);
-  const size_t last = shape.stages.size() - 1;
+// `Warmup` forwards, then forward / backward pairs, then the remaining backwards.
+template <int64_t (*Warmup)(const PipelineShape&, int64_t, const Place&)>
+std::vector<PipelineAction> warmed_up_actions(const PipelineShape& shape, int64_t m,
+                                              int64_t stage) {
+  const Place p = place_of(shape, stage);
+  return one_forward_one_backward(order_at(shape, m, p), Warmup(shape, m, p));
+}
+
+// Its warm-up forwards and the first steady forward are held at once.
+template <int64_t (*Warmup)(const PipelineShape&, int64_t, const Place&)>
+int64_t warmed_up_peak(const PipelineShape& shape, int64_t m, int64_t stage) {
+  const Place p = place_of(shape, stage);
+  return std::min(Warmup(shape, m, p) + 1, m * shape.chunks[size_t(p.segment)]);
+}
+
+std::vector<PipelineAction> gpipe_actions(const PipelineShape& shape, int64_t m, int64_t stage) {
+  const Place p = place_of(shape, stage);
+  return one_forward_one_backward(order_at(shape, m, p), m * shape.chunks[size_t(p.segment)]);
+}
+
+int64_t gpipe_peak(const PipelineShape& shape, int64_t m, int64_t stage) {
+  return m * shape.chunks[size_t(place_of(shape, stage).segment)];
+}
+
+void runs_anything(const PipelineShape&, int64_t) {}
+
+void runs_one_chunk(const PipelineShape& shape, int64_t) {
   for (size_t g = 0; g < shape.stages.size(); ++g) {
-    if (shape.chunks[g] == 1) continue;
-    require(kind != ScheduleKind::OneFOneB,
+    require(shape.chunks[g] == 1,
             "shape.chunks[" + std::to_string(g) + "]=" + std::to_string(shape.chunks[g]) +
                 ": 1f1b runs one chunk per stage (use interleaved-1f1b for more)");
-    require(kind != ScheduleKind::Interleaved1F1B || g == last,
+  }
+}
+
+void runs_interleaved(const PipelineShape& shape, int64_t m) {
+  const size_t last = shape.stages.size() - 1;
+  for (size_t g = 0; g < last; ++g) {
+    require(shape.chunks[g] == 1,
             "shape.chunks[" + std::to_string(g) + "]=" + std::to_string(shape.chunks[g]) +
                 ": interleaved-1f1b interleaves the last segment only (the LLM); earlier "
                 "segments take chunks = 1");
   }
-  if (kind == ScheduleKind::Interleaved1F1B && shape.chunks[last] > 1) {
+  if (shape.chunks[last] > 1) {
     // As in Megatron-LM: with a short last round, the order deadlocks.
     require(m % shape.stages[last] == 0,
             "interleaved-1f1b needs num_microbatches to be a multiple of the last segment's "
@@ -143,28 +177,74 @@ void check_program_args(ScheduleKind kind, const PipelineShape& shape, int64_t m
   }
 }
 
+void check_program_args(const ScheduleDef& def, const PipelineShape& shape, int64_t m) {
+  validate_shape(shape);
+  check_microbatches(m);
+  def.check(shape, m);
+}
+
+// ---------------------------------------------------------------------------------------
+// The grid of program_grid()
+
+std::string padded(std::string text, size_t width) {
+  if (text.size() < width) text.append(width - text.size(), ' ');
+  return text;
+}
+
+std::string trimmed(std::string line) {
+  while (!line.empty() && line.back() == ' ') line.pop_back();
+  return line;
+}
+
 }  // namespace
+
+// The schedule registry: one entry per generated schedule (see the header).
+const std::vector<ScheduleDef>& schedule_registry() {
+  static const std::vector<ScheduleDef> registry = {
+      {ScheduleKind::OneFOneB, "1f1b", runs_one_chunk, warmed_up_actions<plain_warmup>,
+       warmed_up_peak<plain_warmup>},
+      {ScheduleKind::GPipe, "gpipe", runs_anything, gpipe_actions, gpipe_peak},
+      {ScheduleKind::Interleaved1F1B, "interleaved-1f1b", runs_interleaved,
+       warmed_up_actions<interleaved_warmup>, warmed_up_peak<interleaved_warmup>},
+  };
+  return registry;
+}
+
+const ScheduleDef& schedule_def(ScheduleKind kind) {
+  for (const ScheduleDef& def : schedule_registry()) {
+    if (def.kind == kind) return def;
+  }
+  throw InvalidArgument("schedule kind " + std::to_string(int(kind)) + " is not a ScheduleKind");
+}
+
+// The one choice of a pipeline's schedule.
+ScheduleKind schedule_for(const PipelineShape& shape) {
+  validate_shape(shape);
+  for (int64_t c : shape.chunks) {
+    if (c > 1) return ScheduleKind::Interleaved1F1B;
+  }
+  return ScheduleKind::OneFOneB;
+}
 
 ScheduleKind parse_schedule_kind(const std::string& name) {
   std::string lower(name);
   std::transform(lower.begin(), lower.end(), lower.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  if (lower == "1f1b") return ScheduleKind::OneFOneB;
-  if (lower == "gpipe") return ScheduleKind::GPipe;
-  if (lower == "interleaved-1f1b") return ScheduleKind::Interleaved1F1B;
-  throw InvalidArgument("schedule must be \"1f1b\", \"gpipe\" or \"interleaved-1f1b\", got \"" +
-                        name + "\"");
+  const auto& registry = schedule_registry();
+  std::string names;
+  for (size_t i = 0; i < registry.size(); ++i) {
+    if (lower == registry[i].name) return registry[i].kind;
+    names += (i == 0 ? "" : i + 1 == registry.size() ? " or " : ", ");
+    names += std::string("\"") + registry[i].name + "\"";
+  }
+  throw InvalidArgument("schedule must be " + names + ", got \"" + name + "\"");
 }
 
 const char* schedule_kind_name(ScheduleKind kind) {
-  switch (kind) {
-    case ScheduleKind::GPipe:
-      return "gpipe";
-    case ScheduleKind::Interleaved1F1B:
-      return "interleaved-1f1b";
-    default:
-      return "1f1b";
+  for (const ScheduleDef& def : schedule_registry()) {
+    if (def.kind == kind) return def.name;
   }
+  return "unknown";
 }
 
 const char* action_kind_name(ActionKind kind) {
@@ -227,29 +307,27 @@ std::vector<int64_t> virtual_stage_owners(const PipelineShape& shape) {
   return owner;
 }
 
+std::string format_action(const PipelineAction& a) {
+  return std::string(action_kind_name(a.kind)) + std::to_string(a.stage) + "." +
+         std::to_string(a.microbatch);
+}
+
 PipelineProgram pipeline_program(ScheduleKind kind, const PipelineShape& shape, int64_t m) {
-  check_program_args(kind, shape, m);
+  const ScheduleDef& def = schedule_def(kind);
+  check_program_args(def, shape, m);
   PipelineProgram program;
   program.num_microbatches = m;
   program.owner = virtual_stage_owners(shape);
   const int64_t S = num_physical_stages(shape);
   program.actions.reserve(size_t(S));
-  for (int64_t s = 0; s < S; ++s) {
-    const Place p = place_of(shape, s);
-    const int64_t P = shape.stages[size_t(p.segment)], v = shape.chunks[size_t(p.segment)];
-    const StageOrder order = stage_order(p.first_virtual, P, v, p.local, m);
-    const int64_t warmup = kind == ScheduleKind::GPipe ? m * v : warmup_of(kind, shape, m, p);
-    program.actions.push_back(one_forward_one_backward(order, warmup));
-  }
+  for (int64_t s = 0; s < S; ++s) program.actions.push_back(def.stage_actions(shape, m, s));
   return program;
 }
 
 int64_t peak_in_flight(ScheduleKind kind, const PipelineShape& shape, int64_t m, int64_t stage) {
-  check_program_args(kind, shape, m);
-  const Place p = place_of(shape, stage);
-  const int64_t total = m * shape.chunks[size_t(p.segment)];
-  if (kind == ScheduleKind::GPipe) return total;
-  return std::min(warmup_of(kind, shape, m, p) + 1, total);
+  const ScheduleDef& def = schedule_def(kind);
+  check_program_args(def, shape, m);
+  return def.peak_in_flight(shape, m, stage);
 }
 
 int64_t peak_in_flight(const std::vector<PipelineAction>& actions) {
@@ -259,6 +337,68 @@ int64_t peak_in_flight(const std::vector<PipelineAction>& actions) {
     if (a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardWeight) --now;
   }
   return peak;
+}
+
+std::string program_grid(const PipelineProgram& program,
+                         const std::vector<std::pair<int64_t, int64_t>>& marks,
+                         int64_t focus_stage) {
+  const int64_t S = int64_t(program.actions.size());
+  if (S == 0) return "(the program has no stages)";
+  const int64_t focus = std::clamp(marks.empty() ? focus_stage : marks[0].first, int64_t{0}, S - 1);
+  const int64_t focus_slot = marks.empty() ? 0 : std::max<int64_t>(marks[0].second, 0);
+  int64_t row0 = 0, row1 = S;
+  if (S > kGridRows) {
+    row0 = std::clamp(focus - kGridRows / 2, int64_t{0}, S - kGridRows);
+    row1 = row0 + kGridRows;
+  }
+  int64_t longest = 0;
+  for (int64_t s = row0; s < row1; ++s) {
+    longest = std::max(longest, int64_t(program.actions[size_t(s)].size()));
+  }
+  int64_t col0 = 0, col1 = longest;
+  if (longest > kGridColumns) {
+    col0 = std::clamp(focus_slot - kGridColumns / 2, int64_t{0}, longest - kGridColumns);
+    col1 = col0 + kGridColumns;
+  }
+  auto marked = [&](int64_t s, int64_t i) {
+    return std::find(marks.begin(), marks.end(), std::pair<int64_t, int64_t>{s, i}) != marks.end();
+  };
+  // Cells first, to size the columns.
+  std::vector<std::vector<std::string>> cells(size_t(row1 - row0));
+  size_t width = std::to_string(std::max<int64_t>(col1 - 1, 0)).size();
+  for (int64_t s = row0; s < row1; ++s) {
+    const auto& list = program.actions[size_t(s)];
+    for (int64_t i = col0; i < std::min(col1, int64_t(list.size())); ++i) {
+      std::string cell = format_action(list[size_t(i)]);
+      if (marked(s, i)) cell = ">" + cell + "<";
+      width = std::max(width, cell.size());
+      cells[size_t(s - row0)].push_back(std::move(cell));
+    }
+  }
+  const size_t label = ("stage " + std::to_string(row1 - 1)).size();
+  std::string out =
+      "the program, a row per physical stage and a column per time slot (the stage's action "
+      "index)" +
+      std::string(marks.empty() ? "" : "; >X<: the failing action") + ":\n";
+  std::string header = padded("slot", label) + (col0 > 0 ? "  ..." : "");
+  for (int64_t i = col0; i < col1; ++i) header += "  " + padded(std::to_string(i), width);
+  out += trimmed(header) + "\n";
+  if (row0 > 0) out += "(stages 0 to " + std::to_string(row0 - 1) + " not shown)\n";
+  for (int64_t s = row0; s < row1; ++s) {
+    const auto& list = program.actions[size_t(s)];
+    std::string line = padded("stage " + std::to_string(s), label) + (col0 > 0 ? "  ..." : "");
+    for (const std::string& cell : cells[size_t(s - row0)]) line += "  " + padded(cell, width);
+    if (list.empty()) line += "  (no actions)";
+    if (int64_t(list.size()) > col1) {
+      line += "  ... (" + std::to_string(int64_t(list.size()) - col1) + " more)";
+    }
+    out += trimmed(line) + "\n";
+  }
+  if (row1 < S) {
+    out += "(stages " + std::to_string(row1) + " to " + std::to_string(S - 1) + " not shown)\n";
+  }
+  out.pop_back();  // the last newline
+  return out;
 }
 
 void validate_program(const PipelineProgram& program) {
@@ -282,42 +422,51 @@ void validate_program(const PipelineProgram& program) {
                                   " actions, fewer than the 2 x " + std::to_string(V) +
                                   " virtual stages x " + std::to_string(m) +
                                   " microbatches it needs");
+  // A problem of action i of stage s: the message, then the grid with it marked.
+  auto fail = [&](int64_t s, size_t i, const std::string& problem) {
+    const PipelineAction& a = program.actions[size_t(s)][i];
+    throw InvalidArgument("stage " + std::to_string(s) + ", action " + std::to_string(i) + " (" +
+                          action_text(a) + "): " + problem + "\n" +
+                          program_grid(program, {{s, int64_t(i)}}));
+  };
   // Per (virtual stage, microbatch): 1 forward, 2 backward, 4 input grad, 8 weight grad.
   std::vector<uint8_t> seen(size_t(V * m), 0);
   for (int64_t s = 0; s < S; ++s) {
     const auto& list = program.actions[size_t(s)];
     for (size_t i = 0; i < list.size(); ++i) {
       const PipelineAction& a = list[i];
-      const std::string where = "stage " + std::to_string(s) + ", action " + std::to_string(i);
-      require(int(a.kind) >= 0 && int(a.kind) <= 3,
-              where + ": kind " + std::to_string(int(a.kind)) + " is not an ActionKind");
-      require(a.stage >= 0 && a.stage < V, where + " (" + action_text(a) +
-                                               "): the virtual stage is not in [0, " +
-                                               std::to_string(V) + ")");
-      require(a.microbatch >= 0 && a.microbatch < m, where + " (" + action_text(a) +
-                                                         "): the microbatch is not in [0, " +
-                                                         std::to_string(m) + ")");
-      require(program.owner[size_t(a.stage)] == s,
-              where + " (" + action_text(a) + "): virtual stage " + std::to_string(a.stage) +
-                  " runs on stage " + std::to_string(program.owner[size_t(a.stage)]));
+      if (int(a.kind) < 0 || int(a.kind) > 3) {
+        throw InvalidArgument("stage " + std::to_string(s) + ", action " + std::to_string(i) +
+                              ": kind " + std::to_string(int(a.kind)) + " is not an ActionKind");
+      }
+      if (a.stage < 0 || a.stage >= V) {
+        fail(s, i, "the virtual stage is not in [0, " + std::to_string(V) + ")");
+      }
+      if (a.microbatch < 0 || a.microbatch >= m) {
+        fail(s, i, "the microbatch is not in [0, " + std::to_string(m) + ")");
+      }
+      if (program.owner[size_t(a.stage)] != s) {
+        fail(s, i,
+             "virtual stage " + std::to_string(a.stage) + " runs on stage " +
+                 std::to_string(program.owner[size_t(a.stage)]));
+      }
       uint8_t& state = seen[size_t(a.stage * m + a.microbatch)];
       const uint8_t bit = uint8_t(1u << int(a.kind));
-      require(!(state & bit), where + " (" + action_text(a) + "): listed twice");
+      if (state & bit) fail(s, i, "listed twice");
       const bool has_forward = state & 1u;
       switch (a.kind) {
         case ActionKind::Forward:
           break;
         case ActionKind::Backward:
-          require(has_forward && !(state & 12u),
-                  where + " (" + action_text(a) +
-                      "): needs its forward before it and no split backward (I / W)");
+          if (!has_forward || (state & 12u)) {
+            fail(s, i, "needs its forward before it and no split backward (I / W)");
+          }
           break;
         case ActionKind::BackwardInput:
-          require(has_forward && !(state & 2u),
-                  where + " (" + action_text(a) + "): needs its forward before it and no B");
+          if (!has_forward || (state & 2u)) fail(s, i, "needs its forward before it and no B");
           break;
         case ActionKind::BackwardWeight:
-          require(state & 4u, where + " (" + action_text(a) + "): needs its I before it");
+          if (!(state & 4u)) fail(s, i, "needs its I before it");
           break;
       }
       state |= bit;
@@ -327,8 +476,12 @@ void validate_program(const PipelineProgram& program) {
     for (int64_t k = 0; k < m; ++k) {
       const uint8_t state = seen[size_t(v * m + k)];
       const bool complete = (state & 1u) && ((state & 2u) || ((state & 4u) && (state & 8u)));
-      require(complete, "virtual stage " + std::to_string(v) + ", microbatch " + std::to_string(k) +
-                            " lacks its forward and backward (F, then B or I and W)");
+      if (!complete) {
+        throw InvalidArgument("virtual stage " + std::to_string(v) + ", microbatch " +
+                              std::to_string(k) +
+                              " lacks its forward and backward (F, then B or I and W)\n" +
+                              program_grid(program, {}, program.owner[size_t(v)]));
+      }
     }
   }
   // Runs to the end: advance every stage as far as its inputs allow (the simulator's
@@ -366,14 +519,20 @@ void validate_program(const PipelineProgram& program) {
       }
     }
   }
+  std::vector<std::pair<int64_t, int64_t>> waiting;  // every stuck stage's next action
   for (int64_t s = 0; s < S; ++s) {
-    const auto& list = program.actions[size_t(s)];
-    if (next[size_t(s)] == list.size()) continue;
-    const PipelineAction& a = list[next[size_t(s)]];
-    throw InvalidArgument("the program deadlocks: stage " + std::to_string(s) +
-                          " waits at action " + std::to_string(next[size_t(s)]) + " (" +
-                          action_text(a) + ") for an input that is never sent");
+    if (next[size_t(s)] < program.actions[size_t(s)].size()) {
+      waiting.emplace_back(s, int64_t(next[size_t(s)]));
+    }
   }
+  if (waiting.empty()) return;
+  const auto [s, i] = waiting.front();
+  throw InvalidArgument("the program deadlocks: stage " + std::to_string(s) + " waits at action " +
+                        std::to_string(i) + " (" +
+                        action_text(program.actions[size_t(s)][size_t(i)]) +
+                        ") for an input that is never sent" +
+                        (waiting.size() > 1 ? " (>X<: every waiting stage's next action)" : "") +
+                        "\n" + program_grid(program, waiting));
 }
 
 std::vector<PipelineAction> pipeline_actions(ScheduleKind kind, int64_t num_stages,
@@ -384,13 +543,10 @@ std::vector<PipelineAction> pipeline_actions(ScheduleKind kind, int64_t num_stag
   check_microbatches(num_microbatches);
   require(stage >= 0 && stage < num_stages,
           "stage must be in [0, " + std::to_string(num_stages) + "), got " + std::to_string(stage));
-  require(is_known(kind), "schedule kind " + std::to_string(int(kind)) + " is not a ScheduleKind");
+  const ScheduleDef& def = schedule_def(kind);
   const PipelineShape shape = PipelineShape::plain(num_stages);
-  const Place p = place_of(shape, stage);
-  const StageOrder order = stage_order(0, num_stages, 1, stage, num_microbatches);
-  const int64_t warmup =
-      kind == ScheduleKind::GPipe ? num_microbatches : warmup_of(kind, shape, num_microbatches, p);
-  return one_forward_one_backward(order, warmup);
+  def.check(shape, num_microbatches);
+  return def.stage_actions(shape, num_microbatches, stage);
 }
 
 }  // namespace dflop

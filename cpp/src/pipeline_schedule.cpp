@@ -35,16 +35,11 @@ int64_t chunks_of(const PipelineScheduleOptions& o, int64_t c) {
   return o.chunks.empty() ? 1 : o.chunks[size_t(c)];
 }
 
-// The program every replica runs: 1F1B, or interleaved 1F1B where a module has chunks.
+// The program every replica runs: schedule_for() its modules' stages and chunks.
 PipelineProgram program_of(const PipelineScheduleOptions& o) {
   PipelineShape shape{o.stages, std::vector<int64_t>(o.stages.size(), 1)};
-  bool interleaved = false;
-  for (size_t c = 0; c < o.stages.size(); ++c) {
-    shape.chunks[c] = chunks_of(o, int64_t(c));
-    interleaved = interleaved || shape.chunks[c] > 1;
-  }
-  return pipeline_program(interleaved ? ScheduleKind::Interleaved1F1B : ScheduleKind::OneFOneB,
-                          shape, o.num_microbatches);
+  for (size_t c = 0; c < o.stages.size(); ++c) shape.chunks[c] = chunks_of(o, int64_t(c));
+  return pipeline_program(schedule_for(shape), shape, o.num_microbatches);
 }
 
 // Simulated actions per millisecond on one current x86 core (2 stages, 24 microbatches).

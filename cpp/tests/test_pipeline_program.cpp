@@ -140,6 +140,92 @@ TEST_CASE(validator_names_the_problem) {
   CHECK(dflop::parse_schedule_kind("Interleaved-1F1B") == ScheduleKind::Interleaved1F1B);
 }
 
+// The registry: one entry per ScheduleKind, in order; the names parse back; pipeline_program
+// and the memory rule are the entries' generator and rule; schedule_for is the one choice.
+TEST_CASE(schedule_registry) {
+  const auto& registry = dflop::schedule_registry();
+  CHECK_EQ(registry.size(), size_t(3));
+  for (size_t i = 0; i < registry.size(); ++i) {
+    const dflop::ScheduleDef& def = registry[i];
+    CHECK_EQ(int(def.kind), int(i));
+    CHECK(&dflop::schedule_def(def.kind) == &def);
+    CHECK(dflop::parse_schedule_kind(def.name) == def.kind);
+    CHECK_EQ(std::string(dflop::schedule_kind_name(def.kind)), std::string(def.name));
+    const PipelineShape shape = def.kind == ScheduleKind::OneFOneB ? PipelineShape{{2, 3}, {1, 1}}
+                                                                   : PipelineShape{{2, 3}, {1, 2}};
+    const PipelineProgram p = dflop::pipeline_program(def.kind, shape, 6);
+    for (int64_t s = 0; s < 5; ++s) {
+      CHECK(p.actions[size_t(s)] == def.stage_actions(shape, 6, s));
+      CHECK_EQ(dflop::peak_in_flight(def.kind, shape, 6, s), def.peak_in_flight(shape, 6, s));
+    }
+  }
+  CHECK_THROWS_WITH(dflop::schedule_def(static_cast<ScheduleKind>(7)), dflop::InvalidArgument,
+                    "schedule kind 7 is not a ScheduleKind");
+  CHECK_THROWS_WITH(dflop::parse_schedule_kind("zb"), dflop::InvalidArgument,
+                    "schedule must be \"1f1b\", \"gpipe\" or \"interleaved-1f1b\", got \"zb\"");
+  CHECK_EQ(std::string(dflop::schedule_kind_name(static_cast<ScheduleKind>(7))),
+           std::string("unknown"));
+  CHECK(dflop::schedule_for(PipelineShape::plain(4)) == ScheduleKind::OneFOneB);
+  CHECK(dflop::schedule_for({{2, 3}, {1, 1}}) == ScheduleKind::OneFOneB);
+  CHECK(dflop::schedule_for({{2, 3}, {1, 2}}) == ScheduleKind::Interleaved1F1B);
+  CHECK(dflop::schedule_for({{3}, {4}}) == ScheduleKind::Interleaved1F1B);
+  CHECK_THROWS_WITH(dflop::schedule_for({{2}, {1, 1}}), dflop::InvalidArgument,
+                    "shape.chunks has 2 entries");
+}
+
+// A validation error carries the stage x time grid with the failing action marked, bounded
+// for a large program.
+TEST_CASE(validation_error_shows_the_grid) {
+  CHECK_EQ(dflop::format_action({1, ActionKind::Forward, 3}), std::string("F1.3"));
+  CHECK_EQ(dflop::format_action({12, ActionKind::BackwardWeight, 0}), std::string("W12.0"));
+  const PipelineProgram p =
+      dflop::pipeline_program(ScheduleKind::OneFOneB, PipelineShape::plain(2), 2);
+  CHECK_EQ(dflop::program_grid(p, {{1, 1}}),
+           std::string("the program, a row per physical stage and a column per time slot (the "
+                       "stage's action index); >X<: the failing action:\n"
+                       "slot     0       1       2       3\n"
+                       "stage 0  F0.0    F0.1    B0.0    B0.1\n"
+                       "stage 1  F1.0    >B1.0<  F1.1    B1.1"));
+  PipelineProgram q = p;
+  std::swap(q.actions[1][0], q.actions[1][1]);
+  CHECK_THROWS_WITH(dflop::validate_program(q), dflop::InvalidArgument,
+                    "stage 1, action 0 (B of virtual stage 1, microbatch 0): needs its forward "
+                    "before it and no split backward (I / W)\n");
+  CHECK_THROWS_WITH(dflop::validate_program(q), dflop::InvalidArgument, "stage 1  >B1.0<  F1.0");
+  // A deadlock marks every waiting stage's next action.
+  q = p;
+  q.actions[0] = {{0, ActionKind::Forward, 0},
+                  {0, ActionKind::Backward, 0},
+                  {0, ActionKind::Forward, 1},
+                  {0, ActionKind::Backward, 1}};
+  q.actions[1] = {{1, ActionKind::Forward, 1},
+                  {1, ActionKind::Forward, 0},
+                  {1, ActionKind::Backward, 0},
+                  {1, ActionKind::Backward, 1}};
+  CHECK_THROWS_WITH(dflop::validate_program(q), dflop::InvalidArgument,
+                    "stage 0  F0.0    >B0.0<  F0.1");
+  CHECK_THROWS_WITH(dflop::validate_program(q), dflop::InvalidArgument, "stage 1  >F1.1<  F1.0");
+  // 40 stages x 120 actions, broken at stage 30, action 61: a window of 16 x 12 around it.
+  PipelineProgram big =
+      dflop::pipeline_program(ScheduleKind::OneFOneB, PipelineShape::plain(40), 60);
+  big.actions[30][61].microbatch = 99;
+  std::string message;
+  try {
+    dflop::validate_program(big);
+  } catch (const dflop::InvalidArgument& e) {
+    message = e.what();
+  }
+  CHECK(message.find("stage 30, action 61") == 0);
+  CHECK(message.find(">" + dflop::format_action(big.actions[30][61]) + "<") != std::string::npos);
+  CHECK(message.find("(stages 0 to 21 not shown)") != std::string::npos);
+  CHECK(message.find("(stages 38 to 39 not shown)") != std::string::npos);
+  CHECK(message.find("stage 37") != std::string::npos);
+  CHECK(message.find("stage 21 ") == std::string::npos);
+  CHECK(message.find("slot      ...  55") != std::string::npos);
+  CHECK(message.find("... (53 more)") != std::string::npos);
+  CHECK(message.size() < 3000);
+}
+
 dflop::PipelineSimInput uniform_input(ScheduleKind kind, const PipelineShape& shape, int64_t m,
                                       double forward_s, double backward_s) {
   dflop::PipelineSimInput in;

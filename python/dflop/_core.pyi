@@ -83,6 +83,14 @@ def validate_program(
 def peak_in_flight(
     schedule: str, stages: list[int], chunks: list[int], num_microbatches: int, stage: int
 ) -> int: ...
+def schedule_names() -> list[str]: ...
+def schedule_for(stages: list[int], chunks: list[int]) -> str: ...
+def program_grid(
+    owner: list[int],
+    actions: list[np.ndarray],
+    num_microbatches: int,
+    marks: list[tuple[int, int]],
+) -> str: ...
 
 # Planner (dflop.planner): dicts of numbers in, dicts out; see cpp/include/dflop/planner.hpp.
 def plan_layouts(

@@ -32,7 +32,13 @@ import numpy as np
 
 from dflop import _core
 from dflop.errors import InputTypeError
-from dflop.scheduling.actions import PipelineProgram, action_arrays, as_int, schedule_name
+from dflop.scheduling.actions import (
+    PipelineProgram,
+    action_arrays,
+    as_int,
+    schedule_name,
+    virtual_stage_owners,
+)
 from dflop.timeline import EVENT_DTYPE, EVENT_KINDS, write_chrome_trace, write_gantt_png
 
 __all__ = ["SimulationResult", "simulate_pipeline"]
@@ -194,12 +200,7 @@ def simulate_pipeline(
             raise ValueError(
                 f"program has {program.num_microbatches} microbatches, forward_s {num_microbatches}"
             )
-        owners = [
-            sum(stage_counts[:g]) + p
-            for g, (count, chunk) in enumerate(zip(stage_counts, chunk_counts))
-            for _ in range(chunk)
-            for p in range(count)
-        ]
+        owners = list(virtual_stage_owners(stage_counts, chunk_counts))
         if list(program.owner) != owners:
             raise ValueError(
                 f"program's owners {list(program.owner)} are not those of stages="

@@ -12,21 +12,31 @@
 //
 // Kinds: Forward; Backward (input and weight gradient together); or, for schedules that
 // split it (zero-bubble), BackwardInput (the input gradient, sent on at once) and
-// BackwardWeight (the weight gradient, which nothing waits for). A new schedule is a new
-// ScheduleKind with its action generator in pipeline_program() and its memory rule in
-// peak_in_flight(); validate_program() checks any action list, generated or given.
+// BackwardWeight (the weight gradient, which nothing waits for). validate_program() checks
+// any action list, generated or given.
+//
+// The schedule registry: every generated schedule is one ScheduleDef in
+// schedule_registry() (pipeline_program.cpp), its name, what it can run, its action
+// generator and its memory rule; pipeline_program(), peak_in_flight(),
+// parse_schedule_kind() and the Python package's list of schedules all read it. A new
+// schedule is a new ScheduleKind and one entry there. schedule_for() is the one place
+// that picks the schedule dflop runs on a pipeline (the planner, the trainer's scheduler
+// and, through the bindings, the Python package and the runtime ask it).
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dflop {
 
 enum class ScheduleKind : int8_t { OneFOneB = 0, GPipe = 1, Interleaved1F1B = 2 };
 
-// "1f1b", "gpipe" or "interleaved-1f1b" (case-insensitive); throws InvalidArgument otherwise.
+// A registered name (case-insensitive: "1f1b", "gpipe", "interleaved-1f1b"); throws
+// InvalidArgument otherwise, listing the names.
 ScheduleKind parse_schedule_kind(const std::string& name);
+// The registered name; "unknown" for a kind the registry lacks.
 const char* schedule_kind_name(ScheduleKind kind);
 
 enum class ActionKind : int8_t { Forward = 0, Backward = 1, BackwardInput = 2, BackwardWeight = 3 };
@@ -68,6 +78,34 @@ struct PipelineProgram {
   std::vector<std::vector<PipelineAction>> actions;  // per physical stage, in execution order
 };
 
+// The short text of an action: kind, virtual stage, '.', microbatch ("F1.3": the forward
+// of virtual stage 1 on microbatch 3), as dflop.scheduling.format_action writes it.
+std::string format_action(const PipelineAction& action);
+
+// A generated schedule (see the header comment). The functions are called after
+// validate_shape() and the microbatch count's range check.
+struct ScheduleDef {
+  ScheduleKind kind;
+  const char* name;  // lower case; parse_schedule_kind() takes it in any case
+  // Throws InvalidArgument when the schedule cannot run `shape` with m microbatches.
+  void (*check)(const PipelineShape& shape, int64_t m);
+  // The generator: physical stage `stage`'s actions, in execution order (after check()).
+  std::vector<PipelineAction> (*stage_actions)(const PipelineShape& shape, int64_t m,
+                                               int64_t stage);
+  // The memory rule: the most (virtual stage, microbatch) activations physical stage
+  // `stage` holds at once under the generated list (after check()).
+  int64_t (*peak_in_flight)(const PipelineShape& shape, int64_t m, int64_t stage);
+};
+
+// Every generated schedule, in ScheduleKind order.
+const std::vector<ScheduleDef>& schedule_registry();
+// The entry of `kind`; throws InvalidArgument for a kind the registry lacks.
+const ScheduleDef& schedule_def(ScheduleKind kind);
+
+// The schedule dflop runs on a pipeline of this shape: interleaved 1F1B when a segment has
+// chunks > 1 (the LLM's virtual stages), else 1F1B. Throws InvalidArgument for a bad shape.
+ScheduleKind schedule_for(const PipelineShape& shape);
+
 // The generated schedules (m = num_microbatches):
 // - GPipe: every forward, then every backward. With chunks, forwards in rounds of the
 //   segment's stage count of microbatches, chunk by chunk (as the interleaved order), and
@@ -103,8 +141,23 @@ int64_t peak_in_flight(const std::vector<PipelineAction>& actions);
 // microbatch in range; per (virtual stage, microbatch) one Forward and either one Backward
 // or one BackwardInput and one BackwardWeight, in that order on its stage; and that it runs
 // to the end (no stage waits for an action that waits for it). Throws InvalidArgument
-// naming the physical stage, the action's index and the action.
+// naming the physical stage, the action's index and the action, followed (for a problem
+// of the action lists) by program_grid() with the failing action (a deadlock: every
+// waiting stage's) marked.
 void validate_program(const PipelineProgram& program);
+
+// The most rows (stages) and columns (time slots) program_grid() shows.
+constexpr int64_t kGridRows = 16;
+constexpr int64_t kGridColumns = 12;
+
+// The program as a stage x time grid for messages: a row per physical stage, a column per
+// time slot (the stage's action index, in execution order), cells format_action(); the
+// actions at `marks` ((stage, index) pairs) shown as >F1.3<. At most kGridRows rows and
+// kGridColumns columns, a window around the first mark (or `focus_stage` without marks),
+// with what lies outside it counted.
+std::string program_grid(const PipelineProgram& program,
+                         const std::vector<std::pair<int64_t, int64_t>>& marks,
+                         int64_t focus_stage = 0);
 
 // The action list of one stage of a plain (one segment, one chunk) pipeline.
 std::vector<PipelineAction> pipeline_actions(ScheduleKind kind, int64_t num_stages,

@@ -305,9 +305,9 @@ void validate_planner_input(const ClusterParams& cluster, const ModuleParams& en
                             const PlannerOptions& options);
 
 // Searches the layouts of options.strategy; with options.prune, lower bounds skip layouts
-// that cannot enter the top_k and the result equals prune = false (planner.cpp explains the
-// search). Returns an empty `best` (and the memory
-// shortfall) when no layout fits in memory.
+// that cannot enter the top_k and the result equals prune = false (planner_search.cpp
+// explains the search). Returns an empty `best` (and the memory shortfall) when no layout
+// fits in memory.
 PlanResult plan_layouts(const ClusterParams& cluster, const ModuleParams& encoder,
                         const ModuleParams& llm, const PlannerSamples& samples,
                         const PlannerOptions& options);

@@ -185,7 +185,7 @@ def run_plan(args: argparse.Namespace) -> int:
     args.global_batch = args.global_batch or 256
 
     if args.model is not None:
-        from dflop.models.spec import model_spec
+        from dflop.models.registry import model_spec
 
         encoder, llm = model_spec(args.model).architecture()
     else:

@@ -237,7 +237,7 @@ def _build_modules(args: argparse.Namespace, device, dtype):
     from dflop.models import build_model
 
     if args.model is not None:
-        from dflop.models.spec import model_spec
+        from dflop.models.registry import model_spec
 
         spec = model_spec(args.model)
         encoder, image_shape, unit_tokens = spec.profiled_encoder(

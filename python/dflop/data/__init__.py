@@ -15,6 +15,9 @@
 - :mod:`dflop.data.reader`: :class:`DatasetReader`, the one walk over a dataset's records
   (description, skip accounting) that the profiler and :func:`read_records` (the records
   a training run draws from) share.
+- :mod:`dflop.data.describe`: one record -> its raw descriptors (``describe_sample``,
+  ``SampleDescriptor``, ``SampleError`` and its ``REASONS``, ``ImageSizeCache``), what the
+  reader, the profiler and the training data read of a sample.
 """
 
 from dflop.data.costs import (

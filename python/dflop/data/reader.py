@@ -3,7 +3,7 @@
 The records a run trains on must be the ones whose shapes were profiled, so both walk a
 dataset the same way: :class:`DatasetReader` reads the files of a ``.json``/``.jsonl``
 dataset or a ``.yaml`` recipe in order (sampling strategies applied), describes each
-record (:func:`~dflop.data.profiler.describe_sample`: modality, text tokens, image sizes
+record (:func:`~dflop.data.describe.describe_sample`: modality, text tokens, image sizes
 from headers, video frames) and counts the records it cannot describe, by reason and by
 file, keeping the first :data:`MAX_EXAMPLES_PER_REASON` examples of each reason.
 
@@ -26,16 +26,16 @@ from typing import Any
 import numpy as np
 
 from dflop.data.dataset import DatasetSource, RawSample, dataset_sources, iter_source
+from dflop.data.describe import (
+    MAX_EXAMPLES_PER_REASON,
+    ImageSizeCache,
+    SampleDescriptor,
+    SampleError,
+    describe_sample,
+)
 from dflop.data.distribution import ShapeDistribution
 from dflop.data.families import FamilySpec, get_family, shapes_from_descriptors
 from dflop.data.length import LengthPolicy, TooLongError
-from dflop.data.profiler import (
-    MAX_EXAMPLES_PER_REASON,
-    SampleDescriptor,
-    SampleError,
-    _ImageSizeCache,
-    describe_sample,
-)
 from dflop.data.shapes import Modality, SampleShapes
 from dflop.data.text_tokens import TextTokenCounter, make_text_counter
 from dflop.safe_io import not_regular_reason, path_repr
@@ -103,7 +103,7 @@ class DatasetReader:
         self.per_source: list[dict[str, Any]] = []
 
     def __iter__(self) -> Iterator[tuple[RawSample, SampleDescriptor]]:
-        images = _ImageSizeCache()  # repeated paths are read once
+        images = ImageSizeCache()  # repeated paths are read once
         roots: dict[str, str] = {}  # folder -> its real path
         for source in self._sources:
             if self.max_samples is not None and self.num_read >= self.max_samples:
@@ -214,7 +214,7 @@ def check_confined(raw: RawSample, roots: dict[str, str] | None = None) -> None:
     path(s), ``video`` or ``frames`` paths are absolute or resolve (``..``, symlinks:
     :func:`os.path.realpath`) outside its image / video folder; ``bad_image_field`` /
     ``bad_video_field`` for a path holding a NUL character. Fields of other types are
-    left to :func:`~dflop.data.profiler.describe_sample` to report. ``roots`` caches the
+    left to :func:`~dflop.data.describe.describe_sample` to report. ``roots`` caches the
     folders' real paths."""
     data = raw.data
     if not isinstance(data, dict):

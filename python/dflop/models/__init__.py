@@ -12,8 +12,10 @@ modules) or ``VisionStage`` / ``DecoderStage`` built on their own (same weights 
 same seed, thanks to name-keyed init).
 
 The runtime trains any model through a :class:`ModelSpec` (``model_spec("tiny")``,
-``model_spec("hf:PATH")`` for a Hugging Face folder; see :mod:`dflop.models.spec` and
-:mod:`dflop.models.hf`).
+``model_spec("hf:PATH")`` for a Hugging Face folder; see :mod:`dflop.models.spec`,
+:mod:`dflop.models.registry` and :mod:`dflop.models.hf`). The batch types a model reads
+(:class:`VisualItem`, ``TextInputs``, ``ProcessedSample``) live in :mod:`dflop.batch`;
+``VisualItem`` is re-exported here.
 """
 
 from dflop.models.config import (
@@ -40,13 +42,13 @@ from dflop.models.multimodal import (
     check_visual_layout,
     merge_visual_features,
 )
+from dflop.models.registry import model_spec
 from dflop.models.spec import (
     EncoderStageModule,
     LLMStageModule,
     ModelSpec,
     ReferenceSpec,
     VisualItem,
-    model_spec,
 )
 from dflop.models.vision import Projector, VisionEncoder, VisionStage, VisionTower
 

@@ -4,7 +4,8 @@ A spec bundles what the runtime needs of a model family (torchtitan's ModelSpec 
 same role): the layer counts a layout splits, the builder of one rank's pipeline stage, the
 number of feature rows a visual unit sends over the bridge, and the model's checkpoint
 format. dflop's reference model (:class:`ReferenceSpec`) and the Hugging Face adapters
-(:mod:`dflop.models.hf`) are implementations; :func:`model_spec` finds one by name.
+(:mod:`dflop.models.hf`) are implementations; :func:`~dflop.models.registry.model_spec`
+finds one by name.
 
 Stages (the modules :meth:`ModelSpec.build_stage` returns) follow two protocols, so that the
 pipeline engine calls only what they declare:
@@ -27,74 +28,56 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from dflop.errors import InputTypeError
+from dflop.batch.visual import VisualItem
 
 if TYPE_CHECKING:
     import torch
     from torch import Tensor, nn
 
+    from dflop.batch.text import TextInputs
     from dflop.data.costs import EncoderConfig, LLMConfig
     from dflop.data.families import FamilySpec
     from dflop.models.config import ModelConfig
-    from dflop.runtime.synthetic_batch import TextInputs
-    from dflop.runtime.topology import RankInfo
 
 __all__ = [
     "EncoderStageModule",
     "LLMStageModule",
     "ModelSpec",
     "ReferenceSpec",
+    "StageInfo",
+    "StageSlice",
     "VisualItem",
-    "model_spec",
 ]
 
 
-@dataclass(frozen=True)
-class VisualItem:
-    """One visual input of a sample, as the model's per-sample operations need it.
-
-    Attributes:
-        kind: ``"image"`` (a single image, tiled by the model's own rule: LLaVA-OneVision's
-            base image plus anyres crops), ``"tile"`` (an image encoded as one unit, e.g.
-            each image of a multi-image sample) or ``"video"`` (one unit per frame).
-        units: encoder units of the item (tiles or frames).
-        height_px, width_px: the original image size (what the model's unpadding uses);
-            0 when the model does not need it.
-        grid_thw: a patch-sequence encoder's (Qwen-VL) grid of the item in patches:
-            ``t`` units (an image 1, a video one per temporal patch) of ``h x w``
-            patches each; None for fixed-size units.
-    """
-
-    kind: str
-    units: int
-    height_px: int = 0
-    width_px: int = 0
-    grid_thw: tuple[int, int, int] | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("image", "tile", "video"):
-            raise ValueError(f"VisualItem.kind={self.kind!r} must be 'image', 'tile' or 'video'")
-        if self.units < 1:
-            raise ValueError(f"VisualItem.units={self.units} must be >= 1")
-        if self.height_px < 0 or self.width_px < 0:
-            raise ValueError(
-                f"VisualItem size {self.height_px}x{self.width_px} must not be negative"
-            )
-        if self.grid_thw is not None:
-            grid = tuple(int(v) for v in self.grid_thw)
-            if len(grid) != 3 or min(grid) < 1 or grid[0] != self.units:
-                raise ValueError(
-                    f"VisualItem.grid_thw={self.grid_thw!r} must be 3 positive sizes with "
-                    f"t = units ({self.units})"
-                )
-            object.__setattr__(self, "grid_thw", grid)
+class StageInfo(Protocol):
+    """What a spec reads of the place of the stage it builds: the module, its layers and
+    whether it is the module's first / last stage. A runtime
+    :class:`~dflop.runtime.topology.RankInfo` (or one of its chunks) is one;
+    :class:`StageSlice` another."""
 
     @property
-    def unit_tokens(self) -> int:
-        """Encoder tokens (patches) of each unit of a gridded item."""
-        if self.grid_thw is None:
-            raise ValueError("a VisualItem without grid_thw has the model's fixed unit size")
-        return self.grid_thw[1] * self.grid_thw[2]
+    def module(self) -> str: ...
+
+    @property
+    def layer_range(self) -> tuple[int, int]: ...
+
+    @property
+    def is_first_stage(self) -> bool: ...
+
+    @property
+    def is_last_stage(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class StageSlice:
+    """A :class:`StageInfo` of its own: layers ``layer_range`` of ``module`` (``"encoder"``
+    or ``"llm"``); by default the whole module as one stage, with its embedding and head."""
+
+    module: str
+    layer_range: tuple[int, int]
+    is_first_stage: bool = True
+    is_last_stage: bool = True
 
 
 @runtime_checkable
@@ -169,15 +152,16 @@ class ModelSpec:
 
     def build_stage(
         self,
-        info: RankInfo,
+        info: StageInfo,
         *,
         seed: int = 0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-        tp_group: Any = None,
-        tp_size: int = 1,
     ) -> nn.Module:
-        """This rank's stage (layers ``info.layer_range`` of ``info.module``)."""
+        """The stage holding layers ``info.layer_range`` of ``info.module``, whole: the
+        stage declares its tensor-parallel plan (``tensor_parallel_plan()``,
+        ``tensor_parallel_sizes()``) and the runtime shards it
+        (:func:`dflop.runtime.pipeline.build_stage`)."""
         raise NotImplementedError
 
     def architecture(self) -> tuple[EncoderConfig, LLMConfig]:
@@ -189,7 +173,7 @@ class ModelSpec:
     def dataset_inputs(self) -> Any:
         """For a model with its own shape rules (``family`` set): the converter of
         LLaVA-format records into its inputs, with ``sample(record, image_folder=,
-        where=, lazy=)`` giving a :class:`~dflop.runtime.processed_batch.ProcessedSample`
+        where=, lazy=)`` giving a :class:`~dflop.batch.sample.ProcessedSample`
         and ``text_counter()`` the profiler's count of the text it makes."""
         raise NotImplementedError(
             f"{type(self).__name__} trains on a data family's shapes scaled onto the model"
@@ -226,16 +210,7 @@ class ModelSpec:
         """All of ``module`` (``"encoder"`` or ``"llm"``) as one stage, with its embedding
         and head: what the profiler times (the stage protocols are the profiler's call
         signatures)."""
-        from dflop.runtime.topology import RuntimeLayout, rank_info
-
-        self.num_layers(module)  # validates the name
-        layout = RuntimeLayout.simple(
-            encoder_layers=self.encoder_layers,
-            llm_layers=self.llm_layers,
-            num_microbatches=1,
-            global_batch=1,
-        )
-        info = rank_info(layout, 0 if module == "encoder" else 1)
+        info = StageSlice(module, (0, self.num_layers(module)))  # validates the name
         return self.build_stage(info, seed=seed, device=device, dtype=dtype)
 
 
@@ -280,19 +255,17 @@ class ReferenceSpec(ModelSpec):
 
     def build_stage(
         self,
-        info: RankInfo,
+        info: StageInfo,
         *,
         seed: int = 0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-        tp_group: Any = None,
-        tp_size: int = 1,
     ) -> nn.Module:
         """The reference stage with the full model's weights for ``seed`` (name-keyed
-        init), sharded over ``tp_group`` when ``tp_size > 1``."""
+        init; every TP rank builds the same full weights and keeps its slice when the
+        runtime shards the stage)."""
         from dflop.models.decoder import DecoderStage
         from dflop.models.vision import VisionStage
-        from dflop.runtime.tensor_parallel import apply_tensor_parallel
 
         first, end = info.layer_range
         kw = {"has_embed": info.is_first_stage, "has_head": info.is_last_stage}
@@ -304,27 +277,4 @@ class ReferenceSpec(ModelSpec):
         else:
             stage = DecoderStage(config.decoder, first, end, device=device, dtype=dtype, **kw)
         stage.init_weights(seed)
-        # Every TP rank initialised the same full weights; each keeps its slice.
-        return apply_tensor_parallel(stage, tp_group, tp_size=tp_size)
-
-
-def model_spec(model: ModelSpec | ModelConfig | str) -> ModelSpec:
-    """The spec of ``model``: a spec (returned as is), a reference :class:`ModelConfig`, a
-    reference preset name (``"tiny"``), or ``"hf:PATH"``, a local folder with a Hugging Face
-    ``config.json`` (weights are read from it when present; needs ``dflop[hf]``)."""
-    from dflop.models.config import ModelConfig, model_config
-
-    if isinstance(model, ModelSpec):
-        return model
-    if isinstance(model, ModelConfig):
-        return ReferenceSpec(model)
-    if isinstance(model, str) and model.startswith("hf:"):
-        from dflop.models.hf import hf_model_spec
-
-        return hf_model_spec(model[3:])
-    if isinstance(model, str):
-        return ReferenceSpec(model_config(model))
-    raise InputTypeError(
-        f"model must be a ModelSpec, a ModelConfig, a preset name or 'hf:PATH', got "
-        f"{type(model).__name__}"
-    )
+        return stage

@@ -13,6 +13,7 @@ baseline. The cost and memory models are documented in ``cpp/include/dflop/plann
 and summarised in :mod:`dflop.planner.model`.
 """
 
+from dflop.planner.inputs import PlannerInputs, prepare_inputs
 from dflop.planner.model import ClusterSpec, ModuleSpec, PlannerConfig, module_specs
 from dflop.planner.plan import (
     PLAN_FORMAT,
@@ -24,12 +25,10 @@ from dflop.planner.plan import (
 )
 from dflop.planner.search import (
     InfeasibleClusterError,
-    PlannerInputs,
     audited,
     choose_layouts,
     evaluate_layout,
     plan,
-    prepare_inputs,
     runtime_scored,
     search_layouts,
     simulate_layout,

@@ -23,6 +23,7 @@ import numpy as np
 from dflop import _core
 from dflop.data.costs import EncoderConfig, LLMConfig
 from dflop.data.shapes import SampleShapes
+from dflop.planner.inputs import core_options, sample_record, single_batch_inputs
 from dflop.planner.model import ClusterSpec, PlannerConfig
 
 __all__ = ["StepAudit", "StepPredictor"]
@@ -102,6 +103,7 @@ class StepAudit:
         :class:`dflop.simulator.SimulationResult` (its ``step_time_s`` equals
         :attr:`step_time_s`). ``link_latency_s``: every link's latency instead of the
         recorded ones; ``record_events=False`` skips the event list (faster)."""
+        from dflop.scheduling.actions import schedule_for
         from dflop.simulator import simulate_pipeline
 
         forward, backward = self.simulator_input()
@@ -116,7 +118,7 @@ class StepAudit:
         return simulate_pipeline(
             forward,
             backward,
-            schedule="interleaved-1f1b" if self.llm_chunks > 1 else "1f1b",
+            schedule=schedule_for((stages, chunks)),
             stages=stages,
             chunks=chunks,
             link_latency_s=latency,
@@ -229,8 +231,6 @@ class StepPredictor:
 
     def _inputs(self, cost_model: Any, shapes: SampleShapes, fractions: Any = None) -> Any:
         """The planner's inputs of one batch under this predictor's settings."""
-        from dflop.planner.search import single_batch_inputs
-
         return single_batch_inputs(
             cost_model,
             self.encoder,
@@ -252,8 +252,6 @@ class StepPredictor:
     ) -> StepAudit:
         """The step of ``shapes`` under ``assignment`` (microbatch indices = execution
         order), priced by ``cost_model`` (``.costs(shapes)`` and ``.microbatch_constant_s``)."""
-        from dflop.planner.search import _options
-
         fractions = self.config.forward_fraction if forward_fraction is None else forward_fraction
         inputs = self._inputs(cost_model, shapes, fractions)
         cluster = self.cluster
@@ -264,12 +262,12 @@ class StepPredictor:
             inputs.encoder.to_dict(),
             inputs.llm.to_dict(),
             inputs.samples,
-            _options(self.config, "data_aware", len(shapes), 1),
+            core_options(self.config, "data_aware", len(shapes), 1),
             self.layout,
             0,
             np.ascontiguousarray(np.asarray(assignment, dtype=np.int64)),
         )
-        return StepAudit.from_core(raw, _sample_record(inputs.samples, 0, len(shapes)))
+        return StepAudit.from_core(raw, sample_record(inputs.samples, 0, len(shapes)))
 
     def stage_memory_bytes(
         self, cost_model: Any, shapes: SampleShapes, assignment: Any
@@ -277,19 +275,19 @@ class StepPredictor:
         """The memory model's peak per stage (encoder stages, then the LLM's; without the
         reserve) of the step of ``shapes`` under ``assignment``: what each rank of a
         stage should hold at most while it trains that step."""
-        from dflop.planner.search import evaluate_layout
-
         inputs = self._inputs(cost_model, shapes)
         # Any capacity: the prediction, not whether it fits.
         roomy = replace(self.cluster, gpu_memory_bytes=1e30, memory_reserve_bytes=0.0)
-        scored = evaluate_layout(
-            roomy,
-            inputs,
-            self.layout,
-            self.config,
-            assignments=[np.asarray(assignment, dtype=np.int64)],
+        raw = _core.evaluate_layout(  # as dflop.planner.evaluate_layout scores a layout dict
+            roomy.to_dict(),
+            inputs.encoder.to_dict(),
+            inputs.llm.to_dict(),
+            inputs.samples,
+            core_options(self.config, "data_aware", inputs.global_batch, 1),
+            dict(self.layout),
+            assignments=[np.ascontiguousarray(assignment, dtype=np.int64)],
         )
-        return scored.prediction.stage_memory_bytes
+        return tuple(float(v) for v in raw.get("stage_memory_bytes", ()))
 
     def stage_costs(
         self, cost_model: Any, shapes: SampleShapes
@@ -298,22 +296,14 @@ class StepPredictor:
         planner's model (tp, recompute and layers per stage included): ``(costs, constants)``,
         the ``(N, 2)`` per-sample seconds of an average encoder stage (one replica) and
         LLM stage, and each module's per-microbatch constant of an average stage."""
-        from dflop.planner.search import _options
-
         inputs = self._inputs(cost_model, shapes)
         raw = _core.stage_costs(
             self.cluster.to_dict(),
             inputs.encoder.to_dict(),
             inputs.llm.to_dict(),
             inputs.samples,
-            _options(self.config, "data_aware", len(shapes), 1),
+            core_options(self.config, "data_aware", len(shapes), 1),
             self.layout,
             0,
         )
         return np.asarray(raw["costs"]), tuple(float(c) for c in raw["constants"])
-
-
-def _sample_record(samples: dict[str, Any], batch: int, size: int) -> dict[str, np.ndarray]:
-    """The per-sample inputs of one sampled batch worth keeping in an audit."""
-    part = slice(batch * size, (batch + 1) * size)
-    return {k: np.asarray(samples[k][part]) for k in ("encoder_units", "encoder_s", "llm_s")}

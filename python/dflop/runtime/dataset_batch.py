@@ -13,7 +13,7 @@ Shapes without loading
 ----------------------
 Every rank needs the shapes of the whole batch (for the ``StepPlan``) but loads only its
 share, so the shapes come from what the data profiler reads, never from pixels or tokens:
-each record is described by :func:`dflop.data.profiler.describe_sample` (image sizes from
+each record is described by :func:`dflop.data.describe.describe_sample` (image sizes from
 file headers or size fields, frames counted in the frames folder, text tokens from a
 :class:`~dflop.data.text_tokens.TextTokenCounter`, by default the character estimate), the
 family's rules give its shape, and the :class:`ShapeScaler` maps it onto the model.
@@ -88,6 +88,7 @@ import torch
 from torch import Tensor
 
 from dflop.data.dataset import RawSample
+from dflop.data.describe import ImageSizeCache, SampleDescriptor, SampleError, describe_sample
 from dflop.data.families import (
     FamilySpec,
     anyres_grid,
@@ -95,7 +96,6 @@ from dflop.data.families import (
     get_family,
 )
 from dflop.data.image_header import FRAME_FILE_EXTENSIONS
-from dflop.data.profiler import SampleDescriptor, SampleError, _ImageSizeCache, describe_sample
 from dflop.data.reader import (
     RecordSet,
     check_loadable,
@@ -284,14 +284,14 @@ class _UnitCache:
 
 
 _UNIT_CACHE = _UnitCache(PIXEL_CACHE_BYTES)
-_HEADER_CACHE = _ImageSizeCache()
+_HEADER_CACHE = ImageSizeCache()
 
 
 def clear_caches() -> None:
     """Empty this process's caches of rendered units and image header sizes."""
     global _HEADER_CACHE
     _UNIT_CACHE.clear()
-    _HEADER_CACHE = _ImageSizeCache()
+    _HEADER_CACHE = ImageSizeCache()
 
 
 def _to_tensor(image: Any, channels: int) -> Tensor:

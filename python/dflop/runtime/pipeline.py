@@ -7,7 +7,11 @@ layout.pipeline_stages, m)`` (the program the simulator and the planner model). 
 virtual stages (``llm.virtual_stages = v > 1``, the interleaved schedule) an LLM rank holds
 v model chunks (:class:`StageChunks`; chunk c of stage p is virtual stage c * pp + p) and
 an action names the chunk it runs; the last LLM stage's chunk c sends its output to the
-first LLM stage's chunk c + 1. Per action:
+first LLM stage's chunk c + 1. A given program (``PipelineEngine(program=...)``, e.g. one
+loaded from a file) runs instead of the generated one. Actions run from a table: ``F``
+(forward) and ``B`` (full backward); the split backward's ``I`` / ``W`` (zero-bubble
+schedules) and anything else are refused before a step starts, on every rank
+(:func:`check_executable`). Per action:
 
 - forward of microbatch j: receive the stage input (pixels from the batch source on the
   first encoder stage, read for the whole step before its clock starts, as a data
@@ -61,19 +65,26 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from dflop.errors import InputTypeError
+from dflop.batch.text import TextInputs
+from dflop.errors import InputTypeError, bounded_repr
 from dflop.models.config import ModelConfig
 from dflop.models.decoder import IGNORE_INDEX
 from dflop.models.loss import DEFAULT_LOSS_CHUNK_TOKENS
-from dflop.models.spec import EncoderStageModule, LLMStageModule, ModelSpec, model_spec
+from dflop.models.registry import model_spec
+from dflop.models.spec import EncoderStageModule, LLMStageModule, ModelSpec
 from dflop.runtime import comm as dist
 from dflop.runtime import p2p
 from dflop.runtime.communicator import BridgeCommunicator
 from dflop.runtime.step_data import EncoderShare, LLMShare, MicrobatchPlan, StepPlan
-from dflop.runtime.synthetic_batch import TextInputs
-from dflop.runtime.tensor_parallel import local_tensor
+from dflop.runtime.tensor_parallel import apply_tensor_parallel, local_tensor
 from dflop.runtime.topology import RankInfo, RuntimeLayout, Topology, chunk_infos
-from dflop.scheduling.actions import PipelineAction, pipeline_program
+from dflop.scheduling.actions import (
+    PipelineAction,
+    PipelineProgram,
+    pipeline_program,
+    validate_program,
+    virtual_stage_owners,
+)
 
 __all__ = [
     "ActionTiming",
@@ -82,10 +93,59 @@ __all__ = [
     "ShapeMismatchError",
     "StageChunks",
     "StepResult",
+    "UnsupportedActionError",
     "build_stage",
+    "check_executable",
 ]
 
 FORWARD, BACKWARD = "forward", "backward"
+
+# The engine's action table: kind -> (the timing's name, the PipelineEngine method that
+# runs it). A kind not here is refused before a step starts (check_executable).
+_ACTION_RUNNERS: dict[str, tuple[str, str]] = {
+    "F": (FORWARD, "_run_forward"),
+    "B": (BACKWARD, "_run_backward"),
+}
+_KIND_OF_TIMING = {timing: kind for kind, (timing, _) in _ACTION_RUNNERS.items()}
+# Kinds of the action vocabulary (dflop.scheduling.ACTION_KINDS) the engine cannot run yet.
+_NOT_EXECUTABLE: dict[str, str] = {
+    "I": "the input-gradient half of a split backward",
+    "W": "the weight-gradient half of a split backward",
+}
+_EXECUTES = "the runtime executes F (forward) and B (full backward) actions only"
+
+
+class UnsupportedActionError(ValueError):
+    """A pipeline program holds an action the engine cannot run (see
+    :func:`check_executable`)."""
+
+
+def check_executable(program: PipelineProgram) -> None:
+    """Refuse a program with an action the engine does not run, before anything runs.
+
+    Every rank checks the whole program (not only its own stage), so that all ranks refuse
+    the same program instead of some waiting for a peer that refused.
+
+    Raises:
+        UnsupportedActionError: naming the first such action's stage, index and text: a
+            split backward (``I`` / ``W``: the runtime does not split the backward yet) or
+            a kind that is no action kind at all.
+    """
+    for s, actions in enumerate(program.actions):
+        for i, action in enumerate(actions):
+            stage, kind, microbatch = action
+            if kind in _ACTION_RUNNERS:
+                continue
+            where = f"pipeline program stage {s}, action {i}"
+            if kind in _NOT_EXECUTABLE:
+                raise UnsupportedActionError(
+                    f"{where} ({kind}{stage}.{microbatch}) is {_NOT_EXECUTABLE[kind]}, which is "
+                    f"not executable yet: the runtime does not split the backward; {_EXECUTES}"
+                )
+            raise UnsupportedActionError(
+                f"{where} has kind {bounded_repr(kind, 40)}, not an action kind (F, B, I, W); "
+                f"{_EXECUTES}"
+            )
 
 
 class ShapeMismatchError(RuntimeError):
@@ -170,7 +230,7 @@ class StepResult:
     def actions(self) -> list[PipelineAction]:
         """Executed actions in order (compare with ``pipeline_program``'s)."""
         return [
-            PipelineAction(t.virtual_stage, "F" if t.kind == FORWARD else "B", t.microbatch)
+            PipelineAction(t.virtual_stage, _KIND_OF_TIMING[t.kind], t.microbatch)
             for t in self.timings
         ]
 
@@ -211,25 +271,33 @@ def build_stage(
     layout: RuntimeLayout | None = None,
 ) -> nn.Module:
     """This rank's part of ``model`` (a :class:`~dflop.models.spec.ModelSpec`, a reference
-    ``ModelConfig`` or anything :func:`~dflop.models.spec.model_spec` takes): an encoder
+    ``ModelConfig`` or anything :func:`~dflop.models.registry.model_spec` takes): an encoder
     stage on encoder ranks (pixels in on the first stage, projected features out on the
     last), an LLM stage on LLM ranks (token embedding on the first stage, head on the
     last). The reference model's stages get the full model's weights for ``seed``
-    (name-keyed init) and, with ``tp_size > 1``, are sharded over ``tp_group``
-    (``Topology.tp_group``; see :func:`dflop.runtime.tensor_parallel.apply_tensor_parallel`).
+    (name-keyed init) and, with ``tp_size > 1``, every stage is sharded over ``tp_group``
+    by the plan it declares (``Topology.tp_group``; see
+    :func:`dflop.runtime.tensor_parallel.apply_tensor_parallel`).
     A rank of a module with virtual stages (``info.num_chunks > 1``) gets a
     :class:`StageChunks` of one stage per chunk; that needs ``layout`` (the
     :class:`~dflop.runtime.topology.RuntimeLayout`)."""
     spec = model_spec(model)
-    kw = {"seed": seed, "device": device, "dtype": dtype, "tp_group": tp_group, "tp_size": tp_size}
+
+    def sharded(place: RankInfo) -> nn.Module:
+        stage = spec.build_stage(place, seed=seed, device=device, dtype=dtype)
+        if tp_size == 1:  # nothing to shard: a stage need not declare a plan
+            return stage
+        # Every TP rank built the same full weights; each keeps its slice.
+        return apply_tensor_parallel(stage, tp_group, tp_size=tp_size)
+
     if info.num_chunks == 1:
-        return spec.build_stage(info, **kw)
+        return sharded(info)
     if layout is None:
         raise InputTypeError(
             f"rank {info.rank} holds {info.num_chunks} model chunks: pass build_stage the "
             "RuntimeLayout (layout=...)"
         )
-    return StageChunks(spec.build_stage(chunk, **kw) for chunk in chunk_infos(layout, info.rank))
+    return StageChunks(sharded(chunk) for chunk in chunk_infos(layout, info.rank))
 
 
 class _Clock:
@@ -346,7 +414,12 @@ class PipelineEngine:
             encoder ranks, an ``LLMStageModule`` on LLM ranks (a :class:`StageChunks` of
             them with virtual stages), already on ``device``.
         schedule: ``"1f1b"``, ``"gpipe"`` or ``"interleaved-1f1b"``, as in
-            ``pipeline_program``; default: ``layout.default_schedule``.
+            ``pipeline_program``; default: ``layout.default_schedule``
+            (:func:`dflop.scheduling.schedule_for`).
+        program: a :class:`~dflop.scheduling.PipelineProgram` to run instead of a
+            generated schedule (e.g. :func:`dflop.scheduling.load_program`'s), over the
+            layout's virtual stages and ``layout.num_microbatches``; validated here. Not
+            with ``schedule``.
         debug: send a shape header before every stage-to-stage tensor (and ask the bridge
             to do the same) to report plan mismatches clearly.
         device: where activations live; default: the stage's parameters' device.
@@ -362,6 +435,7 @@ class PipelineEngine:
         stage: nn.Module,
         *,
         schedule: str | None = None,
+        program: PipelineProgram | None = None,
         debug: bool = False,
         device: torch.device | str | None = None,
         synchronized_start: bool = True,
@@ -393,7 +467,15 @@ class PipelineEngine:
             ci.virtual_stage: (module, ci)
             for module, ci in zip(modules, chunk_infos(layout, info.rank))
         }
-        self.schedule = layout.default_schedule if schedule is None else schedule
+        self._programs: dict[int, tuple[PipelineAction, ...]] = {}
+        self.program = program
+        if program is None:
+            self.schedule: str | None = layout.default_schedule if schedule is None else schedule
+        else:
+            self.schedule = None
+            if schedule is not None:
+                raise ValueError("PipelineEngine takes a schedule or a program, not both")
+            self._programs[layout.num_microbatches] = self._checked(program)
         if info.num_chunks > 1 and dist.get_backend() == "nccl":
             # NCCL matches a pair's sends and receives in issue order on one stream; the
             # wrap-around messages (last stage -> first) need batched send / receive pairs
@@ -402,7 +484,6 @@ class PipelineEngine:
                 "interleaved 1F1B (llm.virtual_stages > 1) runs on gloo only for now; use "
                 "llm_v=1 with NCCL"
             )
-        self._programs: dict[int, tuple[PipelineAction, ...]] = {}
         self.debug = debug
         self.synchronized_start = synchronized_start
         param = next(stage.parameters())
@@ -443,6 +524,8 @@ class PipelineEngine:
                     f"stage says {expected}: build the plan with the spec's visual_newline "
                     "(config.decoder.image_newline for the reference model)"
                 )
+        # The whole program is checked (every action runnable) before anything runs.
+        actions = self._actions(plan.num_microbatches)
         self.stage.zero_grad(set_to_none=True)
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         encoder_shares, llm_shares = self._input_shares(plan)
@@ -455,25 +538,19 @@ class PipelineEngine:
         clock = self.clock = _Clock(self.device)
         stamps: list[tuple[str, int, Any, Any, Any, int]] = []
         in_flight: dict[tuple[int, int], _InFlight] = {}
-        actions = self._actions(plan.num_microbatches)
         self._posted.clear()  # nothing left over from a step that failed
         for i, (v, kind, j) in enumerate(actions):
             mb = plan.microbatches[j]
             chunk = self._chunks[v]
+            timing, method = _ACTION_RUNNERS[kind]
             if self._post_ahead:
                 for ahead in actions[i : i + 2]:  # this action's receive first, then the next
                     self._post(ahead, plan.microbatches[ahead.microbatch])
             arrive = clock.mark()
-            if kind == "B":
-                start = self._backward(chunk, mb, in_flight.pop((v, j)))
-            elif self.is_encoder:
-                in_flight[(v, j)], start = self._encoder_forward(chunk, mb, batch)
-            else:
-                in_flight[(v, j)], start = self._llm_forward(chunk, mb, plan, batch)
+            start = getattr(self, method)(chunk, mb, plan, batch, in_flight, (v, j))
             # start is None for an empty share: it waited for nothing and computed nothing.
             start = arrive if start is None else start
-            kind_name = FORWARD if kind == "F" else BACKWARD
-            stamps.append((kind_name, j, arrive, start, clock.mark(), v))
+            stamps.append((timing, j, arrive, start, clock.mark(), v))
         self._wait_sends()
         self._all_reduce_grads()
         self._sum_tied_grads()
@@ -484,12 +561,65 @@ class PipelineEngine:
         return self._result(plan, clock, stamps, end, loss_sum)
 
     def _actions(self, num_microbatches: int) -> tuple[PipelineAction, ...]:
-        """This rank's actions of the layout's pipeline program (cached per count)."""
+        """This rank's actions of the layout's pipeline program (cached per count), the
+        whole program checked runnable (:func:`check_executable`)."""
         if num_microbatches not in self._programs:
             stages, chunks = self.layout.pipeline_stages
             program = pipeline_program(self.schedule, stages, num_microbatches, chunks=chunks)
+            check_executable(program)
             self._programs[num_microbatches] = program.actions[self.info.global_stage]
         return self._programs[num_microbatches]
+
+    def _checked(self, program: PipelineProgram) -> tuple[PipelineAction, ...]:
+        """This rank's actions of a given program: every action runnable
+        (:func:`check_executable`), the program valid, over the layout's virtual stages and
+        microbatch count."""
+        if not isinstance(program, PipelineProgram):
+            raise InputTypeError(f"program must be a PipelineProgram, got {type(program).__name__}")
+        check_executable(program)
+        validate_program(program)
+        owners = virtual_stage_owners(*self.layout.pipeline_stages)
+        if tuple(program.owner) != owners:
+            raise ValueError(
+                f"the program's owners {list(program.owner)} are not the layout's virtual "
+                f"stages' {list(owners)} (stages, chunks = {self.layout.pipeline_stages})"
+            )
+        if program.num_microbatches != self.layout.num_microbatches:
+            raise ValueError(
+                f"the program has {program.num_microbatches} microbatches, the layout "
+                f"{self.layout.num_microbatches}"
+            )
+        return program.actions[self.info.global_stage]
+
+    # ------------------------------------------------------------------ the action table
+
+    def _run_forward(
+        self,
+        chunk: _Chunk,
+        mb: MicrobatchPlan,
+        plan: StepPlan,
+        batch: _Prefetched,
+        in_flight: dict[tuple[int, int], _InFlight],
+        key: tuple[int, int],
+    ) -> Any:
+        """Action ``F``: returns the clock mark at which compute began (None: nothing)."""
+        if self.is_encoder:
+            in_flight[key], start = self._encoder_forward(chunk, mb, batch)
+        else:
+            in_flight[key], start = self._llm_forward(chunk, mb, plan, batch)
+        return start
+
+    def _run_backward(
+        self,
+        chunk: _Chunk,
+        mb: MicrobatchPlan,
+        plan: StepPlan,
+        batch: _Prefetched,
+        in_flight: dict[tuple[int, int], _InFlight],
+        key: tuple[int, int],
+    ) -> Any:
+        """Action ``B`` (the full backward)."""
+        return self._backward(chunk, mb, in_flight.pop(key))
 
     def _result(
         self, plan: StepPlan, clock: _Clock, stamps: list, end: Any, loss_sum: float

@@ -31,11 +31,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dflop.batch.text import TextInputs
 from dflop.data.shapes import SampleShapes
 from dflop.errors import InputTypeError
 from dflop.models.config import ModelConfig
 from dflop.models.decoder import IGNORE_INDEX
-from dflop.models.spec import VisualItem
 
 __all__ = [
     "IMAGE_TOKEN_ID",
@@ -215,25 +215,6 @@ def sample_layout(visual_tokens: int, text_tokens: int, target_tokens: int) -> S
     prompt = text_tokens - target_tokens
     head = prompt // 2
     return SampleLayout(head, visual_tokens, prompt - head, target_tokens)
-
-
-@dataclass(frozen=True)
-class TextInputs:
-    """The LLM side of a packed microbatch (T positions, n samples)."""
-
-    token_ids: Tensor
-    """LongTensor[T]; ``IMAGE_TOKEN_ID`` at placeholders."""
-    image_token_mask: Tensor
-    """BoolTensor[T]: True at image placeholder positions."""
-    labels: Tensor
-    """LongTensor[T]: token ids on answers, -100 elsewhere."""
-    cu_seqlens: Tensor
-    """LongTensor[n + 1]: cumulative sample lengths, 0 .. T."""
-    unit_counts: Tensor
-    """LongTensor[n]: visual units per sample."""
-    visual_items: tuple[tuple[VisualItem, ...], ...] | None = None
-    """Per sample, its visual inputs in order, for models whose per-sample visual
-    operations need them (``LLMStageModule.merge_visual``); None when the model does not."""
 
 
 class PackedBatchSource:

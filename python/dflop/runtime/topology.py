@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from dflop.errors import InputTypeError
+from dflop.scheduling.actions import schedule_for
 
 __all__ = [
     "DEFAULT_GROUP_TIMEOUT_S",
@@ -231,8 +232,9 @@ class RuntimeLayout:
 
     @property
     def default_schedule(self) -> str:
-        """``"interleaved-1f1b"`` for an LLM with virtual stages, else ``"1f1b"``."""
-        return "interleaved-1f1b" if self.llm.virtual_stages > 1 else "1f1b"
+        """The pipeline schedule this layout runs: :func:`dflop.scheduling.schedule_for`
+        (``"interleaved-1f1b"`` for an LLM with virtual stages, else ``"1f1b"``)."""
+        return schedule_for(self)
 
     def module(self, name: Module) -> ModuleLayout:
         if name not in ("encoder", "llm"):

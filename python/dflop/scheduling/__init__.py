@@ -7,9 +7,12 @@
 - :mod:`~dflop.scheduling.async_scheduler`: :class:`AsyncScheduler`, schedules computed
   in a background thread a few steps ahead, with deadlines.
 - :mod:`~dflop.scheduling.actions`: :func:`pipeline_program`, pipeline schedules (1F1B,
-  GPipe, interleaved 1F1B) as per-stage lists of ``(stage, kind, microbatch)`` actions
-  that the simulator, the planner's memory model and the runtime all execute, and
-  :func:`validate_program` for any hand-written one.
+  GPipe, interleaved 1F1B, registered in the native core) as per-stage lists of
+  ``(stage, kind, microbatch)`` actions that the simulator, the planner's memory model and
+  the runtime all execute; :func:`schedule_for`, the one choice of a pipeline's schedule;
+  :func:`validate_program` for any hand-written one; actions as text (``"F1.3"``,
+  :func:`format_action` / :func:`parse_action`) and programs as files
+  (:func:`save_program` / :func:`load_program`).
 
 ``dflop.schedule``, ``dflop.pipeline_schedule`` and ``dflop.Schedule`` are re-exported at
 the package's top level.
@@ -19,9 +22,17 @@ from dflop.scheduling.actions import (
     SCHEDULES,
     PipelineAction,
     PipelineProgram,
+    format_action,
+    format_program,
+    load_program,
+    parse_action,
+    parse_program,
     peak_in_flight,
     pipeline_actions,
     pipeline_program,
+    program_grid,
+    save_program,
+    schedule_for,
     validate_program,
 )
 from dflop.scheduling.async_scheduler import AsyncScheduler
@@ -43,11 +54,19 @@ __all__ = [
     "PipelineProgram",
     "Schedule",
     "data_blind_schedule",
+    "format_action",
+    "format_program",
+    "load_program",
+    "parse_action",
+    "parse_program",
     "peak_in_flight",
     "pipeline_actions",
     "pipeline_program",
     "pipeline_schedule",
+    "program_grid",
+    "save_program",
     "schedule",
+    "schedule_for",
     "schedule_from_assignment",
     "validate_program",
 ]

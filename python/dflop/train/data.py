@@ -27,7 +27,8 @@ import numpy as np
 
 from dflop.data.length import LengthPolicy
 from dflop.data.shapes import SampleShapes
-from dflop.models.spec import ModelSpec, model_spec
+from dflop.models.registry import model_spec
+from dflop.models.spec import ModelSpec
 from dflop.runtime.synthetic_batch import ShapeScaler
 
 __all__ = [
@@ -287,7 +288,8 @@ class StepShapes:
         """The batch of a model with its own rules, kept from the scheduler's look at a
         step ahead until the step trains (unless a record was replaced since); the batches
         of earlier steps (and the pixels they decoded) are dropped."""
-        from dflop.runtime.processed_batch import ProcessedBatch, truncate_sample
+        from dflop.batch.sample import truncate_sample
+        from dflop.runtime.processed_batch import ProcessedBatch
 
         for old in [s for s in self._batches if s < step]:
             del self._batches[old]

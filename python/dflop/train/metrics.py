@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ModeSummary", "RankRecord", "StepMetrics", "step_metrics", "summarise"]
+__all__ = ["ModeSummary", "RankRecord", "StepLog", "StepMetrics", "step_metrics", "summarise"]
 
 
 @dataclass(frozen=True)
@@ -232,3 +232,60 @@ def format_step(m: StepMetrics, num_steps: int) -> str:
         f"{m.step_time_s:.3f} s{predicted} | {m.samples_per_s:.1f} samples/s | "
         f"{m.tokens_per_s:,.0f} tok/s | busy {busy} | idle {100 * m.idle_share:.0f}%"
     )
+
+
+class StepLog:
+    """Rank 0's record of a run: every step's metrics, the last ``trace_steps`` steps'
+    rank records per mode (the timeline), the per-step lines and the progress bar (a
+    terminal only)."""
+
+    def __init__(self, config: Any, start_step: int) -> None:
+        import collections
+        import sys
+
+        self.config = config
+        self.metrics: list[StepMetrics] = []
+        self._recent = {mode: collections.deque(maxlen=config.trace_steps) for mode in config.modes}
+        self._bar = None
+        if config.progress and sys.stdout.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self._bar = tqdm(
+                    total=config.steps, initial=start_step, unit="step", dynamic_ncols=True
+                )
+
+    def add(self, row: StepMetrics, records: list[RankRecord]) -> None:
+        """One mode's step: kept, and printed every ``log_every`` steps and at the end."""
+        self.metrics.append(row)
+        self._recent[row.mode].append((records, row.step_time_s))
+        every = self.config.log_every
+        if not every or ((row.step + 1) % every and row.step != self.config.steps - 1):
+            return
+        line = format_step(row, self.config.steps)
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def step_done(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def timelines(self) -> dict[str, list[dict[str, Any]]]:
+        """Per mode: the event records of the last steps, laid end to end."""
+        out = {}
+        for mode, steps in self._recent.items():
+            events: list[dict[str, Any]] = []
+            offset_s = 0.0
+            for records, step_time_s in steps:
+                events.extend(timeline_records(records, offset_s))
+                offset_s += step_time_s
+            out[mode] = events
+        return out
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from dflop.models.spec import ModelSpec, model_spec
+from dflop.models.registry import model_spec
+from dflop.models.spec import ModelSpec
 from dflop.planner.model import DEFAULT_LOSS_CHUNK_TOKENS
 from dflop.runtime.topology import ModuleLayout, RuntimeLayout, uniform_layer_ranges
 

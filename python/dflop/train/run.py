@@ -84,7 +84,7 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
 
 def _prepare(config: TrainConfig, log: Callable[[str], None]) -> Prepared:
     from dflop.data.reader import RecordSet
-    from dflop.models.spec import model_spec
+    from dflop.models.registry import model_spec
     from dflop.planner import Plan
     from dflop.train.data import StepShapes, describe_records, length_policy, load_distribution
     from dflop.train.planning import (
@@ -682,8 +682,6 @@ def checkpoint_lock(config: TrainConfig, log: Callable[[str], None] = print) -> 
 
 
 def _run_local(config: TrainConfig, log: Callable[[str], None], prepared: Prepared | None) -> Any:
-    from dflop.runtime.launch import spawn_local, spawn_threads
-
     if prepared is None:
         prepared = prepare(config, log)
     layout = prepared.layout
@@ -710,34 +708,60 @@ def _run_local(config: TrainConfig, log: Callable[[str], None], prepared: Prepar
         prepared.cluster,
         prepared.forward_fraction,
     )
-    timeout_s = config.run_timeout_s or 7 * 24 * 3600.0
-    if launch_kind == "threads":
-        if device_kind == "cpu":  # the ranks' threads share the cores' intra-op threads
-            import torch
-
-            torch.set_num_threads(_threads_per_rank(config, world_size))
-        results = spawn_threads(
-            _rank_main,
-            world_size,
-            args=args,
-            timeout_s=timeout_s,
-            device=_device_for(device_kind, 0),
-            collective_timeout_s=config.timeout_s,
-        )
-    else:
-        results = spawn_local(
-            _rank_main,
-            world_size,
-            args=args,
-            timeout_s=timeout_s,
-            backend="nccl" if device_kind == "cuda" else "gloo",
-            collective_timeout_s=config.timeout_s,
-            num_threads=_threads_per_rank(config, world_size),
-        )
+    results = LAUNCHERS[launch_kind](config, world_size, device_kind, args)
     report = results[0]
     report.planned_step_time_s = prepared.predicted_step_time_s
     write_timelines(report, config, log)
     return report
+
+
+def _launch_processes(
+    config: TrainConfig, world_size: int, device_kind: str, args: tuple[Any, ...]
+) -> list[Any]:
+    """One process per rank (gloo on CPU, NCCL with a GPU each)."""
+    from dflop.runtime.launch import spawn_local
+
+    return spawn_local(
+        _rank_main,
+        world_size,
+        args=args,
+        timeout_s=_run_timeout_s(config),
+        backend="nccl" if device_kind == "cuda" else "gloo",
+        collective_timeout_s=config.timeout_s,
+        num_threads=_threads_per_rank(config, world_size),
+    )
+
+
+def _launch_threads(
+    config: TrainConfig, world_size: int, device_kind: str, args: tuple[Any, ...]
+) -> list[Any]:
+    """One thread per rank in this process, sharing the first GPU or the CPU."""
+    from dflop.runtime.launch import spawn_threads
+
+    if device_kind == "cpu":  # the ranks' threads share the cores' intra-op threads
+        import torch
+
+        torch.set_num_threads(_threads_per_rank(config, world_size))
+    return spawn_threads(
+        _rank_main,
+        world_size,
+        args=args,
+        timeout_s=_run_timeout_s(config),
+        device=_device_for(device_kind, 0),
+        collective_timeout_s=config.timeout_s,
+    )
+
+
+def _run_timeout_s(config: TrainConfig) -> float:
+    return config.run_timeout_s or 7 * 24 * 3600.0
+
+
+LAUNCHERS: dict[str, Callable[[TrainConfig, int, str, tuple[Any, ...]], list[Any]]] = {
+    "processes": _launch_processes,
+    "threads": _launch_threads,
+}
+"""How local ranks start (``TrainConfig.launch``): ``(config, world_size, device kind,
+rank arguments) -> every rank's result``; :func:`_launch_kind` picks one."""
 
 
 def _run_torchrun(config: TrainConfig, log: Callable[[str], None]) -> Any:

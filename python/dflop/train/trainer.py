@@ -24,36 +24,41 @@ the data-blind one, alternating which goes first), and the optimizer steps once.
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from dflop.models.spec import model_spec
+from dflop.models.registry import model_spec
 from dflop.runtime.topology import RuntimeLayout
 from dflop.scheduling.balance import Schedule, data_blind_schedule, schedule_from_assignment
 from dflop.scheduling.pipeline import PipelineModel
+from dflop.train.calibration import OnlineCalibration, fit_link_latency
+from dflop.train.checkpointer import Checkpointer
 from dflop.train.config import TrainConfig
 from dflop.train.data import StepShapes, _step_seed, length_policy
-from dflop.train.metrics import (
-    RankRecord,
-    StepMetrics,
-    format_step,
-    measured_microbatch_times,
-    step_metrics,
-    timeline_records,
-)
+from dflop.train.metrics import RankRecord, StepLog, StepMetrics, step_metrics
+from dflop.train.step_profiler import StepProfiler
 
-__all__ = ["FAULT_ENV", "NonFiniteError", "TrainReport", "Trainer"]
+__all__ = ["FAULT_ENV", "NonFiniteError", "TrainReport", "Trainer", "fit_link_latency"]
 
 FAULT_ENV = "DFLOP_FAULT_INJECT"
 """``"RANK:STEP"``: that rank raises at the start of that step (to test failure handling)."""
+
+
+@dataclass
+class _StepRun:
+    """One step as it ran on this rank: its batch's shapes, every mode's schedule, step
+    plan and result, and (rank 0) the step model's predictions made before it ran."""
+
+    shapes: Any
+    schedules: dict[str, Schedule]
+    audits: dict[str, Any]
+    plans: dict[str, Any]
+    results: dict[str, Any]
 
 
 @dataclass
@@ -144,31 +149,26 @@ class Trainer:
             scaler=config.scaler,
             length=length_policy(self.spec, config.max_seq_len, config.too_long),
         )
-        self.start_step = 0
-        self._resume()
+        self.checkpointer = Checkpointer(config, layout, self._comm_device())
+        self.start_step = self.checkpointer.resume(self.stage, self.optimizer)
         self.cost_model = None
         self.scheduler = None
         # The forward shares a plan was scored with, refined by what the steps measure.
-        fractions = forward_fraction or (1.0 / 3.0, 1.0 / 3.0)
-        self._forward_fraction = {"encoder": float(fractions[0]), "llm": float(fractions[1])}
+        self.calibration = OnlineCalibration(forward_fraction)
         self._last_step_wall_s: float | None = None
-        self._link_latency_s = 0.0
-        self._latency_fits: collections.deque[float] = collections.deque(maxlen=9)
-        self._observed_steps: collections.deque[tuple[Any, Schedule, float]] = collections.deque(
-            maxlen=32
-        )
-        self._calibrated = False
         self._plan_cost_model: Any = None
         # Rank 0: the planner's model of this run's steps (times, memory).
         self.predictor = self._step_predictor(cluster) if self.is_leader else None
         self._submitted: dict[int, Any] = {}  # rank 0: the shapes each schedule was asked for
         self.samples_replaced = 0
         """Batch samples replaced because their record's images did not decode."""
-        self.transfer_overlaps: list[tuple[str, dict[str, Any]]] = []
-        # memory_report: the measured window's steps (shapes and every mode's schedule).
-        self._memory_steps: list[tuple[Any, list[np.ndarray]]] = []
-        self.memory_report: list[dict[str, Any]] = []
-        self._memory_start_bytes = 0
+        self.profiler = StepProfiler(
+            config,
+            self.device,
+            self.info.global_stage,
+            self.start_step,
+            self._stage_memory if self.is_leader else None,
+        )
         self.stopped_after_step: int | None = None
         """The step after which a SIGTERM stopped the run (None: it ran to the end)."""
         if self.is_leader and "dflop" in config.modes:
@@ -208,12 +208,9 @@ class Trainer:
         # The model the plan was scored with, never corrected: what the plan predicts
         # for the steps the run trains (reported beside the corrected simulator's).
         self._plan_cost_model = CostModel(performance_model)
-        self._plan_forward_fraction = (
-            self._forward_fraction["encoder"],
-            self._forward_fraction["llm"],
-        )
+        self._plan_forward_fraction = self.calibration.shares
         # Until the steps calibrate it, the latency the plan was scored with.
-        self._link_latency_s = self.predictor.cluster.link_latency_s
+        self.calibration.link_latency_s = self.predictor.cluster.link_latency_s
         self.scheduler = AsyncScheduler(
             self.layout.num_microbatches,
             self.layout.llm.dp,
@@ -227,44 +224,6 @@ class Trainer:
         ):
             self._submit(step)
 
-    def _resume(self) -> None:
-        """Load the checkpoint to resume from: rank 0 chooses it (the step ``latest``
-        names when it verifies, else the newest intact one, saying so) and tells every
-        rank, so all resume from the same step."""
-        from dflop.runtime import comm as dist
-        from dflop.train.checkpoint import find_checkpoint, load_checkpoint
-
-        if not self.config.checkpoint_dir:
-            return
-        choice: list[Any] = [None]
-        if self.is_leader:
-            found = find_checkpoint(
-                self.config.checkpoint_dir, self.world_size, log=lambda m: print(m, flush=True)
-            )
-            choice = [None if found is None else str(found)]
-        dist.broadcast_object_list(choice, src=0)
-        if choice[0] is None:
-            return
-        state = load_checkpoint(choice[0], self.rank, self._checkpoint_identity())
-        self.stage.load_state_dict(state["stage"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        # The optimizer's state restores the saved run's hyper-parameters; this run's
-        # settings apply from its first step (the launcher said which ones changed).
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.config.lr
-            group["weight_decay"] = self.config.weight_decay
-        self.start_step = int(state["step"]) + 1
-        if self.is_leader:
-            print(f"resumed from {choice[0]} (step {self.start_step} next)", flush=True)
-
-    def _checkpoint_identity(self) -> dict[str, Any]:
-        return {
-            "layout": self.layout.to_dict(),
-            "model": self.config.model,
-            "world_size": self.world_size,
-            "seed": self.config.seed,
-        }
-
     # ------------------------------------------------------------------ scheduling (rank 0)
 
     def _scheduler_view(self, shapes: Any) -> tuple[np.ndarray, PipelineModel]:
@@ -276,8 +235,8 @@ class Trainer:
         model = PipelineModel.for_layout(
             self.layout,
             stage_constant_s=constants,
-            forward_fraction=(self._forward_fraction["encoder"], self._forward_fraction["llm"]),
-            link_latency_s=self._link_latency_s,
+            forward_fraction=self.calibration.shares,
+            link_latency_s=self.calibration.link_latency_s,
         )
         return costs, model
 
@@ -328,8 +287,8 @@ class Trainer:
             self.cost_model,
             shapes,
             s.assignment,
-            forward_fraction=(self._forward_fraction["encoder"], self._forward_fraction["llm"]),
-            link_latency_s=self._link_latency_s if self._calibrated else None,
+            forward_fraction=self.calibration.shares,
+            link_latency_s=self.calibration.link_latency_s if self.calibration.calibrated else None,
         )
 
     def _plan_audit(self, s: Schedule, shapes: Any) -> Any:
@@ -341,35 +300,6 @@ class Trainer:
             s.assignment,
             forward_fraction=self._plan_forward_fraction,
         )
-
-    def _calibrate_latency(
-        self, records: list[RankRecord], schedule: Schedule, audit: Any, shapes: Any
-    ) -> None:
-        """Fit the per-transfer latency that makes the step model, fed the cost model's
-        action times (the step's audit), reproduce the measured step: it takes what the
-        action times do not explain (per-message costs, Python overhead, the loss
-        all-reduce, and the waiting that timing noise adds to a pipeline). The median of
-        the last fits: one step slowed by another process on shared cores moves it little;
-        later predictions use it."""
-        if audit.llm_forward_s.shape[1] + audit.num_encoder_stages < 2:
-            return  # one stage: no links
-        measured = max(r.step_time_s for r in records)
-        self._observed_steps.append((shapes, schedule, measured))
-        self._latency_fits.append(fit_link_latency([audit], measured))
-        self._link_latency_s = float(np.median(self._latency_fits))
-        self._calibrated = True
-
-    def final_link_latency_s(self) -> float | None:
-        """The latency that, with the cost model and forward shares as they are now (the
-        run's end), makes the mean simulated step of the last observed steps equal their
-        mean measured step: a consistent snapshot for planning (``dflop plan --local``
-        calibrates with it). The running estimate pairs each step's latency with the cost
-        model of that step, which kept moving."""
-        if not self._calibrated or not self._observed_steps:
-            return None
-        audits = [self._audit(s, shapes) for shapes, s, _ in self._observed_steps]
-        measured = float(np.mean([t for _, _, t in self._observed_steps]))
-        return fit_link_latency(audits, measured)
 
     # ------------------------------------------------------------------ communication
 
@@ -463,264 +393,151 @@ class Trainer:
 
     def train(self) -> TrainReport | None:
         """Run steps ``start_step .. config.steps - 1``; see the module docstring."""
-        from dflop.runtime import comm as dist
-        from dflop.runtime.step_data import StepPlan
-
         config = self.config
         fault = _fault_step(self.rank)
-        metrics: list[StepMetrics] = []
-        recent: dict[str, collections.deque] = {
-            mode: collections.deque(maxlen=config.trace_steps) for mode in config.modes
-        }
-        bar = self._progress_bar()
-        num_fallbacks_before = 0
-        profiled_from = max(self.start_step, config.steps - config.trace_steps)
-        profiler = None
+        log = StepLog(config, self.start_step) if self.is_leader else None
         try:
             for step in range(self.start_step, config.steps):
-                if step == profiled_from and self._profiling():
-                    profiler = self._start_profiler()
+                self.profiler.before_step(step)
                 if step == fault:
                     raise RuntimeError(
                         f"injected failure on rank {self.rank} at step {step} ({FAULT_ENV})"
                     )
                 wall_start = time.perf_counter()
-                batch = self._step_batch(step)
-                shapes = batch.shapes
-                schedules, encoder_costs = self._broadcast_schedules(step, shapes)
-                audits, planned = {}, math.nan
-                if self.is_leader and self.cost_model is not None:
-                    audits = {mode: self._audit(s, shapes) for mode, s in schedules.items()}
-                    planned = self._plan_audit(schedules["dflop"], shapes).step_time_s
-                if config.memory_report and self.is_leader and step >= profiled_from:
-                    assignments = [np.asarray(s.assignment) for s in schedules.values()]
-                    self._memory_steps.append((shapes, assignments))
-                order = list(config.modes) if step % 2 == 0 else list(reversed(config.modes))
-                results, plans = {}, {}
-                for mode in order:
-                    plans[mode] = StepPlan.build(
-                        schedules[mode],
-                        shapes,
-                        self.layout,
-                        batch.target_tokens(),
-                        tokens_per_unit=self.spec.tokens_per_unit,
-                        visual_newline=self.spec.visual_newline,
-                        encoder_costs=encoder_costs,
-                        unit_tokens=(
-                            batch.unit_tokens() if self.spec.tokens_per_unit is None else None
-                        ),
-                        token_merge=self.spec.token_merge,
-                    )
-                    results[mode] = self.engine.run_step(plans[mode], batch)
+                run = self._run_step(step, self._step_batch(step))
                 grad_norm = self._clip_gradients()
-                _check_finite(step, {m: r.loss for m, r in results.items()}, grad_norm)
+                _check_finite(step, {m: r.loss for m, r in run.results.items()}, grad_norm)
                 self.optimizer.step()
-                gathered: list[Any] | None = [None] * self.world_size if self.is_leader else None
-                dist.gather_object(self._record(results), gathered, dst=0)
+                gathered = self._gather_records(run.results)
                 self._last_step_wall_s = time.perf_counter() - wall_start
-                if self.is_leader:
-                    for mode in config.modes:
-                        records = [g[mode] for g in gathered]
-                        row = step_metrics(
-                            step,
-                            mode,
-                            results[mode].loss,
-                            records,
-                            len(shapes),
-                            int(shapes.seq_len.sum()),
-                            predicted_step_time_s=(
-                                audits[mode].step_time_s if mode in audits else math.nan
-                            ),
-                            schedule_ratio=schedules[mode].ratio,
-                            grad_norm=grad_norm,
-                            plan_model_step_time_s=planned if mode == "dflop" else math.nan,
-                        )
-                        metrics.append(row)
-                        recent[mode].append((records, row.step_time_s))
-                        learn = mode == "dflop" and step > self.start_step
-                        if learn and not config.deterministic:
-                            # Only dflop's run feeds the cost model and the latency fit:
-                            # in compare mode the blind run overlaps its modules less, and
-                            # on shared CPU cores (memory bandwidth) its microbatches run
-                            # faster than dflop's. A run's first step is left out: it pays
-                            # one-time costs (first kernels, allocations, connections).
-                            # A deterministic run keeps its model: no timing in schedules.
-                            self._observe(records, schedules[mode], plans[mode], shapes)
-                            self._calibrate_latency(records, schedules[mode], audits[mode], shapes)
-                        self._log(row, bar)
-                    if bar is not None:
-                        bar.update(1)
-                saved = bool(config.checkpoint_dir) and (
-                    step == config.steps - 1
-                    or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
-                )
-                if saved:
-                    self.save_checkpoint(step)
-                if step < config.steps - 1 and self._stop_agreed():
-                    # A SIGTERM reached some rank: every rank stops after this same step.
-                    if config.checkpoint_dir and not saved:
-                        self.save_checkpoint(step)
+                if log is not None:
+                    self._account(log, step, run, gathered, grad_norm)
+                if self.checkpointer.end_of_step(step, self.stage, self.optimizer):
                     self.stopped_after_step = step
                     break
-            if self._profiling():
-                self._finish_profiler(profiler)
-                profiler = None
+            self.profiler.finish()
             if config.save_hf:
                 self.save_hf_checkpoint(config.save_hf)
-            if self.scheduler is not None:
-                num_fallbacks_before = self.scheduler.num_fallbacks
         finally:
-            if profiler is not None:  # a step failed while profiling: stop it
-                profiler.stop()
-            if bar is not None:
-                bar.close()
+            self.profiler.close()  # a step failed while profiling: stop it
+            if log is not None:
+                log.close()
             if self.scheduler is not None:
                 self.scheduler.close()
-        if not self.is_leader:
-            return None
+        return self._report(log) if log is not None else None
+
+    def _audits(self, schedules: dict[str, Schedule], shapes: Any) -> dict[str, Any]:
+        """Rank 0, with a cost model: every mode's step as the (corrected) step model
+        predicts it before it runs, and the dflop step by the plan's own model."""
+        if not self.is_leader or self.cost_model is None:
+            return {}
+        audits = {mode: self._audit(s, shapes) for mode, s in schedules.items()}
+        audits["plan"] = self._plan_audit(schedules["dflop"], shapes)
+        return audits
+
+    def _run_step(self, step: int, batch: Any) -> _StepRun:
+        """The step's schedules (from rank 0), then each mode's StepPlan and pipelined
+        forward/backward on the same weights (in compare mode alternating which goes
+        first); the gradients add up."""
+        from dflop.runtime.step_data import StepPlan
+
+        shapes = batch.shapes
+        schedules, encoder_costs = self._broadcast_schedules(step, shapes)
+        self.profiler.record_schedules(step, shapes, schedules)
+        audits = self._audits(schedules, shapes)
+        modes = self.config.modes
+        order = list(modes) if step % 2 == 0 else list(reversed(modes))
+        plans, results = {}, {}
+        for mode in order:
+            plans[mode] = StepPlan.build(
+                schedules[mode],
+                shapes,
+                self.layout,
+                batch.target_tokens(),
+                tokens_per_unit=self.spec.tokens_per_unit,
+                visual_newline=self.spec.visual_newline,
+                encoder_costs=encoder_costs,
+                unit_tokens=batch.unit_tokens() if self.spec.tokens_per_unit is None else None,
+                token_merge=self.spec.token_merge,
+            )
+            results[mode] = self.engine.run_step(plans[mode], batch)
+        return _StepRun(shapes, schedules, audits, plans, results)
+
+    def _gather_records(self, results: dict[str, Any]) -> list[Any] | None:
+        """Every rank's measured actions of this step, on rank 0 (None elsewhere)."""
+        from dflop.runtime import comm as dist
+
+        gathered: list[Any] | None = [None] * self.world_size if self.is_leader else None
+        dist.gather_object(self._record(results), gathered, dst=0)
+        return gathered
+
+    def _account(
+        self, log: StepLog, step: int, run: _StepRun, gathered: list[Any], grad_norm: float
+    ) -> None:
+        """Rank 0 after a step: each mode's metrics (logged), and dflop's measured times
+        folded into the step model (:class:`~dflop.train.calibration.OnlineCalibration`)."""
+        shapes, schedules, audits = run.shapes, run.schedules, run.audits
+        planned = audits["plan"].step_time_s if "plan" in audits else math.nan
+        for mode in self.config.modes:
+            records = [g[mode] for g in gathered]
+            row = step_metrics(
+                step,
+                mode,
+                run.results[mode].loss,
+                records,
+                len(shapes),
+                int(shapes.seq_len.sum()),
+                predicted_step_time_s=audits[mode].step_time_s if mode in audits else math.nan,
+                schedule_ratio=schedules[mode].ratio,
+                grad_norm=grad_norm,
+                plan_model_step_time_s=planned if mode == "dflop" else math.nan,
+            )
+            # A run's first step pays one-time costs; a deterministic run keeps its model.
+            if mode == "dflop" and step > self.start_step and not self.config.deterministic:
+                self.calibration.learn(
+                    records,
+                    schedules[mode],
+                    run.plans[mode],
+                    shapes,
+                    audits[mode],
+                    self.layout,
+                    cost_model=self.cost_model if self.config.adaptive else None,
+                )
+            log.add(row, records)
+        log.step_done()
+
+    def _report(self, log: StepLog) -> TrainReport:
+        config = self.config
         return TrainReport(
             config=config.to_dict(),
             layout=self.layout.to_dict(),
-            metrics=metrics,
-            timelines={mode: _lay_out(recent[mode]) for mode in config.modes},
+            metrics=log.metrics,
+            timelines=log.timelines(),
             start_step=self.start_step,
             performance_model=(
                 self.cost_model.performance_model.to_dict() if self.cost_model else None
             ),
             stats={
                 "stopped_after_step": self.stopped_after_step,
-                "schedule_fallbacks": num_fallbacks_before,
+                "schedule_fallbacks": self.scheduler.num_fallbacks if self.scheduler else 0,
                 # Records whose images did not decode, and the batch samples redrawn.
                 "bad_records": sorted(self.step_shapes.bad_records.values()),
                 "samples_replaced": self.samples_replaced,
                 # The calibration of the step model (dflop plan --local uses it).
-                "link_latency_s": self.final_link_latency_s(),
-                "forward_fraction": dict(self._forward_fraction),
+                "link_latency_s": self.calibration.final_link_latency_s(self._audit),
+                "forward_fraction": dict(self.calibration.forward_fraction),
                 # With profile_trace: (trace file, TransferOverlap fields) per profiled rank.
-                "transfer_overlap": self.transfer_overlaps,
+                "transfer_overlap": self.profiler.transfer_overlaps,
                 # With memory_report: per rank, its stage's measured and predicted peak.
-                "memory": self.memory_report,
+                "memory": self.profiler.memory_report,
             },
         )
 
-    def _profiling(self) -> bool:
-        """Whether the last ``trace_steps`` steps run under a torch.profiler (a trace, or
-        memory measured; on a GPU the allocator's peak needs no profiler)."""
-        config = self.config
-        return bool(config.profile_trace) or (config.memory_report and self.device.type != "cuda")
-
-    def _start_profiler(self) -> Any:
-        """A torch.profiler over the coming steps, started before a barrier that every
-        rank then passes. In a thread world only rank 0 runs one: it sees the whole
-        process's GPU work (but only rank 0's thread's CPU ops), and marks the world's
-        communication stream in it. With ``memory_report`` it records allocations (on a
-        GPU the peak comes from the allocator, reset here)."""
-        import torch
-
-        from dflop.runtime import comm as dist
-        from dflop.runtime.thread_world import current as current_world
-        from dflop.train.gpu_trace import mark_transfer_stream
-
-        profiler = None
-        if self.is_leader or dist.get_backend() != dist.THREADS:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            memory = self.config.memory_report and self.device.type != "cuda"
-            if memory:  # the profiler counts from here: what is held before, once
-                from dflop.profiling.memory import live_tensor_bytes
-
-                self._memory_start_bytes = live_tensor_bytes()
-            profiler = torch.profiler.profile(activities=activities, profile_memory=memory)
-            profiler.start()
-            world = current_world()
-            if world is not None and world[0].comm_stream is not None:
-                mark_transfer_stream(world[0].comm_stream)  # NCCL's streams need none
-        dist.barrier()  # started before any rank goes on
-        return profiler
-
-    def _finish_profiler(self, profiler: Any) -> None:
-        """Stop the profiler, write its trace and measure the transfer overlap in it; the
-        leader prints every trace's numbers and keeps them for the report."""
-        import torch
-
-        from dflop.runtime import comm as dist
-        from dflop.train.gpu_trace import TransferOverlap, transfer_overlap
-
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        dist.barrier()  # every rank's (thread's) profiled work is done
-        trace_path = None
-        if profiler is not None:
-            profiler.stop()
-            if self.config.profile_trace:  # a profiler exports once: the memory report reads it
-                trace_path = self.config.profile_trace
-                if dist.get_backend() != dist.THREADS and self.world_size > 1:
-                    root, ext = os.path.splitext(trace_path)
-                    trace_path = f"{root}.rank{self.rank}{ext or '.json'}"
-                os.makedirs(os.path.dirname(os.path.abspath(trace_path)), exist_ok=True)
-                profiler.export_chrome_trace(trace_path)
-        if self.config.memory_report:
-            self._report_memory(profiler, trace_path)
-        if not self.config.profile_trace:
-            return
-        found = None
-        if trace_path is not None:
-            found = (trace_path, dataclasses.asdict(transfer_overlap(trace_path)))
-        gathered: list[Any] | None = [None] * self.world_size if self.is_leader else None
-        dist.gather_object(found, gathered, dst=0)
-        if self.is_leader:
-            self.transfer_overlaps = [g for g in gathered if g is not None]
-            for path, numbers in self.transfer_overlaps:
-                print(f"profile {path}: {TransferOverlap(**numbers).describe()}", flush=True)
-
-    def _report_memory(self, profiler: Any, trace_path: str | None) -> None:
-        """Every rank's peak memory over the measured steps (CPU: the profiler's record of
-        the allocator, from its exported trace at ``trace_path`` if there is one; GPU: the
-        allocator's peak), gathered on the leader beside what the memory model predicts for
-        each rank's stage on those very steps and schedules."""
-        import torch
-
-        from dflop.profiling.memory import profiled_peak
-        from dflop.runtime import comm as dist
-
-        threads = dist.get_backend() == dist.THREADS
-        if threads and not self.is_leader:  # one process, one allocator: rank 0 reads it
-            measured: float | None = None
-        elif self.device.type == "cuda":
-            measured = float(torch.cuda.max_memory_allocated(self.device))
-        else:
-            measured = (
-                float(self._memory_start_bytes + profiled_peak(profiler, trace_path))
-                if profiler is not None
-                else None
-            )
-        found = (self.rank, self.info.global_stage, measured)
-        gathered: list[Any] | None = [None] * self.world_size if self.is_leader else None
-        dist.gather_object(found, gathered, dst=0)
-        if not self.is_leader:
-            return
+    def _stage_memory(self, shapes: Any, assignment: np.ndarray) -> list[float]:
+        """Rank 0: bytes per global stage by the memory model for ``shapes`` under
+        ``assignment`` (the plan's cost model; a blind run's analytic one)."""
         cost_model = self._plan_cost_model or self._memory_cost_model()
-        predicted: list[float] = []
-        for shapes, assignments in self._memory_steps:
-            for assignment in assignments:
-                stages = self.predictor.stage_memory_bytes(cost_model, shapes, assignment)
-                predicted = [max(a, b) for a, b in zip(predicted, stages)] or list(stages)
-        lines = ["memory, peak per rank over the last steps: measured | the memory model's"]
-        for rank, stage, peak in gathered:
-            if peak is None:  # a thread world: one process, measured on rank 0
-                continue
-            # A thread world's one process holds every rank's stage.
-            model = sum(predicted[g[1]] for g in gathered) if threads else predicted[stage]
-            what = "all ranks (one process)" if threads else f"rank {rank} (stage {stage})"
-            self.memory_report.append(
-                {"rank": rank, "stage": stage, "measured_bytes": peak, "predicted_bytes": model}
-            )
-            lines.append(
-                f"  {what}: {peak / 1e9:.3f} GB | {model / 1e9:.3f} GB "
-                f"({(model - peak) / peak:+.1%})"
-            )
-        print("\n".join(lines), flush=True)
+        return self.predictor.stage_memory_bytes(cost_model, shapes, assignment)
 
     def _memory_cost_model(self) -> Any:
         """A cost model for the memory prediction of a run with none (blind mode): memory
@@ -761,38 +578,6 @@ class Trainer:
                         p.grad.mul_(scale)
         return norm
 
-    def _stop_agreed(self) -> bool:
-        """Whether any rank was asked to stop (SIGTERM): one all-reduce of a flag."""
-        import torch
-
-        from dflop.runtime import comm as dist
-        from dflop.runtime.launch import StopRequested
-
-        flag = torch.tensor([int(StopRequested.requested())], device=self._comm_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def save_checkpoint(self, step: int) -> None:
-        """Save every rank's stage and optimizer after ``step`` (call on every rank)."""
-        from dflop.runtime import comm as dist
-        from dflop.train.checkpoint import save_checkpoint
-        from dflop.train.resume import run_settings
-
-        state = {
-            "stage": self.stage.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            **self._checkpoint_identity(),
-        }
-        save_checkpoint(
-            self.config.checkpoint_dir,
-            step,
-            self.rank,
-            state,
-            barrier=dist.barrier,
-            world_size=self.world_size,
-            settings=run_settings(self.config, self.layout),
-        )
-
     def save_hf_checkpoint(self, folder: str) -> None:
         """Write the model as a Hugging Face checkpoint folder (call on every rank): each
         stage's first replica writes its own safetensors file (its TP ranks gather the
@@ -818,50 +603,6 @@ class Trainer:
             print(f"saved the model in the Hugging Face layout to {folder}", flush=True)
         dist.barrier()
 
-    # ------------------------------------------------------------------ rank 0 bookkeeping
-
-    def _observe(self, records: list[RankRecord], s: Schedule, plan: Any, shapes: Any) -> None:
-        """Feed measured times to the cost model: per microbatch, every encoder replica's
-        time for the units of its pieces, and every LLM replica's for its bin."""
-        encoder_s, llm_s, fraction = measured_microbatch_times(
-            records, s.num_microbatches, self.layout.encoder.dp, s.dp_size
-        )
-        for module, value in fraction.items():  # smoothed forward share, for predictions
-            self._forward_fraction[module] = 0.8 * self._forward_fraction[module] + 0.2 * value
-        if self.cost_model is None or not self.config.adaptive:
-            return
-        rows, times = [], []
-        for j, mb in enumerate(plan.microbatches):
-            for e, share in enumerate(mb.encoder):
-                if share.units:
-                    rows.append(_pieces_as_shapes(shapes, share))
-                    times.append((encoder_s[j, e], math.nan))
-            for r in range(s.dp_size):
-                rows.append(shapes.take(s.microbatches(r)[j]))
-                times.append((math.nan, llm_s[j, r]))
-        self.cost_model.observe(rows, np.array(times))
-
-    def _progress_bar(self) -> Any:
-        if not (self.is_leader and self.config.progress and sys.stdout.isatty()):
-            return None
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            return None
-        return tqdm(
-            total=self.config.steps, initial=self.start_step, unit="step", dynamic_ncols=True
-        )
-
-    def _log(self, row: StepMetrics, bar: Any) -> None:
-        every = self.config.log_every
-        if not every or ((row.step + 1) % every and row.step != self.config.steps - 1):
-            return
-        line = format_step(row, self.config.steps)
-        if bar is not None:
-            bar.write(line)
-        else:
-            print(line, flush=True)
-
 
 def _same_shapes(a: Any, b: Any) -> bool:
     return len(a) == len(b) and all(
@@ -874,24 +615,6 @@ def _same_shapes(a: Any, b: Any) -> bool:
             "target_tokens",
         )
     )
-
-
-def _pieces_as_shapes(shapes: Any, share: Any) -> Any:
-    """An encoder replica's pieces as samples of their own units (what it computed)."""
-    from dataclasses import replace
-
-    part = shapes.take(share.sample_ids)
-    units = np.asarray(share.num_units, dtype=part.encoder_units.dtype)
-    return replace(part, encoder_units=units, llm_visual_tokens=units * part.tokens_per_unit)
-
-
-def _lay_out(steps: collections.deque) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = []
-    offset_s = 0.0
-    for records, step_time_s in steps:
-        events.extend(timeline_records(records, offset_s))
-        offset_s += step_time_s
-    return events
 
 
 class NonFiniteError(RuntimeError):
@@ -922,27 +645,3 @@ def _fault_step(rank: int) -> int | None:
     except ValueError:
         raise ValueError(f"{FAULT_ENV}={spec!r} must be RANK:STEP") from None
     return fault_step if fault_rank == rank else None
-
-
-def fit_link_latency(audits: list[Any], measured_s: float) -> float:
-    """The per-transfer latency at which the mean simulated step of ``audits`` (the step
-    model of each step, :class:`~dflop.planner.StepAudit`) equals ``measured_s``; 0 if the
-    action times alone already reach it. Bisection: the simulated step grows with it."""
-
-    def simulated(latency_s: float) -> float:
-        return float(
-            np.mean(
-                [
-                    a.simulate(link_latency_s=latency_s, record_events=False).step_time_s
-                    for a in audits
-                ]
-            )
-        )
-
-    low, high = 0.0, measured_s
-    if simulated(low) >= measured_s:
-        return 0.0
-    for _ in range(20):
-        mid = 0.5 * (low + high)
-        low, high = (mid, high) if simulated(mid) < measured_s else (low, mid)
-    return 0.5 * (low + high)

@@ -29,8 +29,7 @@ from dflop.models.hf.common import (
     write_shard,
 )
 from dflop.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, chunked_lm_loss
-from dflop.models.spec import ModelSpec
-from dflop.runtime.tensor_parallel import apply_tensor_parallel
+from dflop.models.spec import ModelSpec, StageInfo
 
 _SEEDED_BUILD = threading.Lock()
 
@@ -107,18 +106,16 @@ class HFSpec(ModelSpec):
 
     def build_stage(
         self,
-        info: Any,
+        info: StageInfo,
         *,
         seed: int = 0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-        tp_group: Any = None,
-        tp_size: int = 1,
     ) -> nn.Module:
         """This rank's stage: from ``checkpoint_dir`` when it holds weights (only this
         stage's tensors are read), else the weights of the full model built for ``seed``
         (``torch.manual_seed(seed)`` then the transformers constructor: identical on every
-        rank)."""
+        rank, so every TP rank keeps its slice when the runtime shards the stage)."""
         first, end = info.layer_range
         from_checkpoint = self._from_checkpoint()
         full = self._full_model(seed, meta=from_checkpoint)
@@ -130,9 +127,7 @@ class HFSpec(ModelSpec):
         del full
         cls = self.encoder_stage if info.module == "encoder" else self.llm_stage
         stage = cls(self.config, tree, first, end, info.is_first_stage, info.is_last_stage)
-        stage = stage.to(device=device, dtype=dtype)
-        # Every TP rank built the same full weights; each keeps its slice.
-        return apply_tensor_parallel(stage, tp_group, tp_size=tp_size)
+        return stage.to(device=device, dtype=dtype)
 
     def save_shard(
         self, folder: str, filename: str, state_dict: dict[str, Tensor]

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dflop.batch.visual import VisualItem
 from dflop.data.families import FamilySpec
 from dflop.models.hf.base import HFSpec, HFStage, decoder_architecture
 from dflop.models.hf.common import require_transformers
-from dflop.models.spec import VisualItem
 
 __all__ = ["LlavaOnevisionSpec", "family_from_config"]
 
@@ -168,7 +168,7 @@ class LlavaOnevisionSpec(HFSpec):
         encode, template = self.text_encoding(
             (int(config.image_token_index), int(config.video_token_index))
         )
-        return LlavaOnevisionRecords(self.config, processor, encode, template)
+        return LlavaOnevisionRecords(self.config, processor, encode, self.family, template)
 
     # ------------------------------------------------------------------ building
 

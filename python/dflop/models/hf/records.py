@@ -2,7 +2,7 @@
 own image processor, the visual placeholders counted by the model's shape rule.
 
 :class:`LlavaOnevisionRecords` turns one record (``{"image": ..., "conversations": [...]}``)
-into a :class:`~dflop.runtime.processed_batch.ProcessedSample`. Single images become the
+into a :class:`~dflop.batch.sample.ProcessedSample`. Single images become the
 processor's base image + anyres crops (an ``"image"`` item with the original size), each
 image of a multi-image record one tile (the model keeps the first crop of each); the text
 ``<image>`` markers become runs of the image token as long as the model's packing makes
@@ -39,12 +39,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dflop.batch.sample import ProcessedSample
+from dflop.batch.visual import VisualItem
 from dflop.data.families import image_shapes, video_shapes
 from dflop.data.image_header import FRAME_FILE_EXTENSIONS
 from dflop.data.text_tokens import TextTokenCounter, is_answer_turn
 from dflop.models.decoder import IGNORE_INDEX
-from dflop.models.spec import VisualItem
-from dflop.runtime.processed_batch import ProcessedSample
 from dflop.safe_io import check_regular_file
 
 __all__ = [
@@ -283,6 +283,9 @@ class LlavaOnevisionRecords(RecordInputs):
         image_processor: the model's image processor (e.g. ``AutoImageProcessor`` of the
             checkpoint folder).
         encode: text to token ids (a tokenizer's ``encode``, or :func:`byte_encoder`).
+        family: the model's shape rules
+            (:func:`dflop.models.hf.llava_onevision.family_from_config`).
+        template: the chat template (None: each turn's text as is).
     """
 
     def __init__(
@@ -290,12 +293,11 @@ class LlavaOnevisionRecords(RecordInputs):
         config: Any,
         image_processor: Any,
         encode: Callable[[str], list[int]],
+        family: Any,
         template: ChatTemplate | None = None,
     ) -> None:
-        from dflop.models.hf.llava_onevision import family_from_config
-
         super().__init__(config, image_processor, encode, template)
-        self.family = family_from_config(config)
+        self.family = family
         self.image_token = int(config.image_token_index)
         self.placeholder_ids = (self.image_token, int(config.video_token_index))
 

@@ -1,0 +1,125 @@
+"""``Checkpointer``: when a rank resumes, saves, and stops.
+
+It owns three decisions of the training loop, made the same on every rank:
+
+- **resume**: rank 0 picks the checkpoint (the step ``latest`` names when it verifies,
+  else the newest intact one, saying so) and tells every rank, so all resume from the same
+  step; the optimizer takes this run's learning rate and weight decay
+  (:mod:`dflop.train.resume` said which settings changed);
+- **save**: after the last step and every ``checkpoint_every`` steps;
+- **stop**: a SIGTERM that reached any rank is agreed by one all-reduce after a step;
+  every rank then stops after that same step, with a checkpoint there.
+
+Files and their guarantees: :mod:`dflop.train.checkpoint`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["Checkpointer"]
+
+
+class Checkpointer:
+    """One rank's checkpointing (call every method on every rank: they communicate).
+
+    Args:
+        config: the run's :class:`~dflop.train.config.TrainConfig`.
+        layout: the run's :class:`~dflop.runtime.topology.RuntimeLayout`.
+        comm_device: where the stop flag's all-reduce runs.
+    """
+
+    def __init__(self, config: Any, layout: Any, comm_device: Any) -> None:
+        from dflop.runtime import comm as dist
+
+        self.config = config
+        self.layout = layout
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self._comm_device = comm_device
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint must share with the run loading it (checked on every rank)."""
+        return {
+            "layout": self.layout.to_dict(),
+            "model": self.config.model,
+            "world_size": self.world_size,
+            "seed": self.config.seed,
+        }
+
+    def resume(self, stage: Any, optimizer: Any) -> int:
+        """Load the checkpoint to resume from into ``stage`` and ``optimizer``; the first
+        step to run (0 without one)."""
+        from dflop.runtime import comm as dist
+        from dflop.train.checkpoint import find_checkpoint, load_checkpoint
+
+        if not self.config.checkpoint_dir:
+            return 0
+        choice: list[Any] = [None]
+        if self.rank == 0:
+            found = find_checkpoint(
+                self.config.checkpoint_dir, self.world_size, log=lambda m: print(m, flush=True)
+            )
+            choice = [None if found is None else str(found)]
+        dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            return 0
+        state = load_checkpoint(choice[0], self.rank, self.identity())
+        stage.load_state_dict(state["stage"])
+        optimizer.load_state_dict(state["optimizer"])
+        # The optimizer's state restores the saved run's hyper-parameters; this run's
+        # settings apply from its first step (the launcher said which ones changed).
+        for group in optimizer.param_groups:
+            group["lr"] = self.config.lr
+            group["weight_decay"] = self.config.weight_decay
+        start_step = int(state["step"]) + 1
+        if self.rank == 0:
+            print(f"resumed from {choice[0]} (step {start_step} next)", flush=True)
+        return start_step
+
+    def save(self, step: int, stage: Any, optimizer: Any) -> None:
+        """Save every rank's stage and optimizer after ``step``."""
+        from dflop.runtime import comm as dist
+        from dflop.train.checkpoint import save_checkpoint
+        from dflop.train.resume import run_settings
+
+        state = {
+            "stage": stage.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            **self.identity(),
+        }
+        save_checkpoint(
+            self.config.checkpoint_dir,
+            step,
+            self.rank,
+            state,
+            barrier=dist.barrier,
+            world_size=self.world_size,
+            settings=run_settings(self.config, self.layout),
+        )
+
+    def end_of_step(self, step: int, stage: Any, optimizer: Any) -> bool:
+        """Save if ``step`` is due; True when the run stops after it (a SIGTERM reached
+        some rank: every rank stops after this same step, with a checkpoint there)."""
+        config = self.config
+        last = step == config.steps - 1
+        every = config.checkpoint_every
+        saved = bool(config.checkpoint_dir) and (last or bool(every and (step + 1) % every == 0))
+        if saved:
+            self.save(step, stage, optimizer)
+        if last or not self._stop_agreed():
+            return False
+        if config.checkpoint_dir and not saved:
+            self.save(step, stage, optimizer)
+        return True
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop (SIGTERM): one all-reduce of a flag."""
+        import torch
+
+        from dflop.runtime import comm as dist
+        from dflop.runtime.launch import StopRequested
+
+        flag = torch.tensor([int(StopRequested.requested())], device=self._comm_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
