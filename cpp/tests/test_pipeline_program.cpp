@@ -28,6 +28,19 @@ std::string text(const std::vector<PipelineAction>& actions) {
   return s;
 }
 
+// Stage 1 waits for forward 1, which stage 0 sends only after backward 0, which stage 1
+// runs after forward 1 (two stages, two microbatches).
+void deadlocked(PipelineProgram& q) {
+  q.actions[0] = {{0, ActionKind::Forward, 0},
+                  {0, ActionKind::Backward, 0},
+                  {0, ActionKind::Forward, 1},
+                  {0, ActionKind::Backward, 1}};
+  q.actions[1] = {{1, ActionKind::Forward, 1},
+                  {1, ActionKind::Forward, 0},
+                  {1, ActionKind::Backward, 0},
+                  {1, ActionKind::Backward, 1}};
+}
+
 TEST_CASE(interleaved_order) {
   // Two stages, two chunks, four microbatches: virtual stages 0, 2 on stage 0 and 1, 3 on
   // stage 1. Stage 0 warms up with 2 (P - 1) + (v - 1) P = 4 forwards, stage 1 with 2.
@@ -102,20 +115,8 @@ TEST_CASE(validator_names_the_problem) {
   broken([](PipelineProgram& q) { q.owner[1] = 5; }, "owner[1]=5", __LINE__);
   broken([](PipelineProgram& q) { std::swap(q.actions[1][0], q.actions[1][1]); },
          "needs its forward before it", __LINE__);
-  // Stage 1 waits for forward 1, which stage 0 sends only after backward 0, which stage 1
-  // runs after forward 1.
-  broken(
-      [](PipelineProgram& q) {
-        q.actions[0] = {{0, ActionKind::Forward, 0},
-                        {0, ActionKind::Backward, 0},
-                        {0, ActionKind::Forward, 1},
-                        {0, ActionKind::Backward, 1}};
-        q.actions[1] = {{1, ActionKind::Forward, 1},
-                        {1, ActionKind::Forward, 0},
-                        {1, ActionKind::Backward, 0},
-                        {1, ActionKind::Backward, 1}};
-      },
-      "deadlocks: stage 0 waits at action 1 (B of virtual stage 0, microbatch 0)", __LINE__);
+  broken(deadlocked, "deadlocks: stage 0 waits at action 1 (B of virtual stage 0, microbatch 0)",
+         __LINE__);
   broken(
       [](PipelineProgram& q) {
         q.actions[1] = {{1, ActionKind::Forward, 0},
@@ -194,14 +195,7 @@ TEST_CASE(validation_error_shows_the_grid) {
   CHECK_THROWS_WITH(dflop::validate_program(q), dflop::InvalidArgument, "stage 1  >B1.0<  F1.0");
   // A deadlock marks every waiting stage's next action.
   q = p;
-  q.actions[0] = {{0, ActionKind::Forward, 0},
-                  {0, ActionKind::Backward, 0},
-                  {0, ActionKind::Forward, 1},
-                  {0, ActionKind::Backward, 1}};
-  q.actions[1] = {{1, ActionKind::Forward, 1},
-                  {1, ActionKind::Forward, 0},
-                  {1, ActionKind::Backward, 0},
-                  {1, ActionKind::Backward, 1}};
+  deadlocked(q);
   CHECK_THROWS_WITH(dflop::validate_program(q), dflop::InvalidArgument,
                     "stage 0  F0.0    >B0.0<  F0.1");
   CHECK_THROWS_WITH(dflop::validate_program(q), dflop::InvalidArgument, "stage 1  >F1.1<  F1.0");

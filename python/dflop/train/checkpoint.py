@@ -187,10 +187,10 @@ class CheckpointLock:
     The lock is ``dflop.lock`` in the folder, locked with ``flock`` and holding the
     process id, host and command of its holder. A second run is refused with
     :class:`~dflop.errors.InUseError` naming them. A lock file whose process is gone (a
-    killed run) is reported and taken over; one written on another host is only taken
-    over once it is unlocked and when that host cannot still run it is not knowable
-    here, so it is refused (delete the file once that run is gone). ``flock`` works on
-    local disks and on NFSv4; on file systems without it the host check still applies.
+    killed run) is reported and taken over. A lock file written on another host is
+    refused even when unlocked: whether that run still runs cannot be told from here
+    (delete the file once it has ended). ``flock`` works on local disks and on NFSv4; on
+    file systems without it the host check still applies.
     """
 
     def __init__(self, folder: str | os.PathLike[str], log: Callable[[str], None] = print):

@@ -207,8 +207,11 @@ def check_layout(config: Any, layout: Any, point: ResumePoint) -> None:
     saved = RuntimeLayout.from_dict(point.settings["layout"])
     if layout.to_dict() == saved.to_dict():
         return
-    given = [f"{n}={bounded_repr(getattr(config, n))}" for n in LAYOUT_FIELDS]
-    given = [g for g, n in zip(given, LAYOUT_FIELDS) if getattr(config, n) is not None]
+    given = [
+        f"{n}={bounded_repr(getattr(config, n))}"
+        for n in LAYOUT_FIELDS
+        if getattr(config, n) is not None
+    ]
     differences = [
         f"{key} {bounded_repr(a)} vs the checkpoint's {bounded_repr(b)}"
         for key, a, b in _layout_differences(layout.to_dict(), saved.to_dict())

@@ -120,11 +120,13 @@ def _prepare(config: TrainConfig, log: Callable[[str], None]) -> Prepared:
                 "warning: most of the dataset is unusable or it has no visual sample left: "
                 "the run will not exercise the encoder as the data intends"
             )
-    if config.layout is not None and not _under_torchrun():
+    forced = (  # a manual layout, parsed once
+        parse_layout(config.layout, model, config.global_batch or 16, config.num_microbatches)
+        if config.layout is not None
+        else None
+    )
+    if forced is not None and not _under_torchrun():
         # Refused before any profiling: a layout too big to start here.
-        forced = parse_layout(
-            config.layout, model, config.global_batch or 16, config.num_microbatches
-        )
         check_local_processes(forced.world_size, config.oversubscribe)
     saved = _saved_run(config, log)
     if saved is not None:
@@ -166,11 +168,6 @@ def _prepare(config: TrainConfig, log: Callable[[str], None]) -> Prepared:
         length=length,
     )
 
-    forced = (
-        parse_layout(config.layout, model, global_batch, config.num_microbatches)
-        if config.layout is not None
-        else None
-    )
     nproc = forced.world_size if forced is not None else config.nproc or 2
     budget = memory_budget(nproc, _planning_device(config), config.memory_gb)
 
@@ -220,8 +217,7 @@ def _prepare(config: TrainConfig, log: Callable[[str], None]) -> Prepared:
             ) from None
 
     if perf is None:  # a manual layout run data-blind: nothing to plan with
-        layout = parse_layout(config.layout, model, global_batch, config.num_microbatches)
-        plan, description = None, f"layout {config.layout}"
+        layout, plan, description = forced, None, f"layout {config.layout}"
     else:
         layout, plan, description = fitted_plan()
     if plan is not None and config.calibrate_steps:
