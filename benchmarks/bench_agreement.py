@@ -11,7 +11,7 @@ Three measurements, each a real ``dflop`` command in fresh processes (gloo, CPU)
 2. ``real-data``: a held-out LLaVA-format dataset of real files
    (``benchmarks/make_llava_bench.py``: ~300 samples of images of every size,
    multi-image samples, video frame folders, text-only and a few bad samples; not tuned
-   to anything dflop does), ``dflop train --nproc 2 --schedule compare`` at global
+   to anything dflop does), ``dflop train --nproc 2 --scheduler compare`` at global
    batch 16 and 32: both schedules' step times and their predictions, and the plan's
    uncorrected model (the quick profile, no calibration) on the same steps.
 3. ``llava-mini``: the issue's command on the shipped ``tests/data/llava_mini`` (28
@@ -122,7 +122,7 @@ def real_data(out: Path, steps: int, batches: list[int]) -> list[dict]:
             str(gb),
             "--steps",
             str(steps),
-            "--schedule",
+            "--scheduler",
             "compare",
         )
         rows.append(
@@ -147,7 +147,7 @@ def llava_mini(out: Path, steps: int) -> dict:
         "16",
         "--steps",
         str(steps),
-        "--schedule",
+        "--scheduler",
         "compare",
     )
     return {"dataset": "tests/data/llava_mini (28)", "global_batch": 16, **_compare(report)}
@@ -223,7 +223,7 @@ def markdown(result: dict, command: str) -> str:
         f"Plan vs measured, median of the runs: **{_pct(median)}**; worst "
         f"{_pct(max(lp['plan_error'] for lp in runs))}.",
         "",
-        "Real-format data, `--schedule compare` (both schedules every step; target: "
+        "Real-format data, `--scheduler compare` (both schedules every step; target: "
         "predictions within 25%):",
         "",
         "| dataset | global batch | layout | dflop step (s) | data-blind step (s) | dflop "

@@ -39,7 +39,7 @@ def measure(
         layout=args.layout,
         global_batch=args.global_batch,
         steps=args.steps,
-        schedule="dflop",
+        scheduler="dflop",
         deterministic=True,
         device=args.device,
         launch=launch,

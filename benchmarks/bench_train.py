@@ -82,7 +82,7 @@ def run_once(args: argparse.Namespace, out: str) -> dict:
         global_batch=args.global_batch,
         steps=args.steps,
         seed=args.seed,
-        schedule="compare",
+        scheduler="compare",
         mix=json.loads(args.mix),
         scaler=scaler_of(args),
         trace=os.path.join(out, "timeline.json"),

@@ -73,7 +73,7 @@ assert out.tolist() == [[10.0, 11.0], [0.0, 1.0], [6.0, 7.0]], out
 print('dflop._cuda OK')"
 
 step gpu_tests 120 python3 -m pytest -q -p no:cacheprovider -W error::RuntimeWarning -m gpu \
-  tests/test_rows.py tests/test_thread_world.py
+  tests/unit/runtime/test_rows.py tests/unit/runtime/test_thread_world.py
 # dflop train on the one GPU: its 2 ranks (encoder, LLM) as threads (NCCL refuses two
 # ranks on one device), each on its own stream, messages on the world's stream; the
 # profiler trace of the last 2 steps gives the transfers' overlap with compute, and the
@@ -93,14 +93,14 @@ assert found['num_transfers'] > 0 and found['num_kernels'] > 0, 'no GPU transfer
 # torch's CUDA sanitizer sees the main thread's ops only (the rows tests); the thread
 # world's stream order is tested directly by the GPU tests above.
 step torch_cuda_sanitizer 180 env TORCH_CUDA_SANITIZER=1 \
-  python3 -m pytest -q -p no:cacheprovider -W error::RuntimeWarning -m gpu tests/test_rows.py
+  python3 -m pytest -q -p no:cacheprovider -W error::RuntimeWarning -m gpu tests/unit/runtime/test_rows.py
 step bench_rows 120 python3 benchmarks/bench_rows.py --markdown "$OUT/bench_rows.md"
 step perf_model 300 python3 benchmarks/bench_perf_model.py --device cuda \
   --preset siglip-400m+llm-0.5b --output "$OUT/perf.json"
 # Without torch's caching allocator, so that memcheck sees each tensor's own bounds.
 step compute_sanitizer_memcheck 240 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
   compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_rows.py -k equal_torch
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/runtime/test_rows.py -k equal_torch
 step hf_trainer_example 180 python3 examples/hf_trainer_balance.py --epochs 1
 
 if [ -n "$skipped" ]; then

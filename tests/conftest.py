@@ -1,47 +1,50 @@
 """Shared test helpers and the test tiers.
 
-Tiers: tests in the modules of :data:`INTEGRATION_MODULES` start real processes (the CLI,
-torch.distributed ranks on gloo, Hugging Face model equivalence runs) and are marked
-``integration``; the rest (unit and property tests) is the fast tier:
+The tests mirror the package: ``tests/unit/<package>/`` tests ``dflop.<package>``
+(``unit/package/`` the modules directly in ``dflop``: the simulator, safe file reading,
+the import layers); ``tests/integration/`` starts real processes (the CLI,
+torch.distributed ranks on gloo, Hugging Face model equivalence runs, the C++ build) and
+its tests are marked ``integration`` by their folder:
 
-    python3 -m pytest -m "not integration"   # fast tier
+    python3 -m pytest -m "not integration"   # fast tier (tests/unit)
     python3 -m pytest -m integration         # multi-process integration tier
     python3 -m pytest                        # everything (what .ci/run runs)
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-INTEGRATION_MODULES = frozenset(
-    {
-        "test_bad_images",
-        "test_cli",
-        "test_communicator",
-        "test_cpp_core",
-        "test_hf_llava_onevision",
-        "test_hf_qwen2_vl",
-        "test_hf_train",
-        "test_loss",
-        "test_pipeline",
-        "test_real_sizes",
-        "test_reliability",
-        "test_tensor_parallel",
-        "test_topology",
-        "test_train",
-    }
-)
-"""Test modules that start processes (or build C++): the integration tier."""
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_DIR = TESTS_DIR.parent
+DATA_DIR = TESTS_DIR / "data"
+"""The test data (``tests/data``: a LLaVA-format mini dataset, released models' configs)."""
 
-RTOL = 1e-9
-"""Relative tolerance for float sums computed in a different order."""
+INTEGRATION_DIR = TESTS_DIR / "integration"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if item.module is not None and item.module.__name__ in INTEGRATION_MODULES:
+        if INTEGRATION_DIR in Path(item.path).resolve().parents:
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="module")
+def perf_json(tmp_path_factory) -> str:
+    """A quick performance model of the tiny preset (so CLI runs skip profiling)."""
+    from dflop.models import model_config
+    from dflop.train.planning import quick_profile
+
+    path = tmp_path_factory.mktemp("perf") / "perf.json"
+    quick_profile(model_config("tiny"), repeats=1, max_units=4, max_tokens=256).save(path)
+    return str(path)
+
+
+RTOL = 1e-9
+"""Relative tolerance for float sums computed in a different order."""
 
 
 # ---------------------------------------------------------------------- schedules

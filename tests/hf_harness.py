@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from dflop.runtime import RuntimeLayout, Topology
-from dflop.runtime.pipeline import PipelineEngine, build_stage
+from dflop.runtime.engine import PipelineEngine, build_stage
 from dflop.runtime.step_data import StepPlan
 from dflop.runtime.tensor_parallel import full_tensor
 from dflop.scheduling.balance import schedule_from_assignment

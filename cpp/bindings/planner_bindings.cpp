@@ -358,7 +358,7 @@ py::dict from_step(const StepModel& step) {
   out["link_latency_s"] = in.link_latency_s;
   out["link_bandwidth_bytes_per_s"] = in.link_bandwidth_bytes_per_s;
   out["allreduce_s"] = in.allreduce_s;
-  out["schedule"] = schedule_kind_name(in.schedule);
+  out["schedule"] = pipeline_order_name(in.order);
   out["stages"] = in.shape.stages;
   out["chunks"] = in.shape.chunks;
   out["assignment"] = ints(step.assignment);

@@ -74,7 +74,7 @@ PipelineShape to_shape(const std::vector<int64_t>& stages, const std::vector<int
 }
 
 py::dict simulate_pipeline_py(const DoubleArray& forward_s, const DoubleArray& backward_s,
-                              const std::string& schedule, const DoubleArray& link_latency_s,
+                              const std::string& order, const DoubleArray& link_latency_s,
                               const DoubleArray& link_bandwidth_bytes_per_s,
                               const std::optional<DoubleArray>& activation_bytes,
                               const std::optional<DoubleArray>& allreduce_s, bool record_events,
@@ -84,7 +84,7 @@ py::dict simulate_pipeline_py(const DoubleArray& forward_s, const DoubleArray& b
                               double weight_grad_fraction) {
   PipelineSimInput in;
   in.record_events = record_events;
-  in.schedule = parse_schedule_kind(schedule);
+  in.order = parse_pipeline_order(order);
   in.forward_s = checked_3d(forward_s, "forward_s");
   in.backward_s = checked_3d(backward_s, "backward_s");
   // Sizes of the other arrays are checked in the core against these dimensions.
@@ -147,13 +147,13 @@ py::dict simulate_pipeline_py(const DoubleArray& forward_s, const DoubleArray& b
   return out;
 }
 
-py::tuple pipeline_program_py(const std::string& schedule, const std::vector<int64_t>& stages,
+py::tuple pipeline_program_py(const std::string& order, const std::vector<int64_t>& stages,
                               const std::vector<int64_t>& chunks, int64_t num_microbatches) {
   PipelineProgram program;
   {
     py::gil_scoped_release release;
     program =
-        pipeline_program(parse_schedule_kind(schedule), to_shape(stages, chunks), num_microbatches);
+        pipeline_program(parse_pipeline_order(order), to_shape(stages, chunks), num_microbatches);
   }
   return py::make_tuple(program.owner, to_arrays(program.actions));
 }
@@ -178,7 +178,7 @@ void validate_program_py(const std::vector<int64_t>& owner, const std::vector<In
 
 void register_simulator(py::module_& m) {
   m.def("simulate_pipeline", &simulate_pipeline_py, py::arg("forward_s"), py::arg("backward_s"),
-        py::arg("schedule"), py::arg("link_latency_s"), py::arg("link_bandwidth_bytes_per_s"),
+        py::arg("order"), py::arg("link_latency_s"), py::arg("link_bandwidth_bytes_per_s"),
         py::arg("activation_bytes"), py::arg("allreduce_s"), py::arg("record_events") = true,
         py::arg("stages") = std::vector<int64_t>{}, py::arg("chunks") = std::vector<int64_t>{},
         py::arg("actions") = py::none(), py::arg("weight_grad_fraction") = 0.5,
@@ -186,7 +186,7 @@ void register_simulator(py::module_& m) {
         "and scalars; event kinds are 0 fwd, 1 bwd, 2 send, 3 allreduce, 4 bwd_input, 5 "
         "bwd_weight. See "
         "dflop.simulator.simulate_pipeline.");
-  m.def("pipeline_program", &pipeline_program_py, py::arg("schedule"), py::arg("stages"),
+  m.def("pipeline_program", &pipeline_program_py, py::arg("order"), py::arg("stages"),
         py::arg("chunks"), py::arg("num_microbatches"),
         "(owner per virtual stage, per physical stage an (n, 3) int64 array of (virtual "
         "stage, kind code 0 F / 1 B / 2 I / 3 W, microbatch)); see "
@@ -195,25 +195,25 @@ void register_simulator(py::module_& m) {
         py::arg("num_microbatches"), "Check a pipeline program; see dflop.scheduling.");
   m.def(
       "peak_in_flight",
-      [](const std::string& schedule, const std::vector<int64_t>& stages,
+      [](const std::string& order, const std::vector<int64_t>& stages,
          const std::vector<int64_t>& chunks, int64_t num_microbatches, int64_t stage) {
-        return peak_in_flight(parse_schedule_kind(schedule), to_shape(stages, chunks),
+        return peak_in_flight(parse_pipeline_order(order), to_shape(stages, chunks),
                               num_microbatches, stage);
       },
-      py::arg("schedule"), py::arg("stages"), py::arg("chunks"), py::arg("num_microbatches"),
+      py::arg("order"), py::arg("stages"), py::arg("chunks"), py::arg("num_microbatches"),
       py::arg("stage"), "The memory rule of a generated schedule; see dflop.scheduling.");
   m.def(
-      "schedule_names",
+      "pipeline_order_names",
       [] {
         std::vector<std::string> names;
-        for (const ScheduleDef& def : schedule_registry()) names.emplace_back(def.name);
+        for (const PipelineOrderDef& def : pipeline_order_registry()) names.emplace_back(def.name);
         return names;
       },
       "The registered (generated) schedules' names, in registry order.");
   m.def(
-      "schedule_for",
+      "pipeline_order_for",
       [](const std::vector<int64_t>& stages, const std::vector<int64_t>& chunks) {
-        return std::string(schedule_kind_name(schedule_for(to_shape(stages, chunks))));
+        return std::string(pipeline_order_name(pipeline_order_for(to_shape(stages, chunks))));
       },
       py::arg("stages"), py::arg("chunks"),
       "The schedule dflop runs on a pipeline of these segments; see dflop.scheduling.");

@@ -177,7 +177,7 @@ void runs_interleaved(const PipelineShape& shape, int64_t m) {
   }
 }
 
-void check_program_args(const ScheduleDef& def, const PipelineShape& shape, int64_t m) {
+void check_program_args(const PipelineOrderDef& def, const PipelineShape& shape, int64_t m) {
   validate_shape(shape);
   check_microbatches(m);
   def.check(shape, m);
@@ -198,50 +198,50 @@ std::string trimmed(std::string line) {
 
 }  // namespace
 
-// The schedule registry: one entry per generated schedule (see the header).
-const std::vector<ScheduleDef>& schedule_registry() {
-  static const std::vector<ScheduleDef> registry = {
-      {ScheduleKind::OneFOneB, "1f1b", runs_one_chunk, warmed_up_actions<plain_warmup>,
+// The pipeline-order registry: one entry per generated pipeline order (see the header).
+const std::vector<PipelineOrderDef>& pipeline_order_registry() {
+  static const std::vector<PipelineOrderDef> registry = {
+      {PipelineOrder::OneFOneB, "1f1b", runs_one_chunk, warmed_up_actions<plain_warmup>,
        warmed_up_peak<plain_warmup>},
-      {ScheduleKind::GPipe, "gpipe", runs_anything, gpipe_actions, gpipe_peak},
-      {ScheduleKind::Interleaved1F1B, "interleaved-1f1b", runs_interleaved,
+      {PipelineOrder::GPipe, "gpipe", runs_anything, gpipe_actions, gpipe_peak},
+      {PipelineOrder::Interleaved1F1B, "interleaved-1f1b", runs_interleaved,
        warmed_up_actions<interleaved_warmup>, warmed_up_peak<interleaved_warmup>},
   };
   return registry;
 }
 
-const ScheduleDef& schedule_def(ScheduleKind kind) {
-  for (const ScheduleDef& def : schedule_registry()) {
+const PipelineOrderDef& pipeline_order_def(PipelineOrder kind) {
+  for (const PipelineOrderDef& def : pipeline_order_registry()) {
     if (def.kind == kind) return def;
   }
-  throw InvalidArgument("schedule kind " + std::to_string(int(kind)) + " is not a ScheduleKind");
+  throw InvalidArgument("pipeline order " + std::to_string(int(kind)) + " is not a PipelineOrder");
 }
 
 // The one choice of a pipeline's schedule.
-ScheduleKind schedule_for(const PipelineShape& shape) {
+PipelineOrder pipeline_order_for(const PipelineShape& shape) {
   validate_shape(shape);
   for (int64_t c : shape.chunks) {
-    if (c > 1) return ScheduleKind::Interleaved1F1B;
+    if (c > 1) return PipelineOrder::Interleaved1F1B;
   }
-  return ScheduleKind::OneFOneB;
+  return PipelineOrder::OneFOneB;
 }
 
-ScheduleKind parse_schedule_kind(const std::string& name) {
+PipelineOrder parse_pipeline_order(const std::string& name) {
   std::string lower(name);
   std::transform(lower.begin(), lower.end(), lower.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  const auto& registry = schedule_registry();
+  const auto& registry = pipeline_order_registry();
   std::string names;
   for (size_t i = 0; i < registry.size(); ++i) {
     if (lower == registry[i].name) return registry[i].kind;
     names += (i == 0 ? "" : i + 1 == registry.size() ? " or " : ", ");
     names += std::string("\"") + registry[i].name + "\"";
   }
-  throw InvalidArgument("schedule must be " + names + ", got \"" + name + "\"");
+  throw InvalidArgument("pipeline order must be " + names + ", got \"" + name + "\"");
 }
 
-const char* schedule_kind_name(ScheduleKind kind) {
-  for (const ScheduleDef& def : schedule_registry()) {
+const char* pipeline_order_name(PipelineOrder kind) {
+  for (const PipelineOrderDef& def : pipeline_order_registry()) {
     if (def.kind == kind) return def.name;
   }
   return "unknown";
@@ -312,8 +312,8 @@ std::string format_action(const PipelineAction& a) {
          std::to_string(a.microbatch);
 }
 
-PipelineProgram pipeline_program(ScheduleKind kind, const PipelineShape& shape, int64_t m) {
-  const ScheduleDef& def = schedule_def(kind);
+PipelineProgram pipeline_program(PipelineOrder kind, const PipelineShape& shape, int64_t m) {
+  const PipelineOrderDef& def = pipeline_order_def(kind);
   check_program_args(def, shape, m);
   PipelineProgram program;
   program.num_microbatches = m;
@@ -324,8 +324,8 @@ PipelineProgram pipeline_program(ScheduleKind kind, const PipelineShape& shape, 
   return program;
 }
 
-int64_t peak_in_flight(ScheduleKind kind, const PipelineShape& shape, int64_t m, int64_t stage) {
-  const ScheduleDef& def = schedule_def(kind);
+int64_t peak_in_flight(PipelineOrder kind, const PipelineShape& shape, int64_t m, int64_t stage) {
+  const PipelineOrderDef& def = pipeline_order_def(kind);
   check_program_args(def, shape, m);
   return def.peak_in_flight(shape, m, stage);
 }
@@ -535,7 +535,7 @@ void validate_program(const PipelineProgram& program) {
                         "\n" + program_grid(program, waiting));
 }
 
-std::vector<PipelineAction> pipeline_actions(ScheduleKind kind, int64_t num_stages,
+std::vector<PipelineAction> pipeline_actions(PipelineOrder kind, int64_t num_stages,
                                              int64_t num_microbatches, int64_t stage) {
   require(num_stages >= 1 && num_stages <= kMaxVirtualStages,
           "num_stages must be in [1, " + std::to_string(kMaxVirtualStages) + "], got " +
@@ -543,7 +543,7 @@ std::vector<PipelineAction> pipeline_actions(ScheduleKind kind, int64_t num_stag
   check_microbatches(num_microbatches);
   require(stage >= 0 && stage < num_stages,
           "stage must be in [0, " + std::to_string(num_stages) + "), got " + std::to_string(stage));
-  const ScheduleDef& def = schedule_def(kind);
+  const PipelineOrderDef& def = pipeline_order_def(kind);
   const PipelineShape shape = PipelineShape::plain(num_stages);
   def.check(shape, num_microbatches);
   return def.stage_actions(shape, num_microbatches, stage);

@@ -35,11 +35,11 @@ int64_t chunks_of(const PipelineScheduleOptions& o, int64_t c) {
   return o.chunks.empty() ? 1 : o.chunks[size_t(c)];
 }
 
-// The program every replica runs: schedule_for() its modules' stages and chunks.
+// The program every replica runs: pipeline_order_for() its modules' stages and chunks.
 PipelineProgram program_of(const PipelineScheduleOptions& o) {
   PipelineShape shape{o.stages, std::vector<int64_t>(o.stages.size(), 1)};
   for (size_t c = 0; c < o.stages.size(); ++c) shape.chunks[c] = chunks_of(o, int64_t(c));
-  return pipeline_program(schedule_for(shape), shape, o.num_microbatches);
+  return pipeline_program(pipeline_order_for(shape), shape, o.num_microbatches);
 }
 
 // Simulated actions per millisecond on one current x86 core (2 stages, 24 microbatches).

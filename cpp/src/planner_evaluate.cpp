@@ -208,7 +208,7 @@ Evaluator::Memory Evaluator::encoder_memory(const ModuleLayout& e, const ModuleL
   const PipelineShape shape{{e.pp, g.pp}, {1, g.virtual_stages}};
   for (int64_t s = 0; s < e.pp; ++s) {
     const int64_t n = e.layers_per_stage[size_t(s)];
-    const int64_t in_flight = peak_in_flight(schedule_for(shape), shape, m, s);
+    const int64_t in_flight = peak_in_flight(pipeline_order_for(shape), shape, m, s);
     const double bytes = ctx_.enc.state_bytes(ctx_.enc.gpu_params(e, s), e.dp, ctx_.o.zero1) +
                          ctx_.enc.activation_bytes(e.tp, e.recompute, n, enc_tokens.at(in_flight)) +
                          ctx_.enc.recompute_bytes(e.tp, e.recompute, enc_tokens.at(1)) +
@@ -228,7 +228,7 @@ Evaluator::Memory Evaluator::llm_memory(const ModuleLayout& g, bool colocated, i
   for (int64_t s = 0; s < g.pp; ++s) {
     // The activations of one microbatch on one chunk (the stage itself without chunks).
     const int64_t n = largest_chunk(g, s);
-    const int64_t in_flight = peak_in_flight(schedule_for(shape), shape, m, s);
+    const int64_t in_flight = peak_in_flight(pipeline_order_for(shape), shape, m, s);
     double bytes = ctx_.llm.state_bytes(ctx_.llm.gpu_params(g, s), g.dp, zero1) +
                    ctx_.llm.activation_bytes(g.tp, g.recompute, n, llm_tokens.at(in_flight));
     // One transient at a time on top of what is held: a remade layer or (last stage,
@@ -317,7 +317,7 @@ PipelineSimInput Evaluator::sim_input(const Layout& l, const BinSums& s,
   in.num_microbatches = m;
   in.record_events = record_events;
   in.shape = l.colocated ? PipelineShape::plain(S) : PipelineShape{{E, g.pp}, {1, v}};
-  in.schedule = schedule_for(in.shape);
+  in.order = pipeline_order_for(in.shape);
   const size_t cells = size_t(R * V * m);
   in.forward_s.assign(cells, 0.0);
   in.backward_s.assign(cells, 0.0);
@@ -534,7 +534,7 @@ PipelineSimInput Evaluator::replica_input(const PipelineSimInput& in, int64_t r,
   out.num_replicas = 1;
   out.num_stages = in.num_stages;
   out.num_microbatches = m;
-  out.schedule = in.schedule;
+  out.order = in.order;
   out.shape = in.shape;
   out.record_events = false;
   out.link_latency_s = in.link_latency_s;

@@ -52,8 +52,8 @@ class ReplicaSimulator {
     link_free_s_.assign(links.size(), 0.0);
   }
 
-  // The plain pipeline of a schedule kind.
-  ReplicaSimulator(ScheduleKind kind, int64_t num_stages, int64_t num_microbatches)
+  // The plain pipeline of a pipeline order.
+  ReplicaSimulator(PipelineOrder kind, int64_t num_stages, int64_t num_microbatches)
       : ReplicaSimulator(
             pipeline_program(kind, PipelineShape::plain(num_stages), num_microbatches)) {}
 

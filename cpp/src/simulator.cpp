@@ -77,7 +77,7 @@ namespace {
 // The program an input runs (validated).
 PipelineProgram input_program(const PipelineSimInput& in) {
   const PipelineShape shape = input_shape(in);
-  if (in.actions.empty()) return pipeline_program(in.schedule, shape, in.num_microbatches);
+  if (in.actions.empty()) return pipeline_program(in.order, shape, in.num_microbatches);
   PipelineProgram program;
   program.num_microbatches = in.num_microbatches;
   program.owner = virtual_stage_owners(shape);

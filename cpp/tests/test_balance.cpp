@@ -568,7 +568,8 @@ TEST_CASE(bad_budgets) {
   CHECK_THROWS_WITH(dflop::work_budget_for_ms(kNaN), InvalidArgument, "time_budget_ms");
   CHECK_THROWS_WITH(dflop::work_budget_for_ms(kInf), InvalidArgument, "time_budget_ms");
   // BUG (not exercised here: undefined behaviour): work_budget_for_ms(1e300) casts an
-  // out-of-range double to int64_t; see tests/test_schedule_errors.py::test_huge_time_budget.
+  // out-of-range double to int64_t; see
+  // tests/unit/scheduling/test_balance_errors.py::test_huge_time_budget.
 }
 
 TEST_CASE(errors_checked_before_anything_else) {

@@ -1949,12 +1949,12 @@ TEST_CASE(fuzz_split_units) {
 }  // namespace
 
 // =======================================================================================
-// pipeline_actions, parse_schedule_kind, simulate_pipeline
+// pipeline_actions, parse_pipeline_order, simulate_pipeline
 
 namespace {
 
 using dflop::PipelineAction;
-using dflop::ScheduleKind;
+using dflop::PipelineOrder;
 
 // The header's second formulation of 1F1B ("run a forward while forwards remain and fewer
 // than S - stage microbatches are in flight, else the oldest backward"), and GPipe.
@@ -1964,10 +1964,10 @@ PipelineAction plain_action(int64_t stage, bool is_forward, int64_t k) {
 }
 bool is_fwd(const PipelineAction& a) { return a.kind == dflop::ActionKind::Forward; }
 
-std::vector<PipelineAction> reference_actions(ScheduleKind kind, int64_t S, int64_t m,
+std::vector<PipelineAction> reference_actions(PipelineOrder kind, int64_t S, int64_t m,
                                               int64_t stage) {
   std::vector<PipelineAction> out;
-  if (kind == ScheduleKind::GPipe) {
+  if (kind == PipelineOrder::GPipe) {
     for (int64_t k = 0; k < m; ++k) out.push_back(plain_action(stage, true, k));
     for (int64_t k = 0; k < m; ++k) out.push_back(plain_action(stage, false, k));
     return out;
@@ -1992,7 +1992,7 @@ std::string actions_text(const std::vector<PipelineAction>& a) {
 TEST_CASE(fuzz_pipeline_actions) {
   Fuzz fuzz("fuzz_pipeline_actions", 16);
   fuzz.run([&](Rng& r) {
-    auto kind = r.chance(0.5) ? ScheduleKind::OneFOneB : ScheduleKind::GPipe;
+    auto kind = r.chance(0.5) ? PipelineOrder::OneFOneB : PipelineOrder::GPipe;
     int64_t S = r.range(1, 10), m = r.chance(0.1) ? r.range(13, 300) : r.range(1, 12);
     int64_t stage = r.range(0, S - 1);
     if (r.chance(0.3)) {
@@ -2009,7 +2009,7 @@ TEST_CASE(fuzz_pipeline_actions) {
           stage = r.chance(0.5) ? weird_int(r) : r.pick<int64_t>({-1, S});
           break;
         default:
-          kind = static_cast<ScheduleKind>(r.pick<int>({3, -1, 127}));
+          kind = static_cast<PipelineOrder>(r.pick<int>({3, -1, 127}));
           break;
       }
     }
@@ -2034,7 +2034,7 @@ TEST_CASE(fuzz_pipeline_actions) {
     FUZZ_CHECK(same, "got" << actions_text(got) << ", documented" << actions_text(expected));
     // The first formulation: w = min(S - 1 - stage, m) warm-up forwards, steady pairs,
     // cool-down backwards.
-    if (kind != ScheduleKind::GPipe) {
+    if (kind != PipelineOrder::GPipe) {
       const int64_t w = std::min(S - 1 - stage, m);
       std::vector<PipelineAction> first;
       for (int64_t k = 0; k < w; ++k) first.push_back(plain_action(stage, true, k));
@@ -2080,19 +2080,19 @@ TEST_CASE(fuzz_parse_schedule_kind) {
         break;
     }
     fuzz.describe([=] {
-      return "parse_schedule_kind(\"" + name + "\") (" + std::to_string(name.size()) + " bytes)";
+      return "parse_pipeline_order(\"" + name + "\") (" + std::to_string(name.size()) + " bytes)";
     });
     std::string lower = name;
     for (char& ch : lower) ch = char(std::tolower(static_cast<unsigned char>(ch)));
-    ScheduleKind kind = ScheduleKind::OneFOneB;
+    PipelineOrder kind = PipelineOrder::OneFOneB;
     const Outcome o =
-        fuzz.call("parse_schedule_kind", [&] { kind = dflop::parse_schedule_kind(name); });
+        fuzz.call("parse_pipeline_order", [&] { kind = dflop::parse_pipeline_order(name); });
     if (lower == "1f1b" || lower == "gpipe") {
       FUZZ_CHECK(o == Outcome::Returned, outcome_name(o));
       if (o == Outcome::Returned) {
-        FUZZ_CHECK(kind == (lower == "1f1b" ? ScheduleKind::OneFOneB : ScheduleKind::GPipe),
+        FUZZ_CHECK(kind == (lower == "1f1b" ? PipelineOrder::OneFOneB : PipelineOrder::GPipe),
                    int(kind));
-        FUZZ_CHECK(dflop::schedule_kind_name(kind) == lower, dflop::schedule_kind_name(kind));
+        FUZZ_CHECK(dflop::pipeline_order_name(kind) == lower, dflop::pipeline_order_name(kind));
       }
     } else {
       FUZZ_CHECK(o == Outcome::Invalid, outcome_name(o));
@@ -2111,7 +2111,7 @@ std::string describe(const SimCase& c) {
   std::ostringstream s;
   s << "simulate_pipeline(num_replicas=" << num(in.num_replicas)
     << ", num_stages=" << num(in.num_stages) << ", num_microbatches=" << num(in.num_microbatches)
-    << ", schedule=" << int(in.schedule) << ", forward_s=" << vec(in.forward_s)
+    << ", schedule=" << int(in.order) << ", forward_s=" << vec(in.forward_s)
     << ", backward_s=" << vec(in.backward_s) << ", link_latency_s=" << vec(in.link_latency_s)
     << ", link_bandwidth_bytes_per_s=" << vec(in.link_bandwidth_bytes_per_s)
     << ", activation_bytes=" << vec(in.activation_bytes) << ", allreduce_s=" << vec(in.allreduce_s)
@@ -2129,7 +2129,7 @@ bool sim_valid(const dflop::PipelineSimInput& in) {
   if (R < 1 || S < 1 || S > dflop::kMaxVirtualStages || m < 1 ||
       m > dflop::kMaxPipelineMicrobatches)
     return false;
-  if (int(in.schedule) < 0 || int(in.schedule) > 2) return false;
+  if (int(in.order) < 0 || int(in.order) > 2) return false;
   int64_t rs = 0, cells = 0, links = 0;
   if (mul_overflows(R, S, &rs) || mul_overflows(rs, m, &cells)) return false;
   if (int64_t(in.forward_s.size()) != cells || int64_t(in.backward_s.size()) != cells) return false;
@@ -2166,7 +2166,7 @@ RefSim reference_simulate(const dflop::PipelineSimInput& in) {
   out.compute_end.assign(size_t(R * S), 0.0);
   out.busy.assign(size_t(R * S), 0.0);
   std::vector<std::vector<PipelineAction>> orders;
-  for (int64_t s = 0; s < S; ++s) orders.push_back(reference_actions(in.schedule, S, m, s));
+  for (int64_t s = 0; s < S; ++s) orders.push_back(reference_actions(in.order, S, m, s));
   using dflop::EventKind;
   for (int64_t r = 0; r < R; ++r) {
     Doubles fwd_arrival(size_t(S * m), 0.0), bwd_arrival(size_t(S * m), 0.0);
@@ -2256,7 +2256,7 @@ SimCase gen_sim(Rng& r) {
   in.num_replicas = r.range(1, 3);
   in.num_stages = r.range(1, 6);
   in.num_microbatches = r.chance(0.1) ? r.range(9, 40) : r.range(1, 8);
-  in.schedule = r.chance(0.5) ? ScheduleKind::OneFOneB : ScheduleKind::GPipe;
+  in.order = r.chance(0.5) ? PipelineOrder::OneFOneB : PipelineOrder::GPipe;
   const int64_t R = in.num_replicas, S = in.num_stages, m = in.num_microbatches;
   in.forward_s = gen_values(r, R * S * m);
   in.backward_s = gen_values(r, R * S * m);
@@ -2295,7 +2295,7 @@ void mutate_sim(Rng& r, SimCase& c) {
             r.chance(0.5) ? weird_int(r) : add_sat(in.num_microbatches, r.pick<int64_t>({-1, 1}));
         break;
       case 3:
-        in.schedule = static_cast<ScheduleKind>(r.pick<int>({2, -1, 127}));
+        in.order = static_cast<PipelineOrder>(r.pick<int>({2, -1, 127}));
         break;
       case 4:
         poke(r.chance(0.5) ? in.forward_s : in.backward_s);
@@ -3663,7 +3663,7 @@ TEST_CASE(regression_plan_routing_row_sum_overflow) {
 // KB7: the result has 2 m actions, m was unbounded.
 TEST_CASE(regression_pipeline_actions_huge_microbatch_count) {
   for (const int64_t m : {int64_t{1} << 61, kI64Max, dflop::kMaxPipelineMicrobatches + 1}) {
-    CHECK_EQ(ending([=] { dflop::pipeline_actions(dflop::ScheduleKind::OneFOneB, 1, m, 0); }),
+    CHECK_EQ(ending([=] { dflop::pipeline_actions(dflop::PipelineOrder::OneFOneB, 1, m, 0); }),
              kInvalid);
     dflop::PipelineSimInput in;
     in.num_microbatches = m;

@@ -13,9 +13,9 @@ namespace {
 
 using dflop::ActionKind;
 using dflop::PipelineAction;
+using dflop::PipelineOrder;
 using dflop::PipelineProgram;
 using dflop::PipelineShape;
-using dflop::ScheduleKind;
 
 // "F0.1" = forward of virtual stage 0, microbatch 1.
 std::string text(const std::vector<PipelineAction>& actions) {
@@ -44,7 +44,7 @@ void deadlocked(PipelineProgram& q) {
 TEST_CASE(interleaved_order) {
   // Two stages, two chunks, four microbatches: virtual stages 0, 2 on stage 0 and 1, 3 on
   // stage 1. Stage 0 warms up with 2 (P - 1) + (v - 1) P = 4 forwards, stage 1 with 2.
-  const PipelineProgram p = dflop::pipeline_program(ScheduleKind::Interleaved1F1B, {{2}, {2}}, 4);
+  const PipelineProgram p = dflop::pipeline_program(PipelineOrder::Interleaved1F1B, {{2}, {2}}, 4);
   CHECK(p.owner == std::vector<int64_t>({0, 1, 0, 1}));
   CHECK_EQ(text(p.actions[0]),
            std::string("F0.0 F0.1 F2.0 F2.1 F0.2 B2.0 F0.3 B2.1 F2.2 B0.0 F2.3 B0.1 B2.2 B2.3 "
@@ -55,12 +55,12 @@ TEST_CASE(interleaved_order) {
   // An encoder segment of one stage before it runs 1F1B, warmed up by the forwards of
   // chunk 0 that the LLM's first stage runs before its first backward of chunk 0: all 4.
   const PipelineProgram q =
-      dflop::pipeline_program(ScheduleKind::Interleaved1F1B, {{1, 2}, {1, 2}}, 4);
+      dflop::pipeline_program(PipelineOrder::Interleaved1F1B, {{1, 2}, {1, 2}}, 4);
   CHECK(q.owner == std::vector<int64_t>({0, 1, 2, 1, 2}));
   CHECK_EQ(text(q.actions[0]), std::string("F0.0 F0.1 F0.2 F0.3 B0.0 B0.1 B0.2 B0.3"));
   dflop::validate_program(q);
   // The plain 1F1B of one segment is unchanged.
-  CHECK_EQ(text(dflop::pipeline_actions(ScheduleKind::OneFOneB, 4, 6, 1)),
+  CHECK_EQ(text(dflop::pipeline_actions(PipelineOrder::OneFOneB, 4, 6, 1)),
            std::string("F1.0 F1.1 F1.2 B1.0 F1.3 B1.1 F1.4 B1.2 F1.5 B1.3 B1.4 B1.5"));
 }
 
@@ -69,14 +69,14 @@ TEST_CASE(interleaved_order) {
 TEST_CASE(generated_programs_are_valid) {
   int64_t checked = 0;
   for (int kind_index = 0; kind_index < 3; ++kind_index) {
-    const auto kind = static_cast<ScheduleKind>(kind_index);
+    const auto kind = static_cast<PipelineOrder>(kind_index);
     for (int64_t first = 0; first <= 3; ++first) {  // 0: no encoder segment
       for (int64_t last = 1; last <= 5; ++last) {   // the LLM's stages
         for (int64_t chunks = 1; chunks <= 4; ++chunks) {
-          if (kind == ScheduleKind::OneFOneB && chunks > 1) continue;
+          if (kind == PipelineOrder::OneFOneB && chunks > 1) continue;
           PipelineShape shape{{last}, {chunks}};
           if (first > 0) shape = {{first, last}, {1, chunks}};
-          const bool interleaved = kind == ScheduleKind::Interleaved1F1B && chunks > 1;
+          const bool interleaved = kind == PipelineOrder::Interleaved1F1B && chunks > 1;
           for (int64_t m = interleaved ? last : 1; m <= 4 * last + 2; m += interleaved ? last : 1) {
             const PipelineProgram p = dflop::pipeline_program(kind, shape, m);
             try {
@@ -100,7 +100,7 @@ TEST_CASE(generated_programs_are_valid) {
 }
 
 TEST_CASE(validator_names_the_problem) {
-  PipelineProgram p = dflop::pipeline_program(ScheduleKind::OneFOneB, PipelineShape::plain(2), 2);
+  PipelineProgram p = dflop::pipeline_program(PipelineOrder::OneFOneB, PipelineShape::plain(2), 2);
   auto broken = [&](auto edit, const std::string& needle, int line) {
     PipelineProgram q = p;
     edit(q);
@@ -126,51 +126,52 @@ TEST_CASE(validator_names_the_problem) {
                         {1, ActionKind::Backward, 1}};
       },
       "needs its I before it", __LINE__);
-  CHECK_THROWS_WITH(dflop::pipeline_program(ScheduleKind::OneFOneB, {{2}, {2}}, 4),
+  CHECK_THROWS_WITH(dflop::pipeline_program(PipelineOrder::OneFOneB, {{2}, {2}}, 4),
                     dflop::InvalidArgument, "1f1b runs one chunk per stage");
-  CHECK_THROWS_WITH(dflop::pipeline_program(ScheduleKind::Interleaved1F1B, {{2, 2}, {2, 2}}, 4),
+  CHECK_THROWS_WITH(dflop::pipeline_program(PipelineOrder::Interleaved1F1B, {{2, 2}, {2, 2}}, 4),
                     dflop::InvalidArgument, "interleaves the last segment only");
-  CHECK_THROWS_WITH(dflop::pipeline_program(ScheduleKind::Interleaved1F1B, {{4}, {2}}, 6),
+  CHECK_THROWS_WITH(dflop::pipeline_program(PipelineOrder::Interleaved1F1B, {{4}, {2}}, 6),
                     dflop::InvalidArgument, "a multiple of the last segment's stages (4), got 6");
-  CHECK_THROWS_WITH(dflop::pipeline_program(ScheduleKind::GPipe, {{2, 0}, {1, 1}}, 3),
+  CHECK_THROWS_WITH(dflop::pipeline_program(PipelineOrder::GPipe, {{2, 0}, {1, 1}}, 3),
                     dflop::InvalidArgument, "shape.stages[1] must be in [1");
-  CHECK_THROWS_WITH(dflop::pipeline_program(ScheduleKind::GPipe, {{2}, {1, 1}}, 3),
+  CHECK_THROWS_WITH(dflop::pipeline_program(PipelineOrder::GPipe, {{2}, {1, 1}}, 3),
                     dflop::InvalidArgument, "shape.chunks has 2 entries");
-  CHECK_THROWS_WITH(dflop::parse_schedule_kind("zb-h1"), dflop::InvalidArgument,
+  CHECK_THROWS_WITH(dflop::parse_pipeline_order("zb-h1"), dflop::InvalidArgument,
                     "interleaved-1f1b");
-  CHECK(dflop::parse_schedule_kind("Interleaved-1F1B") == ScheduleKind::Interleaved1F1B);
+  CHECK(dflop::parse_pipeline_order("Interleaved-1F1B") == PipelineOrder::Interleaved1F1B);
 }
 
-// The registry: one entry per ScheduleKind, in order; the names parse back; pipeline_program
-// and the memory rule are the entries' generator and rule; schedule_for is the one choice.
-TEST_CASE(schedule_registry) {
-  const auto& registry = dflop::schedule_registry();
+// The registry: one entry per PipelineOrder, in order; the names parse back; pipeline_program
+// and the memory rule are the entries' generator and rule; pipeline_order_for is the one choice.
+TEST_CASE(pipeline_order_registry) {
+  const auto& registry = dflop::pipeline_order_registry();
   CHECK_EQ(registry.size(), size_t(3));
   for (size_t i = 0; i < registry.size(); ++i) {
-    const dflop::ScheduleDef& def = registry[i];
+    const dflop::PipelineOrderDef& def = registry[i];
     CHECK_EQ(int(def.kind), int(i));
-    CHECK(&dflop::schedule_def(def.kind) == &def);
-    CHECK(dflop::parse_schedule_kind(def.name) == def.kind);
-    CHECK_EQ(std::string(dflop::schedule_kind_name(def.kind)), std::string(def.name));
-    const PipelineShape shape = def.kind == ScheduleKind::OneFOneB ? PipelineShape{{2, 3}, {1, 1}}
-                                                                   : PipelineShape{{2, 3}, {1, 2}};
+    CHECK(&dflop::pipeline_order_def(def.kind) == &def);
+    CHECK(dflop::parse_pipeline_order(def.name) == def.kind);
+    CHECK_EQ(std::string(dflop::pipeline_order_name(def.kind)), std::string(def.name));
+    const PipelineShape shape = def.kind == PipelineOrder::OneFOneB ? PipelineShape{{2, 3}, {1, 1}}
+                                                                    : PipelineShape{{2, 3}, {1, 2}};
     const PipelineProgram p = dflop::pipeline_program(def.kind, shape, 6);
     for (int64_t s = 0; s < 5; ++s) {
       CHECK(p.actions[size_t(s)] == def.stage_actions(shape, 6, s));
       CHECK_EQ(dflop::peak_in_flight(def.kind, shape, 6, s), def.peak_in_flight(shape, 6, s));
     }
   }
-  CHECK_THROWS_WITH(dflop::schedule_def(static_cast<ScheduleKind>(7)), dflop::InvalidArgument,
-                    "schedule kind 7 is not a ScheduleKind");
-  CHECK_THROWS_WITH(dflop::parse_schedule_kind("zb"), dflop::InvalidArgument,
-                    "schedule must be \"1f1b\", \"gpipe\" or \"interleaved-1f1b\", got \"zb\"");
-  CHECK_EQ(std::string(dflop::schedule_kind_name(static_cast<ScheduleKind>(7))),
+  CHECK_THROWS_WITH(dflop::pipeline_order_def(static_cast<PipelineOrder>(7)),
+                    dflop::InvalidArgument, "pipeline order 7 is not a PipelineOrder");
+  CHECK_THROWS_WITH(
+      dflop::parse_pipeline_order("zb"), dflop::InvalidArgument,
+      "pipeline order must be \"1f1b\", \"gpipe\" or \"interleaved-1f1b\", got \"zb\"");
+  CHECK_EQ(std::string(dflop::pipeline_order_name(static_cast<PipelineOrder>(7))),
            std::string("unknown"));
-  CHECK(dflop::schedule_for(PipelineShape::plain(4)) == ScheduleKind::OneFOneB);
-  CHECK(dflop::schedule_for({{2, 3}, {1, 1}}) == ScheduleKind::OneFOneB);
-  CHECK(dflop::schedule_for({{2, 3}, {1, 2}}) == ScheduleKind::Interleaved1F1B);
-  CHECK(dflop::schedule_for({{3}, {4}}) == ScheduleKind::Interleaved1F1B);
-  CHECK_THROWS_WITH(dflop::schedule_for({{2}, {1, 1}}), dflop::InvalidArgument,
+  CHECK(dflop::pipeline_order_for(PipelineShape::plain(4)) == PipelineOrder::OneFOneB);
+  CHECK(dflop::pipeline_order_for({{2, 3}, {1, 1}}) == PipelineOrder::OneFOneB);
+  CHECK(dflop::pipeline_order_for({{2, 3}, {1, 2}}) == PipelineOrder::Interleaved1F1B);
+  CHECK(dflop::pipeline_order_for({{3}, {4}}) == PipelineOrder::Interleaved1F1B);
+  CHECK_THROWS_WITH(dflop::pipeline_order_for({{2}, {1, 1}}), dflop::InvalidArgument,
                     "shape.chunks has 2 entries");
 }
 
@@ -180,7 +181,7 @@ TEST_CASE(validation_error_shows_the_grid) {
   CHECK_EQ(dflop::format_action({1, ActionKind::Forward, 3}), std::string("F1.3"));
   CHECK_EQ(dflop::format_action({12, ActionKind::BackwardWeight, 0}), std::string("W12.0"));
   const PipelineProgram p =
-      dflop::pipeline_program(ScheduleKind::OneFOneB, PipelineShape::plain(2), 2);
+      dflop::pipeline_program(PipelineOrder::OneFOneB, PipelineShape::plain(2), 2);
   CHECK_EQ(dflop::program_grid(p, {{1, 1}}),
            std::string("the program, a row per physical stage and a column per time slot (the "
                        "stage's action index); >X<: the failing action:\n"
@@ -201,7 +202,7 @@ TEST_CASE(validation_error_shows_the_grid) {
   CHECK_THROWS_WITH(dflop::validate_program(q), dflop::InvalidArgument, "stage 1  >F1.1<  F1.0");
   // 40 stages x 120 actions, broken at stage 30, action 61: a window of 16 x 12 around it.
   PipelineProgram big =
-      dflop::pipeline_program(ScheduleKind::OneFOneB, PipelineShape::plain(40), 60);
+      dflop::pipeline_program(PipelineOrder::OneFOneB, PipelineShape::plain(40), 60);
   big.actions[30][61].microbatch = 99;
   std::string message;
   try {
@@ -220,10 +221,10 @@ TEST_CASE(validation_error_shows_the_grid) {
   CHECK(message.size() < 3000);
 }
 
-dflop::PipelineSimInput uniform_input(ScheduleKind kind, const PipelineShape& shape, int64_t m,
+dflop::PipelineSimInput uniform_input(PipelineOrder kind, const PipelineShape& shape, int64_t m,
                                       double forward_s, double backward_s) {
   dflop::PipelineSimInput in;
-  in.schedule = kind;
+  in.order = kind;
   in.shape = shape;
   in.num_stages = dflop::num_physical_stages(shape);
   in.num_microbatches = m;
@@ -239,9 +240,9 @@ TEST_CASE(interleaving_shrinks_the_bubble) {
   // P = 4 stages, m = 8 microbatches, a stage's work per microbatch 3 s (forward 1 s,
   // backward 2 s). 1F1B: (m + P - 1) x 3 = 33 s. Interleaved with v = 2 chunks of half
   // the work each: the bubble shrinks to (P - 1) / v: (m + 1.5) x 3 = 28.5 s.
-  const auto plain = uniform_input(ScheduleKind::OneFOneB, PipelineShape::plain(4), 8, 1.0, 2.0);
+  const auto plain = uniform_input(PipelineOrder::OneFOneB, PipelineShape::plain(4), 8, 1.0, 2.0);
   CHECK_NEAR(dflop::simulate_pipeline(plain).step_time_s, 33.0, 1e-9);
-  const auto inter = uniform_input(ScheduleKind::Interleaved1F1B, {{4}, {2}}, 8, 0.5, 1.0);
+  const auto inter = uniform_input(PipelineOrder::Interleaved1F1B, {{4}, {2}}, 8, 0.5, 1.0);
   const auto res = dflop::simulate_pipeline(inter);
   CHECK_NEAR(res.step_time_s, 28.5, 1e-9);
   for (double busy : res.busy_s) CHECK_NEAR(busy, 24.0, 1e-9);
@@ -257,7 +258,7 @@ TEST_CASE(split_backward_program) {
   // A zero-bubble-style program: the input gradient goes back at once, the weight
   // gradients run at the end. Forward 1 s, backward 2 s split 1 + 1.
   dflop::PipelineSimInput in =
-      uniform_input(ScheduleKind::OneFOneB, PipelineShape::plain(2), 2, 1.0, 2.0);
+      uniform_input(PipelineOrder::OneFOneB, PipelineShape::plain(2), 2, 1.0, 2.0);
   using K = ActionKind;
   in.actions = {{{0, K::Forward, 0},
                  {0, K::Forward, 1},

@@ -34,9 +34,9 @@ int g_failures = 0;
 
 using dflop::EventKind;
 using dflop::PipelineAction;
+using dflop::PipelineOrder;
 using dflop::PipelineSimInput;
 using dflop::PipelineSimResult;
-using dflop::ScheduleKind;
 
 // Calls f, expects dflop::InvalidArgument whose message contains `needle`.
 void check_invalid(const std::function<void()>& f, const std::string& needle, int line) {
@@ -53,12 +53,12 @@ void check_invalid(const std::function<void()>& f, const std::string& needle, in
 }
 
 // One replica, zero-latency infinite-bandwidth links, the given per-stage times.
-PipelineSimInput make_input(ScheduleKind kind, int64_t num_stages, int64_t num_microbatches,
+PipelineSimInput make_input(PipelineOrder kind, int64_t num_stages, int64_t num_microbatches,
                             double forward_s, double backward_s) {
   PipelineSimInput in;
   in.num_stages = num_stages;
   in.num_microbatches = num_microbatches;
-  in.schedule = kind;
+  in.order = kind;
   in.forward_s.assign(static_cast<size_t>(num_stages * num_microbatches), forward_s);
   in.backward_s.assign(static_cast<size_t>(num_stages * num_microbatches), backward_s);
   in.link_latency_s.assign(static_cast<size_t>(num_stages - 1), 0.0);
@@ -96,24 +96,25 @@ std::string order_string(const std::vector<PipelineAction>& actions) {
 }
 
 void test_action_orders() {
-  CHECK(order_string(dflop::pipeline_actions(ScheduleKind::OneFOneB, 4, 6, 1)) ==
+  CHECK(order_string(dflop::pipeline_actions(PipelineOrder::OneFOneB, 4, 6, 1)) ==
         "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5");
-  CHECK(order_string(dflop::pipeline_actions(ScheduleKind::OneFOneB, 4, 6, 3)) ==
+  CHECK(order_string(dflop::pipeline_actions(PipelineOrder::OneFOneB, 4, 6, 3)) ==
         "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5");
   // Fewer microbatches than warm-up slots: all forwards, then all backwards.
-  CHECK(order_string(dflop::pipeline_actions(ScheduleKind::OneFOneB, 4, 2, 0)) == "F0 F1 B0 B1");
-  CHECK(order_string(dflop::pipeline_actions(ScheduleKind::GPipe, 3, 3, 2)) == "F0 F1 F2 B0 B1 B2");
-  CHECK(dflop::parse_schedule_kind("1F1B") == ScheduleKind::OneFOneB);
-  CHECK(dflop::parse_schedule_kind("gpipe") == ScheduleKind::GPipe);
-  check_invalid([] { dflop::parse_schedule_kind("zb"); }, "schedule", __LINE__);
-  check_invalid([] { dflop::pipeline_actions(ScheduleKind::GPipe, 3, 3, 3); }, "stage", __LINE__);
-  check_invalid([] { dflop::pipeline_actions(ScheduleKind::GPipe, 3, 0, 0); }, "num_microbatches",
+  CHECK(order_string(dflop::pipeline_actions(PipelineOrder::OneFOneB, 4, 2, 0)) == "F0 F1 B0 B1");
+  CHECK(order_string(dflop::pipeline_actions(PipelineOrder::GPipe, 3, 3, 2)) ==
+        "F0 F1 F2 B0 B1 B2");
+  CHECK(dflop::parse_pipeline_order("1F1B") == PipelineOrder::OneFOneB);
+  CHECK(dflop::parse_pipeline_order("gpipe") == PipelineOrder::GPipe);
+  check_invalid([] { dflop::parse_pipeline_order("zb"); }, "pipeline order", __LINE__);
+  check_invalid([] { dflop::pipeline_actions(PipelineOrder::GPipe, 3, 3, 3); }, "stage", __LINE__);
+  check_invalid([] { dflop::pipeline_actions(PipelineOrder::GPipe, 3, 0, 0); }, "num_microbatches",
                 __LINE__);
 }
 
 // Equal stages, zero latency: (m + S - 1) (f + b) for both schedules, including m < S.
 void test_uniform_makespan() {
-  for (ScheduleKind kind : {ScheduleKind::OneFOneB, ScheduleKind::GPipe}) {
+  for (PipelineOrder kind : {PipelineOrder::OneFOneB, PipelineOrder::GPipe}) {
     for (int64_t s : {1, 2, 4, 7}) {
       for (int64_t m : {1, 3, 4, 8, 16}) {
         const double f = 1.0, b = 2.0;
@@ -135,7 +136,7 @@ void test_uniform_makespan() {
 
 // S = 2, m = 3, f = b = 1, but microbatch 1's forward on stage 0 takes 3 s.
 void test_single_slow_microbatch() {
-  auto in = make_input(ScheduleKind::OneFOneB, 2, 3, 1.0, 1.0);
+  auto in = make_input(PipelineOrder::OneFOneB, 2, 3, 1.0, 1.0);
   in.forward_s[1] = 3.0;
   auto res = dflop::simulate_pipeline(in);
   CHECK_NEAR(res.step_time_s, 9.0);
@@ -148,7 +149,7 @@ void test_single_slow_microbatch() {
   CHECK_NEAR(res.busy_s[1], 6.0);
   CHECK_NEAR(res.idle_s[1], 3.0);
 
-  in.schedule = ScheduleKind::GPipe;
+  in.order = PipelineOrder::GPipe;
   res = dflop::simulate_pipeline(in);
   CHECK_NEAR(res.step_time_s, 10.0);
   check_compute(res, 1, EventKind::Backward, 0, 6.0, 7.0);
@@ -157,7 +158,7 @@ void test_single_slow_microbatch() {
 
 // The slow stage sets the pace: 1 + 2 m (f + b) of stage 1 + 1.
 void test_unequal_stages() {
-  auto in = make_input(ScheduleKind::OneFOneB, 2, 2, 1.0, 1.0);
+  auto in = make_input(PipelineOrder::OneFOneB, 2, 2, 1.0, 1.0);
   for (int64_t k = 0; k < 2; ++k) {
     in.forward_s[2 + k] = 2.0;
     in.backward_s[2 + k] = 2.0;
@@ -173,7 +174,7 @@ void test_unequal_stages() {
 
 void test_latency() {
   // One round trip (2 x 0.5 s) lands on the critical path: 6 -> 7.
-  auto in = make_input(ScheduleKind::OneFOneB, 2, 2, 1.0, 1.0);
+  auto in = make_input(PipelineOrder::OneFOneB, 2, 2, 1.0, 1.0);
   in.link_latency_s[0] = 0.5;
   const auto res = dflop::simulate_pipeline(in);
   CHECK_NEAR(res.step_time_s, 7.0);
@@ -192,7 +193,7 @@ void test_latency() {
 
 // 1 GB over 1 GB/s: transfers of 1 s queue on the link (FIFO per direction).
 void test_bandwidth_serialises_transfers() {
-  auto in = make_input(ScheduleKind::GPipe, 2, 2, 0.5, 0.5);
+  auto in = make_input(PipelineOrder::GPipe, 2, 2, 0.5, 0.5);
   in.link_bandwidth_bytes_per_s[0] = 1e9;
   in.activation_bytes.assign(2, 1e9);
   const auto res = dflop::simulate_pipeline(in);
@@ -204,7 +205,7 @@ void test_bandwidth_serialises_transfers() {
 
 // Two replicas with a straggler, then per-stage all-reduce across both.
 void test_replicas_allreduce() {
-  PipelineSimInput in = make_input(ScheduleKind::OneFOneB, 2, 1, 1.0, 1.0);
+  PipelineSimInput in = make_input(PipelineOrder::OneFOneB, 2, 1, 1.0, 1.0);
   in.num_replicas = 2;
   in.forward_s = {1.0, 1.0, 1.0, 3.0};  // replica 1, stage 1 is slow
   in.backward_s = {1.0, 1.0, 1.0, 1.0};
@@ -237,7 +238,7 @@ void test_replicas_allreduce() {
 }
 
 void test_validation() {
-  const auto base = make_input(ScheduleKind::OneFOneB, 3, 4, 1.0, 1.0);
+  const auto base = make_input(PipelineOrder::OneFOneB, 3, 4, 1.0, 1.0);
   check_invalid(
       [&] {
         auto in = base;

@@ -1,5 +1,6 @@
 """dflop: data-driven planning and per-step scheduling for multimodal LLM training."""
 
+from dflop._deprecated import install_module_aliases
 from dflop.scheduling.balance import (
     InfeasibleError,
     Schedule,
@@ -7,9 +8,11 @@ from dflop.scheduling.balance import (
     schedule,
     schedule_from_assignment,
 )
-from dflop.scheduling.pipeline import PipelineModel, pipeline_schedule
+from dflop.scheduling.pipeline_schedule import PipelineModel, pipeline_schedule
 
 __version__ = "0.1.0"
+
+install_module_aliases()
 
 __all__ = [
     "InfeasibleError",

@@ -63,7 +63,7 @@ def pipeline_work_budget_for_ms(time_budget_ms: float) -> int: ...
 def simulate_pipeline(
     forward_s: np.ndarray,
     backward_s: np.ndarray,
-    schedule: str,
+    order: str,
     link_latency_s: np.ndarray,
     link_bandwidth_bytes_per_s: np.ndarray,
     activation_bytes: np.ndarray | None,
@@ -75,16 +75,16 @@ def simulate_pipeline(
     weight_grad_fraction: float = 0.5,
 ) -> dict[str, Any]: ...
 def pipeline_program(
-    schedule: str, stages: list[int], chunks: list[int], num_microbatches: int
+    order: str, stages: list[int], chunks: list[int], num_microbatches: int
 ) -> tuple[list[int], list[np.ndarray]]: ...
 def validate_program(
     owner: list[int], actions: list[np.ndarray], num_microbatches: int
 ) -> None: ...
 def peak_in_flight(
-    schedule: str, stages: list[int], chunks: list[int], num_microbatches: int, stage: int
+    order: str, stages: list[int], chunks: list[int], num_microbatches: int, stage: int
 ) -> int: ...
-def schedule_names() -> list[str]: ...
-def schedule_for(stages: list[int], chunks: list[int]) -> str: ...
+def pipeline_order_names() -> list[str]: ...
+def pipeline_order_for(stages: list[int], chunks: list[int]) -> str: ...
 def program_grid(
     owner: list[int],
     actions: list[np.ndarray],

@@ -31,12 +31,13 @@ from typing import Any
 import numpy as np
 
 from dflop import _core
+from dflop._deprecated import warn_renamed
 from dflop.errors import InputTypeError
 from dflop.scheduling.actions import (
     PipelineProgram,
     action_arrays,
     as_int,
-    schedule_name,
+    pipeline_order_name,
     virtual_stage_owners,
 )
 from dflop.timeline import EVENT_DTYPE, EVENT_KINDS, write_chrome_trace, write_gantt_png
@@ -64,7 +65,8 @@ class SimulationResult:
     events: np.ndarray
     """Structured array of :data:`dflop.timeline.EVENT_DTYPE`: every forward, backward,
     send and all-reduce, sorted by start time (then replica, stage, kind, microbatch)."""
-    schedule: str
+    order: str
+    """The pipeline order simulated (e.g. ``"1f1b"``)."""
     num_replicas: int
     num_stages: int
     num_microbatches: int
@@ -117,7 +119,7 @@ def simulate_pipeline(
     forward_s: Any,
     backward_s: Any,
     *,
-    schedule: str = "1f1b",
+    order: str = "1f1b",
     stages: Sequence[int] | None = None,
     chunks: Sequence[int] | None = None,
     program: PipelineProgram | None = None,
@@ -127,6 +129,7 @@ def simulate_pipeline(
     link_bandwidth_bytes_per_s: Any = math.inf,
     allreduce_s: Any = 0.0,
     record_events: bool = True,
+    schedule: str | None = None,
 ) -> SimulationResult:
     """Simulate one training step of pipelines.
 
@@ -135,14 +138,14 @@ def simulate_pipeline(
             (replica, virtual stage, microbatch), shape (R, V, m), for R data-parallel
             replicas. Without chunks, virtual stages are the physical stages (V = S).
         backward_s: backward seconds, the same shape as ``forward_s``.
-        schedule: "1f1b" (non-interleaved, Megatron-LM style), "gpipe" or
-            "interleaved-1f1b"; the order of each stage is
+        order: the pipeline order: "1f1b" (non-interleaved, Megatron-LM style), "gpipe" or
+            "interleaved-1f1b"; the actions of each stage are
             :func:`dflop.scheduling.pipeline_program`'s.
         stages, chunks: the pipeline's segments (physical stages and chunks per stage of
             each module; see :mod:`dflop.scheduling.actions`). Default: one segment of V
             stages, one chunk each.
         program: a :class:`~dflop.scheduling.PipelineProgram` to run instead of the
-            schedule's (validated; its owners must be those of ``stages`` / ``chunks``).
+            order's (validated; its owners must be those of ``stages`` / ``chunks``).
         weight_grad_fraction: the share of ``backward_s`` a ``"W"`` action takes (its ``"I"``
             the rest); used only by programs that split the backward.
         link_latency_s: point-to-point latency of boundary l (virtual stage l -> l+1): a
@@ -156,17 +159,21 @@ def simulate_pipeline(
             action: a scalar or shape (S,). All zeros means no all-reduce (no all-reduce
             events).
         record_events: False leaves ``events`` empty (faster when only times matter).
+        schedule: deprecated name of ``order``.
 
     Returns:
         A :class:`SimulationResult`; its per-stage arrays are (R, S) over physical stages
         (R = 1 for 2-D input).
 
     Raises:
-        TypeError: non-numeric arrays or a non-str schedule.
+        TypeError: non-numeric arrays or a non-str order.
         ValueError: wrong shapes, or negative, NaN or infinite times and sizes, naming
             the argument (and the first offending index).
     """
-    name = schedule_name(schedule)
+    if schedule is not None:
+        warn_renamed("simulate_pipeline(schedule=...)", "simulate_pipeline(order=...)")
+        order = schedule
+    name = pipeline_order_name(order)
     fwd = _numeric("forward_s", forward_s)
     if fwd.ndim == 2:
         fwd = fwd[np.newaxis]
@@ -267,7 +274,7 @@ def simulate_pipeline(
         idle_s=_frozen(raw["idle_s"]),
         compute_end_s=_frozen(raw["compute_end_s"]),
         events=_frozen(events),
-        schedule=name,
+        order=name,
         num_replicas=num_replicas,
         num_stages=num_stages,
         num_microbatches=num_microbatches,

@@ -15,11 +15,11 @@
 // BackwardWeight (the weight gradient, which nothing waits for). validate_program() checks
 // any action list, generated or given.
 //
-// The schedule registry: every generated schedule is one ScheduleDef in
-// schedule_registry() (pipeline_program.cpp), its name, what it can run, its action
+// The pipeline-order registry: every generated pipeline order is one PipelineOrderDef in
+// pipeline_order_registry() (pipeline_program.cpp), its name, what it can run, its action
 // generator and its memory rule; pipeline_program(), peak_in_flight(),
-// parse_schedule_kind() and the Python package's list of schedules all read it. A new
-// schedule is a new ScheduleKind and one entry there. schedule_for() is the one place
+// parse_pipeline_order() and the Python package's list of pipeline orders all read it. A new
+// pipeline order is a new PipelineOrder and one entry there. pipeline_order_for() is the one place
 // that picks the schedule dflop runs on a pipeline (the planner, the trainer's scheduler
 // and, through the bindings, the Python package and the runtime ask it).
 #pragma once
@@ -31,13 +31,13 @@
 
 namespace dflop {
 
-enum class ScheduleKind : int8_t { OneFOneB = 0, GPipe = 1, Interleaved1F1B = 2 };
+enum class PipelineOrder : int8_t { OneFOneB = 0, GPipe = 1, Interleaved1F1B = 2 };
 
 // A registered name (case-insensitive: "1f1b", "gpipe", "interleaved-1f1b"); throws
 // InvalidArgument otherwise, listing the names.
-ScheduleKind parse_schedule_kind(const std::string& name);
+PipelineOrder parse_pipeline_order(const std::string& name);
 // The registered name; "unknown" for a kind the registry lacks.
-const char* schedule_kind_name(ScheduleKind kind);
+const char* pipeline_order_name(PipelineOrder kind);
 
 enum class ActionKind : int8_t { Forward = 0, Backward = 1, BackwardInput = 2, BackwardWeight = 3 };
 const char* action_kind_name(ActionKind kind);  // "F", "B", "I", "W"
@@ -84,9 +84,9 @@ std::string format_action(const PipelineAction& action);
 
 // A generated schedule (see the header comment). The functions are called after
 // validate_shape() and the microbatch count's range check.
-struct ScheduleDef {
-  ScheduleKind kind;
-  const char* name;  // lower case; parse_schedule_kind() takes it in any case
+struct PipelineOrderDef {
+  PipelineOrder kind;
+  const char* name;  // lower case; parse_pipeline_order() takes it in any case
   // Throws InvalidArgument when the schedule cannot run `shape` with m microbatches.
   void (*check)(const PipelineShape& shape, int64_t m);
   // The generator: physical stage `stage`'s actions, in execution order (after check()).
@@ -97,14 +97,14 @@ struct ScheduleDef {
   int64_t (*peak_in_flight)(const PipelineShape& shape, int64_t m, int64_t stage);
 };
 
-// Every generated schedule, in ScheduleKind order.
-const std::vector<ScheduleDef>& schedule_registry();
+// Every generated pipeline order, in enum order.
+const std::vector<PipelineOrderDef>& pipeline_order_registry();
 // The entry of `kind`; throws InvalidArgument for a kind the registry lacks.
-const ScheduleDef& schedule_def(ScheduleKind kind);
+const PipelineOrderDef& pipeline_order_def(PipelineOrder kind);
 
 // The schedule dflop runs on a pipeline of this shape: interleaved 1F1B when a segment has
 // chunks > 1 (the LLM's virtual stages), else 1F1B. Throws InvalidArgument for a bad shape.
-ScheduleKind schedule_for(const PipelineShape& shape);
+PipelineOrder pipeline_order_for(const PipelineShape& shape);
 
 // The generated schedules (m = num_microbatches):
 // - GPipe: every forward, then every backward. With chunks, forwards in rounds of the
@@ -124,7 +124,7 @@ ScheduleKind schedule_for(const PipelineShape& shape);
 // Throws InvalidArgument for a bad shape, m outside [1, kMaxPipelineMicrobatches], chunks
 // where the schedule takes none, or an interleaved schedule with m not a multiple of the
 // last segment's stages.
-PipelineProgram pipeline_program(ScheduleKind kind, const PipelineShape& shape,
+PipelineProgram pipeline_program(PipelineOrder kind, const PipelineShape& shape,
                                  int64_t num_microbatches);
 
 // The memory rule: the most (virtual stage, microbatch) activations physical stage `stage`
@@ -132,7 +132,7 @@ PipelineProgram pipeline_program(ScheduleKind kind, const PipelineShape& shape,
 // Backward, or its BackwardWeight, ends). 1F1B: min(S - stage, m); GPipe: m x chunks;
 // interleaved: its warm-up + 1 (capped at m x chunks). Equals peak_in_flight(actions) of
 // pipeline_program()'s list (tested).
-int64_t peak_in_flight(ScheduleKind kind, const PipelineShape& shape, int64_t num_microbatches,
+int64_t peak_in_flight(PipelineOrder kind, const PipelineShape& shape, int64_t num_microbatches,
                        int64_t stage);
 // The same, counted along any action list (Forward +1, Backward or BackwardWeight -1).
 int64_t peak_in_flight(const std::vector<PipelineAction>& actions);
@@ -160,7 +160,7 @@ std::string program_grid(const PipelineProgram& program,
                          int64_t focus_stage = 0);
 
 // The action list of one stage of a plain (one segment, one chunk) pipeline.
-std::vector<PipelineAction> pipeline_actions(ScheduleKind kind, int64_t num_stages,
+std::vector<PipelineAction> pipeline_actions(PipelineOrder kind, int64_t num_stages,
                                              int64_t num_microbatches, int64_t stage);
 
 }  // namespace dflop

@@ -56,12 +56,12 @@ struct PipelineSimInput {
   int64_t num_replicas = 1;
   int64_t num_stages = 1;  // physical stages
   int64_t num_microbatches = 1;
-  ScheduleKind schedule = ScheduleKind::OneFOneB;
+  PipelineOrder order = PipelineOrder::OneFOneB;
   // Empty: one segment of num_stages stages, one chunk each. Else its physical stages must
   // sum to num_stages; V = num_virtual_stages(shape) below.
   PipelineShape shape;
-  // Empty: pipeline_program(schedule, shape, m)'s. Else one action list per physical stage
-  // (validate_program() checks it with the shape's owners); schedule is then ignored.
+  // Empty: pipeline_program(order, shape, m)'s. Else one action list per physical stage
+  // (validate_program() checks it with the shape's owners); order is then ignored.
   std::vector<std::vector<PipelineAction>> actions;
   // The share of backward_s a BackwardWeight action takes (its BackwardInput the rest);
   // in [0, 1]. Used only by programs that split backwards.

@@ -1,7 +1,9 @@
 """Model-family shape rules: how a raw sample (image sizes, video frames, text) becomes a shape.
 
 The rules are *data*: one frozen :class:`FamilySpec` per model family, interpreted by the
-pure, numpy-vectorised functions below. Both the embedded synthetic workload
+tiling rule it names (``FamilySpec.tiling``: one :class:`TilingRule` object per rule in
+:data:`TILING_RULES`, found by :func:`tiling_rule`) and the pure, numpy-vectorised
+functions below. Both the embedded synthetic workload
 (:mod:`dflop.data.synthetic`) and the data profiler turn raw sample descriptors into
 :class:`~dflop.data.shapes.SampleShapes` through :func:`shapes_from_descriptors`, so there
 is exactly one implementation of each rule.
@@ -54,7 +56,13 @@ from dflop.errors import InputTypeError
 
 __all__ = [
     "FAMILIES",
+    "TILING_RULES",
+    "AnyresTiling",
+    "DynamicTiling",
     "FamilySpec",
+    "ImageUnit",
+    "NativeTiling",
+    "TilingRule",
     "anyres_grid",
     "anyres_llm_tokens",
     "dynamic_tiles",
@@ -65,10 +73,10 @@ __all__ = [
     "native_patches",
     "native_video_patches",
     "shapes_from_descriptors",
+    "tiling_rule",
     "video_shapes",
 ]
 
-_TILINGS = ("anyres", "dynamic", "native")
 _DEDUPE_MIN_IMAGES = 256
 
 
@@ -78,11 +86,12 @@ class FamilySpec:
 
     Attributes:
         name: registry name (``get_family(name)``).
-        tiling: ``"anyres"`` (LLaVA-NeXT/OneVision grid of crops + base image),
-            ``"dynamic"`` (InternVL closest-aspect-ratio tiling + thumbnail) or
-            ``"native"`` (Qwen-VL: the image resized to multiples of ``patch_px x
-            merge_size`` within ``[min_pixels, max_pixels]``, one unit of all its patches;
-            a video one unit per ``temporal_patch`` frames).
+        tiling: the name of its rule in :data:`TILING_RULES`: ``"anyres"``
+            (LLaVA-NeXT/OneVision grid of crops + base image), ``"dynamic"`` (InternVL
+            closest-aspect-ratio tiling + thumbnail) or ``"native"`` (Qwen-VL: the image
+            resized to multiples of ``patch_px x merge_size`` within ``[min_pixels,
+            max_pixels]``, one unit of all its patches; a video one unit per
+            ``temporal_patch`` frames). A string, as shape files and plans store it.
         tile_px: side of one square tile in pixels (384 for SigLIP-384, 448 for InternViT).
         encoder_tokens_per_tile: tokens the vision encoder runs on per tile (729 = 27^2,
             1025 = 32^2 + InternViT's CLS token).
@@ -149,9 +158,9 @@ class FamilySpec:
     video_max_pixels: int = 768 * 28 * 28
 
     def __post_init__(self) -> None:
-        if self.tiling not in _TILINGS:
+        if not isinstance(self.tiling, str) or self.tiling not in TILING_RULES:
             raise ValueError(
-                f"FamilySpec.tiling={self.tiling!r} is not one of {', '.join(_TILINGS)}"
+                f"FamilySpec.tiling={self.tiling!r} is not one of {', '.join(TILING_RULES)}"
             )
         positive = (
             "tile_px",
@@ -192,6 +201,277 @@ class FamilySpec:
             raise ValueError(
                 f"FamilySpec.min_tiles={self.min_tiles} exceeds max_tiles={self.max_tiles}"
             )
+
+
+# --------------------------------------------------------------------------- tiling rules
+
+
+@dataclass(frozen=True)
+class ImageUnit:
+    """One encoder unit of a sample's images as a renderer cuts it
+    (:meth:`TilingRule.image_units`): ``kind`` ``"full"`` (image ``item`` resized to one
+    tile) or ``"anyres"`` / ``"dynamic"`` (crop ``index``, row-major, of image ``item``
+    laid on a ``rows x cols`` grid canvas of tiles, as that rule lays it)."""
+
+    item: int
+    kind: str
+    rows: int = 1
+    cols: int = 1
+    index: int = 0
+
+
+class TilingRule:
+    """How one ``FamilySpec.tiling`` turns images and videos into encoder units and LLM
+    tokens: one object per rule in :data:`TILING_RULES`, found by :func:`tiling_rule`.
+    The methods take a :class:`FamilySpec` of the rule and validated arrays (the public
+    functions below validate, then call them).
+
+    The defaults are the tile rules' (anyres, dynamic): units of ``tile_px`` tiles of
+    ``encoder_tokens_per_tile`` tokens, multi-image samples by
+    ``multi_image_max_tiles_split``, a video one unit per sampled frame.
+    """
+
+    name: str = ""
+    video_frame_sizes: bool = False
+    """Whether a video's units depend on its frame size (else the nominal
+    ``video_encoder_tokens_per_frame``)."""
+
+    def image_shapes(
+        self, spec: FamilySpec, w: np.ndarray, h: np.ndarray, max_tiles: object | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(encoder units, LLM visual tokens)`` of single images (widths ``w``, heights
+        ``h``: (N,) float64); ``max_tiles`` a tile limit (int or (N,)) where the rule has
+        one."""
+        raise NotImplementedError
+
+    def multi_image_shapes(
+        self,
+        spec: FamilySpec,
+        idx: np.ndarray,
+        w: np.ndarray,
+        h: np.ndarray,
+        count: np.ndarray,
+        num_samples: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(encoder units, LLM visual tokens)`` per sample of multi-image samples: image
+        ``k`` (``w[k]`` x ``h[k]``) belongs to sample ``idx[k]``, sample ``s`` has
+        ``count[s]`` images."""
+        if not spec.multi_image_max_tiles_split:
+            per_image_tokens = (
+                spec.llm_tokens_per_tile + spec.single_tile_newline_tokens + spec.image_extra_tokens
+            )
+            return count, count * per_image_tokens
+        per_image_limit = np.maximum(1, spec.max_tiles // np.maximum(count[idx], 1))
+        units_k, tokens_k = self.image_shapes(spec, w, h, max_tiles=per_image_limit)
+        units = np.bincount(idx, weights=units_k, minlength=num_samples).astype(np.int64)
+        tokens = np.bincount(idx, weights=tokens_k, minlength=num_samples).astype(np.int64)
+        return units, tokens
+
+    def image_unit_tokens(self, spec: FamilySpec, w: np.ndarray, h: np.ndarray) -> np.ndarray:
+        """Encoder tokens of one unit of each image, (N,) int64."""
+        return np.full(w.shape, spec.encoder_tokens_per_tile, dtype=np.int64)
+
+    def video_shapes(
+        self,
+        spec: FamilySpec,
+        frames: np.ndarray,
+        frame_width_px: object | None = None,
+        frame_height_px: object | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(encoder units, LLM visual tokens)`` of videos of ``frames`` sampled frames
+        (at most ``max_frames`` each), their frame sizes when known (read only by a rule
+        with :attr:`video_frame_sizes`)."""
+        tokens = (
+            frames * (spec.video_tokens_per_frame + spec.frame_extra_tokens)
+            + spec.video_extra_tokens
+        )
+        return frames, tokens
+
+    def video_unit_tokens(
+        self,
+        spec: FamilySpec,
+        num_videos: int,
+        frame_width_px: np.ndarray | None = None,
+        frame_height_px: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Encoder tokens of one unit of each of ``num_videos`` videos, (N,) int64."""
+        return np.full(num_videos, spec.video_encoder_tokens_per_frame, dtype=np.int64)
+
+    def image_units(
+        self, spec: FamilySpec, sizes: list[tuple[float, float]], multi_image: bool
+    ) -> list[ImageUnit]:
+        """Every encoder unit of one sample's images (``(width_px, height_px)`` each; a
+        ``multi_image`` sample or a single image), in encoding order: what a renderer of
+        fixed-size tiles cuts (:class:`~dflop.runtime.dataset_batch.DatasetBatch`)."""
+        raise NotImplementedError
+
+
+class AnyresTiling(TilingRule):
+    """LLaVA-NeXT/OneVision: a single image is its base image plus the crops of its best
+    anyres grid (:func:`anyres_grid`, :func:`anyres_llm_tokens`); a multi-image sample's
+    images one base tile each."""
+
+    name = "anyres"
+
+    def image_shapes(
+        self, spec: FamilySpec, w: np.ndarray, h: np.ndarray, max_tiles: object | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        inverse = None
+        if w.shape[0] > _DEDUPE_MIN_IMAGES:
+            # Real and synthetic data repeat sizes a lot (640x480, 1920x1080, ...): apply
+            # the rules once per distinct integer size.
+            wi = w.astype(np.int64)
+            hi = h.astype(np.int64)
+            if (wi == w).all() and (hi == h).all() and max(wi.max(), hi.max()) < 2**31:
+                keys, inverse = np.unique((wi << 32) | hi, return_inverse=True)
+                w = (keys >> 32).astype(np.float64)
+                h = (keys & 0xFFFFFFFF).astype(np.float64)
+        rows, cols = anyres_grid(w, h, tile_px=spec.tile_px, max_grid=spec.max_grid)
+        units = 1 + rows * cols
+        tokens = anyres_llm_tokens(w, h, rows, cols, spec)
+        if inverse is not None:
+            inverse = inverse.reshape(-1)
+            units, tokens = units[inverse], tokens[inverse]
+        return units, tokens
+
+    def image_units(
+        self, spec: FamilySpec, sizes: list[tuple[float, float]], multi_image: bool
+    ) -> list[ImageUnit]:
+        if multi_image:
+            return [ImageUnit(k, "full") for k in range(len(sizes))]
+        w, h = sizes[0]
+        rows_a, cols_a = anyres_grid(w, h, tile_px=spec.tile_px, max_grid=spec.max_grid)
+        rows, cols = int(rows_a[0]), int(cols_a[0])
+        grid = [ImageUnit(0, "anyres", rows, cols, k) for k in range(rows * cols)]
+        return [ImageUnit(0, "full"), *grid]
+
+
+class DynamicTiling(TilingRule):
+    """InternVL: each image on the closest-aspect grid of ``tile_px`` tiles plus a
+    thumbnail (:func:`dynamic_tiles`); in multi-image samples with
+    ``multi_image_max_tiles_split`` each image gets ``max(1, max_tiles // images)`` tiles."""
+
+    name = "dynamic"
+
+    def image_shapes(
+        self, spec: FamilySpec, w: np.ndarray, h: np.ndarray, max_tiles: object | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        _, _, tiles = dynamic_tiles(
+            w,
+            h,
+            tile_px=spec.tile_px,
+            min_tiles=spec.min_tiles,
+            max_tiles=spec.max_tiles if max_tiles is None else max_tiles,
+            use_thumbnail=spec.use_thumbnail,
+        )
+        return tiles, tiles * spec.llm_tokens_per_tile + spec.image_extra_tokens
+
+    def image_units(
+        self, spec: FamilySpec, sizes: list[tuple[float, float]], multi_image: bool
+    ) -> list[ImageUnit]:
+        return _dynamic_units(spec, sizes, multi_image)
+
+
+class NativeTiling(TilingRule):
+    """Qwen-VL: an image is one unit of all its patches at its resized size
+    (:func:`native_grid`), ``merge_size^2`` patches per LLM token; a video one unit per
+    ``temporal_patch`` frames, patched at its frame size when known.
+
+    :meth:`image_units`: a renderer of fixed-size tiles cuts a native image as the
+    dynamic rule does (a thumbnail and a grid of ``tile_px`` tiles)."""
+
+    name = "native"
+    video_frame_sizes = True
+
+    def image_shapes(
+        self, spec: FamilySpec, w: np.ndarray, h: np.ndarray, max_tiles: object | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        patches = native_patches(spec, w, h)
+        tokens = patches // spec.merge_size**2 + spec.image_extra_tokens
+        return np.ones_like(patches), tokens
+
+    def multi_image_shapes(
+        self,
+        spec: FamilySpec,
+        idx: np.ndarray,
+        w: np.ndarray,
+        h: np.ndarray,
+        count: np.ndarray,
+        num_samples: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        _, tokens_k = self.image_shapes(spec, w, h)
+        tokens = np.bincount(idx, weights=tokens_k, minlength=num_samples).astype(np.int64)
+        return count, tokens
+
+    def image_unit_tokens(self, spec: FamilySpec, w: np.ndarray, h: np.ndarray) -> np.ndarray:
+        return native_patches(spec, w, h)
+
+    def video_shapes(
+        self,
+        spec: FamilySpec,
+        frames: np.ndarray,
+        frame_width_px: object | None = None,
+        frame_height_px: object | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        units = -(-frames // spec.temporal_patch)
+        if frame_width_px is None or frame_height_px is None:
+            per_unit = np.full(frames.shape, spec.video_tokens_per_frame, dtype=np.int64)
+        else:
+            patches = native_video_patches(spec, frame_width_px, frame_height_px)
+            per_unit = patches // spec.merge_size**2
+        return units, units * per_unit + spec.video_extra_tokens
+
+    def video_unit_tokens(
+        self,
+        spec: FamilySpec,
+        num_videos: int,
+        frame_width_px: np.ndarray | None = None,
+        frame_height_px: np.ndarray | None = None,
+    ) -> np.ndarray:
+        if frame_width_px is None or frame_height_px is None:
+            return super().video_unit_tokens(spec, num_videos)
+        return native_video_patches(spec, frame_width_px, frame_height_px)
+
+    def image_units(
+        self, spec: FamilySpec, sizes: list[tuple[float, float]], multi_image: bool
+    ) -> list[ImageUnit]:
+        return _dynamic_units(spec, sizes, multi_image)
+
+
+def _dynamic_units(
+    spec: FamilySpec, sizes: list[tuple[float, float]], multi_image: bool
+) -> list[ImageUnit]:
+    """Each image's thumbnail (first, so that a cap keeps it) and dynamic grid tiles."""
+    limit = spec.max_tiles
+    if multi_image and spec.multi_image_max_tiles_split:
+        limit = max(1, spec.max_tiles // len(sizes))
+    units: list[ImageUnit] = []
+    for k, (w, h) in enumerate(sizes):
+        rows_a, cols_a, tiles_a = dynamic_tiles(
+            w,
+            h,
+            tile_px=spec.tile_px,
+            min_tiles=spec.min_tiles,
+            max_tiles=limit,
+            use_thumbnail=spec.use_thumbnail,
+        )
+        rows, cols, tiles = int(rows_a[0]), int(cols_a[0]), int(tiles_a[0])
+        grid = [ImageUnit(k, "dynamic", rows, cols, j) for j in range(rows * cols)]
+        if tiles > rows * cols:
+            grid.insert(0, ImageUnit(k, "full"))
+        units.extend(grid)
+    return units
+
+
+TILING_RULES: dict[str, TilingRule] = {
+    rule.name: rule for rule in (AnyresTiling(), DynamicTiling(), NativeTiling())
+}
+"""The tiling rules by name: the values ``FamilySpec.tiling`` may take."""
+
+
+def tiling_rule(spec: FamilySpec | str) -> TilingRule:
+    """The :class:`TilingRule` of a family (a :class:`FamilySpec` or a family name)."""
+    return TILING_RULES[get_family(spec).tiling]
 
 
 LLAVA_OV = FamilySpec(
@@ -556,38 +836,8 @@ def image_shapes(
         ``(encoder_units, llm_visual_tokens)``, (N,) int64 each.
     """
     spec = get_family(spec)
-    if spec.tiling == "native":
-        patches = native_patches(spec, width_px, height_px)
-        tokens = patches // spec.merge_size**2 + spec.image_extra_tokens
-        return np.ones_like(patches), tokens
-    if spec.tiling == "anyres":
-        w, h = _as_sizes(width_px, height_px)
-        inverse = None
-        if w.shape[0] > _DEDUPE_MIN_IMAGES:
-            # Real and synthetic data repeat sizes a lot (640x480, 1920x1080, ...): apply
-            # the rules once per distinct integer size.
-            wi = w.astype(np.int64)
-            hi = h.astype(np.int64)
-            if (wi == w).all() and (hi == h).all() and max(wi.max(), hi.max()) < 2**31:
-                keys, inverse = np.unique((wi << 32) | hi, return_inverse=True)
-                w = (keys >> 32).astype(np.float64)
-                h = (keys & 0xFFFFFFFF).astype(np.float64)
-        rows, cols = anyres_grid(w, h, tile_px=spec.tile_px, max_grid=spec.max_grid)
-        units = 1 + rows * cols
-        tokens = anyres_llm_tokens(w, h, rows, cols, spec)
-        if inverse is not None:
-            inverse = inverse.reshape(-1)
-            units, tokens = units[inverse], tokens[inverse]
-        return units, tokens
-    _, _, tiles = dynamic_tiles(
-        width_px,
-        height_px,
-        tile_px=spec.tile_px,
-        min_tiles=spec.min_tiles,
-        max_tiles=spec.max_tiles if max_tiles is None else max_tiles,
-        use_thumbnail=spec.use_thumbnail,
-    )
-    return tiles, tiles * spec.llm_tokens_per_tile + spec.image_extra_tokens
+    w, h = _as_sizes(width_px, height_px)
+    return tiling_rule(spec).image_shapes(spec, w, h, max_tiles)
 
 
 def multi_image_shapes(
@@ -622,20 +872,7 @@ def multi_image_shapes(
             f"image_sample_index[{i}]={idx[i]} is out of range [0, num_samples={num_samples})"
         )
     count = np.bincount(idx, minlength=num_samples).astype(np.int64)
-    if spec.tiling == "native":
-        _, tokens_k = image_shapes(spec, w, h)
-        tokens = np.bincount(idx, weights=tokens_k, minlength=num_samples).astype(np.int64)
-        return count, tokens
-    if not spec.multi_image_max_tiles_split:
-        per_image_tokens = (
-            spec.llm_tokens_per_tile + spec.single_tile_newline_tokens + spec.image_extra_tokens
-        )
-        return count, count * per_image_tokens
-    per_image_limit = np.maximum(1, spec.max_tiles // np.maximum(count[idx], 1))
-    units_k, tokens_k = image_shapes(spec, w, h, max_tiles=per_image_limit)
-    units = np.bincount(idx, weights=units_k, minlength=num_samples).astype(np.int64)
-    tokens = np.bincount(idx, weights=tokens_k, minlength=num_samples).astype(np.int64)
-    return units, tokens
+    return tiling_rule(spec).multi_image_shapes(spec, idx, w, h, count, num_samples)
 
 
 def native_video_patches(spec: FamilySpec | str, width_px: object, height_px: object) -> np.ndarray:
@@ -670,18 +907,7 @@ def video_shapes(
     """
     spec = get_family(spec)
     frames = np.minimum(_as_int_array("num_frames", num_frames, 1), spec.max_frames)
-    if spec.tiling == "native":
-        units = -(-frames // spec.temporal_patch)
-        if frame_width_px is None or frame_height_px is None:
-            per_unit = np.full(frames.shape, spec.video_tokens_per_frame, dtype=np.int64)
-        else:
-            patches = native_video_patches(spec, frame_width_px, frame_height_px)
-            per_unit = patches // spec.merge_size**2
-        return units, units * per_unit + spec.video_extra_tokens
-    tokens = (
-        frames * (spec.video_tokens_per_frame + spec.frame_extra_tokens) + spec.video_extra_tokens
-    )
-    return frames, tokens
+    return tiling_rule(spec).video_shapes(spec, frames, frame_width_px, frame_height_px)
 
 
 def shapes_from_descriptors(
@@ -717,6 +943,7 @@ def shapes_from_descriptors(
         :class:`SampleShapes` with ``tokens_per_unit`` 0 for text-only samples.
     """
     spec = get_family(spec)
+    rule = tiling_rule(spec)
     mod = _as_int_array("modality", modality, 0).astype(np.int8)
     n = mod.shape[0]
     bad = np.flatnonzero(mod > Modality.VIDEO)
@@ -779,11 +1006,10 @@ def shapes_from_descriptors(
             )
             units[is_multi] = m_units[is_multi]
             tokens[is_multi] = m_tokens[is_multi]
-        per_unit[is_single | is_multi] = spec.encoder_tokens_per_tile
-        if spec.tiling == "native":  # each image's own patches (the mean of a sample's)
-            patches = np.bincount(idx, weights=native_patches(spec, w, h), minlength=n)
-            has = count > 0
-            per_unit[has] = np.round(patches[has] / count[has]).astype(np.int64)
+        # The mean of the sample's images' units (the tile rules': every unit's tokens).
+        unit_tokens = np.bincount(idx, weights=rule.image_unit_tokens(spec, w, h), minlength=n)
+        has = count > 0
+        per_unit[has] = np.round(unit_tokens[has] / count[has]).astype(np.int64)
 
     is_video = mod == Modality.VIDEO
     if is_video.any():
@@ -796,14 +1022,12 @@ def shapes_from_descriptors(
         checked = _as_int_array("video_num_frames", np.where(is_video, frames, 1), 1)
         vid = np.flatnonzero(is_video)
         sizes = (video_frame_width_px, video_frame_height_px)
-        if spec.tiling == "native" and all(v is not None for v in sizes):
+        fw = fh = None
+        if rule.video_frame_sizes and all(v is not None for v in sizes):
             fw = np.atleast_1d(np.asarray(video_frame_width_px, dtype=np.float64))[vid]
             fh = np.atleast_1d(np.asarray(video_frame_height_px, dtype=np.float64))[vid]
-            v_units, v_tokens = video_shapes(spec, checked[vid], fw, fh)
-            per_unit[vid] = native_video_patches(spec, fw, fh)
-        else:
-            v_units, v_tokens = video_shapes(spec, checked[vid])
-            per_unit[vid] = spec.video_encoder_tokens_per_frame
+        v_units, v_tokens = video_shapes(spec, checked[vid], fw, fh)
+        per_unit[vid] = rule.video_unit_tokens(spec, vid.shape[0], fw, fh)
         units[vid] = v_units
         tokens[vid] = v_tokens
 

@@ -161,7 +161,7 @@ class ModelSpec:
         """The stage holding layers ``info.layer_range`` of ``info.module``, whole: the
         stage declares its tensor-parallel plan (``tensor_parallel_plan()``,
         ``tensor_parallel_sizes()``) and the runtime shards it
-        (:func:`dflop.runtime.pipeline.build_stage`)."""
+        (:func:`dflop.runtime.engine.build_stage`)."""
         raise NotImplementedError
 
     def architecture(self) -> tuple[EncoderConfig, LLMConfig]:

@@ -13,9 +13,10 @@ baseline. The cost and memory models are documented in ``cpp/include/dflop/plann
 and summarised in :mod:`dflop.planner.model`.
 """
 
+from dflop._deprecated import attribute_aliases
 from dflop.planner.inputs import PlannerInputs, prepare_inputs
-from dflop.planner.model import ClusterSpec, ModuleSpec, PlannerConfig, module_specs
-from dflop.planner.plan import (
+from dflop.planner.model import ClusterSpec, PlannerConfig, PlannerModule, planner_modules
+from dflop.planner.result import (
     PLAN_FORMAT,
     PLAN_VERSION,
     LayoutPlan,
@@ -35,6 +36,13 @@ from dflop.planner.search import (
 )
 from dflop.planner.steps import StepAudit, StepPredictor
 
+# Renamed (README › Glossary): ModuleSpec read like the models' ModelSpec.
+__getattr__ = attribute_aliases(
+    __name__,
+    {"ModuleSpec": "PlannerModule", "module_specs": "planner_modules"},
+    lambda new: globals()[new],
+)
+
 __all__ = [
     "PLAN_FORMAT",
     "PLAN_VERSION",
@@ -42,7 +50,7 @@ __all__ = [
     "InfeasibleClusterError",
     "LayoutPlan",
     "ModulePlan",
-    "ModuleSpec",
+    "PlannerModule",
     "Plan",
     "PlannerConfig",
     "PlannerInputs",
@@ -52,7 +60,7 @@ __all__ = [
     "audited",
     "choose_layouts",
     "evaluate_layout",
-    "module_specs",
+    "planner_modules",
     "plan",
     "prepare_inputs",
     "search_layouts",

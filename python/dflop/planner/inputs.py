@@ -17,9 +17,9 @@ from dflop.data.shapes import SampleShapes
 from dflop.errors import InputTypeError
 from dflop.planner.model import (
     DEFAULT_LOSS_CHUNK_TOKENS,
-    ModuleSpec,
     PlannerConfig,
-    module_specs,
+    PlannerModule,
+    planner_modules,
 )
 
 __all__ = [
@@ -60,8 +60,8 @@ class _Bootstrap:
 class PlannerInputs:
     """Everything the native search reads: module specs and the sampled batches."""
 
-    encoder: ModuleSpec
-    llm: ModuleSpec
+    encoder: PlannerModule
+    llm: PlannerModule
     samples: dict[str, Any]
     """Columns of ``num_batches x global_batch`` samples (see the core's PlannerSamples)."""
     global_batch: int
@@ -234,7 +234,7 @@ def _inputs(
         raise ValueError(f"performance_model.costs returned shape {costs.shape}, expected (N, 2)")
     head = np.asarray(performance_model.head_costs(batch), dtype=np.float64)
     enc_fraction, llm_fraction = _last_stage_fractions(batch, encoder, llm, costs[:, 1], head)
-    enc_spec, llm_spec = module_specs(
+    enc_spec, llm_spec = planner_modules(
         encoder,
         llm,
         performance_model.microbatch_constant_s,

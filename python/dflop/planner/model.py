@@ -38,7 +38,7 @@ LLM's tp; where tp does not divide its heads (InternViT-6B: 25), they are padded
 multiple of tp with dummy heads, as NVLM does in Megatron-LM (25 -> 32 at TP=8). The
 padded heads cost like real ones: with ``scale = padded / actual`` heads, the encoder's
 per-layer compute, layer parameters and activations grow by ``1 + fraction * (scale - 1)``
-with the ``attention_*_fraction`` of :class:`ModuleSpec`.
+with the ``attention_*_fraction`` of :class:`PlannerModule`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ import numpy as np
 from dflop.data.costs import EncoderConfig, LLMConfig
 from dflop.errors import InputTypeError
 
-__all__ = ["ClusterSpec", "ModuleSpec", "PlannerConfig", "module_specs"]
+__all__ = ["ClusterSpec", "PlannerConfig", "PlannerModule", "planner_modules"]
 
 ACTIVATION_BYTES_PER_HIDDEN = 34.0
 """Activation bytes per token, layer and hidden unit (bf16, FlashAttention, SP)."""
@@ -139,7 +139,7 @@ class ClusterSpec:
 
 
 @dataclass(frozen=True)
-class ModuleSpec:
+class PlannerModule:
     """What the planner needs of one module (encoder + projector, or the LLM).
 
     Attributes:
@@ -188,7 +188,7 @@ class ModuleSpec:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "hidden_size"):
-            _check_int("ModuleSpec", name, getattr(self, name), 1)
+            _check_int("PlannerModule", name, getattr(self, name), 1)
         for name in (
             "params_per_layer",
             "first_stage_params",
@@ -198,20 +198,20 @@ class ModuleSpec:
             "input_bytes_per_token",
             "microbatch_constant_s",
         ):
-            _check_number("ModuleSpec", name, getattr(self, name), positive=False)
-        _check_int("ModuleSpec", "head_chunk_tokens", self.head_chunk_tokens, 0)
-        _check_int("ModuleSpec", "element_bytes", self.element_bytes, 1)
+            _check_number("PlannerModule", name, getattr(self, name), positive=False)
+        _check_int("PlannerModule", "head_chunk_tokens", self.head_chunk_tokens, 0)
+        _check_int("PlannerModule", "element_bytes", self.element_bytes, 1)
         if self.element_bytes > 8:
-            raise ValueError(f"ModuleSpec.element_bytes={self.element_bytes} must be <= 8")
+            raise ValueError(f"PlannerModule.element_bytes={self.element_bytes} must be <= 8")
         for name in (
             "attention_compute_fraction",
             "attention_param_fraction",
             "attention_activation_fraction",
             "forward_fraction",
         ):
-            _check_number("ModuleSpec", name, getattr(self, name), positive=False)
+            _check_number("PlannerModule", name, getattr(self, name), positive=False)
             if getattr(self, name) > 1.0:
-                raise ValueError(f"ModuleSpec.{name}={getattr(self, name)!r} must be <= 1")
+                raise ValueError(f"PlannerModule.{name}={getattr(self, name)!r} must be <= 1")
 
     @property
     def num_params(self) -> float:
@@ -225,7 +225,7 @@ class ModuleSpec:
         return asdict(self)
 
 
-def module_specs(
+def planner_modules(
     encoder: EncoderConfig,
     llm: LLMConfig,
     microbatch_constant_s: Any = (0.0, 0.0),
@@ -233,15 +233,15 @@ def module_specs(
     element_bytes: int = 2,
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
     activation_bytes: tuple[float | None, float | None] = (None, None),
-) -> tuple[ModuleSpec, ModuleSpec]:
-    """(encoder, LLM) :class:`ModuleSpec` from the configs (parameter counts of a ViT with
+) -> tuple[PlannerModule, PlannerModule]:
+    """(encoder, LLM) :class:`PlannerModule` from the configs (parameter counts of a ViT with
     a 2-layer MLP projector and of a GQA/SwiGLU decoder with an untied LM head), for
     training in ``element_bytes`` (2: bf16 mixed precision, 4: fp32) with the runtime's
     chunked loss of ``loss_chunk_tokens`` rows. ``activation_bytes``: measured activation
     bytes per token and layer of (encoder, LLM) (a profile's), used instead of the
     formula (34 x hidden x element_bytes / 2) where given."""
-    _check_int("module_specs", "element_bytes", element_bytes, 1)
-    _check_int("module_specs", "loss_chunk_tokens", loss_chunk_tokens, 0)
+    _check_int("planner_modules", "element_bytes", element_bytes, 1)
+    _check_int("planner_modules", "loss_chunk_tokens", loss_chunk_tokens, 0)
     scale = element_bytes / 2.0  # the activation formula counts bf16 bytes
     constants = np.asarray(microbatch_constant_s, dtype=np.float64).reshape(-1)
     if constants.shape != (2,):
@@ -258,7 +258,7 @@ def module_specs(
     t = float(encoder.tokens_per_unit)
     attention_flops = 8.0 * h * h + 4.0 * h * t
     layer_params = float(4 * h * h + 2 * h * encoder.intermediate_size + 9 * h)
-    enc = ModuleSpec(
+    enc = PlannerModule(
         num_layers=encoder.num_layers,
         num_heads=encoder.num_heads,
         hidden_size=h,
@@ -284,7 +284,7 @@ def module_specs(
     )
     g = llm.hidden_size
     d = llm.resolved_head_dim
-    llm_spec = ModuleSpec(
+    llm_spec = PlannerModule(
         num_layers=llm.num_layers,
         num_heads=llm.num_heads,
         hidden_size=g,

@@ -23,7 +23,7 @@ from dflop.planner.inputs import (
     single_batch_inputs,
 )
 from dflop.planner.model import ClusterSpec, PlannerConfig
-from dflop.planner.plan import LayoutPlan, ModulePlan, Plan, StepPrediction
+from dflop.planner.result import LayoutPlan, ModulePlan, Plan, StepPrediction
 from dflop.planner.steps import StepAudit
 from dflop.scheduling.balance import InfeasibleError
 
@@ -416,7 +416,7 @@ def runtime_scored(
     Raises:
         dflop.InfeasibleError: (a ValueError) the layout does not fit in memory.
     """
-    from dflop.scheduling.pipeline import PipelineModel, pipeline_schedule
+    from dflop.scheduling.pipeline_schedule import PipelineModel, pipeline_schedule
 
     if not _runs_runtime_schedule(layout, config):
         return audited(cluster, inputs, evaluate_layout(cluster, inputs, layout, config), config)

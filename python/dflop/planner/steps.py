@@ -103,7 +103,7 @@ class StepAudit:
         :class:`dflop.simulator.SimulationResult` (its ``step_time_s`` equals
         :attr:`step_time_s`). ``link_latency_s``: every link's latency instead of the
         recorded ones; ``record_events=False`` skips the event list (faster)."""
-        from dflop.scheduling.actions import schedule_for
+        from dflop.scheduling.actions import pipeline_order_for
         from dflop.simulator import simulate_pipeline
 
         forward, backward = self.simulator_input()
@@ -118,7 +118,7 @@ class StepAudit:
         return simulate_pipeline(
             forward,
             backward,
-            schedule=schedule_for((stages, chunks)),
+            order=pipeline_order_for((stages, chunks)),
             stages=stages,
             chunks=chunks,
             link_latency_s=latency,

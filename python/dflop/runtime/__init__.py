@@ -55,7 +55,7 @@ _LAZY = {"BridgeCommunicator", "PendingTransfer"}
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from dflop.runtime import communicator
+        from dflop.runtime import bridge
 
-        return getattr(communicator, name)
+        return getattr(bridge, name)
     raise AttributeError(f"module 'dflop.runtime' has no attribute {name!r}")

@@ -89,12 +89,7 @@ from torch import Tensor
 
 from dflop.data.dataset import RawSample
 from dflop.data.describe import ImageSizeCache, SampleDescriptor, SampleError, describe_sample
-from dflop.data.families import (
-    FamilySpec,
-    anyres_grid,
-    dynamic_tiles,
-    get_family,
-)
+from dflop.data.families import FamilySpec, get_family, tiling_rule
 from dflop.data.image_header import FRAME_FILE_EXTENSIONS
 from dflop.data.reader import (
     RecordSet,
@@ -458,36 +453,10 @@ class DatasetBatch(PackedBatchSource):
         spec = self.spec
         if d.modality == Modality.VIDEO:
             return [_Unit("", "frame", index=k) for k in range(d.num_frames)]
-        paths = image_paths(raw)
-        sizes = d.image_sizes_px
-        if spec.tiling == "anyres":
-            if d.modality == Modality.MULTI_IMAGE:
-                return [_Unit(p, "full", item=k) for k, p in enumerate(paths)]
-            (w, h), path = sizes[0], paths[0]
-            rows, cols = (
-                int(a[0]) for a in anyres_grid(w, h, tile_px=spec.tile_px, max_grid=spec.max_grid)
-            )
-            grid = [_Unit(path, "anyres", rows, cols, k) for k in range(rows * cols)]
-            return [_Unit(path, "full"), *grid]
-        limit = spec.max_tiles
-        if d.modality == Modality.MULTI_IMAGE and spec.multi_image_max_tiles_split:
-            limit = max(1, spec.max_tiles // len(paths))
-        units: list[_Unit] = []
-        for k, (path, (w, h)) in enumerate(zip(paths, sizes)):
-            rows_a, cols_a, tiles_a = dynamic_tiles(
-                w,
-                h,
-                tile_px=spec.tile_px,
-                min_tiles=spec.min_tiles,
-                max_tiles=limit,
-                use_thumbnail=spec.use_thumbnail,
-            )
-            rows, cols, tiles = int(rows_a[0]), int(cols_a[0]), int(tiles_a[0])
-            grid = [_Unit(path, "dynamic", rows, cols, j, item=k) for j in range(rows * cols)]
-            if tiles > rows * cols:  # the thumbnail, first so that a cap keeps it
-                grid.insert(0, _Unit(path, "full", item=k))
-            units.extend(grid)
-        return units
+        paths = image_paths(raw)  # one per size (describe_sample reads them together)
+        multi = d.modality == Modality.MULTI_IMAGE
+        units = tiling_rule(spec).image_units(spec, list(d.image_sizes_px), multi)
+        return [_Unit(paths[u.item], u.kind, u.rows, u.cols, u.index, u.item) for u in units]
 
     def _place_items(self, plan: _Plan, num_items: int) -> None:
         slots = sum(

@@ -332,7 +332,7 @@ def spawn_threads(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` threads of this process,
     ranks of one :class:`~dflop.runtime.thread_world.ThreadWorld` on ``device``: the
-    runtime's collectives and transfers (:mod:`dflop.runtime.comm`) then stay in this
+    runtime's collectives and transfers (:mod:`dflop.runtime.dist`) then stay in this
     process. For ranks that share one GPU (NCCL refuses two ranks on one device); on
     CUDA every rank computes on its own stream and transfers run on the world's
     communication stream.

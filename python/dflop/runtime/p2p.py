@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dflop.runtime import comm as dist
+from dflop.runtime import dist
 from dflop.runtime.thread_world import current
 
 __all__ = [

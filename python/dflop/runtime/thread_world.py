@@ -2,7 +2,7 @@
 its ranks share one GPU (NCCL refuses two ranks of a communicator on one device), and on
 CPU when one process is wanted.
 
-:mod:`dflop.runtime.comm` sends every collective and point-to-point call of the runtime
+:mod:`dflop.runtime.dist` sends every collective and point-to-point call of the runtime
 here when the calling thread belongs to a :class:`ThreadWorld` (see
 :func:`dflop.runtime.launch.spawn_threads`), and to ``torch.distributed`` otherwise, so
 the pipeline engine, the bridge communicator and the trainer run unchanged.

@@ -15,7 +15,7 @@ The pipeline of one training step runs over ``pe + pl`` *global stages*: encoder
 ``0 .. pe - 1`` then LLM stages ``pe .. pe + pl - 1``. Between encoder stage ``pe - 1``
 and LLM stage ``pe`` features do not follow a fixed replica-to-replica link: each sample
 moves from the encoder replica that computed it to the LLM replica that the Schedule gave
-it (see :mod:`dflop.runtime.communicator`).
+it (see :mod:`dflop.runtime.bridge`).
 
 :func:`rank_info` is pure (no torch.distributed), so layouts can be checked anywhere;
 :meth:`Topology.create` builds the process groups and needs an initialised default group.
@@ -29,8 +29,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from dflop._deprecated import warn_renamed
 from dflop.errors import InputTypeError
-from dflop.scheduling.actions import schedule_for
+from dflop.scheduling.actions import pipeline_order_for
 
 __all__ = [
     "DEFAULT_GROUP_TIMEOUT_S",
@@ -231,10 +232,16 @@ class RuntimeLayout:
         return [self.encoder.pp, self.llm.pp], [1, self.llm.virtual_stages]
 
     @property
-    def default_schedule(self) -> str:
-        """The pipeline schedule this layout runs: :func:`dflop.scheduling.schedule_for`
+    def pipeline_order(self) -> str:
+        """The pipeline order this layout runs: :func:`dflop.scheduling.pipeline_order_for`
         (``"interleaved-1f1b"`` for an LLM with virtual stages, else ``"1f1b"``)."""
-        return schedule_for(self)
+        return pipeline_order_for(self)
+
+    @property
+    def default_schedule(self) -> str:
+        """Deprecated name of :attr:`pipeline_order`."""
+        warn_renamed("RuntimeLayout.default_schedule", "RuntimeLayout.pipeline_order")
+        return self.pipeline_order
 
     def module(self, name: Module) -> ModuleLayout:
         if name not in ("encoder", "llm"):
@@ -503,7 +510,7 @@ class Topology:
         bridge group, the LLM's embedding groups) and keeps this rank's. ``rank`` defaults to the default group's rank
         and must equal it; the world size must equal ``layout.world_size``.
         """
-        from dflop.runtime import comm as dist
+        from dflop.runtime import dist
 
         if not dist.is_initialized():
             raise RuntimeError("Topology.create needs torch.distributed to be initialised first")

@@ -2,14 +2,14 @@
 
 - :mod:`~dflop.scheduling.balance`: :func:`schedule` (the per-step balancer of samples
   over microbatches x data-parallel ranks), :class:`Schedule`, the data-blind baseline.
-- :mod:`~dflop.scheduling.pipeline`: :func:`pipeline_schedule`, a schedule refined on the
-  simulated encoder -> LLM step (:class:`PipelineModel`).
+- :mod:`~dflop.scheduling.pipeline_schedule`: :func:`pipeline_schedule`, a schedule refined
+  on the simulated encoder -> LLM step (:class:`PipelineModel`).
 - :mod:`~dflop.scheduling.async_scheduler`: :class:`AsyncScheduler`, schedules computed
   in a background thread a few steps ahead, with deadlines.
-- :mod:`~dflop.scheduling.actions`: :func:`pipeline_program`, pipeline schedules (1F1B,
+- :mod:`~dflop.scheduling.actions`: :func:`pipeline_program`, the pipeline orders (1F1B,
   GPipe, interleaved 1F1B, registered in the native core) as per-stage lists of
   ``(stage, kind, microbatch)`` actions that the simulator, the planner's memory model and
-  the runtime all execute; :func:`schedule_for`, the one choice of a pipeline's schedule;
+  the runtime all execute; :func:`pipeline_order_for`, the one choice of a pipeline order;
   :func:`validate_program` for any hand-written one; actions as text (``"F1.3"``,
   :func:`format_action` / :func:`parse_action`) and programs as files
   (:func:`save_program` / :func:`load_program`).
@@ -18,8 +18,9 @@
 the package's top level.
 """
 
+from dflop._deprecated import attribute_aliases
 from dflop.scheduling.actions import (
-    SCHEDULES,
+    PIPELINE_ORDERS,
     PipelineAction,
     PipelineProgram,
     format_action,
@@ -29,10 +30,10 @@ from dflop.scheduling.actions import (
     parse_program,
     peak_in_flight,
     pipeline_actions,
+    pipeline_order_for,
     pipeline_program,
     program_grid,
     save_program,
-    schedule_for,
     validate_program,
 )
 from dflop.scheduling.async_scheduler import AsyncScheduler
@@ -43,10 +44,10 @@ from dflop.scheduling.balance import (
     schedule,
     schedule_from_assignment,
 )
-from dflop.scheduling.pipeline import PipelineModel, pipeline_schedule
+from dflop.scheduling.pipeline_schedule import PipelineModel, pipeline_schedule
 
 __all__ = [
-    "SCHEDULES",
+    "PIPELINE_ORDERS",
     "AsyncScheduler",
     "InfeasibleError",
     "PipelineAction",
@@ -65,8 +66,15 @@ __all__ = [
     "pipeline_schedule",
     "program_grid",
     "save_program",
+    "pipeline_order_for",
     "schedule",
-    "schedule_for",
     "schedule_from_assignment",
     "validate_program",
 ]
+
+# Renamed (README › Glossary): "schedule" is a step's sample assignment only.
+__getattr__ = attribute_aliases(
+    __name__,
+    {"SCHEDULES": "PIPELINE_ORDERS", "schedule_for": "pipeline_order_for"},
+    lambda new: globals()[new],
+)

@@ -9,19 +9,19 @@ interleaved placement; one chunk is the plain pipeline). An action is a
 (forward), ``"B"`` (backward), or, for schedules that split the backward (zero-bubble),
 ``"I"`` (input gradient, sent on at once) and ``"W"`` (weight gradient).
 
-:func:`pipeline_program` is the one definition of a schedule's order: the simulator
+:func:`pipeline_program` is the one definition of a pipeline order: the simulator
 (:func:`dflop.simulator.simulate_pipeline`, whose native core uses the same C++ function),
 the planner's memory model (:func:`peak_in_flight`) and the runtime's pipeline engine
-(:mod:`dflop.runtime.pipeline`) all use it, so a simulated step and an executed one agree
+(:mod:`dflop.runtime.engine`) all use it, so a simulated step and an executed one agree
 action by action. :func:`validate_program` checks any program, generated or hand-written
 (every action on its virtual stage's owner, each microbatch's forward before its
 backward, and no stage waiting for an action that waits for it); its errors show the
 program as a stage x time grid with the failing action marked (:func:`program_grid`).
 
-The schedules are a registry in the native core (``schedule_registry()`` in
+The pipeline orders are a registry in the native core (``pipeline_order_registry()`` in
 ``cpp/src/pipeline_program.cpp``): each is a name, its generator and its memory rule, and
-:data:`SCHEDULES` lists them from there. A new schedule is one generator and its memory
-rule registered there. :func:`schedule_for` is the one choice of the schedule dflop runs
+:data:`PIPELINE_ORDERS` lists them from there. A new pipeline order is one generator and its memory
+rule registered there. :func:`pipeline_order_for` is the one choice of the pipeline order dflop runs
 on a pipeline (the native core's, which the planner and the trainer's scheduler use too).
 
 Actions as text: :func:`format_action` / :func:`parse_action` (``"F1.3"``: kind, virtual
@@ -56,7 +56,7 @@ from dflop.errors import InputTypeError, bounded_repr
 __all__ = [
     "ACTION_KINDS",
     "MAX_ACTIONS_MICROBATCHES",
-    "SCHEDULES",
+    "PIPELINE_ORDERS",
     "PipelineAction",
     "PipelineProgram",
     "format_action",
@@ -69,12 +69,12 @@ __all__ = [
     "pipeline_program",
     "program_grid",
     "save_program",
-    "schedule_for",
+    "pipeline_order_for",
     "validate_program",
     "virtual_stage_owners",
 ]
 
-SCHEDULES: tuple[str, ...] = tuple(_core.schedule_names())
+PIPELINE_ORDERS: tuple[str, ...] = tuple(_core.pipeline_order_names())
 """The generated pipeline schedules (case-insensitive names), from the native core's
 registry: ``("1f1b", "gpipe", "interleaved-1f1b")``."""
 
@@ -102,7 +102,7 @@ class PipelineAction(NamedTuple):
 
 @dataclass(frozen=True)
 class PipelineProgram:
-    """A whole pipeline's schedule: who runs each virtual stage, and every physical stage's
+    """A whole pipeline's program: who runs each virtual stage, and every physical stage's
     actions in order."""
 
     num_microbatches: int
@@ -124,10 +124,10 @@ class PipelineProgram:
         return tuple(v for v, owner in enumerate(self.owner) if owner == stage)
 
 
-def schedule_for(layout: Any) -> str:
-    """The schedule dflop runs on a pipeline: ``"interleaved-1f1b"`` when a segment has
+def pipeline_order_for(layout: Any) -> str:
+    """The pipeline order dflop runs on a pipeline: ``"interleaved-1f1b"`` when a segment has
     chunks > 1 (the LLM's virtual stages), else ``"1f1b"``. The choice is the native
-    core's ``schedule_for`` (the one the planner and the trainer's scheduler make), so it
+    core's ``pipeline_order_for`` (the one the planner and the trainer's scheduler make), so it
     exists once.
 
     Args:
@@ -140,10 +140,10 @@ def schedule_for(layout: Any) -> str:
     pair = getattr(layout, "pipeline_stages", layout)
     if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
         raise InputTypeError(
-            "schedule_for takes a RuntimeLayout or a (stages, chunks) pair, got "
+            "pipeline_order_for takes a RuntimeLayout or a (stages, chunks) pair, got "
             f"{bounded_repr(layout)}"
         )
-    return str(_core.schedule_for(_ints("stages", pair[0]), _ints("chunks", pair[1])))
+    return str(_core.pipeline_order_for(_ints("stages", pair[0]), _ints("chunks", pair[1])))
 
 
 def virtual_stage_owners(
@@ -166,12 +166,12 @@ def virtual_stage_owners(
     return tuple(owners)
 
 
-def schedule_name(schedule: Any) -> str:
-    if not isinstance(schedule, str):
-        raise InputTypeError(f"schedule must be a str, got {type(schedule).__name__} {schedule!r}")
-    name = schedule.lower()
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+def pipeline_order_name(order: Any) -> str:
+    if not isinstance(order, str):
+        raise InputTypeError(f"pipeline order must be a str, got {type(order).__name__} {order!r}")
+    name = order.lower()
+    if name not in PIPELINE_ORDERS:
+        raise ValueError(f"pipeline order must be one of {PIPELINE_ORDERS}, got {order!r}")
     return name
 
 
@@ -202,13 +202,13 @@ def _actions(rows: np.ndarray) -> tuple[PipelineAction, ...]:
 
 
 def pipeline_program(
-    schedule: str,
+    order: str,
     stages: Sequence[int],
     num_microbatches: int,
     *,
     chunks: Sequence[int] | None = None,
 ) -> PipelineProgram:
-    """The program of a generated schedule over segments of ``stages[g]`` physical stages
+    """The program of a generated pipeline order over segments of ``stages[g]`` physical stages
     holding ``chunks[g]`` model chunks each (default: one each).
 
     - ``"gpipe"``: every forward, then every backward.
@@ -222,10 +222,10 @@ def pipeline_program(
       what the last segment's first stage takes before its first backward.
 
     Raises:
-        ValueError: an unknown schedule, bad counts, chunks the schedule cannot run, or
+        ValueError: an unknown pipeline order, bad counts, chunks it cannot run, or
             (interleaved) m not a multiple of the last segment's stages.
     """
-    name = schedule_name(schedule)
+    name = pipeline_order_name(order)
     stage_counts = _ints("stages", stages)
     chunk_counts = [1] * len(stage_counts) if chunks is None else _ints("chunks", chunks)
     count = _count(num_microbatches)
@@ -234,10 +234,10 @@ def pipeline_program(
 
 
 def pipeline_actions(
-    schedule: str, num_stages: int, num_microbatches: int, stage: int
+    order: str, num_stages: int, num_microbatches: int, stage: int
 ) -> list[PipelineAction]:
     """The actions of ``stage`` (0-indexed) of a plain ``num_stages``-stage pipeline (one
-    segment, one chunk per stage): ``pipeline_program(schedule, [num_stages], m)``'s.
+    segment, one chunk per stage): ``pipeline_program(order, [num_stages], m)``'s.
 
     - "gpipe": F0, F1, ..., F(m-1), then B0, B1, ..., B(m-1).
     - "1f1b": ``w = min(num_stages - 1 - stage, m)`` warm-up forwards F0..F(w-1); then for
@@ -246,24 +246,24 @@ def pipeline_actions(
       ``num_stages - stage`` microbatches are in flight, else the oldest backward.
 
     Raises:
-        ValueError: an unknown schedule, counts < 1, or ``stage`` out of range.
+        ValueError: an unknown pipeline order, counts < 1, or ``stage`` out of range.
     """
     total = as_int("num_stages", num_stages)
     index = as_int("stage", stage)
     if not 0 <= index < max(total, 1):
         raise ValueError(f"stage must be in [0, {total}), got {index}")
-    return list(pipeline_program(schedule, [total], num_microbatches).actions[index])
+    return list(pipeline_program(order, [total], num_microbatches).actions[index])
 
 
 def peak_in_flight(
-    schedule: str,
+    order: str,
     stages: Sequence[int],
     num_microbatches: int,
     stage: int,
     *,
     chunks: Sequence[int] | None = None,
 ) -> int:
-    """The memory rule of a generated schedule: the most (virtual stage, microbatch)
+    """The memory rule of a generated pipeline order: the most (virtual stage, microbatch)
     activations physical ``stage`` holds at once (1F1B: ``min(S - stage, m)``; GPipe: all
     ``m * chunks``; interleaved: its warm-up + 1). Equal to the peak counted along
     :func:`pipeline_program`'s list (a forward keeps its activations until its ``B``, or
@@ -272,7 +272,7 @@ def peak_in_flight(
     chunk_counts = [1] * len(stage_counts) if chunks is None else _ints("chunks", chunks)
     return int(
         _core.peak_in_flight(
-            schedule_name(schedule),
+            pipeline_order_name(order),
             stage_counts,
             chunk_counts,
             _count(num_microbatches),

@@ -23,7 +23,7 @@ import numpy as np
 
 from dflop.errors import InputTypeError
 from dflop.scheduling.balance import Schedule, schedule
-from dflop.scheduling.pipeline import PipelineModel, pipeline_schedule
+from dflop.scheduling.pipeline_schedule import PipelineModel, pipeline_schedule
 
 __all__ = ["AsyncScheduler"]
 

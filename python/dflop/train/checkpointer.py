@@ -30,7 +30,7 @@ class Checkpointer:
     """
 
     def __init__(self, config: Any, layout: Any, comm_device: Any) -> None:
-        from dflop.runtime import comm as dist
+        from dflop.runtime import dist
 
         self.config = config
         self.layout = layout
@@ -50,7 +50,7 @@ class Checkpointer:
     def resume(self, stage: Any, optimizer: Any) -> int:
         """Load the checkpoint to resume from into ``stage`` and ``optimizer``; the first
         step to run (0 without one)."""
-        from dflop.runtime import comm as dist
+        from dflop.runtime import dist
         from dflop.train.checkpoint import find_checkpoint, load_checkpoint
 
         if not self.config.checkpoint_dir:
@@ -79,7 +79,7 @@ class Checkpointer:
 
     def save(self, step: int, stage: Any, optimizer: Any) -> None:
         """Save every rank's stage and optimizer after ``step``."""
-        from dflop.runtime import comm as dist
+        from dflop.runtime import dist
         from dflop.train.checkpoint import save_checkpoint
         from dflop.train.resume import run_settings
 
@@ -117,7 +117,7 @@ class Checkpointer:
         """Whether any rank was asked to stop (SIGTERM): one all-reduce of a flag."""
         import torch
 
-        from dflop.runtime import comm as dist
+        from dflop.runtime import dist
         from dflop.runtime.launch import StopRequested
 
         flag = torch.tensor([int(StopRequested.requested())], device=self._comm_device)

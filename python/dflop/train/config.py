@@ -14,10 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflop._deprecated import warn_renamed
 from dflop.errors import InputTypeError, bounded_repr
 from dflop.safe_io import not_regular_reason
 
 __all__ = [
+    "RENAMED_FIELDS",
     "SCHEDULE_MODES",
     "SECTIONS",
     "TrainConfig",
@@ -43,6 +45,10 @@ SECTIONS: dict[str, str] = {
 }
 """The sections of :class:`TrainConfig` (the tables of a config file), with their titles."""
 
+
+RENAMED_FIELDS: dict[str, str] = {"schedule": "scheduler"}
+"""Old field name -> new one: still read from config files and saved settings (with a
+deprecation warning in files) for one release."""
 
 _MIN_TIMEOUT_S = 1.0
 _MAX_TIMEOUT_S = 365 * 24 * 3600.0
@@ -169,11 +175,13 @@ class TrainConfig:
         "optim", 0, "model init and data seed (step k's batch is drawn with (seed, k))"
     )
     # [schedule]
-    schedule: str = _field(
+    scheduler: str = _field(
         "schedule",
         "dflop",
-        "dflop (balanced), blind (equal-count), compare (both on every step)",
+        "what makes every step's schedule: dflop (balanced), blind (equal-count), compare "
+        "(both on every step)",
         choices=SCHEDULE_MODES,
+        flags=("--scheduler", "--schedule"),
     )
     perf: str | None = _field(
         "schedule",
@@ -383,8 +391,8 @@ class TrainConfig:
             or not self.max_growth >= 1
         ):
             raise bad("max_growth", "a number >= 1 (inf allowed)")
-        if self.schedule not in SCHEDULE_MODES:
-            raise bad("schedule", f"one of {SCHEDULE_MODES}")
+        if self.scheduler not in SCHEDULE_MODES:
+            raise bad("scheduler", f"one of {SCHEDULE_MODES}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", "'auto', 'cpu' or 'cuda'")
         if self.launch not in ("auto", "processes", "threads"):
@@ -472,7 +480,7 @@ class TrainConfig:
     @property
     def modes(self) -> tuple[str, ...]:
         """The schedules every step runs, in the order of step 0."""
-        return ("dflop", "blind") if self.schedule == "compare" else (self.schedule,)
+        return ("dflop", "blind") if self.scheduler == "compare" else (self.scheduler,)
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
@@ -528,6 +536,9 @@ class TrainConfig:
                     f"{source}: [{section}] must be a table of settings, got {type(table).__name__}"
                 )
             for name, value in table.items():
+                if name in RENAMED_FIELDS:
+                    warn_renamed(f"{source}: [{section}] {name}", RENAMED_FIELDS[name])
+                    name = RENAMED_FIELDS[name]
                 if name not in _FIELDS:
                     raise ValueError(
                         f"{source}: [{section}] has no field {bounded_repr(name)}"

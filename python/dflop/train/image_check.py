@@ -41,7 +41,7 @@ def check_step_records(
     (record index -> ``where: why``); the caller redraws the batch when any are."""
     import torch
 
-    from dflop.runtime import comm as dist
+    from dflop.runtime import dist
 
     unchecked = source.unchecked_records(step)
     if not unchecked:

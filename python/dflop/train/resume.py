@@ -60,7 +60,7 @@ HONOURED: dict[str, str] = {
     "lr": "the optimizer's learning rate",
     "weight_decay": "the optimizer's weight decay",
     "grad_clip_norm": "gradient clipping",
-    "schedule": "how every step's batch is split",
+    "scheduler": "how every step's batch is split",
     "perf": "the cost model the schedules are made with",
     "adaptive": "the cost model's online correction",
     "pipeline_schedule": "the schedules' pipeline refinement",
@@ -95,7 +95,7 @@ _SAID = frozenset(
         "lr",
         "weight_decay",
         "grad_clip_norm",
-        "schedule",
+        "scheduler",
         "perf",
         "adaptive",
         "pipeline_schedule",
@@ -121,7 +121,13 @@ class ResumePoint:
 
     @property
     def saved_config(self) -> dict[str, Any]:
-        return self.settings.get("config") or {}
+        from dflop.train.config import RENAMED_FIELDS
+
+        saved = dict(self.settings.get("config") or {})
+        for old, new in RENAMED_FIELDS.items():  # saved by an older release
+            if old in saved:
+                saved.setdefault(new, saved.pop(old))
+        return saved
 
 
 def run_settings(config: Any, layout: Any = None) -> dict[str, Any]:

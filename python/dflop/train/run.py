@@ -438,7 +438,7 @@ def calibrate(
     run = replace(
         config,
         steps=steps,
-        schedule="dflop",
+        scheduler="dflop",
         plan=None,
         checkpoint_dir=None,
         trace=None,
@@ -693,7 +693,7 @@ def _run_local(config: TrainConfig, log: Callable[[str], None], prepared: Prepar
         f"dp={layout.encoder.dp} | LLM tp={layout.llm.tp} pp={layout.llm.pp}{interleaved} "
         f"dp={layout.llm.dp} | {layout.num_microbatches} microbatches x global batch "
         f"{layout.global_batch} | {world_size} {launch_kind} on {device_kind} | schedule "
-        f"{config.schedule}, pipeline {layout.default_schedule}"
+        f"{config.scheduler}, pipeline {layout.pipeline_order}"
     )
     args = (
         config,

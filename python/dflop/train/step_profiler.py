@@ -42,7 +42,7 @@ class StepProfiler:
         start_step: int,
         stage_memory: Callable[[Any, np.ndarray], list[float]] | None,
     ) -> None:
-        from dflop.runtime import comm as dist
+        from dflop.runtime import dist
 
         self.config = config
         self.device = device
@@ -98,7 +98,7 @@ class StepProfiler:
         GPU the peak comes from the allocator, reset here)."""
         import torch
 
-        from dflop.runtime import comm as dist
+        from dflop.runtime import dist
         from dflop.runtime.thread_world import current as current_world
         from dflop.train.gpu_trace import mark_transfer_stream
 
@@ -125,7 +125,7 @@ class StepProfiler:
         leader prints every trace's numbers and keeps them for the report."""
         import torch
 
-        from dflop.runtime import comm as dist
+        from dflop.runtime import dist
         from dflop.train.gpu_trace import TransferOverlap, transfer_overlap
 
         if self.device.type == "cuda":
@@ -163,7 +163,7 @@ class StepProfiler:
         import torch
 
         from dflop.profiling.memory import profiled_peak
-        from dflop.runtime import comm as dist
+        from dflop.runtime import dist
 
         threads = dist.get_backend() == dist.THREADS
         if threads and not self.is_leader:  # one process, one allocator: rank 0 reads it

@@ -11,7 +11,7 @@ Per step k, on every rank:
    :class:`~dflop.scheduling.async_scheduler.AsyncScheduler` solves step k + lookahead while step k
    trains, and its deadline keeps training from ever waiting on it;
 3. build the StepPlan (deterministic from schedule, shapes and layout) and run the
-   pipelined forward/backward (:class:`~dflop.runtime.pipeline.PipelineEngine`), then the
+   pipelined forward/backward (:class:`~dflop.runtime.engine.PipelineEngine`), then the
    AdamW step on this rank's stage;
 4. gather every rank's measured actions to rank 0, which prints the step's metrics, feeds
    the measured microbatch times to the cost model's adaptive correction
@@ -35,7 +35,7 @@ import numpy as np
 from dflop.models.registry import model_spec
 from dflop.runtime.topology import RuntimeLayout
 from dflop.scheduling.balance import Schedule, data_blind_schedule, schedule_from_assignment
-from dflop.scheduling.pipeline import PipelineModel
+from dflop.scheduling.pipeline_schedule import PipelineModel
 from dflop.train.calibration import OnlineCalibration, fit_link_latency
 from dflop.train.checkpointer import Checkpointer
 from dflop.train.config import TrainConfig
@@ -103,8 +103,8 @@ class Trainer:
     ) -> None:
         import torch
 
-        from dflop.runtime import comm as dist
-        from dflop.runtime.pipeline import PipelineEngine, build_stage
+        from dflop.runtime import dist
+        from dflop.runtime.engine import PipelineEngine, build_stage
         from dflop.runtime.tensor_parallel import optimizer_param_groups
         from dflop.runtime.topology import Topology
 
@@ -348,7 +348,7 @@ class Trainer:
         cost model is corrected online, so other ranks could not recompute them)."""
         import torch
 
-        from dflop.runtime import comm as dist
+        from dflop.runtime import dist
 
         modes = self.config.modes
         n = len(shapes)
@@ -465,7 +465,7 @@ class Trainer:
 
     def _gather_records(self, results: dict[str, Any]) -> list[Any] | None:
         """Every rank's measured actions of this step, on rank 0 (None elsewhere)."""
-        from dflop.runtime import comm as dist
+        from dflop.runtime import dist
 
         gathered: list[Any] | None = [None] * self.world_size if self.is_leader else None
         dist.gather_object(self._record(results), gathered, dst=0)
@@ -556,7 +556,7 @@ class Trainer:
         stage only)."""
         import torch
 
-        from dflop.runtime import comm as dist
+        from dflop.runtime import dist
         from dflop.runtime.tensor_parallel import grad_sq_sum
 
         share = grad_sq_sum(self.stage, include_replicated=self.info.tp_rank == 0)
@@ -582,8 +582,8 @@ class Trainer:
         """Write the model as a Hugging Face checkpoint folder (call on every rank): each
         stage's first replica writes its own safetensors file (its TP ranks gather the
         shards first), rank 0 the rest (untrained tensors, the index, ``config.json``)."""
-        from dflop.runtime import comm as dist
-        from dflop.runtime.pipeline import StageChunks
+        from dflop.runtime import dist
+        from dflop.runtime.engine import StageChunks
         from dflop.runtime.tensor_parallel import full_tensor
 
         info = self.info

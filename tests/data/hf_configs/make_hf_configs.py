@@ -6,7 +6,7 @@ no weights), for planning real sizes offline: LLaVA-OneVision 0.5B / 7B / 72B
 The machine this project is built on cannot reach the Hugging Face Hub, so the files are
 not downloads: each is transformers' own config class filled with the architecture
 fields of the model's published config (layers, widths, heads, KV heads, vocabulary,
-token ids, anyres grids, rope). ``tests/test_hf_configs.py`` checks each against the
+token ids, anyres grids, rope). ``tests/unit/models/test_hf_configs.py`` checks each against the
 model's published parameter count. Run: ``python tests/data/hf_configs/make_hf_configs.py``.
 """
 

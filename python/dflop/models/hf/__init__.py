@@ -3,40 +3,34 @@
 ``model_spec("hf:PATH")`` (or :func:`hf_model_spec`) reads ``PATH/config.json`` and returns
 the family's :class:`~dflop.models.spec.ModelSpec`; the weights come from ``PATH``'s
 safetensors when present, else from a random init for the run's seed. Nothing is ever
-downloaded. Families: LLaVA-OneVision (``llava_onevision``), Qwen2-VL (``qwen2_vl``), Qwen2.5-VL (``qwen2_5_vl``).
+downloaded. Families: LLaVA-OneVision (``llava_onevision``), Qwen2-VL (``qwen2_vl``) and
+Qwen2.5-VL (``qwen2_5_vl``), one folder each (``models/hf/<family>/``), found by
+``config.model_type`` through :mod:`dflop.models.hf.registry`
+(:func:`register_family` adds one).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from dflop.models.hf.registry import model_types, register_family, spec_class
 from dflop.models.spec import ModelSpec
 
-__all__ = ["HF_FAMILIES", "hf_model_spec", "spec_from_config"]
+__all__ = ["HF_FAMILIES", "hf_model_spec", "register_family", "spec_from_config"]
 
-HF_FAMILIES = ("llava_onevision", "qwen2_vl", "qwen2_5_vl")
-"""``config.model_type`` values dflop has an adapter for."""
+
+def __getattr__(name: str) -> Any:
+    if name == "HF_FAMILIES":
+        # ``config.model_type`` values dflop has an adapter for (the registry's, now).
+        return model_types()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def spec_from_config(config: Any, checkpoint_dir: str | None = None) -> ModelSpec:
-    """The spec of a transformers config object (e.g. a tiny one built in a test)."""
+    """The spec of a transformers config object (e.g. a tiny one built in a test), by its
+    ``model_type`` (a ValueError naming the supported ones when no family adapts it)."""
     model_type = getattr(config, "model_type", None)
-    if model_type == "llava_onevision":
-        from dflop.models.hf.llava_onevision import LlavaOnevisionSpec
-
-        return LlavaOnevisionSpec(config, checkpoint_dir)
-    if model_type == "qwen2_vl":
-        from dflop.models.hf.qwen2_vl import Qwen2VLSpec
-
-        return Qwen2VLSpec(config, checkpoint_dir)
-    if model_type == "qwen2_5_vl":
-        from dflop.models.hf.qwen2_vl import Qwen25VLSpec
-
-        return Qwen25VLSpec(config, checkpoint_dir)
-    raise ValueError(
-        f"config.model_type={model_type!r} has no dflop adapter; supported: "
-        f"{', '.join(HF_FAMILIES)}"
-    )
+    return spec_class(model_type)(config, checkpoint_dir)
 
 
 def hf_model_spec(path: str) -> ModelSpec:

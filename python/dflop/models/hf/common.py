@@ -29,6 +29,7 @@ __all__ = [
     "load_stage_weights",
     "packed_decoder_inputs",
     "require_transformers",
+    "tiny_decoder",
     "write_index",
     "write_shard",
 ]
@@ -63,6 +64,20 @@ def load_config(path: str) -> Any:
         raise FileNotFoundError(f"hf:{path}: no config.json in that folder")
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     return config
+
+
+def tiny_decoder(vocab_size: int, text_layers: int) -> dict[str, Any]:
+    """The tiny Qwen2 decoder of every family's tiny test model (hidden 64, 4 heads, 2 KV
+    heads), as ``text_config`` entries."""
+    return {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": text_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 32768,  # Qwen2's: samples of 18k tokens fit
+    }
 
 
 # --------------------------------------------------------------------------- packing

@@ -1,25 +1,18 @@
-"""LLaVA-format records as inputs of a Hugging Face model: the images through the model's
-own image processor, the visual placeholders counted by the model's shape rule.
-
-:class:`LlavaOnevisionRecords` turns one record (``{"image": ..., "conversations": [...]}``)
-into a :class:`~dflop.batch.sample.ProcessedSample`. Single images become the
-processor's base image + anyres crops (an ``"image"`` item with the original size), each
-image of a multi-image record one tile (the model keeps the first crop of each); the text
-``<image>`` markers become runs of the image token as long as the model's packing makes
-them (:func:`dflop.models.hf.llava_onevision.family_from_config`; the LLM stage checks the
-count against the model's own code at run time). Labels are the ``gpt`` turns' tokens.
+"""What every family's record converter shares: LLaVA-format records
+(``{"image": ..., "conversations": [...]}``) as inputs of a Hugging Face model, the
+images through the model's own image processor, the visual placeholders counted by the
+model's shape rule. Each family's converter (``models/hf/<family>/records.py``, e.g.
+:class:`dflop.models.hf.llava_onevision.records.LlavaOnevisionRecords`) subclasses
+:class:`RecordInputs` and turns one record into a
+:class:`~dflop.batch.sample.ProcessedSample`.
 
 The token ids and placeholder runs need only the image sizes (read from the file headers
-by Pillow, the size the decoded image will have), so every rank knows every sample's
-shape cheaply; the pixels are decoded and processed only when a rank asks for them
-(``lazy=True``), so an encoder rank processes only its own share.
+by Pillow, :func:`header_size`, the size the decoded image will have), so every rank
+knows every sample's shape cheaply; the pixels are decoded and processed only when a rank
+asks for them (``lazy=True``), so an encoder rank processes only its own share.
 
 Videos are read from a folder of frame images (sorted by name) or the record's
-``frames`` list of paths (dflop decodes no video files); more frames than the family's
-``max_frames`` are sampled uniformly (``round(linspace(0, n - 1, max_frames))``). Each
-frame goes through the image processor's base view (the frame resized to the tile, the
-model's normalisation), which is what the model's video processor does to a frame; the
-placeholder run is the model's pooled tokens per frame plus one newline.
+``frames`` list of paths (:func:`frame_paths`; dflop decodes no video files).
 
 Text: with a tokenizer that has ChatML's ``<|im_start|>`` / ``<|im_end|>`` tokens (the
 Qwen2-based LLaVA-OneVision and Qwen2-VL), the conversation is laid out as their chat
@@ -35,13 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from dflop.batch.sample import ProcessedSample
 from dflop.batch.visual import VisualItem
-from dflop.data.families import image_shapes, video_shapes
 from dflop.data.image_header import FRAME_FILE_EXTENSIONS
 from dflop.data.text_tokens import TextTokenCounter, is_answer_turn
 from dflop.models.decoder import IGNORE_INDEX
@@ -49,10 +40,12 @@ from dflop.safe_io import check_regular_file
 
 __all__ = [
     "ChatTemplate",
-    "LlavaOnevisionRecords",
-    "QwenVLRecords",
     "RecordInputs",
     "byte_encoder",
+    "frame_paths",
+    "header_size",
+    "image_paths",
+    "open_rgb",
 ]
 
 _CHAT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
@@ -108,7 +101,9 @@ def byte_encoder(vocab_size: int, reserved: tuple[int, ...]) -> Callable[[str], 
     return encode
 
 
-def _image_paths(record: dict[str, Any], image_folder: str, where: str) -> list[str]:
+def image_paths(record: dict[str, Any], image_folder: str, where: str) -> list[str]:
+    """The record's image files (its ``image`` path or list of paths, under the folder);
+    empty for a record without images."""
     image = record.get("image")
     if image is None:
         return []
@@ -118,7 +113,7 @@ def _image_paths(record: dict[str, Any], image_folder: str, where: str) -> list[
     return [os.path.join(image_folder, n) for n in names]
 
 
-def _frame_paths(record: dict[str, Any], video_folder: str, where: str) -> list[str]:
+def frame_paths(record: dict[str, Any], video_folder: str, where: str) -> list[str]:
     """A video's frame files: the ``frames`` list, else the images of its frames folder."""
     frames = record.get("frames")
     if isinstance(frames, list) and frames and all(isinstance(f, str) for f in frames):
@@ -142,7 +137,9 @@ def _frame_paths(record: dict[str, Any], video_folder: str, where: str) -> list[
     return [os.path.join(folder, n) for n in names]
 
 
-def _open_rgb(path: str, where: str) -> Any:
+def open_rgb(path: str, where: str) -> Any:
+    """The decoded image as an RGB PIL image (a ValueError naming ``where`` if it cannot
+    be read)."""
     from PIL import Image
 
     try:
@@ -153,7 +150,7 @@ def _open_rgb(path: str, where: str) -> Any:
         raise ValueError(f"{where}: cannot decode {path}: {err}") from err
 
 
-def _header_size(path: str, where: str) -> tuple[int, int]:
+def header_size(path: str, where: str) -> tuple[int, int]:
     """(height, width) of the decoded image, from its header (Pillow opens lazily)."""
     from PIL import Image
 
@@ -272,261 +269,3 @@ class RecordInputs:
             tokens_per_conversation=per_conversation,
             target_tokens_per_answer=per_answer,
         )
-
-
-class LlavaOnevisionRecords(RecordInputs):
-    """LLaVA-format records as inputs of one LLaVA-OneVision model (see the module
-    docstring).
-
-    Args:
-        config: the model's ``LlavaOnevisionConfig``.
-        image_processor: the model's image processor (e.g. ``AutoImageProcessor`` of the
-            checkpoint folder).
-        encode: text to token ids (a tokenizer's ``encode``, or :func:`byte_encoder`).
-        family: the model's shape rules
-            (:func:`dflop.models.hf.llava_onevision.family_from_config`).
-        template: the chat template (None: each turn's text as is).
-    """
-
-    def __init__(
-        self,
-        config: Any,
-        image_processor: Any,
-        encode: Callable[[str], list[int]],
-        family: Any,
-        template: ChatTemplate | None = None,
-    ) -> None:
-        super().__init__(config, image_processor, encode, template)
-        self.family = family
-        self.image_token = int(config.image_token_index)
-        self.placeholder_ids = (self.image_token, int(config.video_token_index))
-
-    def sample(
-        self,
-        record: dict[str, Any],
-        *,
-        image_folder: str = "",
-        video_folder: str | None = None,
-        where: str = "record",
-        lazy: bool = False,
-    ) -> ProcessedSample:
-        """One record as model inputs (paths relative to the folders; the video folder
-        defaults to the image folder). ``lazy``: the pixels are decoded and processed on
-        first use (``ProcessedSample.pixels()``), the sizes come from the headers now."""
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        if "video" in record:
-            if "image" in record:
-                raise ValueError(f"{where}: a record has 'image' or 'video', not both")
-            videos = image_folder if video_folder is None else video_folder
-            paths, items, runs = self._video(_frame_paths(record, videos, where))
-            marker, token = "<video>", self.placeholder_ids[1]
-        else:
-            paths = _image_paths(record, image_folder, where)
-            items, runs = self._images(paths, where)
-            marker, token = "<image>", self.image_token
-        tokens = self._tokens(record, [[token] * run for run in runs], marker, where)
-
-        def load() -> Tensor:
-            return self._pixels(paths, items, where)
-
-        return self._sample(tokens, load if paths else None, items, lazy, paths)
-
-    def model_fields(self, sample: ProcessedSample) -> dict[str, Tensor]:
-        """The sample as keyword arguments of the unmodified
-        ``LlavaOnevisionForConditionalGeneration`` (a batch of one, no batch dim on the
-        1-D ``input_ids`` / ``labels``: add one, or pack samples with
-        :class:`dflop.dp.PackingCollator`, which takes single-image and text-only samples:
-        a multi-image sample's ``batch_num_images`` and a video's frames are per row)."""
-        fields: dict[str, Tensor] = {"input_ids": sample.input_ids, "labels": sample.labels}
-        kinds = {item.kind for item in sample.items}
-        if not kinds:
-            return fields
-        pixels = sample.pixels()
-        if kinds == {"video"}:
-            fields["pixel_values_videos"] = pixels[None]
-        elif kinds == {"image"}:
-            item = sample.items[0]
-            fields["pixel_values"] = pixels[None]
-            fields["image_sizes"] = torch.tensor([[item.height_px, item.width_px]])
-        else:  # multi-image: one base tile per image
-            side = int(self.config.vision_config.image_size)
-            fields["pixel_values"] = pixels[:, None]
-            fields["image_sizes"] = torch.tensor([[side, side]] * sample.units)
-            fields["batch_num_images"] = torch.tensor([sample.units])
-        return fields
-
-    def _video(self, frames: list[str]) -> tuple[list[str], tuple[VisualItem, ...], list[int]]:
-        """(sampled frame paths, the video item, its placeholder run)."""
-        units_a, tokens_a = video_shapes(self.family, len(frames))
-        picks = np.round(np.linspace(0, len(frames) - 1, int(units_a[0]))).astype(int)
-        return [frames[k] for k in picks], (VisualItem("video", len(picks)),), [int(tokens_a[0])]
-
-    def _images(self, paths: list[str], where: str) -> tuple[tuple[VisualItem, ...], list[int]]:
-        """(the images' items, their placeholder runs)."""
-        family = self.family
-        if len(paths) == 1:
-            height, width = _header_size(paths[0], where)
-            units_a, tokens_a = image_shapes(family, width, height)
-            return (VisualItem("image", int(units_a[0]), height, width),), [int(tokens_a[0])]
-        # multi-image: the model keeps each image's first crop, plus a newline
-        run = family.llm_tokens_per_tile + family.single_tile_newline_tokens
-        return tuple(VisualItem("tile", 1) for _ in paths), [run] * len(paths)
-
-    def _pixels(self, paths: list[str], items: tuple[VisualItem, ...], where: str) -> Tensor:
-        images = [_open_rgb(path, where) for path in paths]
-        out = self.image_processor(images=images, return_tensors="pt")
-        if len(images) > 1 or items[0].kind == "video":  # the base view of each
-            return out["pixel_values"][:, 0]
-        item = items[0]
-        size = tuple(int(v) for v in out["image_sizes"][0])
-        if size != (item.height_px, item.width_px):
-            raise ValueError(
-                f"{where}: {paths[0]} decodes to {size[0]} x {size[1]} px, its header says "
-                f"{item.height_px} x {item.width_px}"
-            )
-        pixels = out["pixel_values"][0][: item.units]
-        if pixels.shape[0] != item.units:
-            raise ValueError(
-                f"{where}: the image processor made {pixels.shape[0]} crops of {paths[0]}, "
-                f"the model's rule {item.units}: does the processor match config.json?"
-            )
-        return pixels
-
-
-class QwenVLRecords(RecordInputs):
-    """LLaVA-format records as inputs of one Qwen2-VL / Qwen2.5-VL model.
-
-    Images: each resized by the model's processor (``smart_resize``: the family's
-    ``native_grid``, computed from the header size) and cut into patches; at its
-    ``<image>`` marker ``<|vision_start|>``, one image token per ``merge_size^2``
-    patches, ``<|vision_end|>``.
-
-    Videos (a frames folder or a ``frames`` list; at most the family's ``max_frames``,
-    sampled uniformly, the last repeated to an even count as the video processor pads):
-    every frame resized within the family's video bounds to the first frame's
-    grid, cut into patches by the image processor, and two consecutive frames joined into
-    one temporal patch (the ``C x 2 x P x P`` layout of Qwen2-VL's video processor), so a
-    video of ``n`` frames is ``n / 2`` units; ``<|vision_start|>``, one video token per
-    ``merge_size^2`` patches, ``<|vision_end|>``.
-    """
-
-    def __init__(
-        self,
-        config: Any,
-        image_processor: Any,
-        encode: Callable[[str], list[int]],
-        family: Any,
-        template: ChatTemplate | None = None,
-    ) -> None:
-        import copy
-
-        super().__init__(config, image_processor, encode, template)
-        self.family = family
-        self.placeholder_ids = (int(config.image_token_id), int(config.video_token_id))
-        self.wrap = (int(config.vision_start_token_id), int(config.vision_end_token_id))
-        self.frame_processor = copy.deepcopy(image_processor)  # frames: the video bounds
-        self.frame_processor.size = {
-            "shortest_edge": int(family.video_min_pixels),
-            "longest_edge": int(family.video_max_pixels),
-        }
-
-    def sample(
-        self,
-        record: dict[str, Any],
-        *,
-        image_folder: str = "",
-        video_folder: str | None = None,
-        where: str = "record",
-        lazy: bool = False,
-    ) -> ProcessedSample:
-        """One record as model inputs (paths relative to the folders; the video folder
-        defaults to the image folder). ``lazy``: the pixels are processed on first use;
-        the grids come from the headers."""
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        start, end = self.wrap
-        merge = self.family.merge_size**2
-        if "video" in record:
-            if "image" in record:
-                raise ValueError(f"{where}: a record has 'image' or 'video', not both")
-            videos = image_folder if video_folder is None else video_folder
-            frames = self._frames(_frame_paths(record, videos, where))
-            item = self._video_item(frames, where)
-            items = (item,)
-            tokens_per_video = item.units * item.unit_tokens // merge
-            runs = [[start, *[self.placeholder_ids[1]] * tokens_per_video, end]]
-            tokens = self._tokens(record, runs, "<video>", where)
-
-            def load() -> Tensor:
-                return self._video_pixels(frames, item, where)
-
-            return self._sample(tokens, load, items, lazy, frames)
-        paths = _image_paths(record, image_folder, where)
-        images = tuple(self._image_item(path, where) for path in paths)
-        runs = [
-            [start, *[self.placeholder_ids[0]] * (item.unit_tokens // merge), end]
-            for item in images
-        ]
-        tokens = self._tokens(record, runs, "<image>", where)
-
-        def load_images() -> Tensor:
-            out = self.image_processor(
-                images=[_open_rgb(path, where) for path in paths], return_tensors="pt"
-            )
-            self._check_grids(out, [item.grid_thw for item in images], where)
-            return out["pixel_values"]
-
-        return self._sample(tokens, load_images if paths else None, images, lazy, paths)
-
-    def _image_item(self, path: str, where: str) -> VisualItem:
-        from dflop.data.families import native_grid
-
-        height, width = _header_size(path, where)
-        rows, cols = (int(a[0]) for a in native_grid(self.family, width, height))
-        return VisualItem("image", 1, height, width, grid_thw=(1, rows, cols))
-
-    def _frames(self, frames: list[str]) -> list[str]:
-        """At most ``max_frames`` sampled uniformly, padded to whole temporal patches by
-        repeating the last."""
-        limit, step = self.family.max_frames, self.family.temporal_patch
-        if len(frames) > limit:
-            picks = np.round(np.linspace(0, len(frames) - 1, limit)).astype(int)
-            frames = [frames[k] for k in picks]
-        return frames + [frames[-1]] * (-len(frames) % step)
-
-    def _video_item(self, frames: list[str], where: str) -> VisualItem:
-        from dflop.data.families import native_grid
-
-        height, width = _header_size(frames[0], where)
-        rows, cols = (int(a[0]) for a in native_grid(self.family, width, height, video=True))
-        units = len(frames) // self.family.temporal_patch
-        return VisualItem("video", units, height, width, grid_thw=(units, rows, cols))
-
-    def _video_pixels(self, frames: list[str], item: VisualItem, where: str) -> Tensor:
-        images = [_open_rgb(path, where) for path in frames]
-        sizes = {im.size for im in images}
-        if len(sizes) > 1:
-            raise ValueError(f"{where}: the video's frames differ in size: {sorted(sizes)}")
-        out = self.frame_processor(images=images, return_tensors="pt")
-        _, rows, cols = item.grid_thw
-        self._check_grids(out, [(1, rows, cols)] * len(images), where)
-        step = self.family.temporal_patch
-        channels = int(self.config.vision_config.in_channels)
-        patch = int(self.config.vision_config.patch_size)
-        # Each frame's patch rows hold the frame repeated over the temporal axis
-        # [C, step, P, P]; keep one copy per frame and join ``step`` frames per patch.
-        per_frame = out["pixel_values"].view(len(images), rows * cols, channels, step, patch, patch)
-        own = per_frame[:, :, :, 0]  # [frames, patches, C, P, P]
-        grouped = own.view(item.units, step, rows * cols, channels, patch, patch)
-        joined = grouped.permute(0, 2, 3, 1, 4, 5)  # [units, patches, C, step, P, P]
-        return joined.reshape(item.units * rows * cols, channels * step * patch * patch)
-
-    @staticmethod
-    def _check_grids(out: Any, expected: list[tuple[int, int, int]], where: str) -> None:
-        grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"]]
-        if grids != expected:
-            raise ValueError(
-                f"{where}: the image processor made patch grids {grids}, the model's rule "
-                f"{expected}: does the processor match the model?"
-            )

@@ -1,206 +1,70 @@
-"""Tiny configs of the supported Hugging Face families: CPU tests, the end-to-end examples
+"""Tiny models of the supported Hugging Face families: CPU tests, the end-to-end examples
 and profiling on a laptop. Same architecture as the real models, a few thousand times
-smaller (32 px tiles of 8 px patches; hidden sizes of 32 and 64)."""
+smaller (32 px tiles of 8 px patches; hidden sizes of 32 and 64).
+
+:func:`tiny_config` and :func:`save_tiny` take a ``config.model_type`` and reach the
+family's own builder (``models/hf/<family>/tiny.py``) through
+:mod:`dflop.models.hf.registry`; the other functions are the first families' names for
+them, kept for their callers (a new family needs none).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from dflop.models.hf.common import require_transformers
+from dflop.models.hf.registry import family_for
 
 __all__ = [
+    "save_tiny",
     "save_tiny_llava_onevision",
+    "save_tiny_qwen_vl",
+    "tiny_config",
     "tiny_llava_onevision_config",
     "tiny_qwen2_5_vl_config",
     "tiny_qwen2_vl_config",
 ]
 
 
-def tiny_llava_onevision_config(
-    *,
-    vision_layers: int = 2,
-    text_layers: int = 2,
-    vocab_size: int = 320,
-    max_grid: int = 3,
-    max_crops: int = 4,
-) -> Any:
-    """A ``LlavaOnevisionConfig``: SigLIP (32 px, 8 px patches: 16 tokens per unit,
-    hidden 32), Qwen2 (hidden 64, 4 heads, 2 KV heads), anyres grids up to ``max_grid`` x
-    ``max_grid`` crops, ``anyres_max_<max_crops>``; image/video token ids are the last two
-    of the vocabulary."""
-    transformers = require_transformers()
-    tile = 32
-    grid = range(1, max_grid + 1)
-    pinpoints = [[tile * r, tile * c] for r in grid for c in grid]
-    return transformers.LlavaOnevisionConfig(
-        vision_config={
-            "model_type": "siglip_vision_model",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "patch_size": 8,
-            "image_size": tile,
-            "num_hidden_layers": vision_layers,
-            "num_attention_heads": 2,
-            "vision_use_head": False,
-        },
-        text_config={
-            "model_type": "qwen2",
-            **_tiny_decoder(vocab_size, text_layers),
-            "tie_word_embeddings": False,
-        },
-        image_token_index=vocab_size - 2,
-        video_token_index=vocab_size - 1,
-        image_grid_pinpoints=pinpoints,
-        vision_aspect_ratio=f"anyres_max_{max_crops}",
-        tie_word_embeddings=False,
-    )
+def tiny_config(model_type: str, **sizes: Any) -> Any:
+    """A tiny transformers config of ``model_type`` (``sizes``: the family builder's
+    options, e.g. ``text_layers=1``)."""
+    return family_for(model_type).tiny_config(model_type, **sizes)
 
 
-def save_tiny_llava_onevision(
-    folder: str, *, seed: int = 0, weights: bool = True, **sizes: Any
-) -> str:
-    """A local model folder of :func:`tiny_llava_onevision_config` (``sizes`` passed on):
-    ``config.json``, the image processor's ``preprocessor_config.json`` (32 px tiles, the
-    config's grids) and, with ``weights``, safetensors of the model built after
-    ``torch.manual_seed(seed)``. Train it with ``dflop train --model hf:FOLDER``."""
-    import torch
-
-    from dflop.models.hf.llava_onevision import LlavaOnevisionSpec
-
-    transformers = require_transformers()
-    config = tiny_llava_onevision_config(**sizes)
-    LlavaOnevisionSpec(config).image_processor().save_pretrained(folder)
-    if weights:
-        torch.manual_seed(seed)
-        transformers.LlavaOnevisionForConditionalGeneration(config).save_pretrained(folder)
-    else:
-        config.save_pretrained(folder)
-    return folder
+def save_tiny(folder: str, model_type: str, **options: Any) -> str:
+    """A local model folder of :func:`tiny_config` (``config.json``, the processors'
+    configs and, unless ``weights=False``, safetensors of the model built after
+    ``torch.manual_seed(seed)``); returns ``folder``. Train it with ``dflop train --model
+    hf:FOLDER``."""
+    return family_for(model_type).save_tiny(folder, model_type, **options)
 
 
-def _tiny_decoder(vocab_size: int, text_layers: int) -> dict[str, Any]:
-    """The tiny Qwen2 decoder every family here uses (hidden 64, 4 heads, 2 KV heads)."""
-    return {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": text_layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": vocab_size,
-        "max_position_embeddings": 32768,  # Qwen2's: samples of 18k tokens fit
-    }
+def tiny_llava_onevision_config(**sizes: Any) -> Any:
+    """``tiny_config("llava_onevision", **sizes)``: SigLIP (32 px, 8 px patches: 16 tokens
+    per unit, hidden 32), Qwen2 (hidden 64, 4 heads, 2 KV heads), anyres grids up to
+    ``max_grid`` x ``max_grid`` crops (3), ``anyres_max_<max_crops>`` (4); see
+    :func:`dflop.models.hf.llava_onevision.tiny.tiny_llava_onevision_config`."""
+    return tiny_config("llava_onevision", **sizes)
 
 
-def _qwen_text(vocab_size: int, text_layers: int) -> dict[str, Any]:
-    return {
-        **_tiny_decoder(vocab_size, text_layers),
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "mrope_section": [2, 3, 3],
-        },
-    }
+def save_tiny_llava_onevision(folder: str, **options: Any) -> str:
+    """``save_tiny(folder, "llava_onevision", **options)``."""
+    return save_tiny(folder, "llava_onevision", **options)
 
 
-def _qwen_ids(vocab_size: int) -> dict[str, Any]:
-    return {
-        "image_token_id": vocab_size - 4,
-        "video_token_id": vocab_size - 3,
-        "vision_start_token_id": vocab_size - 2,
-        "vision_end_token_id": vocab_size - 1,
-        "tie_word_embeddings": False,
-    }
+def tiny_qwen2_vl_config(**sizes: Any) -> Any:
+    """``tiny_config("qwen2_vl", **sizes)``; see
+    :func:`dflop.models.hf.qwen2_vl.tiny.tiny_qwen2_vl_config`."""
+    return tiny_config("qwen2_vl", **sizes)
 
 
-def tiny_qwen2_5_vl_config(
-    *, vision_layers: int = 2, text_layers: int = 2, vocab_size: int = 320
-) -> Any:
-    """A ``Qwen2_5_VLConfig`` like :func:`tiny_qwen2_vl_config`, with a SwiGLU tower of
-    width 32 and window attention: windows of 16 px (2 x 2 merged tokens), the last
-    block attending over the whole unit."""
-    transformers = require_transformers()
-    return transformers.Qwen2_5_VLConfig(
-        vision_config={
-            "depth": vision_layers,
-            "hidden_size": 32,
-            "intermediate_size": 48,
-            "out_hidden_size": 64,
-            "num_heads": 2,
-            "in_channels": 3,
-            "patch_size": 4,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "window_size": 16,
-            "fullatt_block_indexes": [vision_layers - 1],
-        },
-        text_config=_qwen_text(vocab_size, text_layers),
-        **_qwen_ids(vocab_size),
-    )
+def tiny_qwen2_5_vl_config(**sizes: Any) -> Any:
+    """``tiny_config("qwen2_5_vl", **sizes)``; see
+    :func:`dflop.models.hf.qwen2_vl.tiny.tiny_qwen2_5_vl_config`."""
+    return tiny_config("qwen2_5_vl", **sizes)
 
 
-def tiny_qwen2_vl_config(
-    *, vision_layers: int = 2, text_layers: int = 2, vocab_size: int = 320
-) -> Any:
-    """A ``Qwen2VLConfig``: vision tower of 4 px patches (2 frames deep), width 32, 2 x 2
-    merger; Qwen2 decoder (hidden 64, 4 heads, 2 KV heads, mRoPE sections 2/3/3); the
-    image, video, vision-start and vision-end token ids are the last four of the
-    vocabulary."""
-    transformers = require_transformers()
-    return transformers.Qwen2VLConfig(
-        vision_config={
-            "depth": vision_layers,
-            "embed_dim": 32,
-            "hidden_size": 64,
-            "mlp_ratio": 2,
-            "num_heads": 2,
-            "in_channels": 3,
-            "patch_size": 4,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-        },
-        text_config=_qwen_text(vocab_size, text_layers),
-        **_qwen_ids(vocab_size),
-    )
-
-
-def save_tiny_qwen_vl(
-    folder: str, *, family: str = "qwen2_vl", seed: int = 0, weights: bool = True, **sizes: Any
-) -> str:
-    """A local model folder of :func:`tiny_qwen2_vl_config` (``family="qwen2_5_vl"``:
-    :func:`tiny_qwen2_5_vl_config`): ``config.json``, an image processor of the model's
-    patch sizes whose resize bounds keep images between 16 x 16 and 128 x 128 pixels
-    (at most 1,024 patches, for CPU runs), video frames within 16 x 16 and 64 x 64
-    pixels, and, with ``weights``, safetensors of the model
-    built after ``torch.manual_seed(seed)``; ``sizes`` go to the config function (e.g.
-    ``vocab_size=151936``, a real Qwen2 vocabulary)."""
-    import torch
-
-    transformers = require_transformers()
-    make, cls = {
-        "qwen2_vl": (tiny_qwen2_vl_config, "Qwen2VLForConditionalGeneration"),
-        "qwen2_5_vl": (tiny_qwen2_5_vl_config, "Qwen2_5_VLForConditionalGeneration"),
-    }[family]
-    config = make(**sizes)
-    vision = config.vision_config
-    module = transformers.models.qwen2_vl.image_processing_pil_qwen2_vl
-    module.Qwen2VLImageProcessorPil(
-        patch_size=vision.patch_size,
-        merge_size=vision.spatial_merge_size,
-        temporal_patch_size=vision.temporal_patch_size,
-        min_pixels=16 * 16,
-        max_pixels=128 * 128,
-    ).save_pretrained(folder)
-    # The video processor's frame bounds (its class needs torchvision: written as JSON).
-    import json
-    import os
-
-    with open(os.path.join(folder, "video_preprocessor_config.json"), "w") as f:
-        json.dump({"size": {"shortest_edge": 16 * 16, "longest_edge": 64 * 64}}, f)
-    if weights:
-        torch.manual_seed(seed)
-        getattr(transformers, cls)(config).save_pretrained(folder)
-    else:
-        config.save_pretrained(folder)
-    return folder
+def save_tiny_qwen_vl(folder: str, *, family: str = "qwen2_vl", **options: Any) -> str:
+    """``save_tiny(folder, family, **options)`` with ``family`` ``"qwen2_vl"`` or
+    ``"qwen2_5_vl"``; see :func:`dflop.models.hf.qwen2_vl.tiny.save_tiny_qwen_vl`."""
+    return save_tiny(folder, family, **options)

@@ -1,0 +1,210 @@
+"""Plans are auditable, and the trainer derives what the plan predicted.
+
+For encoder DP 1, 2 and 3, on batches with microbatches that hold fewer samples, and
+fewer visual units, than there are encoder replicas (and a video that must be shared):
+the plan records every sampled batch's schedule, encoder split and per-(replica, stage,
+microbatch) times; re-simulating the records gives the plan's step times; and the
+trainer's own derivation (``StepPlan.build`` for the split the runtime executes, the
+``StepPredictor`` it predicts with, its layout and cost-config conversions), given the same
+batch, schedule and cost model, gives the same split and the same times.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from dflop.data.costs import AnalyticCostModel
+from dflop.data.shapes import Modality, SampleShapes
+from dflop.models import model_config
+from dflop.planner import (
+    Plan,
+    PlannerConfig,
+    StepAudit,
+    StepPredictor,
+    audited,
+    evaluate_layout,
+    prepare_inputs,
+    runtime_scored,
+)
+from dflop.runtime.step_data import StepPlan
+from dflop.runtime.topology import RuntimeLayout
+from dflop.scheduling.async_scheduler import AsyncScheduler
+from dflop.scheduling.balance import schedule_from_assignment
+from dflop.scheduling.pipeline_schedule import PipelineModel
+from dflop.train.planning import MemoryBudget, core_layout, cost_configs, local_cluster
+
+CONFIG = model_config("tiny")
+TPU = CONFIG.vision.tokens_per_unit
+GLOBAL_BATCH, MICROBATCHES = 6, 3
+
+# Per sampled batch: units of each sample (0: text-only). Batch 0 holds a 7-frame video
+# and single-unit samples; batch 1 a text-only pair; batch 2 a sample of two units.
+UNITS = [[7, 0, 1, 0, 1, 2], [0, 0, 3, 1, 0, 4], [2, 0, 0, 1, 0, 0]]
+TEXT = [[20, 40, 9, 60, 12, 15], [50, 30, 8, 14, 70, 6], [10, 90, 25, 8, 40, 33]]
+
+
+class FixedBatches:
+    """A distribution whose batch ``seed`` is ``UNITS[seed]`` (the planner samples batch b
+    with seed ``seed + b``)."""
+
+    def sample(self, num_samples: int, seed: int = 0) -> SampleShapes:
+        units = np.array(UNITS[seed % len(UNITS)][:num_samples], dtype=np.int64)
+        video = units == units.max()
+        modality = np.where(
+            units == 0, Modality.TEXT, np.where(video, Modality.VIDEO, Modality.IMAGE)
+        )
+        return SampleShapes(
+            encoder_units=units,
+            tokens_per_unit=np.where(units > 0, TPU, 0),
+            llm_visual_tokens=units * TPU,
+            text_tokens=np.array(TEXT[seed % len(TEXT)][:num_samples], dtype=np.int64),
+            modality=modality.astype(np.int8),
+        )
+
+
+def _layout(encoder_dp: int) -> RuntimeLayout:
+    return RuntimeLayout.simple(
+        encoder_dp=encoder_dp,
+        encoder_layers=CONFIG.vision.layers,
+        llm_layers=CONFIG.decoder.layers,
+        num_microbatches=MICROBATCHES,
+        global_batch=GLOBAL_BATCH,
+    )
+
+
+@pytest.mark.parametrize("encoder_dp", [1, 2, 3])
+def test_trainer_derives_the_plans_split_and_stage_times(encoder_dp: int) -> None:
+    encoder, llm = cost_configs(CONFIG)
+    cost_model = AnalyticCostModel(encoder, llm)
+    layout = _layout(encoder_dp)
+    cluster = local_cluster(layout.world_size, MemoryBudget(8e9, 0.0, "test"))
+    config = PlannerConfig(num_batches=len(UNITS), seed=0)
+    inputs = prepare_inputs(
+        cost_model, encoder, llm, global_batch=GLOBAL_BATCH, shapes=FixedBatches(), num_batches=3
+    )
+    scored = audited(cluster, inputs, evaluate_layout(cluster, inputs, core_layout(layout), config))
+    assert len(scored.steps) == len(UNITS)
+    # The plan's prediction is the mean of its records, and the records re-simulate to it.
+    times = [step.step_time_s for step in scored.steps]
+    assert scored.prediction.step_times_s == pytest.approx(times, rel=1e-12)
+    assert scored.prediction.step_time_s == pytest.approx(np.mean(times), rel=1e-12)
+    predictor = StepPredictor(cluster, encoder, llm, core_layout(layout))
+    shared = fewer_units = 0
+    for b, step in enumerate(scored.steps):
+        assert step.simulate().step_time_s == pytest.approx(step.step_time_s, rel=1e-12)
+        again = StepAudit.from_dict(json.loads(json.dumps(step.to_dict())))
+        assert again.simulate().step_time_s == pytest.approx(step.step_time_s, rel=1e-12)
+        # The runtime's split of the same schedule (the trainer broadcasts these costs).
+        shapes = FixedBatches().sample(GLOBAL_BATCH, b)
+        schedule = schedule_from_assignment(
+            np.zeros((GLOBAL_BATCH, 2)), step.assignment, MICROBATCHES, 1, microbatch_dims=(0,)
+        )
+        plan = StepPlan.build(
+            schedule,
+            shapes,
+            layout,
+            np.maximum(shapes.text_tokens // 2, 1),
+            tokens_per_unit=TPU,
+            encoder_costs=cost_model.costs(shapes)[:, 0],
+        )
+        for k, mb in enumerate(plan.microbatches):
+            recorded = step.split_of(k)
+            np.testing.assert_array_equal(mb.split.sample_ids, recorded["sample"])
+            np.testing.assert_array_equal(mb.split.first_unit, recorded["first_unit"])
+            np.testing.assert_array_equal(mb.split.num_units, recorded["num_units"])
+            np.testing.assert_array_equal(mb.split.replica, recorded["replica"])
+            # An idle encoder replica is predicted to take no time.
+            for e, share in enumerate(mb.encoder):
+                if share.units == 0:
+                    assert not step.encoder_forward_s[e, :, k].any()
+            units = int(shapes.encoder_units[mb.visual_sample_ids].sum())
+            fewer_units += 0 < units < encoder_dp
+            shared += int(np.unique(mb.split.sample_ids).size < mb.split.num_pieces)
+        # The trainer's prediction of the same schedule: the same numbers.
+        mine = predictor.audit(cost_model, shapes, step.assignment)
+        for name in ("encoder_forward_s", "encoder_backward_s", "llm_forward_s", "llm_backward_s"):
+            np.testing.assert_allclose(getattr(mine, name), getattr(step, name), rtol=1e-12)
+        for name in ("microbatch", "sample", "first_unit", "num_units", "replica"):
+            np.testing.assert_array_equal(mine.pieces[name], step.pieces[name])
+        assert mine.step_time_s == pytest.approx(step.step_time_s, rel=1e-12)
+    if encoder_dp > 1:
+        assert shared > 0  # some sample's units are spread over replicas (the video)
+    if encoder_dp == 3:
+        assert fewer_units > 0
+
+
+@pytest.mark.parametrize("encoder_dp", [1, 2, 3])
+def test_plan_schedules_each_step_as_the_trainer_does(encoder_dp: int) -> None:
+    """The plan's recorded schedules are the ones the trainer's scheduler computes for the
+    same batches (the predictor's stage costs, its pipeline model, its AsyncScheduler), so
+    the plan's prediction is of the schedules the runtime executes."""
+    encoder, llm = cost_configs(CONFIG)
+    cost_model = AnalyticCostModel(encoder, llm)
+    layout = _layout(encoder_dp)
+    cluster = local_cluster(layout.world_size, MemoryBudget(8e9, 0.0, "test"), link_latency_s=2e-4)
+    config = PlannerConfig(num_batches=len(UNITS), seed=5, forward_fraction=(0.4, 0.35))
+    inputs = prepare_inputs(
+        cost_model, encoder, llm, global_batch=GLOBAL_BATCH, shapes=FixedBatches(), num_batches=3
+    )
+    scored = evaluate_layout(cluster, inputs, core_layout(layout), config)
+    planned = runtime_scored(cluster, inputs, scored, config)
+    predictor = StepPredictor(cluster, encoder, llm, core_layout(layout))
+    times = [step.step_time_s for step in planned.steps]
+    assert planned.prediction.step_time_s == pytest.approx(np.mean(times), rel=1e-12)
+    with AsyncScheduler(
+        MICROBATCHES, 1, microbatch_dims=(0,), seed=config.seed, lookahead=len(UNITS)
+    ) as scheduler:
+        for b in range(len(UNITS)):  # the trainer's step b, on sampled batch b
+            shapes = FixedBatches().sample(GLOBAL_BATCH, b)
+            costs, constants = predictor.stage_costs(cost_model, shapes)
+            model = PipelineModel.encoder_llm(
+                encoder_pp=1,
+                encoder_dp=encoder_dp,
+                llm_pp=1,
+                stage_constant_s=constants,
+                forward_fraction=config.forward_fraction,
+                link_latency_s=cluster.link_latency_s,
+            )
+            scheduler.submit(b, costs, pipeline=model, units=shapes.encoder_units)
+        for b, step in enumerate(planned.steps):
+            np.testing.assert_array_equal(scheduler.get(b).assignment, step.assignment)
+    # No worse than the search's own balanced schedule (it starts from it).
+    assert planned.prediction.step_time_s <= scored.prediction.step_time_s * (1 + 1e-9)
+
+
+def test_cli_simulate_resimulates_the_recorded_steps(tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflop.cli",
+            "plan",
+            "--gpus",
+            "16",
+            "--global-batch",
+            "64",
+            "--batches",
+            "2",
+            "-o",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    plan = Plan.load(out)
+    assert len(plan.best.steps) == 2
+    done = subprocess.run(
+        [sys.executable, "-m", "dflop.cli", "simulate", str(out), "--batch", "1", "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    summary = json.loads(done.stdout)
+    assert summary["source"] == "recorded"
+    assert summary["step_time_s"] == pytest.approx(plan.best.steps[1].step_time_s, rel=1e-12)
+    assert summary["planned_step_time_s"] == pytest.approx(plan.best.steps[1].step_time_s)
