@@ -12,6 +12,8 @@ import pytest
 import torch
 from dflop.data.shapes import Modality, SampleShapes
 from dflop.models import build_model, model_config
+from dflop.models.registry import model_spec
+from dflop.models.trainable import TrainableParts, freeze_stage
 from dflop.runtime import RuntimeLayout, Topology
 from dflop.runtime.engine import PipelineEngine, build_stage
 from dflop.runtime.step_data import StepPlan
@@ -103,10 +105,12 @@ def _rank_step(
     config=CONFIG,
     device: str = "cpu",
     program_path: str | None = None,
+    trainable: str = "full",
 ):
     """One pipelined step on one rank; returns its losses, actions and gradients.
     ``tamper``: the second encoder stage's plan disagrees with the first's.
-    ``program_path``: run the program in that file instead of the layout's schedule."""
+    ``program_path``: run the program in that file instead of the layout's schedule.
+    ``trainable``: the parts that train (:class:`TrainableParts`), the rest frozen."""
     layout, plan, batch = _step_inputs(spec, assignment, config)
     topology = Topology.create(layout, rank)
     info = topology.info
@@ -125,8 +129,10 @@ def _rank_step(
         tp_size=layout.module(info.module).tp,
         layout=layout,
     )
+    parts = TrainableParts.parse(trainable)
+    freeze_stage(stage, model_spec(config), info.module, parts)
     program = None if program_path is None else load_program(program_path)
-    engine = PipelineEngine(topology, stage, debug=debug, program=program)
+    engine = PipelineEngine(topology, stage, debug=debug, program=program, trainable=parts)
     result = engine.run_step(plan, batch)
     chunked = info.num_chunks > 1  # a StageChunks: names start with the chunk's index
     grads = {  # full_tensor gathers tensor-parallel shards (a no-op for plain tensors)
@@ -152,22 +158,34 @@ def _rank_step(
         "step_time_s": result.step_time_s,
         "grads": grads,
         "dp_rank": info.dp_rank,
+        "module": info.module,
+        "is_last_stage": info.is_last_stage,
+        "backward_passes": result.backward_passes,
+        "trainable_params": sum(p.requires_grad for p in stage.parameters()),
     }
 
 
-def _reference(config=CONFIG):
-    """Loss sum, target count and gradients of one process on the whole batch."""
+def _reference(config=CONFIG, trainable: str = "full"):
+    """Loss sum, target count and gradients (of the parameters that train) of one process
+    on the whole batch."""
     torch.set_num_threads(1)
     model = build_model(config, seed=MODEL_SEED)
+    parts, spec = TrainableParts.parse(trainable), model_spec(config)
+    for name, p in model.named_parameters():
+        module, _, local = name.partition(".")
+        p.requires_grad_(parts.trains(spec.parameter_part(_MODULE_OF[module], local)))
     batch = SyntheticBatch(_shapes(config), config, seed=DATA_SEED)
     sum_loss, num_targets = model(**batch.model_inputs(np.arange(len(UNITS))))
     (sum_loss / num_targets).backward()
-    grads = {name: p.grad.numpy().copy() for name, p in model.named_parameters()}
+    grads = {name: p.grad.numpy().copy() for name, p in model.named_parameters() if p.requires_grad}
     return sum_loss.item(), int(num_targets), grads
 
 
-def _check_against_reference(results: list[dict], config=CONFIG) -> None:
-    ref_loss, ref_targets, ref_grads = _reference(config)
+_MODULE_OF = {"vision": "encoder", "decoder": "llm"}
+
+
+def _check_against_reference(results: list[dict], config=CONFIG, trainable: str = "full") -> None:
+    ref_loss, ref_targets, ref_grads = _reference(config, trainable)
     for r in results:
         assert r["actions"] == r["expected_actions"]
         assert r["num_target_tokens"] == ref_targets

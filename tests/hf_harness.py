@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from dflop.models.spec import StageSlice
+from dflop.models.trainable import TrainableParts, freeze_stage
 from dflop.runtime import RuntimeLayout, Topology
 from dflop.runtime.engine import PipelineEngine, build_stage
 from dflop.runtime.step_data import StepPlan
@@ -42,16 +44,20 @@ def step_plan(spec, batch, layout_kw, assignment):
     return layout, plan
 
 
-def run_rank_step(rank, spec, batch, layout_kw, assignment, seed):
+def run_rank_step(rank, spec, batch, layout_kw, assignment, seed, trainable="full"):
     """This rank's stage runs one step; its loss, targets, gradients (TP shards gathered:
-    every TP rank calls it in the same order) and how many parameters are sharded."""
+    every TP rank calls it in the same order) and how many parameters are sharded.
+    ``trainable``: the parts that train (:class:`TrainableParts`), the rest frozen."""
     layout, plan = step_plan(spec, batch, layout_kw, assignment)
     topology = Topology.create(layout, rank)
     info = topology.info
     stage = build_stage(
         spec, info, seed=seed, tp_group=topology.tp_group, tp_size=layout.module(info.module).tp
     )
-    result = PipelineEngine(topology, stage, debug=True).run_step(plan, batch)
+    parts = TrainableParts.parse(trainable)
+    freeze_stage(stage, spec, info.module, parts)
+    engine = PipelineEngine(topology, stage, debug=True, trainable=parts)
+    result = engine.run_step(plan, batch)
     grads = {
         name: full_tensor(p.grad).numpy().copy()
         for name, p in stage.named_parameters()
@@ -62,7 +68,22 @@ def run_rank_step(rank, spec, batch, layout_kw, assignment, seed):
         "targets": result.num_target_tokens,
         "grads": grads,
         "sharded": sum(isinstance(p, DTensor) for p in stage.parameters()),
+        "backward_passes": result.backward_passes,
+        "module": info.module,
+        "is_last_stage": info.is_last_stage,
     }
+
+
+def freeze_reference(model, spec, trainable="full") -> None:
+    """Freeze the parts of the whole transformers ``model`` that ``trainable`` freezes,
+    by the spec's own part of each parameter (the encoder's are those its whole encoder
+    stage holds)."""
+    parts = TrainableParts.parse(trainable)
+    whole = StageSlice("encoder", (0, spec.encoder_layers))
+    encoder_names = {name for name, _ in spec.build_stage(whole, seed=0).named_parameters()}
+    for name, p in model.named_parameters():
+        module = "encoder" if name in encoder_names else "llm"
+        p.requires_grad_(parts.trains(spec.parameter_part(module, name)))
 
 
 def reference_step(model, samples, targets, forward):
@@ -73,7 +94,8 @@ def reference_step(model, samples, targets, forward):
     loss_sum = 0.0
     for sample, n in zip(samples, targets):
         loss = forward(model, sample)
-        (loss * (int(n) / total)).backward()
+        if loss.requires_grad:  # else frozen parts: e.g. a text-only sample, frozen LLM
+            (loss * (int(n) / total)).backward()
         loss_sum += loss.item() * int(n)
     grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
     return loss_sum, grads
@@ -95,6 +117,20 @@ def assert_matches(results, ref_loss, ref_grads, layout_kw):
     assert held == set(ref_grads), sorted(held ^ set(ref_grads))[:4]
     tp = layout_kw.get("encoder_tp", 1) > 1
     assert all((r["sharded"] > 0) == tp for r in results), [r["sharded"] for r in results]
+
+
+def assert_backward_only_where_trained(results, trainable) -> None:
+    """A stage with nothing trainable at or before it ran no backward pass; the others
+    ran at least one (counted by the engine)."""
+    parts = TrainableParts.parse(trainable)
+    for r in results:
+        runs = r["module"] == "llm" or parts.encoder_stage_backward(r["is_last_stage"])
+        assert (r["backward_passes"] > 0) == runs, (r["module"], r["is_last_stage"], r)
+
+
+# Frozen-part regimes and the layouts (indices into LAYOUTS) each is tested on.
+FROZEN_CASES = [("frozen-vision", 0), ("frozen-vision", 2), ("projector", 0)]
+FROZEN_IDS = ["frozen_vision-enc_dp2_llm_pp2", "frozen_vision-tp2", "projector-enc_dp2_llm_pp2"]
 
 
 LAYOUTS = [

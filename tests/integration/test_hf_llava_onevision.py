@@ -26,9 +26,13 @@ from dflop.runtime.engine import PipelineEngine, build_stage  # noqa: E402
 from dflop.runtime.processed_batch import ProcessedBatch, ProcessedSample  # noqa: E402
 from dflop.runtime.topology import rank_info  # noqa: E402
 from hf_harness import (  # noqa: E402
+    FROZEN_CASES,
+    FROZEN_IDS,
     LAYOUT_IDS,
     LAYOUTS,
+    assert_backward_only_where_trained,
     assert_matches,
+    freeze_reference,
     reference_step,
     run_rank_step,
     step_plan,
@@ -123,8 +127,9 @@ def _hf_forward(model, config, sample: ProcessedSample):
     return model(**fields).loss
 
 
-def _reference(config, samples):
+def _reference(config, samples, trainable="full"):
     model = _hf_model(config)
+    freeze_reference(model, spec_from_config(config), trainable)
     targets = ProcessedBatch(samples, 16).target_tokens()
     loss_sum, grads = reference_step(
         model, samples, targets, lambda m, sample: _hf_forward(m, config, sample)
@@ -132,10 +137,10 @@ def _reference(config, samples):
     return loss_sum, int(targets.sum()), grads
 
 
-def _rank_step(rank, world_size, folder, layout_kw, assignment):
+def _rank_step(rank, world_size, folder, layout_kw, assignment, trainable="full"):
     spec = hf_model_spec(folder)
     batch = ProcessedBatch(_samples(spec.config), spec.tokens_per_unit)
-    return run_rank_step(rank, spec, batch, layout_kw, assignment, MODEL_SEED)
+    return run_rank_step(rank, spec, batch, layout_kw, assignment, MODEL_SEED, trainable)
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +168,24 @@ def test_runtime_matches_transformers(checkpoint, reference, layout_kw, assignme
     )
     assert all(r["targets"] == ref_targets for r in results)
     assert_matches(results, ref_loss, ref_grads, layout_kw)
+
+
+@pytest.mark.parametrize("trainable, layout", FROZEN_CASES, ids=FROZEN_IDS)
+def test_frozen_parts_match_transformers(checkpoint, trainable, layout):
+    """Frozen parts: the loss and every trainable gradient equal transformers' with the
+    same parts frozen; frozen stages run no backward."""
+    layout_kw, assignment, world = LAYOUTS[layout]
+    config = _config()
+    ref_loss, _, ref_grads = _reference(config, _samples(config), trainable)
+    results = spawn_local(
+        _rank_step,
+        world,
+        args=(checkpoint, layout_kw, assignment, trainable),
+        timeout_s=SPAWN_TIMEOUT_S,
+        num_threads=1,
+    )
+    assert_matches(results, ref_loss, ref_grads, layout_kw)
+    assert_backward_only_where_trained(results, trainable)
 
 
 def test_packed_samples_do_not_see_each_other(reference):

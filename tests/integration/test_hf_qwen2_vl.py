@@ -23,7 +23,17 @@ from dflop.models.hf.tiny import tiny_qwen2_5_vl_config, tiny_qwen2_vl_config  #
 from dflop.models.spec import VisualItem  # noqa: E402
 from dflop.runtime import spawn_local  # noqa: E402
 from dflop.runtime.processed_batch import ProcessedBatch, ProcessedSample  # noqa: E402
-from hf_harness import LAYOUT_IDS, LAYOUTS, assert_matches, reference_step, run_rank_step  # noqa: E402
+from hf_harness import (  # noqa: E402
+    FROZEN_CASES,
+    FROZEN_IDS,
+    LAYOUT_IDS,
+    LAYOUTS,
+    assert_backward_only_where_trained,
+    assert_matches,
+    freeze_reference,
+    reference_step,
+    run_rank_step,
+)
 
 MODEL_SEED, DATA_SEED = 7, 13
 SPAWN_TIMEOUT_S = 120.0
@@ -115,16 +125,17 @@ def _hf_forward(model, config, sample: ProcessedSample):
     return out.loss
 
 
-def _reference(config, samples):
+def _reference(config, samples, trainable="full"):
     model = _hf_model(config)
+    freeze_reference(model, spec_from_config(config), trainable)
     targets = ProcessedBatch(samples, None).target_tokens()
     return reference_step(model, samples, targets, lambda m, s: _hf_forward(m, config, s))
 
 
-def _rank_step(rank, world_size, family, layout_kw, assignment):
+def _rank_step(rank, world_size, family, layout_kw, assignment, trainable="full"):
     spec = spec_from_config(_config(family))
     batch = ProcessedBatch(_samples(spec.config), None)
-    return run_rank_step(rank, spec, batch, layout_kw, assignment, MODEL_SEED)
+    return run_rank_step(rank, spec, batch, layout_kw, assignment, MODEL_SEED, trainable)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -144,6 +155,25 @@ def test_runtime_matches_transformers(reference, layout_kw, assignment, world):
         num_threads=1,
     )
     assert_matches(results, loss_sum, grads, layout_kw)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("trainable, layout", FROZEN_CASES, ids=FROZEN_IDS)
+def test_frozen_parts_match_transformers(family, trainable, layout):
+    """Frozen parts: the loss and every trainable gradient equal transformers' with the
+    same parts frozen; frozen stages run no backward."""
+    layout_kw, assignment, world = LAYOUTS[layout]
+    config = _config(family)
+    loss_sum, grads = _reference(config, _samples(config), trainable)
+    results = spawn_local(
+        _rank_step,
+        world,
+        args=(family, layout_kw, assignment, trainable),
+        timeout_s=SPAWN_TIMEOUT_S,
+        num_threads=1,
+    )
+    assert_matches(results, loss_sum, grads, layout_kw)
+    assert_backward_only_where_trained(results, trainable)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -390,6 +390,7 @@ def test_a_changed_learning_rate_is_honoured_on_resume(tmp_path):
     ("args", "message"),
     [
         (["--seed", "3"], "seed=3, the checkpoint's 0"),
+        (["--trainable", "frozen-vision"], "trainable='frozen-vision', the checkpoint's 'full'"),
         (
             ["--scaler", '{"max_text_tokens": 64}'],
             "scaler={'max_text_tokens': 64}, the checkpoint's {}",

@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dflop.data.shapes import Modality  # noqa: E402
+from dflop.models.trainable import TrainableParts  # noqa: E402
 from dflop.runtime import (  # noqa: E402
     SpawnError,
     Topology,
@@ -152,6 +153,44 @@ def test_both_modules_pipelined_and_replicated(debug):
         num_threads=1,
     )
     _check_against_reference(results)
+
+
+# Frozen parts: encoder pp=2 + LLM pp=2 (4 ranks), encoder dp=2 + LLM pp=2 (4 ranks),
+# and tensor parallelism in both modules with encoder pp=2 (6 ranks: 240 s limit).
+FROZEN_LAYOUTS = {
+    "enc_pp2": (dict(encoder_pp=2, llm_pp=2, num_microbatches=4), ASSIGN_A, 4),
+    "enc_dp2": (LAYOUT_A, ASSIGN_A, 4),
+    "tp2": (dict(encoder_pp=2, encoder_tp=2, llm_tp=2, num_microbatches=4), ASSIGN_A, 6),
+}
+
+
+FROZEN_REGIMES = ["projector", "frozen-vision", "encoder=full,projector=frozen,llm=frozen"]
+
+
+@pytest.mark.parametrize(
+    "layout, trainable",
+    [(layout, t) for layout in ("enc_pp2", "enc_dp2") for t in FROZEN_REGIMES]
+    + [("tp2", "frozen-vision")],  # tensor parallelism: one regime
+)
+def test_frozen_parts_match_single_process_and_run_no_backward_there(layout, trainable):
+    """Loss and every trainable gradient equal one process's with the same parts frozen;
+    frozen parameters get no gradient; a stage with nothing trainable at or before it
+    runs no backward pass (counted), the others do."""
+    spec, assignment, world = FROZEN_LAYOUTS[layout]
+    results = spawn_local(
+        _rank_step,
+        world,
+        args=(spec, assignment, False, False, CONFIG, "cpu", None, trainable),
+        timeout_s=240 if layout == "tp2" else SPAWN_TIMEOUT_S,
+        num_threads=1,
+    )
+    _check_against_reference(results, trainable=trainable)
+    parts = TrainableParts.parse(trainable)
+    for r in results:
+        runs_backward = r["module"] == "llm" or parts.encoder_stage_backward(r["is_last_stage"])
+        assert (r["backward_passes"] > 0) == runs_backward, (r["module"], r["is_last_stage"])
+        if not runs_backward:
+            assert r["trainable_params"] == 0 and not r["grads"]
 
 
 @pytest.mark.slow

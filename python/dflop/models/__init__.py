@@ -50,6 +50,7 @@ from dflop.models.spec import (
     ReferenceSpec,
     VisualItem,
 )
+from dflop.models.trainable import TrainableParts
 from dflop.models.vision import Projector, VisionEncoder, VisionStage, VisionTower
 
 __all__ = [
@@ -68,6 +69,7 @@ __all__ = [
     "Projector",
     "ProjectorConfig",
     "ReferenceSpec",
+    "TrainableParts",
     "VisionConfig",
     "VisionEncoder",
     "VisionStage",

@@ -149,6 +149,16 @@ class ModelSpec:
     """The model's own shape rules (a Hugging Face model: units and visual tokens exactly
     as its code makes them; training data is fed unscaled), or None for a model trained on
     a data family's shapes scaled onto it (dflop's reference model)."""
+    projector_prefixes: tuple[str, ...] = ()
+    """Name prefixes of the projector's parameters (they live on the encoder's last stage;
+    the rest of an encoder stage is the vision tower)."""
+
+    def parameter_part(self, module: str, name: str) -> str:
+        """The part (:data:`dflop.models.trainable.PARTS`) parameter ``name`` of a
+        ``module`` stage belongs to."""
+        if module == "llm":
+            return "llm"
+        return "projector" if name.startswith(self.projector_prefixes) else "encoder"
 
     def build_stage(
         self,
@@ -227,6 +237,7 @@ class ReferenceSpec(ModelSpec):
         vision = config.vision
         self.image_shape = (vision.channels, vision.image_size_px, vision.image_size_px)
         self.max_seq_len = config.decoder.max_seq_len
+        self.projector_prefixes = ("projector.",)
 
     def architecture(self) -> tuple[EncoderConfig, LLMConfig]:
         from dflop.data.costs import EncoderConfig, LLMConfig

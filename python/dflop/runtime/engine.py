@@ -73,6 +73,7 @@ from dflop.models.decoder import IGNORE_INDEX
 from dflop.models.loss import DEFAULT_LOSS_CHUNK_TOKENS
 from dflop.models.registry import model_spec
 from dflop.models.spec import EncoderStageModule, LLMStageModule, ModelSpec
+from dflop.models.trainable import TrainableParts
 from dflop.runtime import dist, p2p
 from dflop.runtime.bridge import BridgeCommunicator
 from dflop.runtime.step_data import EncoderShare, LLMShare, MicrobatchPlan, StepPlan
@@ -220,6 +221,9 @@ class StepResult:
     idle_s: float
     """``step_time_s - busy_s``: bubbles, waits, all-reduce."""
     global_stage: int
+    backward_passes: int = 0
+    """Autograd backward passes this rank ran (none on a forward-only stage: nothing
+    trainable at or before it)."""
 
     @property
     def loss(self) -> float:
@@ -441,6 +445,7 @@ class PipelineEngine:
         device: torch.device | str | None = None,
         synchronized_start: bool = True,
         loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+        trainable: TrainableParts | None = None,
         schedule: str | None = None,
     ) -> None:
         if schedule is not None:
@@ -472,6 +477,11 @@ class PipelineEngine:
             ci.virtual_stage: (module, ci)
             for module, ci in zip(modules, chunk_infos(layout, info.rank))
         }
+        # Where gradients flow (frozen parts): which chunks run a backward, and which
+        # need their input's gradient (the previous stage runs a backward).
+        self.trainable = TrainableParts() if trainable is None else trainable
+        self._runs_backward = {v: self._backward_at(ci) for v, (_, ci) in self._chunks.items()}
+        self._input_grad = {v: self._input_grad_at(ci) for v, (_, ci) in self._chunks.items()}
         self._programs: dict[int, tuple[PipelineAction, ...]] = {}
         self.program = program
         if program is None:
@@ -509,6 +519,19 @@ class PipelineEngine:
         self._posted: dict[tuple[bool, int, int], Any] = {}
         self._post_ahead = not debug and dist.get_backend() != "nccl"
 
+    def _backward_at(self, ci: RankInfo) -> bool:
+        if ci.module == "llm":
+            return True  # something trains at or before every LLM stage
+        return self.trainable.encoder_stage_backward(ci.is_last_stage)
+
+    def _input_grad_at(self, ci: RankInfo) -> bool:
+        if ci.module == "llm" and ci.is_first_stage:
+            return self.trainable.bridge_gradients
+        if ci.module == "llm":
+            return True
+        # the previous encoder stage is not the last: it trains only with the tower
+        return not ci.is_first_stage and self.trainable.trains("encoder")
+
     # ------------------------------------------------------------------ step
 
     def run_step(self, plan: StepPlan, batch: BatchSource) -> StepResult:
@@ -533,6 +556,7 @@ class PipelineEngine:
         actions = self._actions(plan.num_microbatches)
         self.stage.zero_grad(set_to_none=True)
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._backward_passes = 0
         encoder_shares, llm_shares = self._input_shares(plan)
         batch = _Prefetched(batch, encoder_shares, llm_shares, device=self.device)
         if self.synchronized_start:
@@ -650,6 +674,7 @@ class PipelineEngine:
             busy_s=busy_s,
             idle_s=step_time_s - busy_s,
             global_stage=self.info.global_stage,
+            backward_passes=self._backward_passes,
         )
 
     # ------------------------------------------------------------------ forward
@@ -679,7 +704,9 @@ class PipelineEngine:
         else:
             x = state.stage_input = self._received(True, ci, mb)
         start = self.clock.mark()
-        state.output = stage(x, unit_grid(batch, share)) if patches else stage(x)
+        # A stage with nothing trainable at or before it keeps no autograd graph.
+        with torch.set_grad_enabled(self._runs_backward[ci.virtual_stage]):
+            state.output = stage(x, unit_grid(batch, share)) if patches else stage(x)
         if ci.is_last_stage:  # projected features [rows, llm hidden]: over the bridge
             if self.bridge is not None:  # TP rank 0 (the other TP ranks hold the same rows)
                 self._bridge_send_features(mb, state.output.detach())
@@ -721,7 +748,8 @@ class PipelineEngine:
             start = self.clock.mark()
             x = stage.embed(text.token_ids.to(self.device))
             if share.visual_rows > 0:
-                features = features.to(self.device).requires_grad_(True)
+                features = features.to(self.device)
+                features.requires_grad_(self._input_grad[ci.virtual_stage])
                 state.visual_features = features
                 # Per-sample visual operations (newline rows, unpadding, pooling) run here,
                 # where all of a sample's units have arrived from the encoder replicas.
@@ -764,6 +792,8 @@ class PipelineEngine:
         """Returns the clock mark at which compute began (None: nothing to compute)."""
         _, ci = chunk
         start = None
+        if not self._runs_backward[ci.virtual_stage]:
+            return None  # a forward-only stage: no gradient comes, none goes back
         if self.is_encoder and ci.is_last_stage:
             # Called even for an empty share, to keep the bridge's debug headers in step.
             grad = None
@@ -779,10 +809,19 @@ class PipelineEngine:
             else:
                 grad = self._received(False, ci, mb)
             start = self.clock.mark()
-            torch.autograd.backward(state.output, grad)
-            if state.stage_input is not None:
+            # Frozen parts: e.g. a text-only microbatch on a frozen LLM's first stage has
+            # nothing to differentiate.
+            if state.output.requires_grad:
+                torch.autograd.backward(state.output, grad)
+                self._backward_passes += 1
+            if state.stage_input is not None and state.stage_input.requires_grad:
                 self._send(state.stage_input.grad, ci, mb.index, kind=p2p.BACKWARD)
-        if not self.is_encoder and ci.is_first_stage and self.bridge is not None:
+        if (
+            not self.is_encoder
+            and ci.is_first_stage
+            and self.bridge is not None
+            and self._input_grad[ci.virtual_stage]
+        ):
             features = state.visual_features
             grad = self._empty_rows() if features is None else features.grad
             self._pending.append(self.bridge.send_grads(mb.index, mb.routing, grad, wait=False))
@@ -842,6 +881,8 @@ class PipelineEngine:
         consumes, or None if it consumes none. Shapes come from the StepPlan."""
         info = self.info
         stage = self._chunks[ci.virtual_stage][0]
+        if not is_forward and not self._runs_backward[ci.virtual_stage]:
+            return None
         if self.is_encoder:
             share = mb.encoder[info.dp_rank]
             if not is_forward and ci.is_last_stage:
@@ -866,7 +907,8 @@ class PipelineEngine:
             shape = (share.tokens, stage.hidden_size)
         kind = p2p.FORWARD if is_forward else p2p.BACKWARD
         src = ci.prev_rank if is_forward else ci.next_rank
-        return self._recv(shape, src, mb.index, kind, chunk=ci.chunk)
+        requires_grad = is_forward and self._input_grad[ci.virtual_stage]
+        return self._recv(shape, src, mb.index, kind, chunk=ci.chunk, requires_grad=requires_grad)
 
     # ------------------------------------------------------------------ p2p within a module
 
@@ -892,13 +934,20 @@ class PipelineEngine:
         self._pending.append(_Sent(work, tensor))
 
     def _recv(
-        self, shape: Sequence[int], src: int, microbatch: int, kind: int, *, chunk: int
+        self,
+        shape: Sequence[int],
+        src: int,
+        microbatch: int,
+        kind: int,
+        *,
+        chunk: int,
+        requires_grad: bool,
     ) -> _Receiving:
         if self.debug:
             self._check_header(tuple(shape), src, microbatch, kind, chunk)
         buffer = torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
         work = dist.irecv(buffer, src, tag=self._tag(microbatch, kind, chunk=chunk))
-        return _Receiving(work, buffer, requires_grad=kind == p2p.FORWARD)
+        return _Receiving(work, buffer, requires_grad=requires_grad)
 
     def _check_header(
         self, shape: tuple[int, ...], src: int, microbatch: int, kind: int, chunk: int
@@ -930,6 +979,8 @@ class PipelineEngine:
         if len(self.topology.dp_ranks) == 1:
             return
         params = [p for p in self.stage.parameters() if p.requires_grad]
+        if not params:  # a frozen stage (the same on every replica of its group)
+            return
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -949,7 +1000,7 @@ class PipelineEngine:
         tied = getattr(self.stage, "tied_parameter", None)
         param = tied() if callable(tied) else None
         group = self.topology.embedding_group
-        if param is None or group is None:
+        if param is None or group is None or not param.requires_grad:
             return
         if param.grad is None:
             param.grad = torch.zeros_like(param)

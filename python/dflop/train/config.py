@@ -105,6 +105,13 @@ class TrainConfig:
         "vocabulary whatever the sample (the profiler, the planner's memory model and the "
         "runtime all use it)",
     )
+    trainable: str = _field(
+        "model",
+        "full",
+        "which parts train: full, projector (LLaVA stage 1: only the projector), "
+        "frozen-vision (the vision tower frozen), or part=mode pairs such as "
+        "'encoder=frozen,llm=frozen' (parts: encoder, projector, llm; modes: full, frozen)",
+    )
     # [data]
     data: str = _field(
         "data",
@@ -393,6 +400,14 @@ class TrainConfig:
             raise bad("max_growth", "a number >= 1 (inf allowed)")
         if self.scheduler not in SCHEDULE_MODES:
             raise bad("scheduler", f"one of {SCHEDULE_MODES}")
+        if not isinstance(self.trainable, str):
+            raise bad("trainable", "a preset name or 'part=mode,...'")
+        from dflop.models.trainable import TrainableParts
+
+        try:
+            TrainableParts.parse(self.trainable)
+        except ValueError as error:
+            raise ValueError(f"TrainConfig.trainable: {error}") from None
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", "'auto', 'cpu' or 'cuda'")
         if self.launch not in ("auto", "processes", "threads"):

@@ -49,6 +49,7 @@ MUST_MATCH: dict[str, str] = {
     "allow_outside_paths": "it decides which dataset records are read",
     "calibrate_steps": "calibration chooses the layout; a resumed run keeps the saved one",
     "memory_gb": "the layout was fitted into it; a resumed run keeps the saved layout",
+    "trainable": "which weights train and which have optimizer state",
 }
 """Settings a resumed run must keep, with why."""
 

@@ -232,6 +232,11 @@ def _prepare(config: TrainConfig, log: Callable[[str], None]) -> Prepared:
         )
     if plan is not None:
         plan.inputs = {**(plan.inputs or {}), **_local_inputs(config, global_batch, perf)}
+    if config.trainable != "full":
+        log(
+            f"note: --trainable {config.trainable}: the planner and its step predictions "
+            "price full training (frozen parts are not priced yet)"
+        )
     return Prepared(
         layout=layout,
         performance_model=perf.to_dict() if perf is not None else None,
@@ -692,8 +697,8 @@ def _run_local(config: TrainConfig, log: Callable[[str], None], prepared: Prepar
         f"{prepared.description}: encoder tp={layout.encoder.tp} pp={layout.encoder.pp} "
         f"dp={layout.encoder.dp} | LLM tp={layout.llm.tp} pp={layout.llm.pp}{interleaved} "
         f"dp={layout.llm.dp} | {layout.num_microbatches} microbatches x global batch "
-        f"{layout.global_batch} | {world_size} {launch_kind} on {device_kind} | schedule "
-        f"{config.scheduler}, pipeline {layout.pipeline_order}"
+        f"{layout.global_batch} | {world_size} {launch_kind} on {device_kind} | scheduler "
+        f"{config.scheduler}, pipeline {layout.pipeline_order} | trains {config.trainable}"
     )
     args = (
         config,

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from dflop.models.registry import model_spec
+from dflop.models.trainable import TrainableParts, freeze_stage
 from dflop.runtime.topology import RuntimeLayout
 from dflop.scheduling.balance import Schedule, data_blind_schedule, schedule_from_assignment
 from dflop.scheduling.pipeline_schedule import PipelineModel
@@ -41,6 +42,7 @@ from dflop.train.checkpointer import Checkpointer
 from dflop.train.config import TrainConfig
 from dflop.train.data import StepShapes, _step_seed, length_policy
 from dflop.train.metrics import RankRecord, StepLog, StepMetrics, step_metrics
+from dflop.train.optim import FrozenStageOptimizer
 from dflop.train.step_profiler import StepProfiler
 
 __all__ = ["FAULT_ENV", "NonFiniteError", "TrainReport", "Trainer", "fit_link_latency"]
@@ -128,16 +130,24 @@ class Trainer:
             tp_size=layout.module(self.info.module).tp,
             layout=layout,
         )
+        # Frozen parts: no gradient, no optimizer state, no all-reduce; a stage with
+        # nothing trainable at or before it runs forward only.
+        self.trainable = TrainableParts.parse(config.trainable)
+        freeze_stage(self.stage, self.spec, self.info.module, self.trainable)
         self.engine = PipelineEngine(
             self.topology,
             self.stage,
             debug=config.debug,
             loss_chunk_tokens=config.loss_chunk_tokens,
+            trainable=self.trainable,
         )
         # Sharded (DTensor) and replicated parameters in separate groups: torch's
         # multi-tensor kernels refuse a mixed list.
-        self.optimizer = torch.optim.AdamW(
-            optimizer_param_groups(self.stage), lr=config.lr, weight_decay=config.weight_decay
+        groups = optimizer_param_groups(self.stage)
+        self.optimizer = (
+            torch.optim.AdamW(groups, lr=config.lr, weight_decay=config.weight_decay)
+            if groups
+            else FrozenStageOptimizer()
         )
         self.step_shapes = StepShapes(
             self.spec,

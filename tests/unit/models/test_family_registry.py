@@ -37,7 +37,7 @@ from dflop.data.shapes import Modality  # noqa: E402
 from dflop.models.hf import registry, spec_from_config  # noqa: E402
 from dflop.models.hf import tiny as hf_tiny  # noqa: E402
 
-BUILTIN_TYPES = ("llava_onevision", "qwen2_vl", "qwen2_5_vl")
+BUILTIN_TYPES = ("llava_onevision", "qwen2_vl", "qwen2_5_vl", "internvl")
 HF_DIR = Path(registry.__file__).resolve().parent
 
 # --------------------------------------------------------------------------- the registry
@@ -121,13 +121,16 @@ def _hf_families() -> tuple[str, ...]:
 
 def test_the_builtin_families():
     assert _hf_families() == BUILTIN_TYPES
-    assert [f.name for f in registry.BUILTIN_FAMILIES] == ["llava_onevision", "qwen2_vl"]
+    names = [f.name for f in registry.BUILTIN_FAMILIES]
+    assert names == ["llava_onevision", "qwen2_vl", "internvl"]
     assert registry.families() == registry.BUILTIN_FAMILIES
     assert registry.spec_class("llava_onevision").__name__ == "LlavaOnevisionSpec"
     assert registry.spec_class("qwen2_vl").__name__ == "Qwen2VLSpec"
     assert registry.spec_class("qwen2_5_vl").__name__ == "Qwen25VLSpec"
     assert registry.records_class("llava_onevision").__name__ == "LlavaOnevisionRecords"
     assert registry.records_class("qwen2_5_vl").__name__ == "QwenVLRecords"
+    assert registry.spec_class("internvl").__name__ == "InternVLSpec"
+    assert registry.records_class("internvl").__name__ == "InternVLRecords"
 
 
 def test_every_family_folder_is_one_registry_line():
@@ -156,7 +159,7 @@ def test_a_registered_family_is_found_by_model_type(fake_family, tmp_path):
         spec_from_config(SimpleNamespace(model_type="bert"))
     assert str(err.value) == (
         "config.model_type='bert' has no dflop adapter; supported: llava_onevision, "
-        "qwen2_vl, qwen2_5_vl, fake_vl, fake_vl_2"
+        "qwen2_vl, qwen2_5_vl, internvl, fake_vl, fake_vl_2"
     )
 
 
@@ -177,7 +180,7 @@ def test_the_unknown_model_type_error_names_the_supported_ones():
         model_type = getattr(config, "model_type", None)
         assert str(err.value) == (
             f"config.model_type={model_type!r} has no dflop adapter; supported: "
-            "llava_onevision, qwen2_vl, qwen2_5_vl"
+            "llava_onevision, qwen2_vl, qwen2_5_vl, internvl"
         )
     with pytest.raises(ValueError, match="has no dflop adapter; supported: llava_onevision"):
         hf_tiny.tiny_config("bert")

@@ -3,8 +3,8 @@
 ``model_spec("hf:PATH")`` (or :func:`hf_model_spec`) reads ``PATH/config.json`` and returns
 the family's :class:`~dflop.models.spec.ModelSpec`; the weights come from ``PATH``'s
 safetensors when present, else from a random init for the run's seed. Nothing is ever
-downloaded. Families: LLaVA-OneVision (``llava_onevision``), Qwen2-VL (``qwen2_vl``) and
-Qwen2.5-VL (``qwen2_5_vl``), one folder each (``models/hf/<family>/``), found by
+downloaded. Families: LLaVA-OneVision (``llava_onevision``), Qwen2-VL (``qwen2_vl``),
+Qwen2.5-VL (``qwen2_5_vl``) and InternVL 2.5 / 3 (``internvl``), one folder each (``models/hf/<family>/``), found by
 ``config.model_type`` through :mod:`dflop.models.hf.registry`
 (:func:`register_family` adds one).
 """

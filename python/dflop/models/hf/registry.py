@@ -102,6 +102,7 @@ def records_class(model_type: Any) -> type:
 BUILTIN_FAMILIES: tuple[HFFamily, ...] = (
     import_module("dflop.models.hf.llava_onevision").FAMILY,
     import_module("dflop.models.hf.qwen2_vl").FAMILY,
+    import_module("dflop.models.hf.internvl").FAMILY,
 )
 
 for _family in BUILTIN_FAMILIES:

@@ -41,6 +41,7 @@ class LlavaOnevisionSpec(HFSpec):
     def __init__(self, config: Any, checkpoint_dir: str | None = None) -> None:
         transformers = require_transformers()
         self.model_class = transformers.LlavaOnevisionForConditionalGeneration
+        self.projector_prefixes = ("model.multi_modal_projector.",)
         if getattr(config, "model_type", None) != "llava_onevision":
             raise ValueError(
                 f"config.model_type={getattr(config, 'model_type', None)!r}: expected "

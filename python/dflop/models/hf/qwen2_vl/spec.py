@@ -55,6 +55,7 @@ class Qwen2VLSpec(HFSpec):
 
     model_type = "qwen2_vl"
     model_class_name = "Qwen2VLForConditionalGeneration"
+    projector_prefixes = (f"{_VISION}.merger.",)
 
     def __init__(self, config: Any, checkpoint_dir: str | None = None) -> None:
         transformers = require_transformers()
