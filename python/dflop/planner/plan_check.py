@@ -443,7 +443,7 @@ def _one_line(text: str) -> str:
 # ---------------------------------------------------------------------------- layouts
 
 _LAYOUT_REQUIRED = ("encoder", "llm", "num_microbatches", "global_batch", "prediction")
-_LAYOUT_OPTIONAL = ("colocated", "schedule", "steps")
+_LAYOUT_OPTIONAL = ("colocated", "scheduler", "schedule", "steps")  # schedule: older files
 _MODULE_REQUIRED = ("tp", "pp", "dp", "first_rank", "layers_per_stage")
 _MODULE_OPTIONAL = (
     "num_gpus",
@@ -459,7 +459,8 @@ _MODULE_OPTIONAL = (
 def _check_layout(path: str, value: Any, context: _Context) -> None:
     layout = _dict(path, value, _LAYOUT_REQUIRED, _LAYOUT_OPTIONAL)
     colocated = _bool(f"{path}.colocated", layout.get("colocated", False))
-    _str(f"{path}.schedule", layout.get("schedule", "balanced"), ("balanced", "data_blind"))
+    for key in ("scheduler", "schedule"):
+        _str(f"{path}.{key}", layout.get(key, "balanced"), ("balanced", "data_blind"))
     batch = _int(f"{path}.global_batch", layout["global_batch"], 1, MAX_PLAN_GLOBAL_BATCH)
     if batch != context.global_batch:
         _fail(

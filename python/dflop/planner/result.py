@@ -31,6 +31,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dflop._deprecated import warn_renamed
 from dflop.planner.model import ClusterSpec
 from dflop.planner.plan_check import PlanError, check_plan
 from dflop.planner.steps import StepAudit
@@ -204,12 +205,19 @@ class LayoutPlan:
     global_batch: int
     prediction: StepPrediction
     colocated: bool = False
-    schedule: str = "balanced"
-    """How each step's batch is split: "balanced" (dflop.schedule per step) or
-    "data_blind" (equal-count microbatches in dataset order: the baseline)."""
+    scheduler: str = "balanced"
+    """What makes each step's schedule: "balanced" (dflop.schedule per step) or
+    "data_blind" (equal-count microbatches in dataset order: the baseline). Plan files
+    before this release called it ``schedule`` (still read)."""
     steps: tuple[StepAudit, ...] = ()
     """The chosen layout: per sampled batch, the step the planner scored (for audits and
     ``dflop simulate``); empty for the other layouts."""
+
+    @property
+    def schedule(self) -> str:
+        """Deprecated name of :attr:`scheduler`."""
+        warn_renamed("LayoutPlan.schedule", "LayoutPlan.scheduler")
+        return self.scheduler
 
     @property
     def num_encoder_gpus(self) -> int:
@@ -217,7 +225,7 @@ class LayoutPlan:
 
     def describe(self) -> str:
         if self.colocated:
-            blind = ", data-blind" if self.schedule == "data_blind" else ""
+            blind = ", data-blind" if self.scheduler == "data_blind" else ""
             pad = (
                 f", enc heads padded to {self.encoder.padded_heads}"
                 if self.encoder.padded_heads
@@ -245,7 +253,7 @@ class LayoutPlan:
             "llm": self.llm.to_dict(),
             "num_microbatches": self.num_microbatches,
             "global_batch": self.global_batch,
-            "schedule": self.schedule,
+            "scheduler": self.scheduler,
             "prediction": self.prediction.to_dict(),
             "steps": [step.to_dict() for step in self.steps],
         }
@@ -259,7 +267,7 @@ class LayoutPlan:
             global_batch=int(data["global_batch"]),
             prediction=StepPrediction.from_dict(data["prediction"]),
             colocated=bool(data.get("colocated", False)),
-            schedule=str(data.get("schedule", "balanced")),
+            scheduler=str(data.get("scheduler", data.get("schedule", "balanced"))),
             steps=tuple(StepAudit.from_dict(d) for d in data.get("steps", [])),
         )
 

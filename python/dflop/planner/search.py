@@ -109,7 +109,7 @@ def _layout_plan(
         global_batch,
         prediction,
         colocated,
-        schedule="data_blind" if strategy == "data_blind" else "balanced",
+        scheduler="data_blind" if strategy == "data_blind" else "balanced",
     )
 
 
@@ -332,7 +332,7 @@ def _layout_args(
 ) -> tuple[str, tuple[Any, ...]]:
     """The scheduling strategy of ``layout`` and the core's arguments to evaluate it."""
     if isinstance(layout, LayoutPlan):
-        core, blind = layout.core_dict(), layout.schedule == "data_blind"
+        core, blind = layout.core_dict(), layout.scheduler == "data_blind"
     else:
         core, blind = dict(layout), False
     strategy = "data_blind" if blind else "data_aware"
@@ -394,7 +394,7 @@ def _runs_runtime_schedule(layout: LayoutPlan, config: PlannerConfig) -> bool:
     return (
         config.runtime_schedule
         and not layout.colocated
-        and layout.schedule != "data_blind"
+        and layout.scheduler != "data_blind"
         and config.encoder_split == "unit"
     )
 

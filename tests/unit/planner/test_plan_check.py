@@ -12,13 +12,12 @@ from __future__ import annotations
 import copy
 import json
 import math
-import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+import cli_harness
 import pytest
 from dflop.planner import Plan
 from dflop.planner.plan_check import MAX_PLAN_GLOBAL_BATCH, show
@@ -280,6 +279,18 @@ def test_valid_plans_load(tmp_path, local_plan, cluster_plan) -> None:
     assert cluster_plan["baseline"]["colocated"]  # a colocated layout passes its own rules
 
 
+def test_a_plan_file_from_before_the_rename_still_loads(tmp_path, local_plan) -> None:
+    """Layouts wrote their scheduler as "schedule" before (README › Glossary)."""
+    def rename(data: dict[str, Any]) -> None:
+        for layout in data["layouts"]:
+            layout["schedule"] = layout.pop("scheduler")
+
+    plan = Plan.load(_write(tmp_path, _edited(local_plan, rename)))
+    assert plan.to_dict() == local_plan  # read as scheduler, written as scheduler
+    with pytest.warns(DeprecationWarning, match="LayoutPlan.scheduler"):
+        assert plan.best.schedule == plan.best.scheduler  # the old attribute
+
+
 CLUSTER_CASES = [
     (
         "colocated_uses_part",
@@ -374,11 +385,7 @@ def test_train_refuses_a_huge_but_valid_global_batch(tmp_path, local_plan) -> No
 
 
 def run_cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    executable = shutil.which("dflop")
-    command = [executable] if executable else [sys.executable, "-m", "dflop.cli"]
-    return subprocess.run(
-        [*command, *args], capture_output=True, text=True, timeout=timeout_s, check=False
-    )
+    return cli_harness.run_cli(*args, timeout_s=timeout_s)
 
 
 def _one_line_error(result: subprocess.CompletedProcess, command: str) -> str:

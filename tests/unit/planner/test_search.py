@@ -156,7 +156,7 @@ def test_data_blind_baseline_pads_encoder_heads() -> None:
     inputs = _inputs("vit-6b", "llm-32b", batch=64, batches=1)
     cluster = ClusterSpec(num_gpus=32)
     layouts, _ = search_layouts(cluster, inputs, FAST, strategy="data_blind", top_k=3)
-    assert layouts and all(lp.colocated and lp.schedule == "data_blind" for lp in layouts)
+    assert layouts and all(lp.colocated and lp.scheduler == "data_blind" for lp in layouts)
     best = layouts[0]
     assert best.llm.tp > 1 and best.encoder.tp == best.llm.tp
     assert best.encoder.padded_heads == -(-25 // best.llm.tp) * best.llm.tp
