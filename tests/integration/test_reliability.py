@@ -179,6 +179,15 @@ def test_bad_runs_are_refused_before_any_process_starts(tmp_path, args, message)
     assert "step" not in result.stdout
 
 
+def _default_sigint() -> None:
+    """A child started from a background job inherits SIGINT ignored (bash without job
+    control), and Python then installs no KeyboardInterrupt handler: restore Ctrl-C's
+    default so the tests see what a terminal user sees."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_long_run(tmp_path: Path, ckpt: Path):
     import shutil
     import subprocess
@@ -190,7 +199,11 @@ def _start_long_run(tmp_path: Path, ckpt: Path):
     args += ["--steps", "100000", "--quiet", "--checkpoint-dir", str(ckpt)]
     args += ["--checkpoint-every", "20"]
     proc = subprocess.Popen(
-        [*command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [*command, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_sigint,
     )
     import time
 

@@ -357,7 +357,7 @@ def test_config_errors_name_the_field() -> None:
     with pytest.raises(ValueError, match="TrainConfig.steps"):
         TrainConfig(steps=0)
     with pytest.raises(ValueError, match="TrainConfig.scheduler"):
-        TrainConfig(schedule="fast")
+        TrainConfig(scheduler="fast")
     with pytest.raises(ValueError, match="TrainConfig.scaler has unknown field 'cap'"):
         TrainConfig(scaler={"cap": 3})
     with pytest.raises(FileNotFoundError, match="TrainConfig.data"):
