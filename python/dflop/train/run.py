@@ -863,7 +863,7 @@ def print_summary(report: Any, out: Any = None, warmup: int = 1) -> dict[str, Mo
     num_stages = len(next(iter(rows.values())).busy_share)
     busy_head = " ".join(f"{'busy s' + str(s):>8}" for s in range(num_stages))
     header = (
-        f"{'schedule':<9} {'steps':>5} {'step s':>8} {'sim s':>8} {'idle':>6} "
+        f"{'scheduler':<9} {'steps':>5} {'step s':>8} {'sim s':>8} {'idle':>6} "
         f"{'samples/s':>10} {'tokens/s':>10} {busy_head} {'loss':>8}"
     )
     print(header, file=out)
