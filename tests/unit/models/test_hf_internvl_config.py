@@ -81,19 +81,16 @@ def _processor(tile=448, max_patches=12, min_patches=1):
 
 
 def _processor_counts(processor, height, width, seq_length, max_patches=None):
-    """(tiles, LLM visual tokens) of one image by InternVLProcessor's own count
-    (``_get_num_multimodal_tokens``: the image processor's patches, ``<img>`` +
-    ``image_seq_length`` per patch + ``</img>``)."""
+    """(tiles, LLM visual tokens) of one image by the image processor's own tile count
+    (``get_number_of_image_patches``, what ``InternVLProcessor`` expands ``<image>`` by):
+    ``<img>`` + ``image_seq_length`` per tile + ``</img>`` (the records test checks this
+    layout token for token against the processor). Not ``_get_num_multimodal_tokens``:
+    transformers 5.25 stopped counting ``<img>`` / ``</img>`` there, 5.24 counted them."""
     images_kwargs = {"crop_to_patches": True}
     if max_patches is not None:
         images_kwargs["max_patches"] = max_patches
-    holder = SimpleNamespace(
-        image_processor=processor,
-        image_seq_length=seq_length,
-        _merge_kwargs=lambda **kwargs: {"images_kwargs": images_kwargs},
-    )
-    data = InternVLProcessor._get_num_multimodal_tokens(holder, image_sizes=[(height, width)])
-    return data.num_image_patches[0], data.num_image_tokens[0]
+    tiles = processor.get_number_of_image_patches(height, width, images_kwargs)
+    return tiles, seq_length * tiles + 2
 
 
 SIZES = [(1, 1), (448, 448), (449, 447), (100, 3000), (3000, 100), (896, 448), (448, 1344)]
