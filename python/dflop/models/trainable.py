@@ -97,20 +97,18 @@ class TrainableParts:
             raise ValueError(f"{part!r} is not a part; parts: {', '.join(PARTS)}")
         return getattr(self, part) != "frozen"
 
-    @property
-    def all_full(self) -> bool:
-        return all(getattr(self, part) == "full" for part in PARTS)
-
-    def encoder_stage_backward(self, is_last_stage: bool) -> bool:
-        """Whether an encoder stage runs a backward: something trains at or before it
-        (the tower on every stage, the projector on the last). LLM stages always do:
-        something trains at or before them."""
+    def stage_backward(self, module: str, is_last_stage: bool) -> bool:
+        """Whether a stage of ``module`` (``"encoder"`` or ``"llm"``) runs a backward:
+        something trains at or before it (an encoder stage: the tower on every stage, the
+        projector on the last; an LLM stage: always, since something trains)."""
+        if module == "llm":
+            return True
         return self.trains("encoder") or (is_last_stage and self.trains("projector"))
 
     @property
     def bridge_gradients(self) -> bool:
         """Whether feature gradients go back from the LLM to the encoder."""
-        return self.encoder_stage_backward(is_last_stage=True)
+        return self.stage_backward("encoder", is_last_stage=True)
 
 
 PRESETS: dict[str, TrainableParts] = {

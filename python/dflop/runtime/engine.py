@@ -480,7 +480,10 @@ class PipelineEngine:
         # Where gradients flow (frozen parts): which chunks run a backward, and which
         # need their input's gradient (the previous stage runs a backward).
         self.trainable = TrainableParts() if trainable is None else trainable
-        self._runs_backward = {v: self._backward_at(ci) for v, (_, ci) in self._chunks.items()}
+        self._runs_backward = {
+            v: self.trainable.stage_backward(ci.module, ci.is_last_stage)
+            for v, (_, ci) in self._chunks.items()
+        }
         self._input_grad = {v: self._input_grad_at(ci) for v, (_, ci) in self._chunks.items()}
         self._programs: dict[int, tuple[PipelineAction, ...]] = {}
         self.program = program
@@ -518,11 +521,6 @@ class PipelineEngine:
         # Receives posted ahead of their action, by (is_forward, virtual stage, microbatch).
         self._posted: dict[tuple[bool, int, int], Any] = {}
         self._post_ahead = not debug and dist.get_backend() != "nccl"
-
-    def _backward_at(self, ci: RankInfo) -> bool:
-        if ci.module == "llm":
-            return True  # something trains at or before every LLM stage
-        return self.trainable.encoder_stage_backward(ci.is_last_stage)
 
     def _input_grad_at(self, ci: RankInfo) -> bool:
         if ci.module == "llm" and ci.is_first_stage:

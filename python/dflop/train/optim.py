@@ -24,9 +24,6 @@ class FrozenStageOptimizer:
     def step(self) -> None:
         pass  # nothing trains on this stage
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass
-
     def state_dict(self) -> dict[str, Any]:
         return {"state": {}, "param_groups": []}
 
