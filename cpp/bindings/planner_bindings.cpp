@@ -103,6 +103,10 @@ ModuleParams to_module(const py::dict& d, const char* w) {
   r.opt("attention_param_fraction", &p.attention_param_fraction);
   r.opt("attention_activation_fraction", &p.attention_activation_fraction);
   r.opt("forward_fraction", &p.forward_fraction);
+  r.opt("body_backward_factor", &p.body_backward_factor);
+  r.opt("last_backward_factor", &p.last_backward_factor);
+  r.opt("body_trainable_fraction", &p.body_trainable_fraction);
+  r.opt("last_trainable_fraction", &p.last_trainable_fraction);
   r.finish();
   return p;
 }
@@ -358,6 +362,7 @@ py::dict from_step(const StepModel& step) {
   out["link_latency_s"] = in.link_latency_s;
   out["link_bandwidth_bytes_per_s"] = in.link_bandwidth_bytes_per_s;
   out["allreduce_s"] = in.allreduce_s;
+  out["gradient_links"] = std::vector<int64_t>(in.gradient_links.begin(), in.gradient_links.end());
   out["schedule"] = pipeline_order_name(in.order);
   out["stages"] = in.shape.stages;
   out["chunks"] = in.shape.chunks;

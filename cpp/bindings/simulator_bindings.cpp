@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "bindings.hpp"
+#include "dflop/errors.hpp"
 #include "dflop/simulator.hpp"
 
 namespace py = pybind11;
@@ -81,7 +82,8 @@ py::dict simulate_pipeline_py(const DoubleArray& forward_s, const DoubleArray& b
                               const std::vector<int64_t>& stages,
                               const std::vector<int64_t>& chunks,
                               const std::optional<std::vector<IntArray>>& actions,
-                              double weight_grad_fraction) {
+                              double weight_grad_fraction,
+                              const std::optional<IntArray>& gradient_links) {
   PipelineSimInput in;
   in.record_events = record_events;
   in.order = parse_pipeline_order(order);
@@ -105,6 +107,18 @@ py::dict simulate_pipeline_py(const DoubleArray& forward_s, const DoubleArray& b
       checked_1d(link_bandwidth_bytes_per_s, "link_bandwidth_bytes_per_s");
   if (activation_bytes) in.activation_bytes = checked_3d(*activation_bytes, "activation_bytes");
   if (allreduce_s) in.allreduce_s = checked_1d(*allreduce_s, "allreduce_s");
+  if (gradient_links) {
+    if (gradient_links->ndim() != 1) throw py::value_error("gradient_links must be 1-D");
+    const auto g = gradient_links->unchecked<1>();
+    for (py::ssize_t l = 0; l < g.shape(0); ++l) {
+      // Checked here too, before narrowing: the core sees only bytes.
+      if (g(l) != 0 && g(l) != 1) {
+        throw InvalidArgument("gradient_links[link " + std::to_string(l) +
+                              "] must be 0 or 1, got " + std::to_string(g(l)));
+      }
+      in.gradient_links.push_back(static_cast<uint8_t>(g(l)));
+    }
+  }
 
   PipelineSimResult res;
   {
@@ -182,9 +196,11 @@ void register_simulator(py::module_& m) {
         py::arg("activation_bytes"), py::arg("allreduce_s"), py::arg("record_events") = true,
         py::arg("stages") = std::vector<int64_t>{}, py::arg("chunks") = std::vector<int64_t>{},
         py::arg("actions") = py::none(), py::arg("weight_grad_fraction") = 0.5,
+        py::arg("gradient_links") = py::none(),
         "Simulate one training step of (R, S, m) pipelines. Returns a dict of numpy arrays "
         "and scalars; event kinds are 0 fwd, 1 bwd, 2 send, 3 allreduce, 4 bwd_input, 5 "
-        "bwd_weight. See "
+        "bwd_weight. gradient_links: None (every boundary carries gradients back) or V - 1 "
+        "values of 0 / 1 (0: no gradient back over that boundary). See "
         "dflop.simulator.simulate_pipeline.");
   m.def("pipeline_program", &pipeline_program_py, py::arg("order"), py::arg("stages"),
         py::arg("chunks"), py::arg("num_microbatches"),

@@ -75,7 +75,11 @@ void check_module(const char* module, const ModuleParams& p) {
   const std::pair<const char*, double> fractions[] = {
       {"attention_compute_fraction", p.attention_compute_fraction},
       {"attention_param_fraction", p.attention_param_fraction},
-      {"attention_activation_fraction", p.attention_activation_fraction}};
+      {"attention_activation_fraction", p.attention_activation_fraction},
+      {"body_backward_factor", p.body_backward_factor},
+      {"last_backward_factor", p.last_backward_factor},
+      {"body_trainable_fraction", p.body_trainable_fraction},
+      {"last_trainable_fraction", p.last_trainable_fraction}};
   for (const auto& [name, value] : fractions) {
     require(std::isfinite(value) && value >= 0.0 && value <= 1.0,
             m + "." + name + " must be in [0, 1], got " + fmt(value));
@@ -366,8 +370,7 @@ LayoutScore evaluate_layout(const ClusterParams& c, const ModuleParams& enc,
 namespace {
 
 // The step of batch b under the given bins (microbatch indices = execution order).
-StepModel make_step(const Context& ctx, const Evaluator& eval, const Layout& l, int64_t b,
-                    std::vector<int64_t> bins) {
+StepModel make_step(const Evaluator& eval, const Layout& l, int64_t b, std::vector<int64_t> bins) {
   StepModel out;
   const int64_t m = l.num_microbatches;
   std::vector<int64_t> identity(static_cast<size_t>(m));
@@ -378,7 +381,6 @@ StepModel make_step(const Context& ctx, const Evaluator& eval, const Layout& l, 
   out.num_encoder_stages = l.colocated ? 0 : l.encoder.pp;
   if (!l.colocated) {
     const ModuleLayout& e = l.encoder;
-    const double f = ctx.enc.p->forward_fraction;
     out.num_encoder_replicas = e.dp;
     out.encoder_forward_s.assign(size_t(e.dp * e.pp * m), 0.0);
     out.encoder_backward_s.assign(size_t(e.dp * e.pp * m), 0.0);
@@ -387,10 +389,9 @@ StepModel make_step(const Context& ctx, const Evaluator& eval, const Layout& l, 
       const EncoderReplicas reps = eval.encoder_replicas(l, b, members[size_t(k)], sums, k);
       for (int64_t r = 0; r < e.dp; ++r) {
         for (int64_t st = 0; st < e.pp; ++st) {
-          const double t = reps.stage_s[size_t(r * e.pp + st)];
-          const size_t i = size_t((r * e.pp + st) * m + k);
-          out.encoder_forward_s[i] = t * f;
-          out.encoder_backward_s[i] = t * (1.0 - f);
+          const size_t at = size_t(r * e.pp + st), i = size_t((r * e.pp + st) * m + k);
+          out.encoder_forward_s[i] = reps.forward_s[at];
+          out.encoder_backward_s[i] = reps.stage_s[at] - reps.forward_s[at];
         }
       }
       const UnitSplit& sp = reps.split;
@@ -441,7 +442,7 @@ StepModel build_step(const ClusterParams& c, const ModuleParams& enc, const Modu
   for (size_t k = 0; k < chosen.size(); ++k) position[size_t(chosen[k])] = int64_t(k);
   const int64_t dp = l.llm.dp;
   for (auto& b : bins) b = position[size_t(b / dp)] * dp + b % dp;
-  StepModel out = make_step(ctx, eval, l, batch, std::move(bins));
+  StepModel out = make_step(eval, l, batch, std::move(bins));
   out.microbatch_order = chosen;
   return out;
 }
@@ -476,7 +477,7 @@ StepModel step_from_assignment(const ClusterParams& c, const ModuleParams& enc,
   check_assignment(x, l, assignment, "assignment");
   const Context ctx(c, enc, llm, x, o);
   Evaluator eval(ctx);
-  return make_step(ctx, eval, l, batch, assignment);
+  return make_step(eval, l, batch, assignment);
 }
 
 }  // namespace dflop

@@ -38,7 +38,7 @@ double module_batch_bound(const Context& ctx, const ModuleModel& mm, const Modul
         mm.stage_time(l.tp, l.recompute, nl, is_last, body, last, tokens) / double(l.dp);
     const double item =
         mm.stage_time(l.tp, l.recompute, nl, is_last, big[0], big[1], big[2]) / item_share;
-    const double busy = std::max(share, item) + constants * mm.stage_constant(l.tp, nl);
+    const double busy = std::max(share, item) + constants * mm.stage_constant(l.tp, nl, is_last);
     worst = std::max(
         worst, busy + allreduce_time(ctx.c, mm, l, st, st == 0 ? extra_allreduce_params : 0.0));
   }
@@ -71,7 +71,7 @@ PathPart module_path_part(const Context& ctx, const ModuleModel& mm, const Modul
                          (double(l.dp) * double(m));
     const double item =
         mm.stage_time(l.tp, l.recompute, nl, is_last, big[0], big[1], big[2]) / item_share;
-    const double constant = mm.stage_constant(l.tp, nl);
+    const double constant = mm.stage_constant(l.tp, nl, is_last);
     const double typical = share + (s.has_visual || !is_encoder ? constant : 0.0);
     out.path += share + constants * constant;
     out.estimate_path += typical;
@@ -114,8 +114,13 @@ PathPart min_parts(const PathPart& a, const PathPart& b) {
           std::min(a.order_slowest, b.order_slowest)};
 }
 
-double path_links(const Context& ctx, const Layout& l) {
-  return 2.0 * double(l.encoder.pp + l.llm.pp - 1) * ctx.c.link_latency_s;
+double path_links(const Context& ctx, int64_t E, int64_t P) {
+  // Backward transfers only over the links that carry gradients: a stage that runs no
+  // backward (frozen, nothing trained before it) is sent none.
+  const int64_t backward = (E - 1) * int64_t(ctx.enc.runs_backward(false)) +
+                           int64_t(ctx.enc.runs_backward(true)) +
+                           (P - 1) * int64_t(ctx.llm.runs_backward(false));
+  return double(E + P - 1 + backward) * ctx.c.link_latency_s;
 }
 
 double uniform_estimate(const PathPart& enc, const PathPart& llm, double links) {
@@ -145,15 +150,15 @@ double colocated_batch_bound(const Context& ctx, const Layout& l, const BatchSum
     const bool is_last = st == g.pp - 1;
     double share =
         ctx.llm.stage_time(g.tp, g.recompute, nl, is_last, s.llm_body, s.llm_last, s.llm_tokens);
-    double c = ctx.llm.stage_constant(g.tp, nl);
+    double c = ctx.llm.stage_constant(g.tp, nl, is_last);
     const ModuleModel& ce = ctx.colocated_enc(g.tp);
     if (st == 0) {
       share += ce.stage_time(g.tp, g.recompute, ce.p->num_layers, true, s.enc_body, s.enc_last,
                              s.enc_tokens);
-      c += ce.stage_constant(g.tp, ce.p->num_layers);
+      c += ce.stage_constant(g.tp, ce.p->num_layers, true);
     }
     const double busy = share / double(g.dp) + double(m) * c;
-    const double extra = st == 0 ? ce.gpu_all_params(g.tp) : 0.0;
+    const double extra = st == 0 ? ce.gpu_all_params(g.tp, true) : 0.0;
     worst = std::max(worst, busy + allreduce_time(ctx.c, ctx.llm, g, st, extra));
   }
   return worst;
@@ -170,7 +175,8 @@ double batch_bound(const Context& ctx, const Layout& l, int64_t b) {
   if (l.colocated) return colocated_batch_bound(ctx, l, s);
   const int64_t m = l.num_microbatches;
   const double path = module_path_part(ctx, ctx.enc, l.encoder, m, true, s).path +
-                      module_path_part(ctx, ctx.llm, l.llm, m, false, s).path + path_links(ctx, l);
+                      module_path_part(ctx, ctx.llm, l.llm, m, false, s).path +
+                      path_links(ctx, l.encoder.pp, l.llm.pp);
   return std::max({module_batch_bound(ctx, ctx.llm, l.llm, m, false, 0.0, s),
                    module_batch_bound(ctx, ctx.enc, l.encoder, m, true, 0.0, s), path});
 }
@@ -180,9 +186,9 @@ double batch_key(const Context& ctx, const Layout& l, int64_t b) {
   if (l.colocated || ctx.o.screen_factor <= 0.0) return bound;
   const BatchSums& s = ctx.sums[size_t(b)];
   const int64_t m = l.num_microbatches;
-  const double estimate =
-      uniform_estimate(module_path_part(ctx, ctx.enc, l.encoder, m, true, s),
-                       module_path_part(ctx, ctx.llm, l.llm, m, false, s), path_links(ctx, l));
+  const double estimate = uniform_estimate(module_path_part(ctx, ctx.enc, l.encoder, m, true, s),
+                                           module_path_part(ctx, ctx.llm, l.llm, m, false, s),
+                                           path_links(ctx, l.encoder.pp, l.llm.pp));
   return std::max(bound, ctx.o.screen_factor * estimate);
 }
 

@@ -58,8 +58,8 @@ std::vector<double> Evaluator::sample_stage_costs(const Layout& l, int64_t b) co
 
 std::array<double, 2> Evaluator::stage_constants(const Layout& l) const {
   const ModuleLayout &e = l.encoder, &g = l.llm;
-  return {ctx_.enc.stage_constant(e.tp, ctx_.enc.p->num_layers) / double(e.pp),
-          ctx_.llm.stage_constant(g.tp, ctx_.llm.p->num_layers) / double(g.pp)};
+  return {ctx_.enc.stage_constant(e.tp, ctx_.enc.p->num_layers, true) / double(e.pp),
+          ctx_.llm.stage_constant(g.tp, ctx_.llm.p->num_layers, true) / double(g.pp)};
 }
 
 std::vector<int64_t> Evaluator::assign(const Layout& l, int64_t b) const {
@@ -111,6 +111,7 @@ BinSums Evaluator::bin_sums(const Layout& l, int64_t b, const std::vector<int64_
   if (l.colocated) return s;
   const ModuleLayout& e = l.encoder;
   s.enc_stage_s.assign(size_t(m * e.pp), 0.0);
+  s.enc_stage_forward_s.assign(size_t(m * e.pp), 0.0);
   s.enc_max_tokens.assign(size_t(m), 0.0);
   s.enc_busy_s.assign(size_t(e.pp), 0.0);
   const std::vector<std::vector<int64_t>> members = microbatch_members(bins, m, dp);
@@ -119,9 +120,12 @@ BinSums Evaluator::bin_sums(const Layout& l, int64_t b, const std::vector<int64_
     for (int64_t r = 0; r < e.dp; ++r) {
       s.enc_max_tokens[size_t(k)] = std::max(s.enc_max_tokens[size_t(k)], reps.tokens[size_t(r)]);
       for (int64_t st = 0; st < e.pp; ++st) {
-        const double t = reps.stage_s[size_t(r * e.pp + st)];
-        double& slowest = s.enc_stage_s[size_t(k * e.pp + st)];
-        slowest = std::max(slowest, t);
+        const size_t at = size_t(r * e.pp + st), i = size_t(k * e.pp + st);
+        const double t = reps.stage_s[at];
+        if (t > s.enc_stage_s[i]) {
+          s.enc_stage_s[i] = t;
+          s.enc_stage_forward_s[i] = reps.forward_s[at];
+        }
         s.enc_busy_s[size_t(st)] += t;
       }
     }
@@ -180,14 +184,17 @@ EncoderReplicas Evaluator::encoder_replicas(const Layout& l, int64_t b,
     }
   }
   out.stage_s.assign(size_t(e.dp * e.pp), 0.0);
+  out.forward_s.assign(size_t(e.dp * e.pp), 0.0);
   for (int64_t r = 0; r < e.dp; ++r) {
     if (!has_work[size_t(r)]) continue;  // an empty share computes nothing
     for (int64_t st = 0; st < e.pp; ++st) {
       const int64_t nl = e.layers_per_stage[size_t(st)];
-      out.stage_s[size_t(r * e.pp + st)] =
-          ctx_.enc.stage_time(e.tp, e.recompute, nl, st == e.pp - 1, body[size_t(r)],
-                              last[size_t(r)], out.tokens[size_t(r)]) +
-          ctx_.enc.stage_constant(e.tp, nl);
+      const bool is_last = st == e.pp - 1;
+      StageSeconds t = ctx_.enc.stage_seconds(e.tp, e.recompute, nl, is_last, body[size_t(r)],
+                                              last[size_t(r)], out.tokens[size_t(r)]);
+      t += ctx_.enc.stage_constant_seconds(e.tp, nl, is_last);
+      out.stage_s[size_t(r * e.pp + st)] = t.total();
+      out.forward_s[size_t(r * e.pp + st)] = t.forward_s;
     }
   }
   return out;
@@ -209,10 +216,12 @@ Evaluator::Memory Evaluator::encoder_memory(const ModuleLayout& e, const ModuleL
   for (int64_t s = 0; s < e.pp; ++s) {
     const int64_t n = e.layers_per_stage[size_t(s)];
     const int64_t in_flight = peak_in_flight(pipeline_order_for(shape), shape, m, s);
-    const double bytes = ctx_.enc.state_bytes(ctx_.enc.gpu_params(e, s), e.dp, ctx_.o.zero1) +
-                         ctx_.enc.activation_bytes(e.tp, e.recompute, n, enc_tokens.at(in_flight)) +
-                         ctx_.enc.recompute_bytes(e.tp, e.recompute, enc_tokens.at(1)) +
-                         (s == 0 ? ctx_.enc.input_bytes(enc_tokens.at(m)) : 0.0);
+    const double bytes =
+        ctx_.enc.state_bytes(ctx_.enc.gpu_params(e, s), ctx_.enc.gpu_trainable_params(e, s), e.dp,
+                             ctx_.o.zero1) +
+        ctx_.enc.activation_bytes(e.tp, e.recompute, n, enc_tokens.at(in_flight)) +
+        ctx_.enc.recompute_bytes(e.tp, e.recompute, enc_tokens.at(1)) +
+        (s == 0 ? ctx_.enc.input_bytes(enc_tokens.at(m)) : 0.0);
     out.stage_bytes.push_back(bytes);
     if (bytes > out.peak) out.set_peak(bytes, true, s);
   }
@@ -229,7 +238,8 @@ Evaluator::Memory Evaluator::llm_memory(const ModuleLayout& g, bool colocated, i
     // The activations of one microbatch on one chunk (the stage itself without chunks).
     const int64_t n = largest_chunk(g, s);
     const int64_t in_flight = peak_in_flight(pipeline_order_for(shape), shape, m, s);
-    double bytes = ctx_.llm.state_bytes(ctx_.llm.gpu_params(g, s), g.dp, zero1) +
+    double bytes = ctx_.llm.state_bytes(ctx_.llm.gpu_params(g, s),
+                                        ctx_.llm.gpu_trainable_params(g, s), g.dp, zero1) +
                    ctx_.llm.activation_bytes(g.tp, g.recompute, n, llm_tokens.at(in_flight));
     // One transient at a time on top of what is held: a remade layer or (last stage,
     // all layers' activations still held) the head's chunk.
@@ -239,7 +249,7 @@ Evaluator::Memory Evaluator::llm_memory(const ModuleLayout& g, bool colocated, i
     if (colocated && s == 0) {
       const ModuleModel& ce = ctx_.colocated_enc(g.tp);
       const double enc_bytes =
-          ce.state_bytes(ce.gpu_all_params(g.tp), g.dp, zero1) +
+          ce.state_bytes(ce.gpu_all_params(g.tp), ce.gpu_all_params(g.tp, true), g.dp, zero1) +
           ce.activation_bytes(g.tp, g.recompute, ce.p->num_layers, enc_tokens.at(in_flight)) +
           ce.input_bytes(enc_tokens.at(m));
       working = std::max(working, ce.recompute_bytes(g.tp, g.recompute, enc_tokens.at(1)));
@@ -325,11 +335,10 @@ PipelineSimInput Evaluator::sim_input(const Layout& l, const BinSums& s,
   in.link_bandwidth_bytes_per_s.assign(size_t(V - 1), 0.0);
   in.activation_bytes.assign(size_t(R * (V - 1) * m), 0.0);
   in.allreduce_s.assign(size_t(S), 0.0);
-  auto put = [&](int64_t r, int64_t vs, int64_t k, double seconds) {
+  auto put = [&](int64_t r, int64_t vs, int64_t k, const StageSeconds& t) {
     const size_t i = size_t((r * V + vs) * m + k);
-    const double f = vs < E ? ctx_.enc.p->forward_fraction : ctx_.llm.p->forward_fraction;
-    in.forward_s[i] = seconds * f;
-    in.backward_s[i] = seconds * (1.0 - f);
+    in.forward_s[i] = t.forward_s;
+    in.backward_s[i] = t.backward_s;
   };
   auto bytes_at = [&](int64_t r, int64_t boundary, int64_t k) -> double& {
     return in.activation_bytes[size_t((r * (V - 1) + boundary) * m + k)];
@@ -341,7 +350,9 @@ PipelineSimInput Evaluator::sim_input(const Layout& l, const BinSums& s,
     if (!l.colocated) {
       // Every LLM replica waits for the encoder's slowest replica (encoder_replicas).
       for (int64_t st = 0; st < E; ++st) {
-        const double t = s.enc_stage_s[size_t(mb * E + st)];
+        const size_t at = size_t(mb * E + st);
+        const StageSeconds t{s.enc_stage_forward_s[at],
+                             s.enc_stage_s[at] - s.enc_stage_forward_s[at]};
         for (int64_t r = 0; r < R; ++r) put(r, st, k, t);
         if (st < E - 1) {
           for (int64_t r = 0; r < R; ++r) {
@@ -359,14 +370,14 @@ PipelineSimInput Evaluator::sim_input(const Layout& l, const BinSums& s,
         for (int64_t st = 0; st < g.pp; ++st) {
           const int64_t vs = c * g.pp + st, nl = g.layers_per_stage[size_t(vs)];
           const bool is_last = vs == g.pp * v - 1;
-          double t = ctx_.llm.stage_time(g.tp, g.recompute, nl, is_last, s.llm_body[bin],
-                                         s.llm_last[bin], s.llm_tokens[bin]) +
-                     ctx_.llm.stage_constant(g.tp, nl);
+          StageSeconds t = ctx_.llm.stage_seconds(g.tp, g.recompute, nl, is_last, s.llm_body[bin],
+                                                  s.llm_last[bin], s.llm_tokens[bin]);
+          t += ctx_.llm.stage_constant_seconds(g.tp, nl, is_last);
           if (l.colocated && st == 0) {
             const ModuleModel& ce = ctx_.colocated_enc(g.tp);
-            t += ce.stage_time(g.tp, g.recompute, ce.p->num_layers, true, s.enc_body[bin],
-                               s.enc_last[bin], s.enc_tokens[bin]) +
-                 ce.stage_constant(g.tp, ce.p->num_layers);
+            t += ce.stage_seconds(g.tp, g.recompute, ce.p->num_layers, true, s.enc_body[bin],
+                                  s.enc_last[bin], s.enc_tokens[bin]);
+            t += ce.stage_constant_seconds(g.tp, ce.p->num_layers, true);
           }
           put(r, E + vs, k, t);
           if (!is_last)
@@ -391,9 +402,20 @@ PipelineSimInput Evaluator::sim_input(const Layout& l, const BinSums& s,
   }
   for (int64_t st = 0; st < g.pp; ++st) {
     const double extra =
-        (l.colocated && st == 0) ? ctx_.colocated_enc(g.tp).gpu_all_params(g.tp) : 0.0;
+        (l.colocated && st == 0) ? ctx_.colocated_enc(g.tp).gpu_all_params(g.tp, true) : 0.0;
     in.allreduce_s[size_t(E + st)] = allreduce_time(ctx_.c, ctx_.llm, g, st, extra);
   }
+  // A stage that runs no backward (frozen, nothing trained before it) is sent no
+  // gradient: its B actions need only its own forwards.
+  std::vector<uint8_t> links(size_t(V - 1), 1);
+  bool any_cut = false;
+  for (int64_t vs = 0; vs + 1 < V; ++vs) {
+    const bool backward = vs < E ? ctx_.enc.runs_backward(vs == E - 1)
+                                 : ctx_.llm.runs_backward(vs - E == g.pp * v - 1);
+    links[size_t(vs)] = backward ? 1 : 0;
+    any_cut = any_cut || !backward;
+  }
+  if (any_cut) in.gradient_links = std::move(links);
   return in;
 }
 
@@ -540,6 +562,7 @@ PipelineSimInput Evaluator::replica_input(const PipelineSimInput& in, int64_t r,
   out.link_latency_s = in.link_latency_s;
   out.link_bandwidth_bytes_per_s = in.link_bandwidth_bytes_per_s;
   out.allreduce_s = in.allreduce_s;
+  out.gradient_links = in.gradient_links;
   out.forward_s.resize(size_t(S * m));
   out.backward_s.resize(size_t(S * m));
   for (int64_t st = 0; st < S; ++st) {
@@ -601,6 +624,9 @@ double Evaluator::replica_bound(const Layout& l, const BinSums& sums, double eno
   auto allreduce = [&](int64_t st) {
     return base.allreduce_s.empty() ? 0.0 : base.allreduce_s[size_t(st)];
   };
+  auto gradient_link = [&](int64_t link) {
+    return base.gradient_links.empty() || base.gradient_links[size_t(link)] != 0;
+  };
   const auto all = orders(l, base);
   std::vector<double> paths(all.size(), 0.0);
   double bound = kInf;
@@ -620,7 +646,9 @@ double Evaluator::replica_bound(const Layout& l, const BinSums& sums, double eno
         const int64_t u0 = first_chunk[size_t(st)];
         const double end = fill_at[size_t(u0)] + busy[size_t(r * S + st)];
         double tail = allreduce(st), drain = 0;
-        for (int64_t down = u0 - 1; down >= 0; --down) {
+        // Down to the first boundary that carries no gradient (the stages before it run
+        // no backward that waits for one).
+        for (int64_t down = u0 - 1; down >= 0 && gradient_link(down); --down) {
           drain += transfer(r, down, last) + base.backward_s[size_t((r * V + down) * m + last)];
           tail = std::max(tail, drain + allreduce(owner[size_t(down)]));
         }
@@ -721,7 +749,7 @@ double Evaluator::mean_shape_estimate(const Layout& l) const {
       const int64_t nl = stage_layers(m, st);
       slowest = std::max(slowest, model.stage_time(m.tp, m.recompute, nl, st == m.pp - 1, body * f,
                                                    last * f, tokens * f) +
-                                      model.stage_constant(m.tp, nl));
+                                      model.stage_constant(m.tp, nl, st == m.pp - 1));
     }
     return slowest;
   };

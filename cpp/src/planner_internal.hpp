@@ -48,6 +48,17 @@ inline int64_t largest_chunk(const ModuleLayout& l, int64_t s) {
 // ---------------------------------------------------------------------------------------
 // Cost and memory model of one module
 
+// A stage's forward and backward seconds.
+struct StageSeconds {
+  double forward_s = 0.0, backward_s = 0.0;
+  double total() const { return forward_s + backward_s; }
+  StageSeconds& operator+=(const StageSeconds& o) {
+    forward_s += o.forward_s;
+    backward_s += o.backward_s;
+    return *this;
+  }
+};
+
 struct ModuleModel {
   const ModuleParams* p = nullptr;
   const ClusterParams* c = nullptr;
@@ -79,19 +90,41 @@ struct ModuleModel {
     return kTpAllReducesPerLayer * 2.0 * double(t - 1) / double(t) * double(p->hidden_size) *
            p->element_bytes / c->intra_node_bandwidth_bytes_per_s;
   }
-  // Stage time of summed samples: body (spread over layers), last (last-stage-only) and
-  // tokens; n layers on the stage.
-  // With full activation recomputation the forward runs twice: 4/3 of the compute.
+  // Whether a stage's layers run a backward, and whether the stage runs one at all (its
+  // layers, or on the last stage the last stage's part): planner.hpp, "Training regime".
+  bool layers_backward() const { return p->body_backward_factor > 0.0; }
+  bool runs_backward(bool is_last) const {
+    return layers_backward() || (is_last && p->last_backward_factor > 0.0);
+  }
+  // Forward and backward seconds of a stage on summed samples: body (spread over layers),
+  // last (last-stage-only) and tokens; n layers on the stage. Under full training the
+  // forward is f x the total. With full activation recomputation the forward runs again in
+  // the backward: 4/3 of the compute where the layers run a backward.
+  StageSeconds stage_seconds(int64_t t, bool recompute, int64_t n, bool is_last, double body,
+                             double last, double tokens) const {
+    const double f = p->forward_fraction;
+    const double speed = double(t) * eff(t) / (recompute && layers_backward() ? 4.0 / 3.0 : 1.0);
+    const double body_s = body * body_scale * double(n) / double(p->num_layers) / speed;
+    const double last_s = is_last ? last / speed : 0.0;
+    const double comm = tokens * double(n) * comm_per_token_layer(t);
+    return {f * (body_s + last_s + comm),
+            (1.0 - f) * (p->body_backward_factor * body_s + p->last_backward_factor * last_s +
+                         (layers_backward() ? comm : 0.0))};
+  }
   double stage_time(int64_t t, bool recompute, int64_t n, bool is_last, double body, double last,
                     double tokens) const {
-    const double compute =
-        (body * body_scale * double(n) / double(p->num_layers) + (is_last ? last : 0.0)) /
-        (double(t) * eff(t)) * (recompute ? 4.0 / 3.0 : 1.0);
-    return compute + tokens * double(n) * comm_per_token_layer(t);
+    return stage_seconds(t, recompute, n, is_last, body, last, tokens).total();
   }
-  double stage_constant(int64_t t, int64_t n) const {
-    return p->microbatch_constant_s * double(n) / double(p->num_layers) +
-           (t > 1 ? double(n) * kTpAllReducesPerLayer * c->link_latency_s : 0.0);
+  // The per-microbatch constant of a stage of n layers (its backward share only where the
+  // stage runs a backward).
+  StageSeconds stage_constant_seconds(int64_t t, int64_t n, bool is_last) const {
+    const double k = p->microbatch_constant_s * double(n) / double(p->num_layers) +
+                     (t > 1 ? double(n) * kTpAllReducesPerLayer * c->link_latency_s : 0.0);
+    const double f = p->forward_fraction;
+    return {f * k, runs_backward(is_last) ? (1.0 - f) * k : 0.0};
+  }
+  double stage_constant(int64_t t, int64_t n, bool is_last) const {
+    return stage_constant_seconds(t, n, is_last).total();
   }
   // Parameters one GPU of stage s holds: the layers' and the last stage's (the LM head,
   // vocabulary-parallel; the projector) sharded over tp, the first stage's (embeddings)
@@ -102,32 +135,47 @@ struct ModuleModel {
                double(l.tp) +
            (s == 0 ? p->first_stage_params : 0.0);
   }
-  // The whole module's on one GPU of tp t (a colocated encoder).
-  double gpu_all_params(int64_t t) const {
-    return (p->params_per_layer * double(p->num_layers) + p->last_stage_params) / double(t) +
-           p->first_stage_params;
+  // The trainable ones of gpu_params (planner.hpp, "Training regime").
+  double gpu_trainable_params(const ModuleLayout& l, int64_t s) const {
+    return (p->params_per_layer * double(stage_layers(l, s)) * p->body_trainable_fraction +
+            (s == l.pp - 1 ? p->last_stage_params * p->last_trainable_fraction : 0.0)) /
+               double(l.tp) +
+           (s == 0 ? p->first_stage_params * p->body_trainable_fraction : 0.0);
   }
-  // Model states of `params` on a GPU: weights and gradients (element_bytes each) and Adam's
-  // 16 - 2 x element_bytes bytes (bf16: fp32 master, m, v; fp32: m, v), sharded over dp
-  // with zero1.
-  double state_bytes(double params, int64_t dp, bool zero1) const {
-    const double weights = 2.0 * p->element_bytes, optimizer = 16.0 - weights;
-    return params * (weights + (zero1 ? optimizer / double(dp) : optimizer));
+  // The whole module's on one GPU of tp t (a colocated encoder), all or the trainable ones.
+  double gpu_all_params(int64_t t, bool trainable_only = false) const {
+    const double body = trainable_only ? p->body_trainable_fraction : 1.0;
+    const double last = trainable_only ? p->last_trainable_fraction : 1.0;
+    return (p->params_per_layer * double(p->num_layers) * body + p->last_stage_params * last) /
+               double(t) +
+           p->first_stage_params * body;
+  }
+  // Model states on a GPU of `params` parameters of which `trainable` train: every weight
+  // (element_bytes); a trainable one's gradient (element_bytes) and Adam's 16 - 2 x
+  // element_bytes bytes (bf16: fp32 master, m, v; fp32: m, v), sharded over dp with zero1.
+  double state_bytes(double params, double trainable, int64_t dp, bool zero1) const {
+    const double optimizer = 16.0 - 2.0 * p->element_bytes;
+    return params * p->element_bytes +
+           trainable * (p->element_bytes + (zero1 ? optimizer / double(dp) : optimizer));
   }
   // Activation bytes that microbatches of `tokens` tokens in all keep per GPU on a stage of
   // n layers between their forward and backward: every layer's (full recomputation: each
-  // layer's input only).
+  // layer's input only); none where the layers run no backward.
   double activation_bytes(int64_t t, bool recompute, int64_t n, double tokens) const {
+    if (!layers_backward()) return 0.0;
     const double per_layer =
         recompute ? p->element_bytes * double(p->hidden_size) : p->activation_bytes_per_token_layer;
     return tokens * double(n) * per_layer / double(t);
   }
-  // With full recomputation, the one layer the backward remakes at a time holds its
-  // activations again (of one microbatch of `tokens` tokens). The gradients a backward op
-  // makes are not counted: measured at the start of the backward (where CPU peaks fell),
-  // they are a fraction of one layer's activations, within the model's error.
+  // One layer's activations of one microbatch of `tokens` tokens, held transiently: the
+  // layer the backward remakes (full recomputation) or the layer a forward-only stage runs
+  // (its activations are freed as it goes). The gradients a backward op makes are not
+  // counted: measured at the start of the backward (where CPU peaks fell), they are a
+  // fraction of one layer's activations, within the model's error.
   double recompute_bytes(int64_t t, bool recompute, double tokens) const {
-    return recompute ? tokens * p->activation_bytes_per_token_layer / double(t) : 0.0;
+    return recompute || !layers_backward()
+               ? tokens * p->activation_bytes_per_token_layer / double(t)
+               : 0.0;
   }
   // The first stage's inputs of a step of `tokens` tokens per GPU, read before it starts
   // (prefetched; each microbatch's then kept for its backward, which the activations count
@@ -148,6 +196,8 @@ inline int64_t node_of(int64_t rank, int64_t gpn) { return rank / gpn; }
 // Bandwidth of a module's DP group at stage s (rank order: tp fastest, then dp, then pp).
 double dp_bandwidth(const ClusterParams& c, const ModuleLayout& l, int64_t s);
 
+// The gradient all-reduce of stage s: its trainable parameters plus `extra_params`
+// (trainable ones too: a colocated encoder's).
 double allreduce_time(const ClusterParams& c, const ModuleModel& mm, const ModuleLayout& l,
                       int64_t s, double extra_params);
 
@@ -221,6 +271,7 @@ struct BinSums {
   // work), at enc_stage_s[k * pp + st]; the largest replica's encoder tokens; and per stage
   // the encoder's compute seconds summed over replicas and microbatches (for idle shares).
   std::vector<double> enc_stage_s, enc_max_tokens, enc_busy_s;
+  std::vector<double> enc_stage_forward_s;  // the forward share of enc_stage_s
   void resize(size_t bins) {
     for (auto* v : {&enc_body, &enc_last, &enc_tokens, &llm_body, &llm_last, &llm_tokens, &visual,
                     &llm_targets})
@@ -230,9 +281,10 @@ struct BinSums {
 
 // The encoder's replicas on one microbatch: every replica's seconds per stage, its tokens.
 struct EncoderReplicas {
-  std::vector<double> stage_s;  // dp x pp, row-major: incl. the constant where it has work
-  std::vector<double> tokens;   // dp
-  UnitSplit split;              // Unit / Sample: the pieces (sample = position in members)
+  std::vector<double> stage_s;    // dp x pp, row-major: incl. the constant where it has work
+  std::vector<double> forward_s;  // dp x pp: the forward share of stage_s
+  std::vector<double> tokens;     // dp
+  UnitSplit split;                // Unit / Sample: the pieces (sample = position in members)
 };
 
 class Evaluator {
@@ -435,8 +487,9 @@ PathPart module_path_mean(const Context& ctx, const ModuleModel& mm, const Modul
 // Elementwise minimum (a lower bound of every term over a set of layouts).
 PathPart min_parts(const PathPart& a, const PathPart& b);
 
-// The links of the path: S - 1 forward and S - 1 backward transfers.
-double path_links(const Context& ctx, const Layout& l);
+// The links of the path of a disaggregated layout: S - 1 forward transfers and a backward
+// one over each link that carries gradients.
+double path_links(const Context& ctx, int64_t encoder_pp, int64_t llm_pp);
 
 // The screening estimate (not a bound) of a 1F1B step: a typical microbatch's path (the
 // pipeline's fill and drain) plus the busiest stage's work beyond that microbatch. For m

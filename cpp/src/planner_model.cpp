@@ -20,8 +20,9 @@ double dp_bandwidth(const ClusterParams& c, const ModuleLayout& l, int64_t s) {
 
 double allreduce_time(const ClusterParams& c, const ModuleModel& mm, const ModuleLayout& l,
                       int64_t s, double extra_params) {
-  if (l.dp <= 1) return 0.0;
-  const double bytes = mm.p->element_bytes * (mm.gpu_params(l, s) + extra_params);
+  const double params = mm.gpu_trainable_params(l, s) + extra_params;
+  if (l.dp <= 1 || params <= 0.0) return 0.0;  // frozen parameters are not all-reduced
+  const double bytes = mm.p->element_bytes * params;
   return 2.0 * double(l.dp - 1) / double(l.dp) * bytes / dp_bandwidth(c, l, s) + c.link_latency_s;
 }
 

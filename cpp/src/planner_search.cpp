@@ -541,7 +541,7 @@ class Search {
   void enumerate_colocated() {
     const int64_t N = ctx_.c.num_gpus;
     for (const auto& [d, recompute] :
-         with_recompute(module_degrees(ctx_.c, *ctx_.llm.p, N, 0, max_tp()))) {
+         with_recompute(module_degrees(ctx_.c, *ctx_.llm.p, N, 0, max_tp()), ctx_.llm)) {
       Layout l;
       l.colocated = true;
       // The data-blind baseline splits layers uniformly (Megatron-LM); dflop balances
@@ -571,14 +571,14 @@ class Search {
     const bool balanced = ctx_.o.balanced_layer_split;
     if (!encoder_gpus_allowed(v)) return;
     for (const auto& [d, recompute] :
-         with_recompute(module_degrees(ctx_.c, *ctx_.enc.p, v, 0, encoder_max_tp()))) {
+         with_recompute(module_degrees(ctx_.c, *ctx_.enc.p, v, 0, encoder_max_tp()), ctx_.enc)) {
       encs->push_back(make_module(ctx_.enc, d, 0, balanced, ctx_));
       encs->back().recompute = recompute;
     }
     if (encs->empty()) return;
     const bool interleave = ctx_.o.strategy == PlanStrategy::DataAware;
     for (const auto& [d, recompute] :
-         with_recompute(module_degrees(ctx_.c, *ctx_.llm.p, N - v, v, max_tp()))) {
+         with_recompute(module_degrees(ctx_.c, *ctx_.llm.p, N - v, v, max_tp()), ctx_.llm)) {
       for (int64_t chunks : ctx_.o.virtual_stage_choices) {
         // Interleaving needs >= 2 stages and a layer per chunk (DataAware only).
         if (chunks > 1 && (!interleave || d.pp < 2 || d.pp * chunks > ctx_.llm.p->num_layers))
@@ -612,7 +612,7 @@ class Search {
     blocks_.clear();
     if (ctx_.o.strategy != PlanStrategy::DataAware) return;
     const int64_t N = ctx_.c.num_gpus;
-    const double links = 2.0 * ctx_.c.link_latency_s;  // the fewest stages: one each
+    const double links = path_links(ctx_, 1, 1);  // the fewest stages: one each
     for (int64_t v = 1; v < N; ++v) {
       std::vector<ModuleLayout> encs, llms;
       module_layouts(v, &encs, &llms);
@@ -696,7 +696,7 @@ class Search {
               const PathPart part = module_path_mean(ctx_, ctx_.enc, e, m, true);
               it = enc_terms.emplace(std::make_pair(ei, m), std::make_pair(busy, part)).first;
             }
-            const double links = 2.0 * double(e.pp + g.pp - 1) * ctx_.c.link_latency_s;
+            const double links = path_links(ctx_, e.pp, g.pp);
             k = candidate_keys(ctx_, it->second.first, it->second.second, llm_busy, llm_part, links,
                                m);
             if (pass_ == Pass::Collect && k.key > threshold_) continue;
@@ -717,9 +717,13 @@ class Search {
   }
 
   // Every degree with and without full activation recomputation.
-  static std::vector<std::pair<Degrees, bool>> with_recompute(const std::vector<Degrees>& ds) {
+  // Each degree without and with recomputation (only without where the module's layers run
+  // no backward: there is nothing to recompute).
+  static std::vector<std::pair<Degrees, bool>> with_recompute(const std::vector<Degrees>& ds,
+                                                              const ModuleModel& mm) {
     std::vector<std::pair<Degrees, bool>> out;
     for (bool recompute : {false, true}) {
+      if (recompute && !mm.layers_backward()) break;
       for (const Degrees& d : ds) out.emplace_back(d, recompute);
     }
     return out;

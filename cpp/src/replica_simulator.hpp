@@ -59,13 +59,14 @@ class ReplicaSimulator {
 
   // Simulates one step. forward_s/backward_s: V x m (row-major, V virtual stages) seconds;
   // latency_s and bandwidth: V - 1 (bandwidth may be null: infinite); bytes: (V - 1) x m or
-  // null (nothing to send). Inputs are trusted (validated by the caller). on_event(stage,
-  // kind, microbatch, peer_stage, start_s, end_s, virtual_stage) sees every compute and
-  // send. Returns the time the last stage's compute ends.
+  // null (nothing to send); gradient_links: V - 1 (0 = no gradient back over that boundary)
+  // or null (every boundary carries one). Inputs are trusted (validated by the caller).
+  // on_event(stage, kind, microbatch, peer_stage, start_s, end_s, virtual_stage) sees every
+  // compute and send. Returns the time the last stage's compute ends.
   template <class OnEvent>
   double run(const double* forward_s, const double* backward_s, const double* latency_s,
              const double* bandwidth, const double* bytes, double weight_grad_fraction,
-             OnEvent&& on_event) {
+             const uint8_t* gradient_links, OnEvent&& on_event) {
     const int64_t V = num_virtual_, m = m_;
     std::fill(fwd_arrival_.begin(), fwd_arrival_.end(), kUnknown);
     std::fill(bwd_arrival_.begin(), bwd_arrival_.end(), kUnknown);
@@ -97,6 +98,10 @@ class ReplicaSimulator {
       return arrival_s;
     };
 
+    auto carries_grad = [gradient_links](int64_t boundary) {
+      return gradient_links == nullptr || gradient_links[boundary] != 0;
+    };
+
     while (!worklist_.empty()) {
       const int64_t s = worklist_.front();
       worklist_.pop_front();
@@ -109,11 +114,12 @@ class ReplicaSimulator {
         const bool is_forward = action.kind == ActionKind::Forward;
         const bool sends_grad =
             action.kind == ActionKind::Backward || action.kind == ActionKind::BackwardInput;
-        // The first virtual stage's forwards, the last one's backwards (whose forward came
-        // earlier in this stage's order) and weight gradients wait for no input.
+        // The first virtual stage's forwards, the backwards of the last one and of those with
+        // no gradient link after them (their forward came earlier in this stage's order) and
+        // weight gradients wait for no input.
         double input_s = 0.0;
         if (is_forward && v > 0) input_s = fwd_arrival_[vk];
-        if (sends_grad && v < V - 1) input_s = bwd_arrival_[vk];
+        if (sends_grad && v < V - 1 && carries_grad(v)) input_s = bwd_arrival_[vk];
         if (std::isnan(input_s)) break;  // woken again when the input is sent
         double duration_s = is_forward ? forward_s[vk] : backward_s[vk];
         if (action.kind == ActionKind::BackwardWeight) duration_s *= weight_grad_fraction;
@@ -126,7 +132,7 @@ class ReplicaSimulator {
         ++next_action_[s];
         if (is_forward && v < V - 1) {
           fwd_arrival_[static_cast<size_t>((v + 1) * m + k)] = send(v, v + 1, k, end_s);
-        } else if (sends_grad && v > 0) {
+        } else if (sends_grad && v > 0 && carries_grad(v - 1)) {
           bwd_arrival_[static_cast<size_t>((v - 1) * m + k)] = send(v, v - 1, k, end_s);
         }
       }
@@ -144,7 +150,7 @@ class ReplicaSimulator {
 
   // Without events.
   double run(const double* forward_s, const double* backward_s, const double* latency_s) {
-    return run(forward_s, backward_s, latency_s, nullptr, nullptr, 0.5,
+    return run(forward_s, backward_s, latency_s, nullptr, nullptr, 0.5, nullptr,
                [](int64_t, EventKind, int64_t, int64_t, double, double, int64_t) {});
   }
 

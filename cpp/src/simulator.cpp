@@ -133,6 +133,19 @@ void validate_pipeline_input(const PipelineSimInput& in) {
                "num_replicas x (virtual stages - 1) x num_microbatches (or empty)");
     check_nonnegative_3d("activation_bytes", in.activation_bytes, num_links, m, "link");
   }
+  if (!in.gradient_links.empty()) {
+    if (static_cast<int64_t>(in.gradient_links.size()) != num_links) {
+      throw InvalidArgument(
+          "gradient_links has " + std::to_string(in.gradient_links.size()) +
+          " values, expected virtual stages - 1 (or empty) = " + std::to_string(num_links));
+    }
+    for (size_t l = 0; l < in.gradient_links.size(); ++l) {
+      if (in.gradient_links[l] > 1) {
+        throw InvalidArgument("gradient_links[link " + std::to_string(l) +
+                              "] must be 0 or 1, got " + std::to_string(in.gradient_links[l]));
+      }
+    }
+  }
   if (!in.allreduce_s.empty()) {
     check_size("allreduce_s", in.allreduce_s, in.num_stages, "num_stages (or empty)");
     check_nonnegative_1d("allreduce_s", in.allreduce_s, "stage");
@@ -153,6 +166,7 @@ PipelineSimResult simulate_pipeline(const PipelineSimInput& in) {
     out.events.reserve(static_cast<size_t>(4 * num_replicas * num_stages * m) +
                        (in.allreduce_s.empty() ? 0 : grid));
   }
+  const uint8_t* gradient_links = in.gradient_links.empty() ? nullptr : in.gradient_links.data();
   for (int64_t r = 0; r < num_replicas; ++r) {
     const size_t offset = static_cast<size_t>(r * num_virtual * m);
     const double* bytes = in.activation_bytes.empty()
@@ -160,7 +174,7 @@ PipelineSimResult simulate_pipeline(const PipelineSimInput& in) {
                               : in.activation_bytes.data() + static_cast<size_t>(r * num_links * m);
     replica.run(in.forward_s.data() + offset, in.backward_s.data() + offset,
                 in.link_latency_s.data(), in.link_bandwidth_bytes_per_s.data(), bytes,
-                in.weight_grad_fraction,
+                in.weight_grad_fraction, gradient_links,
                 [&](int64_t stage, EventKind kind, int64_t k, int64_t peer, double start_s,
                     double end_s, int64_t virtual_stage) {
                   if (in.record_events) {

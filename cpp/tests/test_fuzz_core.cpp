@@ -2115,7 +2115,11 @@ std::string describe(const SimCase& c) {
     << ", backward_s=" << vec(in.backward_s) << ", link_latency_s=" << vec(in.link_latency_s)
     << ", link_bandwidth_bytes_per_s=" << vec(in.link_bandwidth_bytes_per_s)
     << ", activation_bytes=" << vec(in.activation_bytes) << ", allreduce_s=" << vec(in.allreduce_s)
-    << ", record_events=" << in.record_events << ")";
+    << ", gradient_links=[";
+  for (size_t l = 0; l < in.gradient_links.size(); ++l) {
+    s << (l ? ", " : "") << int(in.gradient_links[l]);
+  }
+  s << "], record_events=" << in.record_events << ")";
   return s.str();
 }
 
@@ -2148,6 +2152,12 @@ bool sim_valid(const dflop::PipelineSimInput& in) {
   if (!in.allreduce_s.empty() &&
       (int64_t(in.allreduce_s.size()) != S || !all_nonneg_finite(in.allreduce_s)))
     return false;
+  if (!in.gradient_links.empty()) {
+    if (int64_t(in.gradient_links.size()) != S - 1) return false;
+    for (uint8_t g : in.gradient_links) {
+      if (g > 1) return false;
+    }
+  }
   return true;
 }
 
@@ -2173,6 +2183,9 @@ RefSim reference_simulate(const dflop::PipelineSimInput& in) {
     std::vector<char> fwd_known(size_t(S * m), 0), bwd_known(size_t(S * m), 0);
     Doubles free_s(size_t(S), 0.0), link_fwd(size_t(S), 0.0), link_bwd(size_t(S), 0.0);
     std::vector<size_t> next(size_t(S), 0);
+    auto grad_link = [&](int64_t link) {
+      return in.gradient_links.empty() || in.gradient_links[size_t(link)] == 1;
+    };
     auto send = [&](int64_t from, int64_t to, int64_t k, double ready) {
       const int64_t link = std::min(from, to);
       const double bytes = in.activation_bytes.empty()
@@ -2199,7 +2212,7 @@ RefSim reference_simulate(const dflop::PipelineSimInput& in) {
             if (!fwd_known[sk]) break;
             input = fwd_arrival[sk];
           }
-          if (!is_fwd(a) && s < S - 1) {
+          if (!is_fwd(a) && s < S - 1 && grad_link(s)) {
             if (!bwd_known[sk]) break;
             input = bwd_arrival[sk];
           }
@@ -2217,7 +2230,7 @@ RefSim reference_simulate(const dflop::PipelineSimInput& in) {
             const size_t to = size_t((s + 1) * m + a.microbatch);
             fwd_arrival[to] = send(s, s + 1, a.microbatch, end);
             fwd_known[to] = 1;
-          } else if (!is_fwd(a) && s > 0) {
+          } else if (!is_fwd(a) && s > 0 && grad_link(s - 1)) {
             const size_t to = size_t((s - 1) * m + a.microbatch);
             bwd_arrival[to] = send(s, s - 1, a.microbatch, end);
             bwd_known[to] = 1;
@@ -2271,6 +2284,9 @@ SimCase gen_sim(Rng& r) {
   }
   if (r.chance(0.5)) in.allreduce_s = gen_values(r, S);
   in.record_events = r.chance(0.8);
+  if (r.chance(0.3)) {  // some boundaries send no gradient back (frozen stages)
+    for (int64_t l = 0; l + 1 < S; ++l) in.gradient_links.push_back(r.chance(0.5) ? 1 : 0);
+  }
   return c;
 }
 
@@ -2281,7 +2297,7 @@ void mutate_sim(Rng& r, SimCase& c) {
   };
   const int64_t count = r.range(1, 3);
   for (int64_t k = 0; k < count; ++k) {
-    switch (r.below(12)) {
+    switch (r.below(13)) {
       case 0:
         in.num_replicas =
             r.chance(0.5) ? weird_int(r) : add_sat(in.num_replicas, r.pick<int64_t>({-1, 1}));
@@ -2332,6 +2348,15 @@ void mutate_sim(Rng& r, SimCase& c) {
         std::fill(in.forward_s.begin(), in.forward_s.end(), 0.0);
         std::fill(in.backward_s.begin(), in.backward_s.end(), 0.0);
         break;
+      case 11:  // gradient_links: a length off by one, or a value other than 0 / 1
+        if (r.chance(0.5) || in.gradient_links.empty()) {
+          in.gradient_links.push_back(r.chance(0.5) ? 0 : 1);
+        } else if (r.chance(0.5)) {
+          in.gradient_links.pop_back();
+        } else {
+          in.gradient_links[r.below(in.gradient_links.size())] = r.pick<uint8_t>({2, 255});
+        }
+        break;
       default:
         in.record_events = !in.record_events;
         break;
@@ -2381,8 +2406,10 @@ void check_sim(const dflop::PipelineSimInput& in, const dflop::PipelineSimResult
     FUZZ_CHECK(res.events.empty(), res.events.size() << " events recorded");
     return;
   }
-  const size_t expected =
-      size_t(2 * R * S * m + 2 * R * (S - 1) * m) + (in.allreduce_s.empty() ? 0 : grid);
+  int64_t no_grad_links = 0;
+  for (uint8_t g : in.gradient_links) no_grad_links += g == 0;
+  const size_t expected = size_t(2 * R * S * m + 2 * R * (S - 1) * m - R * no_grad_links * m) +
+                          (in.allreduce_s.empty() ? 0 : grid);
   FUZZ_REQUIRE(
       res.events.size() == expected && ref.events.size() == expected,
       res.events.size() << " events, reference " << ref.events.size() << ", expected " << expected);
@@ -2638,6 +2665,21 @@ dflop::ModuleParams gen_module(Rng& r, bool encoder) {
   return p;
 }
 
+// A training regime as dflop.planner.with_trainable sets it: the tower, the projector and
+// the LLM each train or are frozen (not all frozen); a frozen part runs half the backward
+// where a trained part before it needs the gradient, none otherwise.
+void set_regime(Rng& r, dflop::ModuleParams& enc, dflop::ModuleParams& llm) {
+  bool tower = r.chance(0.5), projector = r.chance(0.5), lm = r.chance(0.5);
+  if (!tower && !projector && !lm) lm = true;
+  auto factor = [](bool trains, bool passes) { return trains ? 1.0 : passes ? 0.5 : 0.0; };
+  enc.body_backward_factor = factor(tower, false);
+  enc.last_backward_factor = factor(projector, tower);
+  enc.body_trainable_fraction = tower ? 1.0 : 0.0;
+  enc.last_trainable_fraction = projector ? 1.0 : 0.0;
+  llm.body_backward_factor = llm.last_backward_factor = factor(lm, true);
+  llm.body_trainable_fraction = llm.last_trainable_fraction = lm ? 1.0 : 0.0;
+}
+
 PlannerCase gen_planner(Rng& r) {
   PlannerCase c;
   auto& cl = c.cluster;
@@ -2651,6 +2693,7 @@ PlannerCase gen_planner(Rng& r) {
   cl.memory_reserve_bytes = r.chance(0.2) ? 2e9 : 0.0;
   c.enc = gen_module(r, true);
   c.llm = gen_module(r, false);
+  if (r.chance(0.3)) set_regime(r, c.enc, c.llm);
   auto& x = c.x;
   x.num_batches = r.chance(0.1) ? 3 : r.range(1, 2);
   x.batch_size = r.chance(0.1) ? r.range(17, 64) : r.range(1, 16);
@@ -3150,7 +3193,8 @@ void planner_follow_ups(Rng& r, const PlannerCase& c, const dflop::LayoutScore& 
       if (a == Outcome::Returned) {
         FUZZ_CHECK(again.sim.forward_s == st.sim.forward_s &&
                        again.sim.backward_s == st.sim.backward_s &&
-                       again.sim.activation_bytes == st.sim.activation_bytes,
+                       again.sim.activation_bytes == st.sim.activation_bytes &&
+                       again.sim.gradient_links == st.sim.gradient_links,
                    "step_from_assignment(build_step's assignment) differs from build_step");
       }
     }

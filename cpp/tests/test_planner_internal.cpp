@@ -125,7 +125,7 @@ TEST_CASE(evaluator_matches_a_hand_computed_step) {
   CHECK_NEAR(dflop::detail::module_bound(ctx, ctx.enc, l.encoder, 2, true, 0.0), 6.0, 1e-12);
   CHECK_NEAR(dflop::detail::module_path_mean(ctx, ctx.enc, l.encoder, 2, true).path, 3.0, 1e-12);
   CHECK_NEAR(dflop::detail::module_path_mean(ctx, ctx.llm, l.llm, 2, false).path, 3.0, 1e-12);
-  CHECK_EQ(dflop::detail::path_links(ctx, l), 0.0);
+  CHECK_EQ(dflop::detail::path_links(ctx, l.encoder.pp, l.llm.pp), 0.0);
   // The replica bound sees the fill and drain the first bound misses; the single-replica
   // simulation is the step itself here.
   const Evaluator::Prepared prepared =
@@ -341,8 +341,9 @@ TEST_CASE(bounds_never_exceed_the_simulated_step) {
         dflop::detail::module_path_mean(ctx, ctx.enc, l.encoder, m, true);
     const dflop::detail::PathPart llm =
         dflop::detail::module_path_mean(ctx, ctx.llm, l.llm, m, false);
-    const dflop::detail::Keys k = dflop::detail::candidate_keys(
-        ctx, enc_busy, enc, llm_busy, llm, dflop::detail::path_links(ctx, l), m);
+    const dflop::detail::Keys k =
+        dflop::detail::candidate_keys(ctx, enc_busy, enc, llm_busy, llm,
+                                      dflop::detail::path_links(ctx, l.encoder.pp, l.llm.pp), m);
     CHECK_MSG(k.bound <= mean * (1 + kRel), where + ": candidate bound " + std::to_string(k.bound) +
                                                 " > mean step " + std::to_string(mean));
     CHECK_EQ(k.key, k.bound);  // screen_factor = 0

@@ -237,6 +237,132 @@ void test_replicas_allreduce() {
   CHECK(quiet.compute_end_s == res.compute_end_s);
 }
 
+// Every field of every event, exactly.
+bool same_events(const PipelineSimResult& a, const PipelineSimResult& b) {
+  if (a.events.size() != b.events.size()) return false;
+  for (size_t i = 0; i < a.events.size(); ++i) {
+    const auto &x = a.events[i], &y = b.events[i];
+    if (x.replica != y.replica || x.stage != y.stage || x.kind != y.kind ||
+        x.microbatch != y.microbatch || x.peer_stage != y.peer_stage || x.start_s != y.start_s ||
+        x.end_s != y.end_s || x.virtual_stage != y.virtual_stage) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Empty gradient_links and all ones are the same model: bit-identical results.
+void test_gradient_links_default() {
+  std::vector<PipelineSimInput> inputs;
+  auto in = make_input(PipelineOrder::OneFOneB, 3, 5, 1.0, 2.0);
+  in.num_replicas = 2;
+  in.forward_s.clear();
+  in.backward_s.clear();
+  for (int i = 0; i < 2 * 3 * 5; ++i) {
+    in.forward_s.push_back(0.25 + 0.37 * (i % 7));
+    in.backward_s.push_back(0.5 + 0.61 * (i % 5));
+  }
+  in.link_latency_s = {0.1, 0.3};
+  in.link_bandwidth_bytes_per_s = {1e9, 2e9};
+  in.activation_bytes.assign(2 * 2 * 5, 3e8);
+  in.allreduce_s = {0.5, 1.0, 0.25};
+  inputs.push_back(in);
+  in.order = PipelineOrder::GPipe;
+  inputs.push_back(in);
+  auto inter = make_input(PipelineOrder::Interleaved1F1B, 2, 4, 1.0, 2.0);
+  inter.shape = {{2}, {2}};  // 2 stages x 2 chunks: 4 virtual stages, 3 boundaries
+  inter.forward_s.assign(4 * 4, 1.0);
+  inter.backward_s.assign(4 * 4, 2.0);
+  inter.link_latency_s.assign(3, 0.2);
+  inter.link_bandwidth_bytes_per_s.assign(3, 1e9);
+  inter.activation_bytes.assign(3 * 4, 5e8);
+  inputs.push_back(inter);
+  for (const auto& base : inputs) {
+    const auto before = dflop::simulate_pipeline(base);
+    auto ones = base;
+    ones.gradient_links.assign(base.link_latency_s.size(), 1);
+    const auto after = dflop::simulate_pipeline(ones);
+    CHECK(before.step_time_s == after.step_time_s);
+    CHECK(before.compute_end_s == after.compute_end_s);
+    CHECK(before.busy_s == after.busy_s);
+    CHECK(before.idle_s == after.idle_s);
+    CHECK(same_events(before, after));
+  }
+}
+
+// 2 stages, 1F1B, m = 3, latency 0.5 s; stage 0 is frozen (backward 0 s, no gradient
+// back): its order F0 F1 B0 F2 B1 B2 runs without waiting for stage 1, so its forwards
+// run back to back at 0, 1, 2 (with a gradient link F2 would wait for B0's gradient, at 5).
+// Stage 1 (f = 2, b = 1): F0 at 1.5 (F0's end + latency), B0 3.5, F1 4.5, B1 6.5, F2 7.5,
+// B2 9.5 -> 10.5.
+void test_gradient_links_frozen_first_stage() {
+  auto in = make_input(PipelineOrder::OneFOneB, 2, 3, 1.0, 0.0);
+  for (int64_t k = 0; k < 3; ++k) {
+    in.forward_s[size_t(3 + k)] = 2.0;
+    in.backward_s[size_t(3 + k)] = 1.0;
+  }
+  in.link_latency_s[0] = 0.5;
+  in.gradient_links = {0};
+  const auto res = dflop::simulate_pipeline(in);
+  check_compute(res, 0, EventKind::Forward, 0, 0.0, 1.0);
+  check_compute(res, 0, EventKind::Forward, 1, 1.0, 2.0);
+  check_compute(res, 0, EventKind::Backward, 0, 2.0, 2.0);
+  check_compute(res, 0, EventKind::Forward, 2, 2.0, 3.0);
+  check_compute(res, 0, EventKind::Backward, 1, 3.0, 3.0);
+  check_compute(res, 0, EventKind::Backward, 2, 3.0, 3.0);
+  check_compute(res, 1, EventKind::Forward, 0, 1.5, 3.5);
+  check_compute(res, 1, EventKind::Backward, 0, 3.5, 4.5);
+  check_compute(res, 1, EventKind::Forward, 1, 4.5, 6.5);
+  check_compute(res, 1, EventKind::Backward, 1, 6.5, 7.5);
+  check_compute(res, 1, EventKind::Forward, 2, 7.5, 9.5);
+  check_compute(res, 1, EventKind::Backward, 2, 9.5, 10.5);
+  CHECK(res.step_time_s == 10.5);
+  CHECK(res.compute_end_s[0] == 3.0);
+  CHECK(res.compute_end_s[1] == 10.5);
+  CHECK(res.busy_s[0] == 3.0);
+  CHECK(res.busy_s[1] == 9.0);
+  // Only the three activations cross boundary 0 (stage 0 -> 1); no gradient comes back.
+  int sends = 0;
+  for (const auto& e : res.events) {
+    if (e.kind != EventKind::Send) continue;
+    ++sends;
+    CHECK(e.stage == 0 && e.peer_stage == 1 && e.virtual_stage == 0);
+  }
+  CHECK(sends == 3);
+  CHECK(res.events.size() == 12u + 3u);
+
+  // The same input with the gradient link: stage 0's B0 waits for stage 1's (4.5 + 0.5).
+  in.gradient_links.clear();
+  const auto linked = dflop::simulate_pipeline(in);
+  check_compute(linked, 0, EventKind::Backward, 0, 5.0, 5.0);
+  check_compute(linked, 0, EventKind::Forward, 2, 5.0, 6.0);
+}
+
+// A split backward (I then W) of a stage with no gradient link waits only for its forward.
+// f = 1, b = 2 (I and W 1 s each), m = 1: stage 0's I runs at 1 (else at 3, when stage 1's
+// I gradient arrives), stage 1 makes no Send back.
+void test_gradient_links_backward_input() {
+  auto in = make_input(PipelineOrder::OneFOneB, 2, 1, 1.0, 2.0);
+  using dflop::ActionKind;
+  in.actions = {{{0, ActionKind::Forward, 0},
+                 {0, ActionKind::BackwardInput, 0},
+                 {0, ActionKind::BackwardWeight, 0}},
+                {{1, ActionKind::Forward, 0},
+                 {1, ActionKind::BackwardInput, 0},
+                 {1, ActionKind::BackwardWeight, 0}}};
+  in.gradient_links = {0};
+  const auto res = dflop::simulate_pipeline(in);
+  check_compute(res, 0, EventKind::BackwardInput, 0, 1.0, 2.0);
+  check_compute(res, 0, EventKind::BackwardWeight, 0, 2.0, 3.0);
+  check_compute(res, 1, EventKind::BackwardInput, 0, 2.0, 3.0);
+  CHECK(res.step_time_s == 4.0);
+  CHECK(find_event(res, 0, 1, EventKind::Send, 0) == nullptr);
+  in.gradient_links.clear();
+  const auto linked = dflop::simulate_pipeline(in);
+  check_compute(linked, 0, EventKind::BackwardInput, 0, 3.0, 4.0);
+  CHECK(linked.step_time_s == 5.0);
+}
+
 void test_validation() {
   const auto base = make_input(PipelineOrder::OneFOneB, 3, 4, 1.0, 1.0);
   check_invalid(
@@ -310,6 +436,20 @@ void test_validation() {
         dflop::simulate_pipeline(in);
       },
       "num_microbatches must be in [1, 10000000]", __LINE__);
+  check_invalid(
+      [&] {
+        auto in = base;
+        in.gradient_links = {1};
+        dflop::simulate_pipeline(in);
+      },
+      "gradient_links has 1 values, expected virtual stages - 1 (or empty) = 2", __LINE__);
+  check_invalid(
+      [&] {
+        auto in = base;
+        in.gradient_links = {1, 2};
+        dflop::simulate_pipeline(in);
+      },
+      "gradient_links[link 1] must be 0 or 1, got 2", __LINE__);
 }
 
 }  // namespace
@@ -322,6 +462,9 @@ int main() {
   test_latency();
   test_bandwidth_serialises_transfers();
   test_replicas_allreduce();
+  test_gradient_links_default();
+  test_gradient_links_frozen_first_stage();
+  test_gradient_links_backward_input();
   test_validation();
   if (g_failures != 0) {
     std::printf("test_simulator: %d failure(s)\n", g_failures);

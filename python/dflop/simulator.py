@@ -8,7 +8,8 @@ pipeline program (1F1B, GPipe, interleaved 1F1B, or any valid action list; see
   executes), one at a time. An action starts when its stage is free and its input has
   arrived: forward k at virtual stage v waits for forward k of v-1 plus the transfer;
   backward k at v waits for backward k of v+1 plus the transfer (a weight-gradient
-  backward waits for nothing).
+  backward waits for nothing, nor does any backward at v when ``gradient_links[v]`` is 0:
+  no gradient comes back over that boundary).
 - A transfer over boundary l (virtual stage l <-> l+1) takes ``activation_bytes /
   bandwidth`` seconds of the link between their physical stages in that direction, FIFO
   in the senders' order, and arrives ``link_latency_s`` later. Gradients are as large as
@@ -128,6 +129,7 @@ def simulate_pipeline(
     activation_bytes: Any = None,
     link_bandwidth_bytes_per_s: Any = math.inf,
     allreduce_s: Any = 0.0,
+    gradient_links: Any = None,
     record_events: bool = True,
     schedule: str | None = None,
 ) -> SimulationResult:
@@ -158,6 +160,10 @@ def simulate_pipeline(
         allreduce_s: gradient all-reduce seconds of each physical stage after its last
             action: a scalar or shape (S,). All zeros means no all-reduce (no all-reduce
             events).
+        gradient_links: None (every boundary carries gradients back), or shape (V-1,) of
+            0 / 1 (or bools): 0 means boundary l sends no gradient back (e.g. virtual stages
+            0..l are frozen and their backwards compute nothing), so the backward at l waits
+            only for its own forward and no gradient is sent over boundary l.
         record_events: False leaves ``events`` empty (faster when only times matter).
         schedule: deprecated name of ``order``.
 
@@ -236,6 +242,19 @@ def simulate_pipeline(
             )
         sizes = np.ascontiguousarray(np.broadcast_to(sizes, target))
     allreduce = _broadcast("allreduce_s", allreduce_s, (num_stages,), "(S,)")
+    grad_links: np.ndarray | None = None
+    if gradient_links is not None:
+        grad_links = np.asarray(gradient_links)
+        if grad_links.dtype == object or grad_links.dtype.kind not in "biu":
+            raise InputTypeError(
+                f"gradient_links must be integers or bools, got dtype {grad_links.dtype}"
+            )
+        if grad_links.shape != (num_links,):
+            raise ValueError(
+                f"gradient_links must have shape (V-1,) = {(num_links,)}, "
+                f"got shape {grad_links.shape}"
+            )
+        grad_links = np.ascontiguousarray(grad_links, dtype=np.int64)
     raw = _core.simulate_pipeline(
         np.ascontiguousarray(fwd),
         np.ascontiguousarray(bwd),
@@ -249,6 +268,7 @@ def simulate_pipeline(
         chunks=chunk_counts,
         actions=actions,
         weight_grad_fraction=float(weight_grad_fraction),
+        gradient_links=grad_links,
     )
     if not (np.isfinite(raw["step_time_s"]) and np.isfinite(raw["busy_s"]).all()):
         raise ValueError(

@@ -68,3 +68,19 @@ def test_a_bad_regime_is_named_in_one_line():
     assert result.returncode == 2
     assert "'vision' is not a part; parts: encoder, projector, llm" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_plan_records_its_regime_and_training_names_a_mismatch(tmp_path):
+    plan = tmp_path / "plan.json"
+    result = run_cli(
+        "plan", "--local", "3", "--layout", LAYOUT, "--global-batch", "8",
+        "--trainable", "frozen-vision", "-o", str(plan),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(plan.read_text())["inputs"]["trainable"] == "frozen-vision"
+    assert "priced for training frozen-vision" in result.stdout
+    # The command it suggests trains what was planned.
+    assert f"dflop train --plan {plan} --trainable frozen-vision" in result.stdout
+    other = run_cli("train", "--plan", str(plan), "--steps", "1", "--quiet")
+    assert other.returncode == 0, other.stdout + other.stderr
+    assert "was planned to train frozen-vision, this run trains full" in other.stdout + other.stderr

@@ -52,6 +52,18 @@
 //   computes its loss the stage holds min(targets of the largest bin, head_chunk_tokens) x
 //   head_bytes_per_target_token / t (vocabulary-parallel head) more, once: transient, one
 //   microbatch's at a time.
+// Training regime (which parts train: dflop.models.trainable): each module's layers (with
+// the first stage's parameters) and its last stage's part (LM head / projector) carry a
+// backward factor b, the share of a full training backward that runs (1: the weights train;
+// 1 - the weight gradients' share, 0.5: frozen weights pass gradients on to a trained part
+// before them; 0: frozen with nothing trained before, no backward at all), and a trainable
+// share of their parameters (1 full, 0 frozen). A stage's forward is f x compute (f =
+// forward_fraction, of full training), its backward (1 - f) x compute x b; the TP
+// all-reduces and the microbatch constant split by f the same way, their backward share
+// only where the stage runs a backward; recomputation only where the layers run one. Only
+// trainable parameters hold gradients and optimizer state (frozen ones: their weights) and
+// are all-reduced. Layers that run no backward keep no activations: their stage holds one
+// layer's working set of one microbatch at a time.
 // Padded attention heads (colocated layouts only): the encoder inside the LLM's first stage
 // runs at the LLM's tp, which need not divide the encoder's heads (InternViT-6B: 25). A
 // Megatron-LM user then does what NVLM does (Megatron-LM examples/multimodal/nvlm/
@@ -137,6 +149,13 @@ struct ModuleParams {
   // The first stage's input per token (the encoder's pixels), which the runtime reads for
   // every microbatch of a step before the step starts.
   double input_bytes_per_token = 0.0;
+  // Which parts train (see "Training regime" above): the share of a full training backward
+  // that runs on the layers (with the first stage's parameters) and on the last stage's
+  // part (LM head / projector), and the shares of their parameters that train.
+  double body_backward_factor = 1.0;
+  double last_backward_factor = 1.0;
+  double body_trainable_fraction = 1.0;
+  double last_trainable_fraction = 1.0;
 };
 
 // Per-sample inputs of num_batches sampled global batches of batch_size samples each,

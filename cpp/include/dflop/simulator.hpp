@@ -10,6 +10,7 @@
 //   backward (or input-gradient backward) of k at v needs the gradient of k from v + 1 (the
 //   last virtual stage's needs only its own forward, which precedes it in the order); a
 //   weight-gradient backward needs nothing beyond its stage's order.
+// - gradient_links[l] = 0: boundary l sends no gradient; v = l's backward needs only its forward.
 // - A transfer from virtual stage v to v + 1 (or back) of b bytes occupies the link between
 //   their physical stages in that direction for b / bandwidth seconds, FIFO in the order the
 //   sends are made (links are full duplex; the boundaries of several chunk pairs that join
@@ -76,6 +77,11 @@ struct PipelineSimInput {
   // Empty (nothing to send), or num_replicas x (V - 1) x num_microbatches: bytes of
   // microbatch k's activation over boundary l; finite and >= 0.
   std::vector<double> activation_bytes;
+  // Empty (every boundary carries gradients back), or V - 1 values of 0 or 1: 0 = boundary
+  // l sends no gradient back (e.g. virtual stages 0..l are frozen: their backwards compute
+  // nothing and need no gradient). Virtual stage l's backward (B or I) then needs only its
+  // own forward, and l + 1's makes no Send over boundary l (the link is not charged).
+  std::vector<uint8_t> gradient_links;
   // Empty (no all-reduce), or num_stages: all-reduce seconds per physical stage; finite
   // and >= 0.
   std::vector<double> allreduce_s;

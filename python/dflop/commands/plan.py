@@ -59,6 +59,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=(1,),
         help="LLM model chunks per stage to try, e.g. 1,2 (interleaved 1F1B; default 1: off)",
     )
+    p.add_argument(
+        "--trainable",
+        default="full",
+        help="which parts train: full, projector, frozen-vision, or part=mode pairs such as "
+        "'encoder=frozen,llm=frozen' (as dflop train --trainable); the plan prices what that "
+        "regime runs and holds",
+    )
     p.add_argument("--no-prune", action="store_true", help="simulate every candidate")
     p.add_argument("--reference", action="store_true", help="also run the mean-shape optimizer")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
@@ -205,6 +212,7 @@ def run_plan(args: argparse.Namespace) -> int:
         prune=not args.no_prune,
         reference=args.reference,
         virtual_stage_choices=args.virtual_stages,
+        trainable=args.trainable,
     )
     inputs = {
         "model": args.model,
@@ -256,6 +264,7 @@ def _run_local_plan(args: argparse.Namespace) -> int:
         seed=args.seed,
         perf=None if args.perf == "analytic" else args.perf,
         calibrate_steps=args.calibrate_steps,
+        trainable=args.trainable,
     )
     prepared = prepare(config, log=lambda text: print(text, file=sys.stderr))
     result = prepared.plan
@@ -267,7 +276,11 @@ def _run_local_plan(args: argparse.Namespace) -> int:
         print(f"{prepared.description}")
         print(result.table())
         if args.output:
-            print(f"plan written to {args.output}; train it with: dflop train --plan {args.output}")
+            regime = "" if config.trainable == "full" else f" --trainable {config.trainable}"
+            print(
+                f"plan written to {args.output}; train it with: dflop train --plan "
+                f"{args.output}{regime}"
+            )
     return 0
 
 
@@ -344,6 +357,7 @@ def _rebuilt(plan: Any, layout: Any, batch: int) -> Any:
         seed=int(info.get("seed", 0)),
         element_bytes=int(info.get("element_bytes", 2)),
         loss_chunk_tokens=int(info.get("loss_chunk_tokens", PlannerConfig.loss_chunk_tokens)),
+        trainable=str(info.get("trainable", "full")),
     )
     if "forward_fraction" in info:  # what the plan was scored with
         config = replace(config, forward_fraction=tuple(info["forward_fraction"]))
@@ -358,5 +372,6 @@ def _rebuilt(plan: Any, layout: Any, batch: int) -> Any:
         forward_fraction=config.forward_fraction,
         element_bytes=config.element_bytes,
         loss_chunk_tokens=config.loss_chunk_tokens,
+        trainable=config.trainable,
     )
     return simulate_layout(plan.cluster, inputs, layout, config, batch=batch)

@@ -15,7 +15,15 @@ and summarised in :mod:`dflop.planner.model`.
 
 from dflop._deprecated import attribute_aliases
 from dflop.planner.inputs import PlannerInputs, prepare_inputs
-from dflop.planner.model import ClusterSpec, PlannerConfig, PlannerModule, planner_modules
+from dflop.planner.model import (
+    ClusterSpec,
+    PlannerConfig,
+    PlannerModule,
+    full_training_forward_fraction,
+    planner_modules,
+    regime_forward_fraction,
+    with_trainable,
+)
 from dflop.planner.result import (
     PLAN_FORMAT,
     PLAN_VERSION,
@@ -60,10 +68,13 @@ __all__ = [
     "audited",
     "choose_layouts",
     "evaluate_layout",
+    "full_training_forward_fraction",
     "planner_modules",
     "plan",
     "prepare_inputs",
+    "regime_forward_fraction",
     "search_layouts",
     "runtime_scored",
     "simulate_layout",
+    "with_trainable",
 ]

@@ -20,6 +20,7 @@ from dflop.planner.model import (
     PlannerConfig,
     PlannerModule,
     planner_modules,
+    with_trainable,
 )
 
 __all__ = [
@@ -143,12 +144,14 @@ def prepare_inputs(
     forward_fraction: tuple[float, float] | None = None,
     element_bytes: int = 2,
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+    trainable: str = "full",
 ) -> PlannerInputs:
     """Sample ``num_batches`` global batches (batch b with seed ``seed + b``; of a run's
     steps, see :func:`plan`: step b) and compute their per-sample costs with
     ``performance_model``; ``forward_fraction`` (encoder, LLM) overrides the modules'
-    forward share of a stage's time (1/3); ``element_bytes`` and ``loss_chunk_tokens``
-    are the training's precision and chunked loss (:class:`PlannerConfig`)."""
+    forward share of a stage's time under full training (1/3); ``element_bytes``,
+    ``loss_chunk_tokens`` and ``trainable`` are the training's precision, chunked loss
+    and regime (:class:`PlannerConfig`)."""
     if not isinstance(encoder, EncoderConfig):
         raise InputTypeError(f"encoder must be an EncoderConfig, got {type(encoder).__name__}")
     if not isinstance(llm, LLMConfig):
@@ -192,6 +195,7 @@ def prepare_inputs(
         forward_fraction,
         element_bytes,
         loss_chunk_tokens,
+        trainable,
     )
 
 
@@ -203,6 +207,7 @@ def single_batch_inputs(
     forward_fraction: tuple[float, float] | None = None,
     element_bytes: int = 2,
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+    trainable: str = "full",
 ) -> PlannerInputs:
     """The planner's inputs for one given global batch (what the trainer runs)."""
     return _inputs(
@@ -215,6 +220,7 @@ def single_batch_inputs(
         forward_fraction,
         element_bytes,
         loss_chunk_tokens,
+        trainable,
     )
 
 
@@ -228,6 +234,7 @@ def _inputs(
     forward_fraction: tuple[float, float] | None = None,
     element_bytes: int = 2,
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+    trainable: str = "full",
 ) -> PlannerInputs:
     costs = np.asarray(performance_model.costs(batch), dtype=np.float64)
     if costs.shape != (len(batch), 2):
@@ -245,6 +252,7 @@ def _inputs(
     if forward_fraction is not None:
         enc_spec = replace(enc_spec, forward_fraction=float(forward_fraction[0]))
         llm_spec = replace(llm_spec, forward_fraction=float(forward_fraction[1]))
+    enc_spec, llm_spec = with_trainable(enc_spec, llm_spec, trainable)
     samples = {
         "num_batches": int(num_batches),
         "batch_size": int(global_batch),

@@ -44,15 +44,25 @@ with the ``attention_*_fraction`` of :class:`PlannerModule`.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from dflop.data.costs import EncoderConfig, LLMConfig
 from dflop.errors import InputTypeError
+from dflop.models.trainable import TrainableParts
 
-__all__ = ["ClusterSpec", "PlannerConfig", "PlannerModule", "planner_modules"]
+__all__ = [
+    "WEIGHT_GRAD_FRACTION",
+    "ClusterSpec",
+    "PlannerConfig",
+    "PlannerModule",
+    "full_training_forward_fraction",
+    "planner_modules",
+    "regime_forward_fraction",
+    "with_trainable",
+]
 
 ACTIVATION_BYTES_PER_HIDDEN = 34.0
 """Activation bytes per token, layer and hidden unit (bf16, FlashAttention, SP)."""
@@ -165,8 +175,17 @@ class PlannerModule:
             ``params_per_layer`` and of ``activation_bytes_per_token_layer`` that grow with
             the number of attention heads (used when a colocated encoder's heads are padded
             to a multiple of tp); 1.0 (all of it) unless known.
-        forward_fraction: forward share of a stage's forward + backward time (1/3: the
-            backward costs twice the forward); the trainer passes its measured share.
+        forward_fraction: forward share of a stage's forward + backward time when
+            everything trains (1/3: the backward costs twice the forward); the trainer
+            passes its measured share, converted to full training.
+        body_backward_factor, last_backward_factor: the training regime (which parts
+            train, :func:`with_trainable`): the share of a full training backward that
+            runs on the layers (with the first stage's parameters) and on the last
+            stage's part (LM head / projector): 1 trains them, ``1 -``
+            :data:`WEIGHT_GRAD_FRACTION` passes gradients through frozen weights, 0 runs
+            no backward (then the layers keep no activations).
+        body_trainable_fraction, last_trainable_fraction: the shares of those parameters
+            that train (hold gradients and optimizer state and are all-reduced).
     """
 
     num_layers: int
@@ -185,6 +204,10 @@ class PlannerModule:
     attention_param_fraction: float = 1.0
     attention_activation_fraction: float = 1.0
     forward_fraction: float = 1.0 / 3.0
+    body_backward_factor: float = 1.0
+    last_backward_factor: float = 1.0
+    body_trainable_fraction: float = 1.0
+    last_trainable_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "hidden_size"):
@@ -208,6 +231,10 @@ class PlannerModule:
             "attention_param_fraction",
             "attention_activation_fraction",
             "forward_fraction",
+            "body_backward_factor",
+            "last_backward_factor",
+            "body_trainable_fraction",
+            "last_trainable_fraction",
         ):
             _check_number("PlannerModule", name, getattr(self, name), positive=False)
             if getattr(self, name) > 1.0:
@@ -367,6 +394,9 @@ class PlannerConfig:
             LLM stage, Megatron-style) with dflop's balanced schedule. dflop's runtime runs
             the encoder and the LLM on disjoint ranks and cannot execute them, so a plan
             for ``dflop train`` leaves this off; on, it shows what colocation would win.
+        trainable: which parts train (a :class:`~dflop.models.trainable.TrainableParts`
+            preset such as ``"frozen-vision"``, or ``"encoder=frozen,..."``); the plan
+            prices what that regime runs and holds (:func:`with_trainable`).
     """
 
     num_batches: int = 4
@@ -393,8 +423,14 @@ class PlannerConfig:
     virtual_stage_choices: tuple[int, ...] = (1,)
     element_bytes: int = 2
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS
+    trainable: str = "full"
 
     def __post_init__(self) -> None:
+        try:
+            parts = TrainableParts.parse(self.trainable)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"PlannerConfig.trainable: {e}") from None
+        object.__setattr__(self, "trainable", str(parts))
         _check_int("PlannerConfig", "num_batches", self.num_batches, 1)
         _check_int("PlannerConfig", "seed", self.seed, 0)
         _check_int("PlannerConfig", "top_k", self.top_k, 1)
@@ -449,3 +485,80 @@ class PlannerConfig:
                 self.balance_time_budget_ms,
                 positive=False,
             )
+
+
+WEIGHT_GRAD_FRACTION = 0.5
+"""The weight gradients' share of a layer's backward (one of its two GEMMs per weight; the
+simulator's ``weight_grad_fraction``): what a frozen layer that passes gradients on skips."""
+
+
+def _backward_factor(trains: bool, gradients_pass: bool) -> float:
+    if trains:
+        return 1.0
+    return 1.0 - WEIGHT_GRAD_FRACTION if gradients_pass else 0.0
+
+
+def with_trainable(
+    encoder: PlannerModule, llm: PlannerModule, trainable: str | TrainableParts
+) -> tuple[PlannerModule, PlannerModule]:
+    """(encoder, LLM) priced for a training regime (:class:`TrainableParts` or its name):
+    a frozen part's weights get no gradients, optimizer state or all-reduce; its backward
+    runs only where a trained part before it needs the gradient (then without the weight
+    gradients), as dflop's engine runs it (``TrainableParts.stage_backward``)."""
+    parts = TrainableParts.parse(trainable)
+    tower, projector, lm = (parts.trains(p) for p in ("encoder", "projector", "llm"))
+    enc = replace(
+        encoder,
+        body_backward_factor=_backward_factor(tower, False),
+        last_backward_factor=_backward_factor(projector, tower),
+        body_trainable_fraction=float(tower),
+        last_trainable_fraction=float(projector),
+    )
+    # Something trains at or before every LLM stage (TrainableParts refuses all frozen).
+    llm_factor = _backward_factor(lm, True)
+    llm_out = replace(
+        llm,
+        body_backward_factor=llm_factor,
+        last_backward_factor=llm_factor,
+        body_trainable_fraction=float(lm),
+        last_trainable_fraction=float(lm),
+    )
+    return enc, llm_out
+
+
+def _body_backward_factors(parts: TrainableParts) -> tuple[float, float]:
+    """(encoder, LLM) layers' backward factors under ``parts`` (see :func:`with_trainable`)."""
+    return (
+        _backward_factor(parts.trains("encoder"), False),
+        _backward_factor(parts.trains("llm"), True),
+    )
+
+
+def regime_forward_fraction(
+    forward_fraction: tuple[float, float], trainable: str | TrainableParts
+) -> tuple[float, float]:
+    """(encoder, LLM) forward shares of each module's time under a regime, from their
+    shares under full training: what a run of that regime measures (and what its
+    scheduler's pipeline model uses), from what the planner's model uses. A module whose
+    layers run no backward: 1."""
+    out = []
+    for f, b in zip(forward_fraction, _body_backward_factors(TrainableParts.parse(trainable))):
+        total = f + (1.0 - f) * b
+        out.append(1.0 if total <= 0.0 else f / total)
+    return out[0], out[1]
+
+
+def full_training_forward_fraction(
+    shares: tuple[float, float],
+    trainable: str | TrainableParts,
+    default: tuple[float, float],
+) -> tuple[float, float]:
+    """The inverse of :func:`regime_forward_fraction`: (encoder, LLM) full-training shares
+    from shares measured under the regime; ``default``'s where a module's layers run no
+    backward (the measurement says nothing about one)."""
+    out = []
+    factors = _body_backward_factors(TrainableParts.parse(trainable))
+    for share, b, fallback in zip(shares, factors, default):
+        denominator = share * b + 1.0 - share
+        out.append(share * b / denominator if b > 0.0 and denominator > 0.0 else fallback)
+    return out[0], out[1]

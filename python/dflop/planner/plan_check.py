@@ -732,7 +732,7 @@ _STEP_REQUIRED = (
     "link_bandwidth_bytes_per_s",
     "allreduce_s",
 )
-_STEP_OPTIONAL = ("samples", "llm_chunks")
+_STEP_OPTIONAL = ("samples", "llm_chunks", "gradient_links")
 _PIECES = ("microbatch", "sample", "first_unit", "num_units", "replica")
 _SAMPLES = ("encoder_units", "encoder_s", "llm_s")
 
@@ -803,6 +803,11 @@ def _check_step(
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
             _fail(f"{path}.link_bandwidth_bytes_per_s[{k}]", rate, "must be a number > 0")
     _array(f"{path}.allreduce_s", step["allreduce_s"], "f", (encoder_stages + llm["pp"],))
+    if step.get("gradient_links"):  # absent or empty: every link carries gradients
+        cut = _array(f"{path}.gradient_links", step["gradient_links"], "i", (links,))
+        if ((cut != 0) & (cut != 1)).any():
+            k = int(np.argmax((cut != 0) & (cut != 1)))
+            _fail(f"{path}.gradient_links[{k}]", int(cut[k]), "must be 0 or 1")
     samples = step.get("samples", {})
     units = None
     if not isinstance(samples, dict):

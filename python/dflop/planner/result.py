@@ -407,6 +407,13 @@ class Plan:
             + ", ".join(f"{v:.3f}" for v in best.stage_bubble_s)
             + f"; encoder->LLM transfer {best.transfer_s:.3f} s"
         )
+        trainable = (self.inputs or {}).get("trainable", "full")
+        if trainable != "full":
+            lines.append(
+                f"priced for training {trainable} (frozen parts: no backward where none is "
+                "needed, no gradients or optimizer state)"
+                + ("; the baseline trains the same" if self.baseline is not None else "")
+            )
         if self.speedup_over_baseline is not None:
             lines.append(
                 f"speed-up over the data-blind baseline: {self.speedup_over_baseline:.2f}x"

@@ -22,7 +22,7 @@ from dflop.planner.inputs import (
     sample_record,
     single_batch_inputs,
 )
-from dflop.planner.model import ClusterSpec, PlannerConfig
+from dflop.planner.model import ClusterSpec, PlannerConfig, regime_forward_fraction
 from dflop.planner.result import LayoutPlan, ModulePlan, Plan, StepPrediction
 from dflop.planner.steps import StepAudit
 from dflop.scheduling.balance import InfeasibleError
@@ -285,6 +285,7 @@ def plan(
         forward_fraction=config.forward_fraction,
         element_bytes=config.element_bytes,
         loss_chunk_tokens=config.loss_chunk_tokens,
+        trainable=config.trainable,
     )
     layouts, raw = choose_layouts(cluster, inputs, config)
     if not layouts:
@@ -306,6 +307,7 @@ def plan(
     description.setdefault("forward_fraction", list(config.forward_fraction))
     description.setdefault("element_bytes", config.element_bytes)
     description.setdefault("loss_chunk_tokens", config.loss_chunk_tokens)
+    description.setdefault("trainable", config.trainable)
     return Plan(
         cluster=cluster,
         global_batch=int(global_batch),
@@ -428,7 +430,8 @@ def runtime_scored(
         model = PipelineModel.for_layout(
             layout,
             stage_constant_s=seen["constants"],
-            forward_fraction=tuple(config.forward_fraction),
+            # what the trainer's scheduler uses: the shares under the training regime
+            forward_fraction=regime_forward_fraction(config.forward_fraction, config.trainable),
             link_latency_s=cluster.link_latency_s,
         )
         # As the trainer's scheduler does for step b: its seed offset by the step.

@@ -72,6 +72,9 @@ class StepAudit:
     llm_chunks: int = 1
     """Model chunks per LLM stage (> 1: the interleaved 1F1B schedule; the LLM arrays then
     run over its virtual stages)."""
+    gradient_links: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Empty (every link carries gradients back), or per link 0 where none goes back: the
+    stages before it are frozen and run no backward that waits (``simulate_pipeline``)."""
 
     @property
     def num_encoder_stages(self) -> int:
@@ -126,6 +129,7 @@ class StepAudit:
             activation_bytes=self.activation_bytes if links else None,
             link_bandwidth_bytes_per_s=self.link_bandwidth_bytes_per_s.reshape(links),
             allreduce_s=self.allreduce_s,
+            gradient_links=self.gradient_links if self.gradient_links.size else None,
         )
 
     def split_of(self, microbatch: int) -> dict[str, np.ndarray]:
@@ -159,6 +163,7 @@ class StepAudit:
             step_time_s=0.0,
             samples=dict(samples or {}),
             llm_chunks=int(raw["chunks"][-1]),
+            gradient_links=np.asarray(raw["gradient_links"], dtype=np.int64),
         )
         return replace(probe, step_time_s=float(probe.simulate(record_events=False).step_time_s))
 
@@ -178,6 +183,7 @@ class StepAudit:
             "allreduce_s": self.allreduce_s.tolist(),
             "samples": {k: np.asarray(v).tolist() for k, v in self.samples.items()},
             "llm_chunks": self.llm_chunks,
+            "gradient_links": self.gradient_links.tolist(),
         }
 
     @classmethod
@@ -202,6 +208,7 @@ class StepAudit:
             step_time_s=float(data["step_time_s"]),
             samples={k: np.asarray(v) for k, v in data.get("samples", {}).items()},
             llm_chunks=int(data.get("llm_chunks", 1)),
+            gradient_links=np.asarray(data.get("gradient_links", []), dtype=np.int64).reshape(-1),
         )
 
 
@@ -239,6 +246,7 @@ class StepPredictor:
             self.config.forward_fraction if fractions is None else fractions,
             self.config.element_bytes,
             self.config.loss_chunk_tokens,
+            self.config.trainable,
         )
 
     def audit(

@@ -6,7 +6,8 @@ Three things are corrected while a run trains (none in a deterministic run):
   (``adaptive``; :func:`~dflop.train.metrics.measured_microbatch_times` documents which
   time belongs to which samples);
 - the forward share of each module's action time (smoothed), which the step model splits
-  forward and backward by;
+  forward and backward by (measured under the run's training regime; the planner's model
+  takes it converted to full training, :func:`~dflop.planner.full_training_forward_fraction`);
 - the per-transfer link latency: what makes the step model, fed the cost model's action
   times, reproduce the measured step (the median of the last fits).
 
@@ -23,6 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from dflop.planner import full_training_forward_fraction, regime_forward_fraction
 from dflop.train.metrics import RankRecord, measured_microbatch_times
 
 __all__ = ["OnlineCalibration", "fit_link_latency"]
@@ -32,13 +34,20 @@ class OnlineCalibration:
     """The forward shares and link latency rank 0's step model uses, and their fits.
 
     Args:
-        forward_fraction: (encoder, LLM) forward shares to start from (a plan's); default
-            one third each.
+        forward_fraction: (encoder, LLM) full-training forward shares to start from (a
+            plan's); default one third each.
+        trainable: the run's training regime (a frozen part runs less backward, so its
+            module's measured forward share is larger).
     """
 
-    def __init__(self, forward_fraction: tuple[float, float] | None = None) -> None:
-        fractions = forward_fraction or (1.0 / 3.0, 1.0 / 3.0)
+    def __init__(
+        self, forward_fraction: tuple[float, float] | None = None, trainable: str = "full"
+    ) -> None:
+        self.trainable = trainable
+        self._full_training_start = forward_fraction or (1.0 / 3.0, 1.0 / 3.0)
+        fractions = regime_forward_fraction(self._full_training_start, trainable)
         self.forward_fraction = {"encoder": float(fractions[0]), "llm": float(fractions[1])}
+        """(encoder, LLM) forward shares under the run's regime, as its steps measure them."""
         self.link_latency_s = 0.0
         self.calibrated = False
         """Whether ``link_latency_s`` was fitted to a measured step (else the plan's)."""
@@ -49,8 +58,17 @@ class OnlineCalibration:
 
     @property
     def shares(self) -> tuple[float, float]:
-        """(encoder, LLM) forward shares now."""
+        """(encoder, LLM) forward shares now, under the run's regime (the runtime
+        scheduler's pipeline model splits the stage costs by them)."""
         return self.forward_fraction["encoder"], self.forward_fraction["llm"]
+
+    @property
+    def full_training_shares(self) -> tuple[float, float]:
+        """:attr:`shares` as the planner's model takes them: the shares of full training
+        (a module whose layers run no backward keeps the starting share)."""
+        return full_training_forward_fraction(
+            self.shares, self.trainable, self._full_training_start
+        )
 
     def learn(
         self,

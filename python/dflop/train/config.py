@@ -405,9 +405,10 @@ class TrainConfig:
         from dflop.models.trainable import TrainableParts
 
         try:
-            TrainableParts.parse(self.trainable)
+            parts = TrainableParts.parse(self.trainable)
         except ValueError as error:
             raise ValueError(f"TrainConfig.trainable: {error}") from None
+        object.__setattr__(self, "trainable", str(parts))  # one spelling per regime
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", "'auto', 'cpu' or 'cuda'")
         if self.launch not in ("auto", "processes", "threads"):

@@ -325,6 +325,7 @@ def _local_planning(
     budget: MemoryBudget | None,
     calibration: Calibration | None,
     loss_chunk_tokens: int,
+    trainable: str = "full",
     **config: Any,
 ) -> tuple[Any, Any]:
     """(cluster, PlannerConfig) for local processes, calibrated when given: what dflop's
@@ -335,6 +336,7 @@ def _local_planning(
         config["forward_fraction"] = calibration.forward_fraction
     return cluster, runtime_planner_config(
         loss_chunk_tokens,
+        trainable=trainable,
         seed=seed,
         max_tp=1,
         baseline=False,
@@ -366,6 +368,7 @@ def evaluate_local(
     budget: MemoryBudget | None = None,
     calibration: Calibration | None = None,
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+    trainable: str = "full",
 ) -> Any:
     """A :class:`~dflop.planner.Plan` holding one given layout for its local processes,
     scored and audited as the planner scores its own choices (to force a layout): with
@@ -375,7 +378,7 @@ def evaluate_local(
 
     encoder, llm = cost_configs(model)
     cluster, config = _local_planning(
-        layout.world_size, seed, budget, calibration, loss_chunk_tokens
+        layout.world_size, seed, budget, calibration, loss_chunk_tokens, trainable
     )
     inputs = prepare_inputs(
         cost_model,
@@ -388,13 +391,14 @@ def evaluate_local(
         forward_fraction=config.forward_fraction,
         element_bytes=config.element_bytes,
         loss_chunk_tokens=config.loss_chunk_tokens,
+        trainable=config.trainable,
     )
     scored = evaluate_layout(cluster, inputs, core_layout(layout), config)
     return Plan(
         cluster=cluster,
         global_batch=layout.global_batch,
         layouts=[runtime_scored(cluster, inputs, scored, config)],
-        inputs={"forward_fraction": list(config.forward_fraction)},
+        inputs={"forward_fraction": list(config.forward_fraction), "trainable": config.trainable},
     )
 
 
@@ -420,6 +424,7 @@ def plan_local(
     budget: MemoryBudget | None = None,
     calibration: Calibration | None = None,
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
+    trainable: str = "full",
 ) -> LocalPlan:
     """Plan ``model`` on ``nproc`` local processes with ``dflop.planner.plan``.
 
@@ -428,6 +433,7 @@ def plan_local(
     or a distribution with ``.sample(n, seed)`` of the scaled shapes the model is trained
     on. ``num_microbatches`` restricts the planner's choice of m. A
     ``calibration`` (a short run's measurements) sets the link latency and forward shares.
+    ``trainable``: the run's training regime (:class:`~dflop.models.trainable.TrainableParts`).
     """
     from dflop.planner import plan
 
@@ -441,6 +447,7 @@ def plan_local(
         budget,
         calibration,
         loss_chunk_tokens,
+        trainable,
         microbatch_choices=choices,
         top_k=20,
     )

@@ -182,6 +182,7 @@ def _prepare(config: TrainConfig, log: Callable[[str], None]) -> Prepared:
             "calibration": calibration,
             "loss_chunk_tokens": config.loss_chunk_tokens,
             "budget": budget,
+            "trainable": config.trainable,
         }
         if forced is not None:
             plan = evaluate_local(cost_model, model, forced, data, **common)
@@ -232,11 +233,6 @@ def _prepare(config: TrainConfig, log: Callable[[str], None]) -> Prepared:
         )
     if plan is not None:
         plan.inputs = {**(plan.inputs or {}), **_local_inputs(config, global_batch, perf)}
-    if config.trainable != "full":
-        log(
-            f"note: --trainable {config.trainable}: the planner and its step predictions "
-            "price full training (frozen parts are not priced yet)"
-        )
     return Prepared(
         layout=layout,
         performance_model=perf.to_dict() if perf is not None else None,
@@ -540,8 +536,16 @@ def _local_inputs(config: TrainConfig, global_batch: int, perf: Any) -> dict[str
 
 def _check_plan_inputs(plan: Any, config: TrainConfig, log: Callable[[str], None]) -> None:
     """A plan made for local processes names its model and data: training another model
-    is an error, other data makes its prediction meaningless (said, not fatal)."""
+    is an error, other data makes its prediction meaningless (said, not fatal); so does
+    another training regime (any plan)."""
     inputs = plan.inputs
+    planned = inputs.get("trainable", "full")  # plans before the setting priced full training
+    if planned != config.trainable:
+        log(
+            f"note: {config.plan} was planned to train {planned}, this run trains "
+            f"{config.trainable}: its layout and predicted step time are for the other "
+            f"regime (plan again with --trainable {config.trainable})"
+        )
     if not inputs.get("local"):
         return
     if inputs.get("preset") not in (None, config.model):

@@ -164,7 +164,7 @@ class Trainer:
         self.cost_model = None
         self.scheduler = None
         # The forward shares a plan was scored with, refined by what the steps measure.
-        self.calibration = OnlineCalibration(forward_fraction)
+        self.calibration = OnlineCalibration(forward_fraction, str(self.trainable))
         self._last_step_wall_s: float | None = None
         self._plan_cost_model: Any = None
         # Rank 0: the planner's model of this run's steps (times, memory).
@@ -203,7 +203,9 @@ class Trainer:
             encoder,
             llm,
             core_layout(self.layout),
-            runtime_planner_config(self.config.loss_chunk_tokens, num_batches=1),
+            runtime_planner_config(
+                self.config.loss_chunk_tokens, num_batches=1, trainable=self.config.trainable
+            ),
         )
 
     def _start_scheduler(self, performance_model: Any) -> None:
@@ -218,7 +220,7 @@ class Trainer:
         # The model the plan was scored with, never corrected: what the plan predicts
         # for the steps the run trains (reported beside the corrected simulator's).
         self._plan_cost_model = CostModel(performance_model)
-        self._plan_forward_fraction = self.calibration.shares
+        self._plan_forward_fraction = self.calibration.full_training_shares
         # Until the steps calibrate it, the latency the plan was scored with.
         self.calibration.link_latency_s = self.predictor.cluster.link_latency_s
         self.scheduler = AsyncScheduler(
@@ -297,7 +299,7 @@ class Trainer:
             self.cost_model,
             shapes,
             s.assignment,
-            forward_fraction=self.calibration.shares,
+            forward_fraction=self.calibration.full_training_shares,
             link_latency_s=self.calibration.link_latency_s if self.calibration.calibrated else None,
         )
 
@@ -535,7 +537,10 @@ class Trainer:
                 "samples_replaced": self.samples_replaced,
                 # The calibration of the step model (dflop plan --local uses it).
                 "link_latency_s": self.calibration.final_link_latency_s(self._audit),
-                "forward_fraction": dict(self.calibration.forward_fraction),
+                # (full-training shares, as plans take them)
+                "forward_fraction": dict(
+                    zip(("encoder", "llm"), self.calibration.full_training_shares)
+                ),
                 # With profile_trace: (trace file, TransferOverlap fields) per profiled rank.
                 "transfer_overlap": self.profiler.transfer_overlaps,
                 # With memory_report: per rank, its stage's measured and predicted peak.

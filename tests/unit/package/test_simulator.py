@@ -169,10 +169,12 @@ class _ReferenceReplica:
     next action (by the in-flight rule) when idle and its input has arrived; links carry
     one transfer at a time per direction, FIFO."""
 
-    def __init__(self, r, fwd, bwd, schedule, latency, bandwidth, sizes):
+    def __init__(self, r, fwd, bwd, schedule, latency, bandwidth, sizes, grads=None):
         self.r, self.fwd, self.bwd, self.schedule = r, fwd, bwd, schedule
         self.latency, self.bandwidth, self.sizes = latency, bandwidth, sizes
         _, self.num_stages, self.m = fwd.shape
+        # grads[l]: boundary l carries gradients back (all do by default).
+        self.grads = [True] * (self.num_stages - 1) if grads is None else [bool(g) for g in grads]
         self.heap, self.seq, self.now = [], 0, 0.0
         self.fwd_done = [0] * self.num_stages
         self.bwd_done = [0] * self.num_stages
@@ -210,7 +212,9 @@ class _ReferenceReplica:
         if action is None:
             return
         is_forward, k = action
-        needs_input = (is_forward and s > 0) or (not is_forward and s < self.num_stages - 1)
+        needs_input = (is_forward and s > 0) or (
+            not is_forward and s < self.num_stages - 1 and self.grads[s]
+        )
         if needs_input and (s, is_forward, k) not in self.arrived:
             return
         duration = (self.fwd if is_forward else self.bwd)[self.r, s, k]
@@ -235,7 +239,7 @@ class _ReferenceReplica:
                 else:
                     self.bwd_done[s] += 1
                 dst = s + 1 if is_forward else s - 1
-                if 0 <= dst < self.num_stages:
+                if 0 <= dst < self.num_stages and (is_forward or self.grads[dst]):
                     key = (min(s, dst), is_forward)
                     self.link_queue.setdefault(key, []).append((s, dst, k))
                     self.try_link(key)
@@ -251,10 +255,10 @@ class _ReferenceReplica:
         assert self.bwd_done == [self.m] * self.num_stages
 
 
-def _reference_simulate(fwd, bwd, schedule, latency, bandwidth, sizes, allreduce):
+def _reference_simulate(fwd, bwd, schedule, latency, bandwidth, sizes, allreduce, grads=None):
     num_replicas, num_stages, _ = fwd.shape
     replicas = [
-        _ReferenceReplica(r, fwd, bwd, schedule, latency, bandwidth, sizes)
+        _ReferenceReplica(r, fwd, bwd, schedule, latency, bandwidth, sizes, grads)
         for r in range(num_replicas)
     ]
     events = []
@@ -271,6 +275,51 @@ def _reference_simulate(fwd, bwd, schedule, latency, bandwidth, sizes, allreduce
             events.extend((r, s, "allreduce", -1, -1, start, end) for r in range(num_replicas))
         step = max(step, end)
     return step, busy, compute_end, events
+
+
+def test_gradient_links_all_ones_match_the_default():
+    rng = np.random.default_rng(7)
+    for schedule in ("1f1b", "gpipe"):
+        fwd = rng.uniform(0.0, 2.0, (2, 4, 5))
+        bwd = rng.uniform(0.0, 4.0, (2, 4, 5))
+        kwargs = {
+            "order": schedule,
+            "link_latency_s": [0.1, 0.0, 0.3],
+            "activation_bytes": rng.uniform(0.0, 3.0, (2, 3, 5)),
+            "link_bandwidth_bytes_per_s": [1.0, 2.0, np.inf],
+            "allreduce_s": [0.5, 1.0, 0.0, 2.0],
+        }
+        default = simulate_pipeline(fwd, bwd, **kwargs)
+        for ones in ([1, 1, 1], np.ones(3, dtype=bool)):
+            linked = simulate_pipeline(fwd, bwd, gradient_links=ones, **kwargs)
+            assert linked.step_time_s == default.step_time_s
+            for field in ("busy_s", "idle_s", "compute_end_s"):
+                np.testing.assert_array_equal(getattr(linked, field), getattr(default, field))
+            np.testing.assert_array_equal(linked.events, default.events)
+
+
+def test_gradient_links_frozen_first_stage():
+    # Stage 0 is frozen (backward 0 s, no gradient back over boundary 0): its 1F1B order
+    # F0 F1 B0 F2 B1 B2 never waits for stage 1, so its forwards run back to back. Stage 1
+    # (f = 2, b = 1) gets each activation 0.5 s after its forward ends.
+    fwd = np.array([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]])
+    bwd = np.array([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    res = simulate_pipeline(fwd, bwd, link_latency_s=0.5, gradient_links=[0])
+    assert [_compute(res, 0, "fwd", k) for k in range(3)] == [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)]
+    assert [_compute(res, 0, "bwd", k) for k in range(3)] == [(2.0, 2.0), (3.0, 3.0), (3.0, 3.0)]
+    assert [_compute(res, 1, "fwd", k) for k in range(3)] == [(1.5, 3.5), (4.5, 6.5), (7.5, 9.5)]
+    assert [_compute(res, 1, "bwd", k) for k in range(3)] == [(3.5, 4.5), (6.5, 7.5), (9.5, 10.5)]
+    assert res.step_time_s == 10.5
+    np.testing.assert_array_equal(res.compute_end_s, [[3.0, 10.5]])
+    np.testing.assert_array_equal(res.busy_s, [[3.0, 9.0]])
+    sends = res.events[res.events["kind"] == "send"]
+    assert len(sends) == 3  # the activations only: no gradient back over boundary 0
+    assert set(sends["stage"]) == {0}
+    assert set(sends["peer_stage"]) == {1}
+    # With the gradient link, stage 0's B0 waits for stage 1's gradient (4.5 + 0.5).
+    linked = simulate_pipeline(fwd, bwd, link_latency_s=0.5)
+    assert _compute(linked, 0, "bwd", 0) == (5.0, 5.0)
+    assert _compute(linked, 0, "fwd", 2) == (5.0, 6.0)
 
 
 def _event_key(e):
@@ -304,6 +353,8 @@ def test_matches_reference_event_loop(seed):
     )
     allreduce = rng.uniform(0.0, 2.0, num_stages) if rng.random() < 0.5 else np.zeros(num_stages)
     schedule = "1f1b" if rng.random() < 0.6 else "gpipe"
+    # Drawn last: the cases above are those drawn before gradient links existed.
+    grads = rng.integers(0, 2, num_links) if rng.random() < 0.3 else None
 
     res = simulate_pipeline(
         fwd,
@@ -313,9 +364,10 @@ def test_matches_reference_event_loop(seed):
         activation_bytes=sizes,
         link_bandwidth_bytes_per_s=bandwidth,
         allreduce_s=allreduce,
+        gradient_links=grads,
     )
     step, busy, compute_end, ref_events = _reference_simulate(
-        fwd, bwd, schedule, latency, bandwidth, sizes, allreduce
+        fwd, bwd, schedule, latency, bandwidth, sizes, allreduce, grads
     )
     assert res.step_time_s == pytest.approx(step, rel=1e-9, abs=1e-12)
     np.testing.assert_allclose(res.busy_s, busy, rtol=1e-9, atol=1e-12)
@@ -370,6 +422,10 @@ def test_bad_inputs_single_stage(kwargs, match):
         ),
         ({"allreduce_s": [1.0, 2.0]}, "allreduce_s"),
         ({"allreduce_s": [1.0, 2.0, np.nan]}, r"allreduce_s\[stage 2\]"),
+        ({"gradient_links": [1]}, r"gradient_links must have shape \(V-1,\) = \(2,\)"),
+        ({"gradient_links": [[1, 0]]}, "gradient_links"),
+        ({"gradient_links": [1, 2]}, r"gradient_links\[link 1\] must be 0 or 1, got 2"),
+        ({"gradient_links": [-1, 0]}, r"gradient_links\[link 0\] must be 0 or 1, got -1"),
     ],
 )
 def test_bad_inputs_three_stages(kwargs, match):
@@ -382,6 +438,8 @@ def test_bad_types():
         simulate_pipeline([["a"]], [[1.0]])
     with pytest.raises(TypeError, match="pipeline order"):
         simulate_pipeline([[1.0]], [[1.0]], order=1)
+    with pytest.raises(TypeError, match="gradient_links"):
+        simulate_pipeline([[1.0], [1.0]], [[1.0], [1.0]], gradient_links=[0.5])
     with pytest.raises(ValueError, match="stage"):
         pipeline_actions("1f1b", 3, 2, 3)
     with pytest.raises(ValueError, match="num_microbatches"):

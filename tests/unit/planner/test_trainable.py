@@ -1,0 +1,206 @@
+"""The planner prices the training regime the runtime runs (``--trainable``).
+
+Frozen parts: no backward where nothing trained comes before them (and then no kept
+activations and no gradient sent back to them), a backward without weight gradients where
+a trained part before them needs the gradient, and neither gradients, optimizer state nor
+an all-reduce for their weights. Checked on the planner's own step model (the functions
+``dflop train`` predicts its steps with), by the arithmetic of the model's documented
+rules, and on the paper's 64-GPU setting: a frozen tower gets fewer GPUs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from dflop.data.costs import AnalyticCostModel
+from dflop.data.synthetic import synthetic_shapes
+from dflop.models import model_config
+from dflop.models.trainable import PRESETS, TrainableParts
+from dflop.planner import (
+    ClusterSpec,
+    PlannerConfig,
+    StepPredictor,
+    choose_layouts,
+    full_training_forward_fraction,
+    plan,
+    prepare_inputs,
+    regime_forward_fraction,
+    with_trainable,
+)
+from dflop.planner.inputs import single_batch_inputs
+from dflop.planner.model import WEIGHT_GRAD_FRACTION, PlannerModule
+from dflop.runtime.topology import RuntimeLayout
+from dflop.train.calibration import OnlineCalibration
+from dflop.train.planning import MemoryBudget, core_layout, cost_configs, local_cluster
+
+CONFIG = model_config("tiny")
+PASS_ON = 1.0 - WEIGHT_GRAD_FRACTION  # a frozen layer's backward that passes gradients on
+
+
+def _module() -> PlannerModule:
+    return PlannerModule(num_layers=4, num_heads=4, hidden_size=64, params_per_layer=1e6)
+
+
+@pytest.mark.parametrize(
+    ("trainable", "encoder", "llm"),
+    [
+        # (body backward, last backward, body trains, last trains) per module
+        ("full", (1, 1, 1, 1), (1, 1, 1, 1)),
+        ("frozen-vision", (0, 1, 0, 1), (1, 1, 1, 1)),
+        ("projector", (0, 1, 0, 1), (PASS_ON, PASS_ON, 0, 0)),
+        ("encoder=full,projector=frozen", (1, PASS_ON, 1, 0), (1, 1, 1, 1)),
+        ("encoder=frozen,projector=frozen", (0, 0, 0, 0), (1, 1, 1, 1)),
+        ("llm=frozen", (1, 1, 1, 1), (PASS_ON, PASS_ON, 0, 0)),
+    ],
+)
+def test_regime_factors(trainable: str, encoder: tuple, llm: tuple) -> None:
+    enc, lm = with_trainable(_module(), _module(), trainable)
+    for module, expected in ((enc, encoder), (lm, llm)):
+        got = (
+            module.body_backward_factor,
+            module.last_backward_factor,
+            module.body_trainable_fraction,
+            module.last_trainable_fraction,
+        )
+        assert got == pytest.approx(expected)
+    # The runtime's rule: a stage runs a backward exactly where the factor is not 0.
+    parts = TrainableParts.parse(trainable)
+    assert parts.stage_backward("encoder", is_last_stage=False) == (enc.body_backward_factor > 0)
+    assert parts.stage_backward("encoder", is_last_stage=True) == (
+        enc.body_backward_factor > 0 or enc.last_backward_factor > 0
+    )
+
+
+def test_planner_config_names_the_regime() -> None:
+    assert PlannerConfig(trainable="Frozen-Vision").trainable == "frozen-vision"
+    custom = PlannerConfig(trainable="encoder=frozen").trainable
+    assert custom == "frozen-vision"  # the same regime, spelt as its preset
+    with pytest.raises(ValueError, match=r"PlannerConfig.trainable: .*'decoder' is not a part"):
+        PlannerConfig(trainable="decoder=frozen")
+
+
+@pytest.mark.parametrize("trainable", [*PRESETS, "llm=frozen"])
+def test_forward_shares_convert_both_ways(trainable: str) -> None:
+    full = (0.3, 0.35)
+    shares = regime_forward_fraction(full, trainable)
+    back = full_training_forward_fraction(shares, trainable, default=(0.25, 0.25))
+    parts = TrainableParts.parse(trainable)
+    # A module whose layers run no backward measures 1 and keeps the default.
+    assert shares[0] == (pytest.approx(0.3) if parts.trains("encoder") else 1.0)
+    assert back[0] == pytest.approx(0.3 if parts.trains("encoder") else 0.25)
+    assert back[1] == pytest.approx(0.35)
+    if not parts.trains("llm"):  # forward / (forward + half the backward)
+        assert shares[1] == pytest.approx(0.35 / (0.35 + 0.65 * PASS_ON))
+    calibration = OnlineCalibration(full, trainable)
+    assert calibration.shares == pytest.approx(shares)
+    assert calibration.full_training_shares == pytest.approx(full)
+
+
+def _step(trainable: str, **layout: int):
+    """The planner's model of one batch on the tiny model under ``layout``: (audit, stage
+    memory, predictor inputs)."""
+    encoder, llm = cost_configs(CONFIG)
+    cost_model = AnalyticCostModel(encoder, llm)
+    runtime = RuntimeLayout.simple(
+        encoder_layers=CONFIG.vision.layers,
+        llm_layers=CONFIG.decoder.layers,
+        num_microbatches=4,
+        global_batch=8,
+        **layout,
+    )
+    cluster = local_cluster(runtime.world_size, MemoryBudget(8e9, 0.0, "test"))
+    config = PlannerConfig(num_batches=1, trainable=trainable)
+    predictor = StepPredictor(cluster, encoder, llm, core_layout(runtime), config)
+    batch = synthetic_shapes(8, seed=3)
+    assignment = np.arange(8) % 4
+    audit = predictor.audit(cost_model, batch, assignment)
+    memory = predictor.stage_memory_bytes(cost_model, batch, assignment)
+    inputs = single_batch_inputs(
+        cost_model, encoder, llm, batch, element_bytes=config.element_bytes, trainable=trainable
+    )
+    return audit, memory, inputs
+
+
+def test_frozen_tower_runs_forward_only_and_gets_no_gradient() -> None:
+    full, full_memory, _ = _step("full", encoder_pp=2, llm_pp=2)
+    frozen, frozen_memory, inputs = _step("frozen-vision", encoder_pp=2, llm_pp=2)
+    f = inputs.encoder.forward_fraction
+    # Forwards are priced alike; the tower's first stage runs no backward at all, its last
+    # only the projector's; the LLM trains in both.
+    np.testing.assert_allclose(frozen.encoder_forward_s, full.encoder_forward_s, rtol=1e-12)
+    assert not frozen.encoder_backward_s[:, 0].any()
+    busy = full.encoder_forward_s[:, 0] > 0
+    np.testing.assert_allclose(
+        full.encoder_backward_s[:, 0][busy], full.encoder_forward_s[:, 0][busy] * (1 - f) / f
+    )
+    # The last stage loses its layers' backward (as large as the first stage's layers':
+    # the split is even) and keeps the projector's and its constant's.
+    constant_backward = (1 - f) * inputs.encoder.microbatch_constant_s / 2
+    layers_backward = np.where(busy, full.encoder_backward_s[:, 0] - constant_backward, 0.0)
+    np.testing.assert_allclose(
+        full.encoder_backward_s[:, 1] - frozen.encoder_backward_s[:, 1], layers_backward, rtol=1e-9
+    )
+    np.testing.assert_allclose(frozen.llm_backward_s, full.llm_backward_s, rtol=1e-12)
+    # No gradient goes back over the tower's inner link (the projector's input needs
+    # none); the bridge and the LLM's link carry them.
+    assert frozen.gradient_links.tolist() == [0, 1, 1]
+    assert full.gradient_links.size == 0
+    # The first encoder stage's B no longer waits for the LLM: the step is shorter.
+    assert frozen.step_time_s < full.step_time_s
+    # Nothing to all-reduce on a frozen stage (one replica here: nothing anyway).
+    assert frozen.allreduce_s[0] == 0.0
+    # Memory: the frozen stage keeps its weights only, and no activations.
+    assert frozen_memory[0] < full_memory[0]
+    assert frozen_memory[2:] == pytest.approx(full_memory[2:])
+
+
+def test_frozen_llm_backward_skips_the_weight_gradients() -> None:
+    full, full_memory, inputs = _step("full")
+    frozen, frozen_memory, _ = _step("projector")
+    f = inputs.llm.forward_fraction
+    constant = inputs.llm.microbatch_constant_s * (1 - f)  # one stage: the whole module's
+    np.testing.assert_allclose(frozen.llm_forward_s, full.llm_forward_s, rtol=1e-12)
+    np.testing.assert_allclose(
+        frozen.llm_backward_s - constant,
+        (full.llm_backward_s - constant) * PASS_ON,
+        rtol=1e-9,
+    )
+    assert frozen.gradient_links.size == 0  # the projector needs the LLM's gradient
+    # A frozen LLM holds its weights only: (16 - element bytes) per parameter less.
+    llm_params = inputs.llm.num_params
+    saved = full_memory[1] - frozen_memory[1]
+    assert saved == pytest.approx(llm_params * (16.0 - inputs.llm.element_bytes), rel=1e-9)
+
+
+def test_frozen_tower_gets_fewer_gpus_in_the_paper_setting() -> None:
+    """vit-6b + llm-7b on 64 GPUs (bench_plan's first setting): a frozen tower costs a
+    forward, so dflop gives it fewer GPUs and the step is shorter; the data-blind baseline
+    trained the same way is still slower."""
+    cluster = ClusterSpec(num_gpus=64, gpus_per_node=8, gpu_memory_bytes=80e9)
+    model = AnalyticCostModel("vit-6b", "llm-7b")
+    chosen = {}
+    for trainable in ("full", "frozen-vision"):
+        config = PlannerConfig(num_batches=2, top_k=1, trainable=trainable)
+        inputs = prepare_inputs(
+            model, model.encoder, model.llm, global_batch=256, num_batches=2, trainable=trainable
+        )
+        dflop, _ = choose_layouts(cluster, inputs, config, strategy="data_aware")
+        blind, _ = choose_layouts(cluster, inputs, config, strategy="data_blind")
+        assert dflop[0].prediction.step_time_s < blind[0].prediction.step_time_s
+        chosen[trainable] = dflop[0]
+    assert chosen["frozen-vision"].encoder.num_gpus < chosen["full"].encoder.num_gpus
+    assert chosen["frozen-vision"].prediction.step_time_s < chosen["full"].prediction.step_time_s
+
+
+def test_plans_record_the_regime() -> None:
+    model = AnalyticCostModel("siglip-400m", "llm-7b")
+    result = plan(
+        model,
+        model.encoder,
+        model.llm,
+        ClusterSpec(num_gpus=8),
+        global_batch=32,
+        config=PlannerConfig(num_batches=1, top_k=1, trainable="projector"),
+    )
+    assert result.inputs["trainable"] == "projector"
+    assert "priced for training projector" in result.table()
