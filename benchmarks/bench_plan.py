@@ -43,6 +43,7 @@ import platform
 import random
 import sys
 import time
+from dataclasses import replace
 
 import dflop
 import numpy as np
@@ -135,9 +136,15 @@ def _config(batches: int, top_k: int = 1, **changes) -> PlannerConfig:
     )
 
 
-def _inputs(model: AnalyticCostModel, batch: int, batches: int, seed: int):
+def _inputs(model: AnalyticCostModel, batch: int, batches: int, seed: int, trainable: str = "full"):
     return prepare_inputs(
-        model, model.encoder, model.llm, global_batch=batch, num_batches=batches, seed=seed
+        model,
+        model.encoder,
+        model.llm,
+        global_batch=batch,
+        num_batches=batches,
+        seed=seed,
+        trainable=trainable,
     )
 
 
@@ -154,30 +161,88 @@ def run_setting(encoder: str, llm: str, args: argparse.Namespace) -> dict:
         if not layouts:
             row[key] = None
             continue
-        # A held-out batch may need more memory than the search's batches did (a larger
-        # largest bin); then every method falls back, in its own ranking, to the next
-        # layout that fits (as it would have chosen with those batches in its sample).
-        ranked, _ = choose_layouts(CLUSTER, inputs, cfg, strategy=strategy, top_k=TOP_K)
         score_cfg = _config(args.held_out, **{**changes, "split": scored_with or cfg.encoder_split})
-        fits = []
-        for chosen in ranked:
-            try:
-                fits.append(runtime_scored(CLUSTER, held_out, chosen, score_cfg))
-            except dflop.InfeasibleError:
-                fits.append(None)
-                continue
-            break
-        if fits[-1] is None:
-            row[key] = None
-            continue
-        row[key] = {
-            "layout": fits[-1],
-            "chosen": chosen,
-            "plan_s": elapsed,
-            "stats": raw["stats"],
-            "rank": len(fits) - 1,
-        }
+        found = held_out_best(CLUSTER, inputs, held_out, cfg, score_cfg, strategy)
+        row[key] = None if found is None else {**found, "plan_s": elapsed, "stats": raw["stats"]}
     return row
+
+
+def held_out_best(cluster, inputs, held_out, cfg, score_cfg, strategy) -> dict | None:
+    """The method's layout scored on the held-out batches: ``{"layout": scored, "chosen":
+    as planned, "rank": its place in the method's own ranking}``, or None if none fits. A
+    held-out batch may need more memory than the search's batches did (a larger largest
+    bin); then the method falls back, in its own ranking, to the next layout that fits (as
+    it would have chosen with those batches in its sample)."""
+    ranked, _ = choose_layouts(cluster, inputs, cfg, strategy=strategy, top_k=TOP_K)
+    for rank, chosen in enumerate(ranked):
+        try:
+            scored = runtime_scored(cluster, held_out, chosen, score_cfg)
+        except dflop.InfeasibleError:
+            continue
+        return {"layout": scored, "chosen": chosen, "rank": rank}
+    return None
+
+
+REGIMES = ("full", "frozen-vision")
+"""Training regimes of the regimes table (``--trainable``): everything trains; the vision
+tower frozen (projector and LLM train)."""
+
+
+def regimes(args: argparse.Namespace) -> list[dict]:
+    """The paper's settings under each training regime: dflop's layout and the data-blind
+    baseline's, both priced for the same regime, chosen on the search batches and scored on
+    the held-out ones."""
+    rows = []
+    for encoder, llm in SETTINGS:
+        model = AnalyticCostModel(encoder, llm)
+        for trainable in REGIMES:
+            inputs = _inputs(model, args.global_batch, args.batches, 0, trainable)
+            held_out = _inputs(model, args.global_batch, args.held_out, 10_000, trainable)
+            row = {"setting": f"{encoder} + {llm}", "trainable": trainable}
+            for key, strategy in (("dflop", "data_aware"), ("blind", "data_blind")):
+                cfg = replace(_config(args.batches), trainable=trainable)
+                score_cfg = replace(_config(args.held_out), trainable=trainable)
+                row[key] = held_out_best(CLUSTER, inputs, held_out, cfg, score_cfg, strategy)
+            rows.append(row)
+        print(f"{encoder} + {llm} regimes: done", file=sys.stderr)
+    return rows
+
+
+def render_regimes(rows: list[dict], args: argparse.Namespace, total_s: float) -> str:
+    lines = [
+        "Command: `python benchmarks/bench_plan.py --regimes-only --markdown "
+        "benchmarks/README.md` (the full run writes this table too)",
+        "",
+        f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; run time "
+        f"{total_s:.0f} s; the simulated cluster, mix and batches of the table above",
+        "- Regimes (`--trainable`): `full`; `frozen-vision` (the tower frozen: forward only, no "
+        "gradients, optimizer state or all-reduce for it; projector and LLM train). dflop and "
+        "the data-blind baseline are priced for the same regime.",
+        "",
+        "| setting | trains | dflop layout | enc GPUs (vs full) | step s | GPU idle "
+        "| data-blind step s | dflop speed-up |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    full_gpus = {}
+    for row in rows:
+        dflop_row, blind = row["dflop"], row["blind"]
+        if dflop_row is None:
+            lines.append(f"| {row['setting']} | {row['trainable']} | no layout fits |||||  |")
+            continue
+        lp = dflop_row["layout"]
+        p = lp.prediction
+        gpus = lp.encoder.num_gpus
+        if row["trainable"] == "full":
+            full_gpus[row["setting"]] = gpus
+        versus = full_gpus.get(row["setting"])
+        change = "" if versus is None or row["trainable"] == "full" else f" ({gpus - versus:+d})"
+        blind_s = blind["layout"].prediction.step_time_s if blind else float("nan")
+        lines.append(
+            f"| {row['setting']} | {row['trainable']} | {lp.describe().replace('|', ';')} | {gpus}{change} | "
+            f"{p.step_time_s:.2f} | {fmt_pct(p.idle_fraction)} | {blind_s:.2f} | "
+            f"{blind_s / p.step_time_s:.2f}x |"
+        )
+    return "\n".join(lines)
 
 
 def agreement(model, cluster, inputs, layout, config) -> tuple[float, int, int]:
@@ -641,8 +706,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--validate", type=int, default=0, help="small settings vs exhaustive")
     parser.add_argument("--markdown", default=None, help="rewrite this README section")
+    parser.add_argument(
+        "--regimes-only", action="store_true", help="only the training regimes' table"
+    )
     args = parser.parse_args(argv)
     args.scale_gpus = [int(v) for v in args.scale_gpus.split(",") if v]
+    start = time.perf_counter()
+    regime_rows = regimes(args)
+    regime_body = render_regimes(regime_rows, args, time.perf_counter() - start)
+    print(regime_body)
+    if args.markdown:
+        heading = "### Training regimes (`--trainable`)"
+        baselines.write_section(args.markdown, "bench_plan_regimes", regime_body, heading)
+    if args.regimes_only:
+        return 0
     start = time.perf_counter()
     rows = []
     checked = []

@@ -107,6 +107,7 @@ ModuleParams to_module(const py::dict& d, const char* w) {
   r.opt("last_backward_factor", &p.last_backward_factor);
   r.opt("body_trainable_fraction", &p.body_trainable_fraction);
   r.opt("last_trainable_fraction", &p.last_trainable_fraction);
+  r.opt("kept_activation_fraction", &p.kept_activation_fraction);
   r.finish();
   return p;
 }

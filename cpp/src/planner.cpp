@@ -79,7 +79,8 @@ void check_module(const char* module, const ModuleParams& p) {
       {"body_backward_factor", p.body_backward_factor},
       {"last_backward_factor", p.last_backward_factor},
       {"body_trainable_fraction", p.body_trainable_fraction},
-      {"last_trainable_fraction", p.last_trainable_fraction}};
+      {"last_trainable_fraction", p.last_trainable_fraction},
+      {"kept_activation_fraction", p.kept_activation_fraction}};
   for (const auto& [name, value] : fractions) {
     require(std::isfinite(value) && value >= 0.0 && value <= 1.0,
             m + "." + name + " must be in [0, 1], got " + fmt(value));

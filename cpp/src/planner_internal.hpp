@@ -164,18 +164,20 @@ struct ModuleModel {
   double activation_bytes(int64_t t, bool recompute, int64_t n, double tokens) const {
     if (!layers_backward()) return 0.0;
     const double per_layer =
-        recompute ? p->element_bytes * double(p->hidden_size) : p->activation_bytes_per_token_layer;
+        recompute ? p->element_bytes * double(p->hidden_size)
+                  : p->activation_bytes_per_token_layer * p->kept_activation_fraction;
     return tokens * double(n) * per_layer / double(t);
   }
   // One layer's activations of one microbatch of `tokens` tokens, held transiently: the
-  // layer the backward remakes (full recomputation) or the layer a forward-only stage runs
-  // (its activations are freed as it goes). The gradients a backward op makes are not
-  // counted: measured at the start of the backward (where CPU peaks fell), they are a
-  // fraction of one layer's activations, within the model's error.
+  // layer the backward remakes (full recomputation: what the regime keeps of it) or the
+  // layer a forward-only stage runs (its activations are freed as it goes). The gradients a
+  // backward op makes are not counted: measured at the start of the backward (where CPU peaks
+  // fell), they are a fraction of one layer's activations, within the model's error.
   double recompute_bytes(int64_t t, bool recompute, double tokens) const {
-    return recompute || !layers_backward()
-               ? tokens * p->activation_bytes_per_token_layer / double(t)
-               : 0.0;
+    if (!layers_backward()) return tokens * p->activation_bytes_per_token_layer / double(t);
+    return recompute ? tokens * p->activation_bytes_per_token_layer * p->kept_activation_fraction /
+                           double(t)
+                     : 0.0;
   }
   // The first stage's inputs of a step of `tokens` tokens per GPU, read before it starts
   // (prefetched; each microbatch's then kept for its backward, which the activations count

@@ -2678,6 +2678,7 @@ void set_regime(Rng& r, dflop::ModuleParams& enc, dflop::ModuleParams& llm) {
   enc.last_trainable_fraction = projector ? 1.0 : 0.0;
   llm.body_backward_factor = llm.last_backward_factor = factor(lm, true);
   llm.body_trainable_fraction = llm.last_trainable_fraction = lm ? 1.0 : 0.0;
+  if (!lm) llm.kept_activation_fraction = r.uniform(0.2, 1.0);
 }
 
 PlannerCase gen_planner(Rng& r) {

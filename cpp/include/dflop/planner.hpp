@@ -60,7 +60,8 @@
 // share of their parameters (1 full, 0 frozen). A stage's forward is f x compute (f =
 // forward_fraction, of full training), its backward (1 - f) x compute x b; the TP
 // all-reduces and the microbatch constant split by f the same way, their backward share
-// only where the stage runs a backward; recomputation only where the layers run one. Only
+// only where the stage runs a backward; recomputation only where the layers run one. The
+// layers keep kept_activation_fraction of their activations per token and layer. Only
 // trainable parameters hold gradients and optimizer state (frozen ones: their weights) and
 // are all-reduced. Layers that run no backward keep no activations: their stage holds one
 // layer's working set of one microbatch at a time.
@@ -156,6 +157,10 @@ struct ModuleParams {
   double last_backward_factor = 1.0;
   double body_trainable_fraction = 1.0;
   double last_trainable_fraction = 1.0;
+  // The share of activation_bytes_per_token_layer the layers keep for their backward under
+  // the regime (1: trained; frozen layers that pass gradients on keep less: a frozen
+  // linear layer needs its weight, not its input, for the input gradient).
+  double kept_activation_fraction = 1.0;
 };
 
 // Per-sample inputs of num_batches sampled global batches of batch_size samples each,

@@ -252,7 +252,8 @@ def _inputs(
     if forward_fraction is not None:
         enc_spec = replace(enc_spec, forward_fraction=float(forward_fraction[0]))
         llm_spec = replace(llm_spec, forward_fraction=float(forward_fraction[1]))
-    enc_spec, llm_spec = with_trainable(enc_spec, llm_spec, trainable)
+    passthrough = getattr(performance_model, "passthrough_factors", None)  # measured
+    enc_spec, llm_spec = with_trainable(enc_spec, llm_spec, trainable, passthrough)
     samples = {
         "num_batches": int(num_batches),
         "batch_size": int(global_batch),

@@ -186,6 +186,9 @@ class PlannerModule:
             no backward (then the layers keep no activations).
         body_trainable_fraction, last_trainable_fraction: the shares of those parameters
             that train (hold gradients and optimizer state and are all-reduced).
+        kept_activation_fraction: the share of ``activation_bytes_per_token_layer`` the
+            layers keep for their backward under the regime (1: trained; frozen layers
+            that pass gradients on keep less).
     """
 
     num_layers: int
@@ -208,6 +211,7 @@ class PlannerModule:
     last_backward_factor: float = 1.0
     body_trainable_fraction: float = 1.0
     last_trainable_fraction: float = 1.0
+    kept_activation_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "hidden_size"):
@@ -235,10 +239,19 @@ class PlannerModule:
             "last_backward_factor",
             "body_trainable_fraction",
             "last_trainable_fraction",
+            "kept_activation_fraction",
         ):
             _check_number("PlannerModule", name, getattr(self, name), positive=False)
             if getattr(self, name) > 1.0:
                 raise ValueError(f"PlannerModule.{name}={getattr(self, name)!r} must be <= 1")
+
+    @property
+    def forward_share(self) -> float:
+        """The forward share of the layers' time under the regime (what a run measures):
+        ``forward_fraction`` of full training, over the backward that runs."""
+        f = self.forward_fraction
+        total = f + (1.0 - f) * self.body_backward_factor
+        return 1.0 if total <= 0.0 else f / total
 
     @property
     def num_params(self) -> float:
@@ -489,61 +502,95 @@ class PlannerConfig:
 
 WEIGHT_GRAD_FRACTION = 0.5
 """The weight gradients' share of a layer's backward (one of its two GEMMs per weight; the
-simulator's ``weight_grad_fraction``): what a frozen layer that passes gradients on skips."""
+simulator's ``weight_grad_fraction``): what a frozen layer that passes gradients on skips,
+unless the model profiler measured it."""
+
+PASSTHROUGH_ACTIVATION_FRACTION = 2.0 / 3.0
+"""The share of a layer's activations a frozen layer that passes gradients on keeps, unless
+the model profiler measured it: a frozen linear layer needs its weight, not its input, for
+the input gradient. Counted for a SwiGLU decoder layer with FlashAttention (bf16, bytes per
+token): trained 12 h + 6 I (norm inputs, the QKV and MLP inputs, q / k / v / out, the
+gate and up outputs, the down projection's input); passing gradients on 8 h + 4 I; with
+I = 2.7 h about two thirds."""
 
 
-def _backward_factor(trains: bool, gradients_pass: bool) -> float:
-    if trains:
-        return 1.0
-    return 1.0 - WEIGHT_GRAD_FRACTION if gradients_pass else 0.0
+@dataclass(frozen=True)
+class _Passthrough:
+    """What a frozen layer that passes gradients on runs and keeps, per module."""
+
+    backward: tuple[float, float] = (1.0 - WEIGHT_GRAD_FRACTION,) * 2
+    activations: tuple[float, float] = (PASSTHROUGH_ACTIVATION_FRACTION,) * 2
+
+    @classmethod
+    def of(cls, measured: dict[str, Any] | None) -> _Passthrough:
+        """From a performance model's ``passthrough_factors`` (None: the defaults)."""
+        if not measured:
+            return cls()
+        return cls(tuple(measured["backward"]), tuple(measured["activations"]))
+
+
+def _regime(
+    trainable: str | TrainableParts, measured: dict[str, Any] | None = None
+) -> dict[str, dict[str, float]]:
+    """Per module (``"encoder"``, ``"llm"``), the :class:`PlannerModule` regime fields."""
+    parts = TrainableParts.parse(trainable)
+    through = _Passthrough.of(measured)
+    tower, projector, lm = (parts.trains(p) for p in ("encoder", "projector", "llm"))
+
+    def backward(trains: bool, gradients_pass: bool, module: int) -> float:
+        if trains:
+            return 1.0
+        return through.backward[module] if gradients_pass else 0.0
+
+    # Something trains at or before every LLM stage (TrainableParts refuses all frozen).
+    return {
+        "encoder": {
+            "body_backward_factor": backward(tower, False, 0),
+            "last_backward_factor": backward(projector, tower, 0),
+            "body_trainable_fraction": float(tower),
+            "last_trainable_fraction": float(projector),
+            "kept_activation_fraction": 1.0 if tower else through.activations[0],
+        },
+        "llm": {
+            "body_backward_factor": backward(lm, True, 1),
+            "last_backward_factor": backward(lm, True, 1),
+            "body_trainable_fraction": float(lm),
+            "last_trainable_fraction": float(lm),
+            "kept_activation_fraction": 1.0 if lm else through.activations[1],
+        },
+    }
 
 
 def with_trainable(
-    encoder: PlannerModule, llm: PlannerModule, trainable: str | TrainableParts
+    encoder: PlannerModule,
+    llm: PlannerModule,
+    trainable: str | TrainableParts,
+    passthrough: dict[str, Any] | None = None,
 ) -> tuple[PlannerModule, PlannerModule]:
     """(encoder, LLM) priced for a training regime (:class:`TrainableParts` or its name):
     a frozen part's weights get no gradients, optimizer state or all-reduce; its backward
     runs only where a trained part before it needs the gradient (then without the weight
-    gradients), as dflop's engine runs it (``TrainableParts.stage_backward``)."""
-    parts = TrainableParts.parse(trainable)
-    tower, projector, lm = (parts.trains(p) for p in ("encoder", "projector", "llm"))
-    enc = replace(
-        encoder,
-        body_backward_factor=_backward_factor(tower, False),
-        last_backward_factor=_backward_factor(projector, tower),
-        body_trainable_fraction=float(tower),
-        last_trainable_fraction=float(projector),
-    )
-    # Something trains at or before every LLM stage (TrainableParts refuses all frozen).
-    llm_factor = _backward_factor(lm, True)
-    llm_out = replace(
-        llm,
-        body_backward_factor=llm_factor,
-        last_backward_factor=llm_factor,
-        body_trainable_fraction=float(lm),
-        last_trainable_fraction=float(lm),
-    )
-    return enc, llm_out
-
-
-def _body_backward_factors(parts: TrainableParts) -> tuple[float, float]:
-    """(encoder, LLM) layers' backward factors under ``parts`` (see :func:`with_trainable`)."""
-    return (
-        _backward_factor(parts.trains("encoder"), False),
-        _backward_factor(parts.trains("llm"), True),
-    )
+    gradients, keeping fewer activations), as dflop's engine runs it
+    (``TrainableParts.stage_backward``). ``passthrough``: a performance model's measured
+    ``passthrough_factors`` (what such a backward costs and keeps), else the defaults
+    (:data:`WEIGHT_GRAD_FRACTION`, :data:`PASSTHROUGH_ACTIVATION_FRACTION`)."""
+    regime = _regime(trainable, passthrough)
+    return replace(encoder, **regime["encoder"]), replace(llm, **regime["llm"])
 
 
 def regime_forward_fraction(
-    forward_fraction: tuple[float, float], trainable: str | TrainableParts
+    forward_fraction: tuple[float, float],
+    trainable: str | TrainableParts,
+    passthrough: dict[str, Any] | None = None,
 ) -> tuple[float, float]:
     """(encoder, LLM) forward shares of each module's time under a regime, from their
     shares under full training: what a run of that regime measures (and what its
     scheduler's pipeline model uses), from what the planner's model uses. A module whose
-    layers run no backward: 1."""
+    layers run no backward: 1. ``passthrough``: as for :func:`with_trainable`."""
+    regime = _regime(trainable, passthrough)
     out = []
-    for f, b in zip(forward_fraction, _body_backward_factors(TrainableParts.parse(trainable))):
-        total = f + (1.0 - f) * b
+    for f, module in zip(forward_fraction, ("encoder", "llm")):
+        total = f + (1.0 - f) * regime[module]["body_backward_factor"]
         out.append(1.0 if total <= 0.0 else f / total)
     return out[0], out[1]
 
@@ -552,13 +599,15 @@ def full_training_forward_fraction(
     shares: tuple[float, float],
     trainable: str | TrainableParts,
     default: tuple[float, float],
+    passthrough: dict[str, Any] | None = None,
 ) -> tuple[float, float]:
     """The inverse of :func:`regime_forward_fraction`: (encoder, LLM) full-training shares
     from shares measured under the regime; ``default``'s where a module's layers run no
     backward (the measurement says nothing about one)."""
+    regime = _regime(trainable, passthrough)
     out = []
-    factors = _body_backward_factors(TrainableParts.parse(trainable))
-    for share, b, fallback in zip(shares, factors, default):
+    for share, module, fallback in zip(shares, ("encoder", "llm"), default):
+        b = regime[module]["body_backward_factor"]
         denominator = share * b + 1.0 - share
         out.append(share * b / denominator if b > 0.0 and denominator > 0.0 else fallback)
     return out[0], out[1]

@@ -22,7 +22,7 @@ from dflop.planner.inputs import (
     sample_record,
     single_batch_inputs,
 )
-from dflop.planner.model import ClusterSpec, PlannerConfig, regime_forward_fraction
+from dflop.planner.model import ClusterSpec, PlannerConfig
 from dflop.planner.result import LayoutPlan, ModulePlan, Plan, StepPrediction
 from dflop.planner.steps import StepAudit
 from dflop.scheduling.balance import InfeasibleError
@@ -431,7 +431,10 @@ def runtime_scored(
             layout,
             stage_constant_s=seen["constants"],
             # what the trainer's scheduler uses: the shares under the training regime
-            forward_fraction=regime_forward_fraction(config.forward_fraction, config.trainable),
+            forward_fraction=tuple(  # the config's shares, under the inputs' regime
+                replace(module, forward_fraction=f).forward_share
+                for f, module in zip(config.forward_fraction, (inputs.encoder, inputs.llm))
+            ),
             link_latency_s=cluster.link_latency_s,
         )
         # As the trainer's scheduler does for step b: its seed offset by the step.
