@@ -183,9 +183,9 @@ def held_out_best(cluster, inputs, held_out, cfg, score_cfg, strategy) -> dict |
     return None
 
 
-REGIMES = ("full", "frozen-vision")
+REGIMES = ("full", "frozen-vision", "lora")
 """Training regimes of the regimes table (``--trainable``): everything trains; the vision
-tower frozen (projector and LLM train)."""
+tower frozen (projector and LLM train); LoRA on the LLM (rank 16) with the tower frozen."""
 
 
 def regimes(args: argparse.Namespace) -> list[dict]:
@@ -216,8 +216,13 @@ def render_regimes(rows: list[dict], args: argparse.Namespace, total_s: float) -
         f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; run time "
         f"{total_s:.0f} s; the simulated cluster, mix and batches of the table above",
         "- Regimes (`--trainable`): `full`; `frozen-vision` (the tower frozen: forward only, no "
-        "gradients, optimizer state or all-reduce for it; projector and LLM train). dflop and "
-        "the data-blind baseline are priced for the same regime.",
+        "gradients, optimizer state or all-reduce for it; projector and LLM train); `lora` "
+        "(the tower frozen, the projector trained, rank-16 LoRA adapters on the LLM's linear "
+        "layers: its backward passes gradients on without weight gradients, only the "
+        "adapters hold optimizer state). dflop and the data-blind baseline are priced for the "
+        "same regime (analytic: a frozen layer's backward is half a trained one's). dflop's "
+        "runtime does not yet run LoRA on a tensor-parallel module: the `lora` rows' LLM tp > 1 "
+        "layouts are the planner's answer, not yet trainable with `dflop train`.",
         "",
         "| setting | trains | dflop layout | enc GPUs (vs full) | step s | GPU idle "
         "| data-blind step s | dflop speed-up |",

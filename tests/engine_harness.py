@@ -130,7 +130,7 @@ def _rank_step(
         layout=layout,
     )
     parts = TrainableParts.parse(trainable)
-    freeze_stage(stage, model_spec(config), info.module, parts)
+    freeze_stage(stage, model_spec(config), info.module, parts, MODEL_SEED)
     program = None if program_path is None else load_program(program_path)
     engine = PipelineEngine(topology, stage, debug=debug, program=program, trainable=parts)
     result = engine.run_step(plan, batch)

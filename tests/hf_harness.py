@@ -3,11 +3,13 @@ dflop's runtime on one rank, and the comparison with the transformers model's gr
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 import torch
 from dflop.models.spec import StageSlice
-from dflop.models.trainable import TrainableParts, freeze_stage
+from dflop.models.trainable import TrainableParts, add_lora, freeze_stage
 from dflop.runtime import RuntimeLayout, Topology
 from dflop.runtime.engine import PipelineEngine, build_stage
 from dflop.runtime.step_data import StepPlan
@@ -55,7 +57,8 @@ def run_rank_step(rank, spec, batch, layout_kw, assignment, seed, trainable="ful
         spec, info, seed=seed, tp_group=topology.tp_group, tp_size=layout.module(info.module).tp
     )
     parts = TrainableParts.parse(trainable)
-    freeze_stage(stage, spec, info.module, parts)
+    freeze_stage(stage, spec, info.module, parts, seed)
+    perturb_lora_b(stage)
     engine = PipelineEngine(topology, stage, debug=True, trainable=parts)
     result = engine.run_step(plan, batch)
     grads = {
@@ -74,16 +77,33 @@ def run_rank_step(rank, spec, batch, layout_kw, assignment, seed, trainable="ful
     }
 
 
-def freeze_reference(model, spec, trainable="full") -> None:
+def freeze_reference(model, spec, trainable="full", seed=0) -> None:
     """Freeze the parts of the whole transformers ``model`` that ``trainable`` freezes,
     by the spec's own part of each parameter (the encoder's are those its whole encoder
-    stage holds)."""
+    stage holds); ``lora`` parts: frozen weights and the adapters dflop's stages get for
+    ``seed`` (PEFT's, added to the whole model), their B made non-zero as the ranks'."""
     parts = TrainableParts.parse(trainable)
     whole = StageSlice("encoder", (0, spec.encoder_layers))
     encoder_names = {name for name, _ in spec.build_stage(whole, seed=0).named_parameters()}
+
+    def part_of(name):
+        return spec.parameter_part("encoder" if name in encoder_names else "llm", name)
+
     for name, p in model.named_parameters():
-        module = "encoder" if name in encoder_names else "llm"
-        p.requires_grad_(parts.trains(spec.parameter_part(module, name)))
+        p.requires_grad_(parts.mode(part_of(name)) == "full")
+    add_lora(model, parts, part_of, seed)
+    perturb_lora_b(model)
+
+
+def perturb_lora_b(model) -> None:
+    """Set every LoRA B (PEFT initialises it to zero, where A's gradient is zero too) to
+    small values drawn from its own name, so that both adapter matrices' gradients are
+    compared; the same on dflop's stages and on the reference model."""
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            with torch.no_grad():
+                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
 
 
 def reference_step(model, samples, targets, forward):
@@ -129,8 +149,13 @@ def assert_backward_only_where_trained(results, trainable) -> None:
 
 
 # Frozen-part regimes and the layouts (indices into LAYOUTS) each is tested on.
-FROZEN_CASES = [("frozen-vision", 0), ("frozen-vision", 2), ("projector", 0)]
-FROZEN_IDS = ["frozen_vision-enc_dp2_llm_pp2", "frozen_vision-tp2", "projector-enc_dp2_llm_pp2"]
+FROZEN_CASES = [("frozen-vision", 0), ("frozen-vision", 2), ("projector", 0), ("lora", 0)]
+FROZEN_IDS = [
+    "frozen_vision-enc_dp2_llm_pp2",
+    "frozen_vision-tp2",
+    "projector-enc_dp2_llm_pp2",
+    "lora-enc_dp2_llm_pp2",
+]
 
 
 LAYOUTS = [

@@ -116,7 +116,7 @@ def _hf_forward(model, config, sample: ProcessedSample):
 
 def _reference(config, samples, trainable="full"):
     model = _hf_model(config)
-    freeze_reference(model, spec_from_config(config), trainable)
+    freeze_reference(model, spec_from_config(config), trainable, MODEL_SEED)
     targets = ProcessedBatch(samples, 64).target_tokens()
     loss_sum, grads = reference_step(
         model, samples, targets, lambda m, sample: _hf_forward(m, config, sample)

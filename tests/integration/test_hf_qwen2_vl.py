@@ -127,7 +127,7 @@ def _hf_forward(model, config, sample: ProcessedSample):
 
 def _reference(config, samples, trainable="full"):
     model = _hf_model(config)
-    freeze_reference(model, spec_from_config(config), trainable)
+    freeze_reference(model, spec_from_config(config), trainable, MODEL_SEED)
     targets = ProcessedBatch(samples, None).target_tokens()
     return reference_step(model, samples, targets, lambda m, s: _hf_forward(m, config, s))
 

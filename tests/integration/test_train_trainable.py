@@ -84,3 +84,60 @@ def test_a_plan_records_its_regime_and_training_names_a_mismatch(tmp_path):
     other = run_cli("train", "--plan", str(plan), "--steps", "1", "--quiet")
     assert other.returncode == 0, other.stdout + other.stderr
     assert "was planned to train frozen-vision, this run trains full" in other.stdout + other.stderr
+
+
+def test_lora_adapters_train_and_round_trip_through_peft(tmp_path):
+    """``--trainable lora`` on a Hugging Face LLaVA-OneVision folder (the LLM's linear
+    layers get PEFT adapters, the tower is frozen, the projector trains): the base weights
+    stay bit-identical, only adapters and the projector hold optimizer state, and
+    ``--save-hf`` writes the merged model plus a PEFT adapter folder that, loaded onto the
+    starting model with ``PeftModel.from_pretrained`` and merged, is that same model."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from conftest import DATA_DIR
+    from dflop.models.hf.tiny import save_tiny_llava_onevision
+
+    base, out, ckpt = tmp_path / "base", tmp_path / "out", tmp_path / "ckpt"
+    save_tiny_llava_onevision(str(base))
+    data = DATA_DIR / "llava_mini"
+    result = run_cli(
+        "train", "--model", f"hf:{base}", "--data", str(data / "llava_mini.json"),
+        "--image-folder", str(data / "images"), "--video-folder", str(data / "videos"),
+        "--layout", "enc_dp=1,llm_pp=1,m=2", "--global-batch", "4", "--steps", "2",
+        "--lr", "1e-2", "--trainable", "lora", "--lora-rank", "4", "--quiet",
+        "--checkpoint-dir", str(ckpt), "--save-hf", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    # The LLM rank's checkpoint: base weights as built, adapters trained, Adam state for
+    # the adapters only.
+    step = ckpt / (ckpt / "latest").read_text().strip()
+    saved = torch.load(step / "rank-00001.pt", weights_only=True)
+    initial = transformers.AutoModelForImageTextToText.from_pretrained(base).state_dict()
+    adapters = [n for n in saved["stage"] if ".lora_" in n]
+    assert adapters and all(".lora_A.default." in n or ".lora_B.default." in n for n in adapters)
+    for name, value in saved["stage"].items():
+        if ".lora_" not in name:
+            assert torch.equal(value, initial[name.replace(".base_layer.", ".")]), name
+    assert len(saved["optimizer"]["state"]) == len(adapters)
+    assert any(saved["stage"][n].abs().max() > 0 for n in adapters if ".lora_B." in n)
+    # The adapter folder round-trips through PEFT onto the starting model.
+    model = transformers.AutoModelForImageTextToText.from_pretrained(base)
+    merged = peft.PeftModel.from_pretrained(model, out / "lora-adapter").merge_and_unload()
+    ours = transformers.AutoModelForImageTextToText.from_pretrained(out).state_dict()
+    theirs = merged.state_dict()
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        assert torch.allclose(ours[name], theirs[name], rtol=1e-6, atol=1e-7), name
+    trained = [n for n in theirs if not torch.equal(theirs[n], initial[n])]
+    assert any("multi_modal_projector" in n for n in trained)
+    assert any("language_model" in n for n in trained)  # the LLM's merged updates
+    assert not any("vision_tower" in n for n in trained)  # frozen
+    # Another LoRA rank cannot resume this checkpoint.
+    again = run_cli(
+        "train", "--model", f"hf:{base}", "--data", str(data / "llava_mini.json"),
+        "--image-folder", str(data / "images"), "--video-folder", str(data / "videos"),
+        "--layout", "enc_dp=1,llm_pp=1,m=2", "--global-batch", "4", "--steps", "3",
+        "--trainable", "lora", "--lora-rank", "8", "--checkpoint-dir", str(ckpt),
+    )  # fmt: skip
+    assert again.returncode != 0
+    assert "lora_rank=8, the checkpoint's 4" in again.stderr

@@ -66,6 +66,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "'encoder=frozen,llm=frozen' (as dflop train --trainable); the plan prices what that "
         "regime runs and holds",
     )
+    p.add_argument(
+        "--lora-rank", type=int, default=16, help="LoRA's rank, for a --trainable with lora parts"
+    )
     p.add_argument("--no-prune", action="store_true", help="simulate every candidate")
     p.add_argument("--reference", action="store_true", help="also run the mean-shape optimizer")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
@@ -213,6 +216,7 @@ def run_plan(args: argparse.Namespace) -> int:
         reference=args.reference,
         virtual_stage_choices=args.virtual_stages,
         trainable=args.trainable,
+        lora_rank=args.lora_rank,
     )
     inputs = {
         "model": args.model,
@@ -265,6 +269,7 @@ def _run_local_plan(args: argparse.Namespace) -> int:
         perf=None if args.perf == "analytic" else args.perf,
         calibrate_steps=args.calibrate_steps,
         trainable=args.trainable,
+        lora_rank=args.lora_rank,
     )
     prepared = prepare(config, log=lambda text: print(text, file=sys.stderr))
     result = prepared.plan
@@ -358,6 +363,7 @@ def _rebuilt(plan: Any, layout: Any, batch: int) -> Any:
         element_bytes=int(info.get("element_bytes", 2)),
         loss_chunk_tokens=int(info.get("loss_chunk_tokens", PlannerConfig.loss_chunk_tokens)),
         trainable=str(info.get("trainable", "full")),
+        lora_rank=int(info.get("lora_rank", 16)),
     )
     if "forward_fraction" in info:  # what the plan was scored with
         config = replace(config, forward_fraction=tuple(info["forward_fraction"]))
@@ -373,5 +379,6 @@ def _rebuilt(plan: Any, layout: Any, batch: int) -> Any:
         element_bytes=config.element_bytes,
         loss_chunk_tokens=config.loss_chunk_tokens,
         trainable=config.trainable,
+        lora_rank=config.lora_rank,
     )
     return simulate_layout(plan.cluster, inputs, layout, config, batch=batch)

@@ -19,6 +19,7 @@ from dflop.planner.model import (
     DEFAULT_LOSS_CHUNK_TOKENS,
     PlannerConfig,
     PlannerModule,
+    lora_params_per_layer,
     planner_modules,
     with_trainable,
 )
@@ -145,13 +146,14 @@ def prepare_inputs(
     element_bytes: int = 2,
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
     trainable: str = "full",
+    lora_rank: int = 16,
 ) -> PlannerInputs:
     """Sample ``num_batches`` global batches (batch b with seed ``seed + b``; of a run's
     steps, see :func:`plan`: step b) and compute their per-sample costs with
     ``performance_model``; ``forward_fraction`` (encoder, LLM) overrides the modules'
     forward share of a stage's time under full training (1/3); ``element_bytes``,
-    ``loss_chunk_tokens`` and ``trainable`` are the training's precision, chunked loss
-    and regime (:class:`PlannerConfig`)."""
+    ``loss_chunk_tokens``, ``trainable`` and ``lora_rank`` are the training's precision,
+    chunked loss and regime (:class:`PlannerConfig`)."""
     if not isinstance(encoder, EncoderConfig):
         raise InputTypeError(f"encoder must be an EncoderConfig, got {type(encoder).__name__}")
     if not isinstance(llm, LLMConfig):
@@ -196,6 +198,7 @@ def prepare_inputs(
         element_bytes,
         loss_chunk_tokens,
         trainable,
+        lora_rank,
     )
 
 
@@ -208,6 +211,7 @@ def single_batch_inputs(
     element_bytes: int = 2,
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
     trainable: str = "full",
+    lora_rank: int = 16,
 ) -> PlannerInputs:
     """The planner's inputs for one given global batch (what the trainer runs)."""
     return _inputs(
@@ -221,6 +225,7 @@ def single_batch_inputs(
         element_bytes,
         loss_chunk_tokens,
         trainable,
+        lora_rank,
     )
 
 
@@ -235,6 +240,7 @@ def _inputs(
     element_bytes: int = 2,
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
     trainable: str = "full",
+    lora_rank: int = 16,
 ) -> PlannerInputs:
     costs = np.asarray(performance_model.costs(batch), dtype=np.float64)
     if costs.shape != (len(batch), 2):
@@ -253,7 +259,8 @@ def _inputs(
         enc_spec = replace(enc_spec, forward_fraction=float(forward_fraction[0]))
         llm_spec = replace(llm_spec, forward_fraction=float(forward_fraction[1]))
     passthrough = getattr(performance_model, "passthrough_factors", None)  # measured
-    enc_spec, llm_spec = with_trainable(enc_spec, llm_spec, trainable, passthrough)
+    lora = lora_params_per_layer(encoder, llm, lora_rank)
+    enc_spec, llm_spec = with_trainable(enc_spec, llm_spec, trainable, passthrough, lora)
     samples = {
         "num_batches": int(num_batches),
         "batch_size": int(global_batch),

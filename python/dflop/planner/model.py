@@ -59,6 +59,7 @@ __all__ = [
     "PlannerConfig",
     "PlannerModule",
     "full_training_forward_fraction",
+    "lora_params_per_layer",
     "planner_modules",
     "regime_forward_fraction",
     "with_trainable",
@@ -410,6 +411,8 @@ class PlannerConfig:
         trainable: which parts train (a :class:`~dflop.models.trainable.TrainableParts`
             preset such as ``"frozen-vision"``, or ``"encoder=frozen,..."``); the plan
             prices what that regime runs and holds (:func:`with_trainable`).
+        lora_rank: the LoRA adapters' rank of a regime with ``lora`` parts (their
+            parameters, :func:`lora_params_per_layer`).
     """
 
     num_batches: int = 4
@@ -437,6 +440,7 @@ class PlannerConfig:
     element_bytes: int = 2
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS
     trainable: str = "full"
+    lora_rank: int = 16
 
     def __post_init__(self) -> None:
         try:
@@ -444,6 +448,7 @@ class PlannerConfig:
         except (TypeError, ValueError) as e:
             raise ValueError(f"PlannerConfig.trainable: {e}") from None
         object.__setattr__(self, "trainable", str(parts))
+        _check_int("PlannerConfig", "lora_rank", self.lora_rank, 1)
         _check_int("PlannerConfig", "num_batches", self.num_batches, 1)
         _check_int("PlannerConfig", "seed", self.seed, 0)
         _check_int("PlannerConfig", "top_k", self.top_k, 1)
@@ -529,34 +534,63 @@ class _Passthrough:
         return cls(tuple(measured["backward"]), tuple(measured["activations"]))
 
 
+def lora_params_per_layer(encoder: EncoderConfig, llm: LLMConfig, rank: int) -> tuple[int, int]:
+    """(encoder, LLM) LoRA adapter parameters per layer at ``rank`` on the default targets
+    (:data:`~dflop.models.trainable.DEFAULT_LORA_TARGETS`): rank x (inputs + outputs) of
+    each adapted linear layer. A ViT block: q, k, v, out (h -> h each), fc1 and fc2; a
+    decoder layer: q, k, v, o, gate, up and down."""
+    h, i = encoder.hidden_size, encoder.intermediate_size
+    vit = 4 * 2 * h + 2 * (h + i)
+    g, m = llm.hidden_size, llm.intermediate_size
+    kv = llm.num_kv_heads * (llm.head_dim or g // llm.num_heads)
+    q = llm.num_heads * (llm.head_dim or g // llm.num_heads)
+    decoder = (g + q) + 2 * (g + kv) + (q + g) + 2 * (g + m) + (m + g)
+    return rank * vit, rank * decoder
+
+
 def _regime(
-    trainable: str | TrainableParts, measured: dict[str, Any] | None = None
+    trainable: str | TrainableParts,
+    measured: dict[str, Any] | None = None,
+    lora_share: tuple[float, float] = (0.0, 0.0),
 ) -> dict[str, dict[str, float]]:
-    """Per module (``"encoder"``, ``"llm"``), the :class:`PlannerModule` regime fields."""
+    """Per module (``"encoder"``, ``"llm"``), the :class:`PlannerModule` regime fields;
+    ``lora_share``: a LoRA part's adapter parameters over its layers' (adapters
+    included)."""
     parts = TrainableParts.parse(trainable)
     through = _Passthrough.of(measured)
-    tower, projector, lm = (parts.trains(p) for p in ("encoder", "projector", "llm"))
 
-    def backward(trains: bool, gradients_pass: bool, module: int) -> float:
-        if trains:
-            return 1.0
-        return through.backward[module] if gradients_pass else 0.0
+    def layers(part: str, k: int, gradients_pass: bool) -> dict[str, float]:
+        # LoRA: the frozen layers pass gradients on (the adapters' own backward is
+        # rank-sized: not counted) and keep their inputs, which the adapters' A needs.
+        mode = parts.mode(part)
+        if mode == "full":
+            return {"body_backward_factor": 1.0, "body_trainable_fraction": 1.0,
+                    "kept_activation_fraction": 1.0}  # fmt: skip
+        if mode == "lora":
+            return {"body_backward_factor": through.backward[k],
+                    "body_trainable_fraction": lora_share[k],
+                    "kept_activation_fraction": 1.0}  # fmt: skip
+        return {"body_backward_factor": through.backward[k] if gradients_pass else 0.0,
+                "body_trainable_fraction": 0.0,
+                "kept_activation_fraction": through.activations[k]}  # fmt: skip
 
+    tower_trains = parts.trains("encoder")
+    projector = parts.mode("projector") == "full"
+    lm_full = parts.mode("llm") == "full"
     # Something trains at or before every LLM stage (TrainableParts refuses all frozen).
+    llm_head = 1.0 if lm_full else through.backward[1]
     return {
         "encoder": {
-            "body_backward_factor": backward(tower, False, 0),
-            "last_backward_factor": backward(projector, tower, 0),
-            "body_trainable_fraction": float(tower),
+            **layers("encoder", 0, False),
+            "last_backward_factor": 1.0
+            if projector
+            else (through.backward[0] if tower_trains else 0.0),
             "last_trainable_fraction": float(projector),
-            "kept_activation_fraction": 1.0 if tower else through.activations[0],
         },
         "llm": {
-            "body_backward_factor": backward(lm, True, 1),
-            "last_backward_factor": backward(lm, True, 1),
-            "body_trainable_fraction": float(lm),
-            "last_trainable_fraction": float(lm),
-            "kept_activation_fraction": 1.0 if lm else through.activations[1],
+            **layers("llm", 1, True),
+            "last_backward_factor": llm_head,
+            "last_trainable_fraction": float(lm_full),
         },
     }
 
@@ -566,6 +600,7 @@ def with_trainable(
     llm: PlannerModule,
     trainable: str | TrainableParts,
     passthrough: dict[str, Any] | None = None,
+    lora_params: tuple[float, float] = (0.0, 0.0),
 ) -> tuple[PlannerModule, PlannerModule]:
     """(encoder, LLM) priced for a training regime (:class:`TrainableParts` or its name):
     a frozen part's weights get no gradients, optimizer state or all-reduce; its backward
@@ -573,9 +608,20 @@ def with_trainable(
     gradients, keeping fewer activations), as dflop's engine runs it
     (``TrainableParts.stage_backward``). ``passthrough``: a performance model's measured
     ``passthrough_factors`` (what such a backward costs and keeps), else the defaults
-    (:data:`WEIGHT_GRAD_FRACTION`, :data:`PASSTHROUGH_ACTIVATION_FRACTION`)."""
-    regime = _regime(trainable, passthrough)
-    return replace(encoder, **regime["encoder"]), replace(llm, **regime["llm"])
+    (:data:`WEIGHT_GRAD_FRACTION`, :data:`PASSTHROUGH_ACTIVATION_FRACTION`). A ``lora``
+    part: its layers pass gradients on, keep their inputs and carry ``lora_params``
+    (encoder, LLM; :func:`lora_params_per_layer`) trainable adapter parameters each."""
+    parts = TrainableParts.parse(trainable)
+    modules = [encoder, llm]
+    shares = [0.0, 0.0]
+    for k, part in enumerate(("encoder", "llm")):
+        if parts.mode(part) == "lora":
+            extra = float(lora_params[k])
+            total = modules[k].params_per_layer + extra
+            modules[k] = replace(modules[k], params_per_layer=total)
+            shares[k] = extra / total if total > 0 else 0.0
+    regime = _regime(parts, passthrough, (shares[0], shares[1]))
+    return replace(modules[0], **regime["encoder"]), replace(modules[1], **regime["llm"])
 
 
 def regime_forward_fraction(

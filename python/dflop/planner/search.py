@@ -286,6 +286,7 @@ def plan(
         element_bytes=config.element_bytes,
         loss_chunk_tokens=config.loss_chunk_tokens,
         trainable=config.trainable,
+        lora_rank=config.lora_rank,
     )
     layouts, raw = choose_layouts(cluster, inputs, config)
     if not layouts:
@@ -308,6 +309,7 @@ def plan(
     description.setdefault("element_bytes", config.element_bytes)
     description.setdefault("loss_chunk_tokens", config.loss_chunk_tokens)
     description.setdefault("trainable", config.trainable)
+    description.setdefault("lora_rank", config.lora_rank)
     return Plan(
         cluster=cluster,
         global_batch=int(global_batch),

@@ -247,6 +247,7 @@ class StepPredictor:
             self.config.element_bytes,
             self.config.loss_chunk_tokens,
             self.config.trainable,
+            self.config.lora_rank,
         )
 
     def audit(

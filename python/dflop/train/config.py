@@ -16,6 +16,7 @@ from typing import Any
 
 from dflop._deprecated import warn_renamed
 from dflop.errors import InputTypeError, bounded_repr
+from dflop.models.trainable import DEFAULT_LORA_TARGETS, LoraSettings, TrainableParts
 from dflop.safe_io import not_regular_reason
 
 __all__ = [
@@ -111,6 +112,16 @@ class TrainConfig:
         "which parts train: full, projector (LLaVA stage 1: only the projector), "
         "frozen-vision (the vision tower frozen), or part=mode pairs such as "
         "'encoder=frozen,llm=frozen' (parts: encoder, projector, llm; modes: full, frozen)",
+    )
+    lora_rank: int = _field("model", 16, "LoRA's rank r, for parts that train 'lora'")
+    lora_alpha: float = _field(
+        "model", 32.0, "LoRA's alpha (the adapters' update is scaled by alpha / rank)"
+    )
+    lora_dropout: float = _field("model", 0.0, "LoRA's dropout on the adapters' input")
+    lora_targets: str = _field(
+        "model",
+        ",".join(DEFAULT_LORA_TARGETS),
+        "the linear layers LoRA adapts inside a 'lora' part's layers, by name, comma-separated",
     )
     # [data]
     data: str = _field(
@@ -402,13 +413,12 @@ class TrainConfig:
             raise bad("scheduler", f"one of {SCHEDULE_MODES}")
         if not isinstance(self.trainable, str):
             raise bad("trainable", "a preset name or 'part=mode,...'")
-        from dflop.models.trainable import TrainableParts
-
         try:
             parts = TrainableParts.parse(self.trainable)
         except ValueError as error:
             raise ValueError(f"TrainConfig.trainable: {error}") from None
         object.__setattr__(self, "trainable", str(parts))  # one spelling per regime
+        self.trainable_parts()  # the LoRA settings, checked
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", "'auto', 'cpu' or 'cuda'")
         if self.launch not in ("auto", "processes", "threads"):
@@ -492,6 +502,20 @@ class TrainConfig:
                         f"TrainConfig.scaler[{name!r}] must be {'a bool' if wanted is bool else 'an integer'}, "
                         f"got {type(value).__name__} {bounded_repr(value)}"
                     )
+
+    def trainable_parts(self) -> TrainableParts:
+        """The regime with its LoRA settings (``trainable`` and the ``lora_*`` fields)."""
+        try:
+            lora = LoraSettings(
+                rank=self.lora_rank,
+                alpha=float(self.lora_alpha),
+                dropout=float(self.lora_dropout),
+                targets=tuple(t for t in str(self.lora_targets).split(",") if t.strip()),
+            )
+        except (TypeError, ValueError) as error:
+            field_name = str(error).split("=", 1)[0].replace("LoraSettings.", "lora_")
+            raise ValueError(f"TrainConfig.{field_name}: {error}") from None
+        return dataclasses.replace(TrainableParts.parse(self.trainable), lora=lora)
 
     @property
     def modes(self) -> tuple[str, ...]:

@@ -326,6 +326,7 @@ def _local_planning(
     calibration: Calibration | None,
     loss_chunk_tokens: int,
     trainable: str = "full",
+    lora_rank: int = 16,
     **config: Any,
 ) -> tuple[Any, Any]:
     """(cluster, PlannerConfig) for local processes, calibrated when given: what dflop's
@@ -337,6 +338,7 @@ def _local_planning(
     return cluster, runtime_planner_config(
         loss_chunk_tokens,
         trainable=trainable,
+        lora_rank=lora_rank,
         seed=seed,
         max_tp=1,
         baseline=False,
@@ -369,6 +371,7 @@ def evaluate_local(
     calibration: Calibration | None = None,
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
     trainable: str = "full",
+    lora_rank: int = 16,
 ) -> Any:
     """A :class:`~dflop.planner.Plan` holding one given layout for its local processes,
     scored and audited as the planner scores its own choices (to force a layout): with
@@ -378,7 +381,7 @@ def evaluate_local(
 
     encoder, llm = cost_configs(model)
     cluster, config = _local_planning(
-        layout.world_size, seed, budget, calibration, loss_chunk_tokens, trainable
+        layout.world_size, seed, budget, calibration, loss_chunk_tokens, trainable, lora_rank
     )
     inputs = prepare_inputs(
         cost_model,
@@ -392,6 +395,7 @@ def evaluate_local(
         element_bytes=config.element_bytes,
         loss_chunk_tokens=config.loss_chunk_tokens,
         trainable=config.trainable,
+        lora_rank=config.lora_rank,
     )
     scored = evaluate_layout(cluster, inputs, core_layout(layout), config)
     return Plan(
@@ -425,6 +429,7 @@ def plan_local(
     calibration: Calibration | None = None,
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
     trainable: str = "full",
+    lora_rank: int = 16,
 ) -> LocalPlan:
     """Plan ``model`` on ``nproc`` local processes with ``dflop.planner.plan``.
 
@@ -448,6 +453,7 @@ def plan_local(
         calibration,
         loss_chunk_tokens,
         trainable,
+        lora_rank,
         microbatch_choices=choices,
         top_k=20,
     )

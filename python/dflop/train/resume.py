@@ -50,6 +50,10 @@ MUST_MATCH: dict[str, str] = {
     "calibrate_steps": "calibration chooses the layout; a resumed run keeps the saved one",
     "memory_gb": "the layout was fitted into it; a resumed run keeps the saved layout",
     "trainable": "which weights train and which have optimizer state",
+    "lora_rank": "the LoRA adapters' shapes",
+    "lora_alpha": "the LoRA adapters' update scale",
+    "lora_dropout": "the LoRA adapters' training",
+    "lora_targets": "which layers have LoRA adapters",
 }
 """Settings a resumed run must keep, with why."""
 

@@ -79,7 +79,21 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
     prepared = _prepare(config, log)
     if point is not None:
         check_layout(config, prepared.layout, point)
+    _check_lora_layout(config, prepared.layout)
     return prepared
+
+
+def _check_lora_layout(config: TrainConfig, layout: RuntimeLayout) -> None:
+    """LoRA adapters on a tensor-parallel module are not built yet: say so before any
+    process starts."""
+    parts = config.trainable_parts()
+    for module in ("encoder", "llm"):
+        tp = layout.module(module).tp
+        if parts.mode(module) == "lora" and tp > 1:
+            raise ValueError(
+                f"--trainable {config.trainable}: LoRA on a tensor-parallel {module} "
+                f"({module} tp={tp}) is not supported yet; use a layout with {module} tp 1"
+            )
 
 
 def _prepare(config: TrainConfig, log: Callable[[str], None]) -> Prepared:
@@ -183,6 +197,7 @@ def _prepare(config: TrainConfig, log: Callable[[str], None]) -> Prepared:
             "loss_chunk_tokens": config.loss_chunk_tokens,
             "budget": budget,
             "trainable": config.trainable,
+            "lora_rank": config.lora_rank,
         }
         if forced is not None:
             plan = evaluate_local(cost_model, model, forced, data, **common)

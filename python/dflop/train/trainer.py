@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +34,12 @@ from typing import Any
 import numpy as np
 
 from dflop.models.registry import model_spec
-from dflop.models.trainable import TrainableParts, freeze_stage
+from dflop.models.trainable import (
+    adapter_tensors,
+    freeze_stage,
+    merge_lora,
+    write_adapter_config,
+)
 from dflop.runtime.topology import RuntimeLayout
 from dflop.scheduling.balance import Schedule, data_blind_schedule, schedule_from_assignment
 from dflop.scheduling.pipeline_schedule import PipelineModel
@@ -132,8 +138,9 @@ class Trainer:
         )
         # Frozen parts: no gradient, no optimizer state, no all-reduce; a stage with
         # nothing trainable at or before it runs forward only.
-        self.trainable = TrainableParts.parse(config.trainable)
-        freeze_stage(self.stage, self.spec, self.info.module, self.trainable)
+        # LoRA parts: frozen weights and trainable adapters.
+        self.trainable = config.trainable_parts()
+        freeze_stage(self.stage, self.spec, self.info.module, self.trainable, config.seed)
         self.engine = PipelineEngine(
             self.topology,
             self.stage,
@@ -204,7 +211,10 @@ class Trainer:
             llm,
             core_layout(self.layout),
             runtime_planner_config(
-                self.config.loss_chunk_tokens, num_batches=1, trainable=self.config.trainable
+                self.config.loss_chunk_tokens,
+                num_batches=1,
+                trainable=self.config.trainable,
+                lora_rank=self.config.lora_rank,
             ),
         )
 
@@ -602,21 +612,64 @@ class Trainer:
         from dflop.runtime.tensor_parallel import full_tensor
 
         info = self.info
+        parts = self.trainable
         weight_map: dict[str, str] = {}
+        adapter: tuple[list[str], list[str]] = ([], [])
         if info.dp_rank == 0:  # every TP rank gathers the shards (a collective), one writes
             stage = self.stage
             own = stage.model_state_dict() if isinstance(stage, StageChunks) else stage.state_dict()
             state = {k: full_tensor(v) for k, v in own.items()}
             if info.tp_rank == 0:
                 name = f"model-{info.module}-stage{info.global_stage:03d}.safetensors"
+                if parts.uses_lora:
+                    adapter = self._save_adapter_part(folder, state)
+                    state = merge_lora(state, parts.lora)
                 weight_map = self.spec.save_shard(folder, name, state)
         gathered: list[Any] | None = [None] * self.world_size if self.is_leader else None
-        dist.gather_object(weight_map, gathered, dst=0)
+        dist.gather_object((weight_map, adapter), gathered, dst=0)
         if self.is_leader:
-            merged = {key: name for part in gathered for key, name in part.items()}
+            merged = {key: name for part, _ in gathered for key, name in part.items()}
             self.spec.finish_checkpoint(folder, merged, seed=self.config.seed)
-            print(f"saved the model in the Hugging Face layout to {folder}", flush=True)
+            what = "with its LoRA adapters merged " if parts.uses_lora else ""
+            print(f"saved the model {what}in the Hugging Face layout to {folder}", flush=True)
+            if parts.uses_lora:
+                self._finish_adapter(folder, [a for _, a in gathered])
         dist.barrier()
+
+    def _save_adapter_part(self, folder: str, state: dict[str, Any]) -> tuple[list, list]:
+        """This stage's share of the PEFT adapter folder (``folder/lora-adapter``): its
+        tensors in a part file rank 0 joins; returns (adapted layers, full modules)."""
+        from safetensors.torch import save_file
+
+        module = self.info.module
+        tensors, layers, modules = adapter_tensors(
+            state, self.trainable, lambda name: self.spec.parameter_part(module, name)
+        )
+        parts_dir = os.path.join(folder, "lora-adapter", "parts")
+        os.makedirs(parts_dir, exist_ok=True)
+        path = os.path.join(parts_dir, f"stage{self.info.global_stage:03d}.safetensors")
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
+        return layers, modules
+
+    def _finish_adapter(self, folder: str, stages: list[tuple[list, list]]) -> None:
+        """Rank 0: join the stages' adapter parts into ``adapter_model.safetensors`` and
+        write ``adapter_config.json``: ``PeftModel.from_pretrained(base, folder)``, the
+        base being the model this run started from."""
+        from safetensors.torch import load_file, save_file
+
+        adapter_dir = os.path.join(folder, "lora-adapter")
+        parts_dir = os.path.join(adapter_dir, "parts")
+        tensors: dict[str, Any] = {}
+        for name in sorted(os.listdir(parts_dir)):
+            tensors.update(load_file(os.path.join(parts_dir, name)))
+        save_file(tensors, os.path.join(adapter_dir, "adapter_model.safetensors"))
+        shutil.rmtree(parts_dir)
+        layers = sorted({layer for stage_layers, _ in stages for layer in stage_layers})
+        modules = sorted({m for _, stage_modules in stages for m in stage_modules})
+        base = getattr(self.spec, "checkpoint_dir", None)
+        write_adapter_config(adapter_dir, self.trainable, layers, modules, base)
+        start = base or f"the initial weights of seed {self.config.seed}"
+        print(f"saved the LoRA adapters (PEFT) to {adapter_dir}; they apply to {start}", flush=True)
 
 
 def _same_shapes(a: Any, b: Any) -> bool:

@@ -28,7 +28,7 @@ from dflop.planner import (
     with_trainable,
 )
 from dflop.planner.inputs import single_batch_inputs
-from dflop.planner.model import WEIGHT_GRAD_FRACTION, PlannerModule
+from dflop.planner.model import WEIGHT_GRAD_FRACTION, PlannerModule, lora_params_per_layer
 from dflop.runtime.topology import RuntimeLayout
 from dflop.train.calibration import OnlineCalibration
 from dflop.train.planning import MemoryBudget, core_layout, cost_configs, local_cluster
@@ -69,6 +69,24 @@ def test_regime_factors(trainable: str, encoder: tuple, llm: tuple) -> None:
     assert parts.stage_backward("encoder", is_last_stage=True) == (
         enc.body_backward_factor > 0 or enc.last_backward_factor > 0
     )
+
+
+def test_lora_prices_adapters_and_a_pass_through_backward() -> None:
+    encoder, llm = cost_configs(CONFIG)
+    enc_lora, llm_lora = lora_params_per_layer(encoder, llm, rank=4)
+    h, i = llm.hidden_size, llm.intermediate_size
+    kv = llm.num_kv_heads * (llm.head_dim or h // llm.num_heads)
+    q = llm.num_heads * (llm.head_dim or h // llm.num_heads)
+    # q, k, v, o, gate, up, down: rank x (inputs + outputs)
+    assert llm_lora == 4 * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h))
+    base = _module()
+    enc, lm = with_trainable(base, base, "lora", lora_params=(enc_lora, llm_lora))
+    assert enc == with_trainable(base, base, "frozen-vision")[0]  # the tower is frozen
+    assert lm.params_per_layer == base.params_per_layer + llm_lora
+    assert lm.body_trainable_fraction == pytest.approx(llm_lora / lm.params_per_layer)
+    assert lm.last_trainable_fraction == 0.0  # the LM head is frozen
+    assert lm.body_backward_factor == PASS_ON  # the adapters' own backward: rank-sized
+    assert lm.kept_activation_fraction == 1.0  # the adapters need the layers' inputs
 
 
 def test_planner_config_names_the_regime() -> None:
