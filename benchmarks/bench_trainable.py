@@ -1,17 +1,19 @@
 """Measured training regimes: ``dflop train --model hf:DIR --trainable ...`` on this machine.
 
-A tiny LLaVA-OneVision folder (``save_tiny_llava_onevision``, its 151,646-token Qwen2
-vocabulary cut to the tiny builder's) trains on the shipped real-format records
+A tiny LLaVA-OneVision folder (``save_tiny_llava_onevision``: 2 + 2 layers, hidden 64,
+a 320-token vocabulary) trains on the shipped real-format records
 (``tests/data/llava_mini``: images, multi-image, video, text-only) over three processes:
 the encoder on two pipeline stages (the first all tower, the second holding the
 projector) and the LLM on one. Each regime is one run of ``--steps`` steps with the same
 seed, data and layout: ``full``, ``frozen-vision`` (the tower frozen: its first stage
-runs forward only) and ``projector`` (LLaVA's stage 1: only the projector trains; the LLM
-passes gradients without computing its weight gradients). Reported per regime: the mean
+runs forward only), ``projector`` (LLaVA's stage 1: only the projector trains; the LLM
+passes gradients without computing its weight gradients) and ``lora`` (rank-16 PEFT
+adapters on the LLM's linear layers, the tower frozen, the projector trained). Reported per regime: the mean
 measured step (after ``--warmup`` steps) and its ratio to ``full`` measured in the same
 invocation, the plan's predicted step (the planner's model of the same layout and regime,
-priced by the run's performance model before any step), and every rank's measured peak
-memory beside the memory model's.
+priced by the performance model the run profiles first, with the frozen pass-through
+shares it measures, before any step), and every rank's measured peak memory beside the
+memory model's.
 
     python benchmarks/bench_trainable.py                    # prints the table
     python benchmarks/bench_trainable.py --markdown benchmarks/README.md
@@ -39,7 +41,7 @@ import baselines  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data" / "llava_mini"
 LAYOUT = "enc_dp=1,enc_pp=2,llm_dp=1,llm_pp=1,m=4"
-REGIMES = ("full", "frozen-vision", "projector")
+REGIMES = ("full", "frozen-vision", "projector", "lora")
 
 
 def run_regime(model_dir: Path, trainable: str, args: argparse.Namespace, out: Path) -> dict:

@@ -201,6 +201,13 @@ def register_profile_model(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-tokens", type=positive_int, default=None, help="largest packed LLM microbatch"
     )
+    p.add_argument(
+        "--frozen-shapes",
+        type=non_negative_int,
+        default=8,
+        help="shapes per module on which the forward alone and the frozen pass-through step "
+        "are timed too (what --trainable regimes run; 0: none)",
+    )
     p.add_argument("--warmup", type=non_negative_int, default=1)
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
@@ -299,6 +306,7 @@ def run_profile_model(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         seed=args.seed,
         num_threads=None if on_gpu else args.threads,
+        frozen_shapes=args.frozen_shapes,
     )
     from dflop.train.planning import per_token
 

@@ -528,10 +528,15 @@ class _Passthrough:
 
     @classmethod
     def of(cls, measured: dict[str, Any] | None) -> _Passthrough:
-        """From a performance model's ``passthrough_factors`` (None: the defaults)."""
-        if not measured:
-            return cls()
-        return cls(tuple(measured["backward"]), tuple(measured["activations"]))
+        """From a performance model's ``passthrough_factors`` (None, or a None entry: the
+        defaults)."""
+        default = cls()
+        measured = measured or {}
+        backward, activations = measured.get("backward"), measured.get("activations")
+        return cls(
+            default.backward if backward is None else tuple(float(v) for v in backward),
+            default.activations if activations is None else tuple(float(v) for v in activations),
+        )
 
 
 def lora_params_per_layer(encoder: EncoderConfig, llm: LLMConfig, rank: int) -> tuple[int, int]:

@@ -267,6 +267,31 @@ class CostModel:
         )
 
     @property
+    def passthrough_factors(self) -> dict[str, tuple[float, float] | None] | None:
+        """The profile's measured costs of frozen parts, ``(encoder, llm)`` pairs, or
+        None when the performance model has none (an older profile, the analytic model):
+
+        * ``"forward_fraction"``: the forward's share of a training stage's time (a
+          frozen stage with nothing trained before it runs the forward only);
+        * ``"backward"``: a pass-through stage's backward (frozen, its input needing
+          gradients: a trained part before it) over a training stage's backward;
+        * ``"activations"``: the activation bytes a pass-through stage holds over a
+          training stage's.
+
+        A key is None where that share was not measured (``"activations"`` of a profile
+        without memory). Not corrected online: ``observe`` refits the training times.
+        """
+        perf = self._prior
+        factors = {
+            "forward_fraction": perf.forward_fraction,
+            "backward": perf.passthrough_backward_factor,
+            "activations": perf.passthrough_activation_fraction,
+        }
+        if all(value is None for value in factors.values()):
+            return None
+        return factors
+
+    @property
     def num_observations(self) -> tuple[int, int]:
         """Accepted (non-rejected) microbatch observations so far: (encoder, LLM)."""
         return self._encoder_fit.num_observations, self._llm_fit.num_observations

@@ -33,6 +33,24 @@ saves for the backward pass (recorded with ``torch.autograd.graph.saved_tensors_
 each storage counted once, parameters excluded). That is the memory held at the
 forward/backward boundary, where training peaks; transient workspace is not included.
 
+Frozen parts (``profile_model(frozen_shapes=...)``): on an evenly spread subset of the
+shapes (``frozen_shapes`` of each module's grid, default 8) two more variants
+are timed, interleaved in the same rounds as the training step (same warm-up, repeats and
+median): the *forward* alone under ``torch.no_grad()`` (a frozen stage with nothing
+trained before it), and the *pass-through* step: forward+backward with every parameter's
+``requires_grad`` off and the module's input requiring grad (the decoder's input
+embeddings; the encoder's pixels, a detached copy sharing their storage), so autograd
+computes the input gradient only and saves only what that needs (a frozen linear layer
+keeps its weight, not its input): a frozen stage with a trained part before it. Its saved
+activation bytes are measured as the training step's are (``saved_tensors_hooks``, on
+every device; parameters and inputs excluded). ``requires_grad`` flags are restored
+after every frozen run (the modules are the caller's), and gradients are dropped as for
+the training step. A module whose output does not depend on a gradient-requiring input
+(checked once, forward only) gets no pass-through measurement (``metadata[...]
+["frozen"]`` says why). ``fit_performance_model`` turns these into
+``PerformanceModel.forward_fraction``, ``passthrough_backward_factor`` and
+``passthrough_activation_fraction``.
+
 Tensor parallelism: on GPUs the caller passes modules already sharded for
 ``tensor_parallel_size`` ranks (run under torchrun) and the degree is recorded in the
 result; on CPU only ``tensor_parallel_size=1`` is supported.
@@ -40,6 +58,7 @@ result; on CPU only ``tensor_parallel_size=1`` is supported.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -47,7 +66,7 @@ import math
 import os
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -85,6 +104,11 @@ DEFAULT_TARGET_FRACTIONS = (1 / 2, 1 / 8, 1 / 32)
 """Shares of a profiled sequence that are targets, cycled over the mixes: real
 multimodal data has 2-15% of its tokens as targets, text-only data up to half."""
 
+DEFAULT_FROZEN_SHAPES = 8
+"""Shapes per module the frozen variants are measured on by default (``profile_model``'s
+``frozen_shapes``): the shares are ratios, near-constant over the shapes, so a spread
+subset pins them down at a fraction of the grid's cost."""
+
 TARGET_TOKENS_SCALE = 1024
 """Mixes longer than this get the targets of a mix of this many tokens (see
 ``_target_lens``)."""
@@ -97,25 +121,47 @@ TARGET_TOKENS_SCALE = 1024
 
 @dataclass(frozen=True)
 class EncoderMeasurement:
-    """One encoder microbatch shape: median time of forward+backward and peak memory."""
+    """One encoder microbatch shape: median time of forward+backward and peak memory.
+
+    The frozen variants (None where not measured; see ``DecoderMeasurement``):
+    ``forward_time_s``, ``passthrough_time_s``, ``saved_bytes`` (autograd's saved
+    activations of the training step) and ``passthrough_saved_bytes``.
+    """
 
     num_units: int
     time_s: float
     times_s: tuple[float, ...]
     peak_bytes: float
+    forward_time_s: float | None = None
+    passthrough_time_s: float | None = None
+    saved_bytes: float | None = None
+    passthrough_saved_bytes: float | None = None
 
 
 @dataclass(frozen=True)
 class DecoderMeasurement:
     """One packed decoder microbatch: its sequence lengths, median time, peak memory and
     target tokens (None: a profile written before targets were varied, every position
-    with a next token was one)."""
+    with a next token was one).
+
+    The frozen variants, None where not measured (a shape outside the frozen subset, a
+    profile written before they were measured; the bytes: memory not measured):
+    ``forward_time_s`` the median forward under ``torch.no_grad()``,
+    ``passthrough_time_s`` the median forward+backward with the parameters frozen and the
+    input requiring grad, ``saved_bytes`` / ``passthrough_saved_bytes`` the bytes autograd
+    saved for the backward of the training / pass-through step (parameters and inputs
+    excluded).
+    """
 
     seq_lens: tuple[int, ...]
     time_s: float
     times_s: tuple[float, ...]
     peak_bytes: float
     target_lens: tuple[int, ...] | None = None
+    forward_time_s: float | None = None
+    passthrough_time_s: float | None = None
+    saved_bytes: float | None = None
+    passthrough_saved_bytes: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -168,6 +214,7 @@ class ProfileResult:
                     time_s=float(m["time_s"]),
                     times_s=tuple(float(t) for t in m["times_s"]),
                     peak_bytes=_float_or_nan(m["peak_bytes"]),
+                    **_frozen_fields(m),
                 )
                 for m in data.get("encoder", [])
             ]
@@ -182,6 +229,7 @@ class ProfileResult:
                         if m.get("target_lens") is None
                         else tuple(int(t) for t in m["target_lens"])
                     ),
+                    **_frozen_fields(m),
                 )
                 for m in data.get("decoder", [])
             ]
@@ -208,6 +256,21 @@ class ProfileResult:
 
 def _float_or_nan(value: Any) -> float:
     return math.nan if value is None else float(value)
+
+
+_FROZEN_MEASUREMENT_FIELDS = (
+    "forward_time_s",
+    "passthrough_time_s",
+    "saved_bytes",
+    "passthrough_saved_bytes",
+)
+
+
+def _frozen_fields(m: dict[str, Any]) -> dict[str, float | None]:
+    """A measurement's frozen-variant fields from JSON (absent: None)."""
+    return {
+        name: None if m.get(name) is None else float(m[name]) for name in _FROZEN_MEASUREMENT_FIELDS
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -373,6 +436,22 @@ class _Timer:
         return self.clock() - begin
 
 
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    """``(key, bytes)`` of a tensor's storage: its address, or for a tensor without one
+    (sparse, a wrapper subclass) the object's id and its elements' bytes."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), int(storage.nbytes())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return id(tensor), int(tensor.numel() * tensor.element_size())
+
+
+def _storage_keys(tensors: Any) -> set[int]:
+    import torch
+
+    return {_storage_key(t)[0] for t in tensors if isinstance(t, torch.Tensor)}
+
+
 def _saved_activation_bytes(fn: Callable[[], None], exclude: set[int]) -> int:
     """Bytes of the distinct storages autograd saves for backward while ``fn`` runs."""
     import torch
@@ -382,12 +461,7 @@ def _saved_activation_bytes(fn: Callable[[], None], exclude: set[int]) -> int:
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         nonlocal total
-        try:
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-            nbytes = storage.nbytes()
-        except (RuntimeError, NotImplementedError):  # e.g. sparse / exotic tensors
-            key, nbytes = id(tensor), tensor.numel() * tensor.element_size()
+        key, nbytes = _storage_key(tensor)
         if key not in seen and key not in exclude:
             seen.add(key)
             total += int(nbytes)
@@ -399,37 +473,93 @@ def _saved_activation_bytes(fn: Callable[[], None], exclude: set[int]) -> int:
 
 
 def _measure_peak_bytes(
-    step: Callable[[], None],
+    step: Callable[..., None],
     make_inputs: Callable[[], tuple[Any, ...]],
     module: Any,
     device: torch.device,
-) -> float:
-    """Peak memory of one forward+backward (see the module docstring)."""
+) -> tuple[float, float]:
+    """``(peak memory, saved activation bytes)`` of one ``step(*make_inputs())`` (see the
+    module docstring): on CUDA the allocator's peak, on CPU the estimate; the saved bytes
+    from ``saved_tensors_hooks`` on both, parameters and inputs excluded."""
     import torch
 
     _zero_grad(module)
+    param_ptrs = _storage_keys(module.parameters())
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         baseline = torch.cuda.memory_allocated(device)
         inputs = make_inputs()
+        input_ptrs = _storage_keys(inputs)
         torch.cuda.reset_peak_memory_stats(device)
-        step_with = _bind(step, inputs)
-        step_with()
+        saved = _saved_activation_bytes(_bind(step, inputs), param_ptrs | input_ptrs)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
         _zero_grad(module)
-        return float(peak - baseline + _param_bytes(module))
+        return float(peak - baseline + _param_bytes(module)), float(saved)
     inputs = make_inputs()
     input_bytes = sum(t.numel() * t.element_size() for t in inputs if hasattr(t, "numel"))
-    param_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    input_ptrs = {t.untyped_storage().data_ptr() for t in inputs if hasattr(t, "untyped_storage")}
+    input_ptrs = _storage_keys(inputs)
     saved = _saved_activation_bytes(_bind(step, inputs), param_ptrs | input_ptrs)
     _zero_grad(module)
-    return float(_param_bytes(module) + _grad_bytes(module) + input_bytes + saved)
+    peak = _param_bytes(module) + _grad_bytes(module) + input_bytes + saved
+    return float(peak), float(saved)
 
 
-def _bind(step: Callable[..., None], inputs: tuple[Any, ...]) -> Callable[[], None]:
+def _bind(step: Callable[..., Any], inputs: tuple[Any, ...]) -> Callable[[], Any]:
     return lambda: step(*inputs)
+
+
+@contextlib.contextmanager
+def _frozen(module: Any) -> Iterator[None]:
+    """Every parameter of ``module`` with ``requires_grad`` off; the flags restored."""
+    params = list(module.parameters())
+    flags = [p.requires_grad for p in params]
+    try:
+        for p in params:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, flag in zip(params, flags):
+            p.requires_grad_(flag)
+
+
+def _with_input_grad(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``inputs`` with the first floating-point tensor (the module's input: pixels,
+    input embeddings) requiring grad: itself if it does, else a detached alias."""
+    import torch
+
+    out = list(inputs)
+    for i, t in enumerate(out):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            if not t.requires_grad:
+                out[i] = t.detach().requires_grad_(True)
+            break
+    return tuple(out)
+
+
+@dataclass
+class _Timings:
+    """What ``_Grid.run`` measured, indexed like its shapes: the training step's times,
+    peak and saved bytes (nan: not measured), and the frozen variants' (None: that shape
+    was not in the frozen subset); ``frozen_note`` says why pass-through was skipped."""
+
+    times: list[list[float]]
+    peaks: list[float]
+    saved: list[float | None]
+    forward: list[list[float] | None]
+    passthrough: list[list[float] | None]
+    passthrough_saved: list[float | None]
+    frozen_note: str | None = None
+
+    def frozen_fields(self, i: int) -> dict[str, float | None]:
+        """Measurement fields of the frozen variants of shape ``i``."""
+        fwd, pt = self.forward[i], self.passthrough[i]
+        return {
+            "forward_time_s": None if fwd is None else float(np.median(fwd)),
+            "passthrough_time_s": None if pt is None else float(np.median(pt)),
+            "saved_bytes": self.saved[i],
+            "passthrough_saved_bytes": self.passthrough_saved[i],
+        }
 
 
 @dataclass(frozen=True)
@@ -444,35 +574,113 @@ class _Grid:
     generator: torch.Generator
     measure_memory: bool
     cpu_clock: str
+    frozen_shapes: int | None = None
+
+    def frozen_subset(self, num_shapes: int) -> list[int]:
+        """Indices of the shapes the frozen variants are measured on: ``frozen_shapes``
+        spread evenly over the grid, its first and last included (None: all)."""
+        if self.frozen_shapes is None or self.frozen_shapes >= num_shapes:
+            return list(range(num_shapes))
+        if self.frozen_shapes <= 0:
+            return []
+        spread = np.linspace(0, num_shapes - 1, self.frozen_shapes)
+        return sorted({int(round(float(x))) for x in spread})
 
     def run(
         self,
         shapes: Sequence[Any],
         make_inputs: Callable[[Any], tuple[Any, ...]],
-        step: Callable[..., None],
+        forward: Callable[..., Any],
+        backward: Callable[..., None],
         module: Any,
-    ) -> tuple[list[list[float]], list[float]]:
-        """Times ``step(*make_inputs(shape))`` for every shape; returns (times, peak bytes)."""
+    ) -> _Timings:
+        """Times the training step ``backward(forward(*inputs), *inputs)`` of every shape
+        (``inputs = make_inputs(shape)``) and, on the frozen subset, the forward alone and
+        the pass-through step, all interleaved in the same shuffled rounds."""
+        import torch
+
         timer = _Timer(self.device, self.cpu_clock)
+
+        def train(*args: Any) -> None:
+            for t in args:  # an input's gradient of the previous run
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.grad = None
+            backward(forward(*args), *args)
+
+        def infer(*args: Any) -> None:
+            with torch.no_grad():
+                forward(*args)
+
+        num = len(shapes)
         inputs = [make_inputs(shape) for shape in shapes]
-        for i in range(len(shapes)):
+        subset = self.frozen_subset(num)
+        note = None
+        passthrough_inputs = {i: _with_input_grad(inputs[i]) for i in subset}
+        if subset:
+            with _frozen(module), torch.enable_grad():
+                passes_gradient = bool(
+                    getattr(forward(*passthrough_inputs[subset[0]]), "requires_grad", False)
+                )
+            if not passes_gradient:
+                note = (
+                    "pass-through not measured: with the parameters frozen, the output does "
+                    "not depend on an input that requires grad"
+                )
+        kinds = ("forward",) if note else ("forward", "passthrough")
+        jobs = [(i, "train") for i in range(num)] + [(i, k) for i in subset for k in kinds]
+
+        def run_job(i: int, kind: str, clock: Callable[[Callable[[], None]], Any]) -> Any:
+            _zero_grad(module)
+            if kind == "train":
+                return clock(_bind(train, inputs[i]))
+            if kind == "forward":
+                return clock(_bind(infer, inputs[i]))
+            with _frozen(module):
+                return clock(_bind(train, passthrough_inputs[i]))
+
+        for i, kind in jobs:
             for _ in range(self.warmup):
-                _zero_grad(module)
-                step(*inputs[i])
-        times: list[list[float]] = [[] for _ in shapes]
+                run_job(i, kind, lambda fn: fn())
+        measured: dict[tuple[int, str], list[float]] = {job: [] for job in jobs}
         for _ in range(self.repeats):
-            for i in self.rng.permutation(len(shapes)):
-                _zero_grad(module)
-                times[i].append(timer(_bind(step, inputs[i])))
+            for j in self.rng.permutation(len(jobs)):
+                measured[jobs[j]].append(run_job(*jobs[j], timer))
         _zero_grad(module)
-        del inputs
-        peaks = [math.nan] * len(shapes)
+        inputs.clear()  # frees them before the memory runs
+        passthrough_inputs.clear()
+        timings = _Timings(
+            times=[measured[(i, "train")] for i in range(num)],
+            peaks=[math.nan] * num,
+            saved=[None] * num,
+            forward=[measured.get((i, "forward")) for i in range(num)],
+            passthrough=[measured.get((i, "passthrough")) for i in range(num)],
+            passthrough_saved=[None] * num,
+            frozen_note=note,
+        )
         if self.measure_memory:
             for i, shape in enumerate(shapes):
-                peaks[i] = _measure_peak_bytes(
-                    step, lambda s=shape: make_inputs(s), module, self.device
+                timings.peaks[i], timings.saved[i] = _measure_peak_bytes(
+                    train, lambda s=shape: make_inputs(s), module, self.device
                 )
-        return times, peaks
+            if "passthrough" in kinds:
+                for i in subset:
+                    with _frozen(module):
+                        _, timings.passthrough_saved[i] = _measure_peak_bytes(
+                            train,
+                            lambda s=shapes[i]: _with_input_grad(make_inputs(s)),
+                            module,
+                            self.device,
+                        )
+        return timings
+
+
+def _frozen_metadata(timings: _Timings) -> dict[str, Any]:
+    """How many shapes the frozen variants were measured on (and why not, if not)."""
+    return {
+        "forward_shapes": sum(t is not None for t in timings.forward),
+        "passthrough_shapes": sum(t is not None for t in timings.passthrough),
+        "note": timings.frozen_note,
+    }
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -526,8 +734,10 @@ def profile_model(
     cpu_clock: str = "wall",
     target_fractions: Sequence[float] = DEFAULT_TARGET_FRACTIONS,
     loss_chunk_tokens: int | None = None,
+    frozen_shapes: int | None = DEFAULT_FROZEN_SHAPES,
 ) -> ProfileResult:
-    """Time forward+backward and measure peak memory of an encoder and a decoder.
+    """Time forward+backward and measure peak memory of an encoder and a decoder, and
+    what frozen parts run (the forward alone; the pass-through step).
 
     Args:
         vision: encoder(+projector) module, ``vision(pixel_values[U, C, H, W]) ->
@@ -560,6 +770,15 @@ def profile_model(
             sequence): different shares separate the LM head's term from the body's.
         loss_chunk_tokens: the chunk of the runtime's chunked loss, passed to
             ``decoder.loss`` as ``chunk_tokens`` when it takes one (None: its default).
+        frozen_shapes: per module, on how many of its shapes (spread evenly over the
+            grid, first and last included) the frozen variants are measured: the forward
+            under ``torch.no_grad()`` and the pass-through step (module docstring).
+            Default :data:`DEFAULT_FROZEN_SHAPES`; None: all; 0: none. Measured on every
+            shape they about double the profiling time (a forward is ~1/3 of a step, a
+            pass-through 2/3 or more); the fitted shares are medians of per-shape ratios,
+            which a few shapes pin down, so by default only a subset is measured (on
+            the default CPU grids, 6 encoder and 19 decoder shapes, the whole profile
+            takes ~1.5x as long as without them).
 
     Returns:
         A ``ProfileResult``; feed it to ``fit_performance_model``.
@@ -609,6 +828,10 @@ def profile_model(
         raise ValueError(f"target_fractions={target_fractions!r} must be shares in (0, 1]")
     if loss_chunk_tokens is not None and int(loss_chunk_tokens) < 1:
         raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens!r} must be >= 1")
+    if frozen_shapes is not None and (
+        isinstance(frozen_shapes, bool) or int(frozen_shapes) != frozen_shapes or frozen_shapes < 0
+    ):
+        raise ValueError(f"frozen_shapes={frozen_shapes!r} must be None or an integer >= 0")
     if vision is not None and not units:
         raise ValueError("unit_counts is empty")
     if decoder is not None and not mixes:
@@ -636,6 +859,7 @@ def profile_model(
         generator=torch.Generator(device="cpu").manual_seed(int(seed)),
         measure_memory=bool(measure_memory),
         cpu_clock=cpu_clock,
+        frozen_shapes=None if frozen_shapes is None else int(frozen_shapes),
     )
     metadata: dict[str, Any] = {
         **default_metadata(),
@@ -644,6 +868,7 @@ def profile_model(
         "warmup": int(warmup),
         "repeats": int(repeats),
         "seed": int(seed),
+        "frozen_shapes": None if frozen_shapes is None else int(frozen_shapes),
         "timer": (
             "cuda_events"
             if device.type == "cuda"
@@ -724,15 +949,23 @@ def _profile_vision(
             grad.to(device=device, dtype=out_dtype),
         )
 
-    def step(pixels: Any, grad_out: Any) -> None:
-        out = vision(pixels)
+    def forward(pixels: Any, grad_out: Any) -> Any:
+        return vision(pixels)
+
+    def backward(out: Any, pixels: Any, grad_out: Any) -> None:
         out.backward(grad_out)
 
-    times, peaks = grid.run(units, make_inputs, step, vision)
+    timings = grid.run(units, make_inputs, forward, backward, vision)
     result.tokens_per_unit = tokens_per_unit
     result.encoder = [
-        EncoderMeasurement(num_units=u, time_s=float(np.median(t)), times_s=tuple(t), peak_bytes=p)
-        for u, t, p in zip(units, times, peaks)
+        EncoderMeasurement(
+            num_units=u,
+            time_s=float(np.median(t)),
+            times_s=tuple(t),
+            peak_bytes=p,
+            **timings.frozen_fields(i),
+        )
+        for i, (u, t, p) in enumerate(zip(units, timings.times, timings.peaks))
     ]
     result.metadata["vision"] = {
         **_describe_module(vision),
@@ -740,6 +973,7 @@ def _profile_vision(
         "image_shape": list(shape),
         "tokens_per_unit": tokens_per_unit,
         "output_hidden": hidden,
+        "frozen": _frozen_metadata(timings),
     }
     result.metadata.setdefault("dtype", _dtype_name(dtype))
 
@@ -804,19 +1038,19 @@ def _profile_decoder(
         embeds = embeds.to(device=device, dtype=dtype).requires_grad_(True)
         return embeds, cu.to(device), labels.to(device)
 
-    def step(embeds: Any, cu_seqlens: Any, labels: Any) -> None:
-        embeds.grad = None
+    def forward(embeds: Any, cu_seqlens: Any, labels: Any) -> Any:
         if has_loss:
             sum_loss, num_targets = decoder.loss(embeds, cu_seqlens, labels, **loss_kwargs)
             # stays on the device: no host sync between forward and backward
             count = torch.as_tensor(num_targets, device=sum_loss.device)
-            loss = sum_loss / count.clamp(min=1).to(sum_loss.dtype)
-        else:
-            logits = decoder(embeds, cu_seqlens)
-            loss = F.cross_entropy(logits.float(), labels, ignore_index=-100)
+            return sum_loss / count.clamp(min=1).to(sum_loss.dtype)
+        logits = decoder(embeds, cu_seqlens)
+        return F.cross_entropy(logits.float(), labels, ignore_index=-100)
+
+    def backward(loss: Any, *inputs: Any) -> None:
         loss.backward()
 
-    times, peaks = grid.run(shapes, make_inputs, step, decoder)
+    timings = grid.run(shapes, make_inputs, forward, backward, decoder)
     result.decoder = [
         DecoderMeasurement(
             seq_lens=tuple(m),
@@ -824,8 +1058,9 @@ def _profile_decoder(
             times_s=tuple(t),
             peak_bytes=p,
             target_lens=tuple(a),
+            **timings.frozen_fields(i),
         )
-        for (m, a), t, p in zip(shapes, times, peaks)
+        for i, ((m, a), t, p) in enumerate(zip(shapes, timings.times, timings.peaks))
     ]
     result.metadata["decoder"] = {
         **_describe_module(decoder),
@@ -834,6 +1069,7 @@ def _profile_decoder(
         "vocab_size": int(vocab_size),
         "loss": "decoder.loss" if has_loss else "cross_entropy(decoder(...))",
         "loss_chunk_tokens": loss_kwargs.get("chunk_tokens"),
+        "frozen": _frozen_metadata(timings),
     }
     result.metadata.setdefault("dtype", _dtype_name(dtype))
 
@@ -852,6 +1088,19 @@ def fit_performance_model(
     fit and used to report the held-out error (``encoder_fit`` / ``llm_fit``); the
     coefficients come from the other shapes only. A component that was not profiled gets
     zero coefficients and an empty report.
+
+    The frozen parts' shares (see ``PerformanceModel``) are, per module, the median over
+    the shapes where the frozen variants were measured (all of them, no hold-out) of
+
+    * ``forward_fraction``: ``forward_time_s / time_s``;
+    * ``passthrough_backward_factor``: ``(passthrough_time_s - forward_time_s) / (time_s -
+      forward_time_s)`` (shapes whose backward took no measurable time left out);
+    * ``passthrough_activation_fraction``: ``passthrough_saved_bytes / saved_bytes``
+      (shapes saving nothing left out);
+
+    each clipped to [0, 1] (timing noise can push a ratio past its bounds). A median of
+    ratios: robust to a noisy shape, and the shares are near-constant over the shapes.
+    Each share is an ``(encoder, llm)`` pair, so it is None unless both modules have it.
     """
     if not isinstance(result, ProfileResult):
         raise InputTypeError(f"result must be a ProfileResult, got {type(result).__name__}")
@@ -911,6 +1160,12 @@ def fit_performance_model(
         "seed": seed,
         "objective": "relative NNLS",
     }
+    shares = [_frozen_shares(result.encoder), _frozen_shares(result.decoder)]
+    pairs: list[tuple[float, float] | None] = []
+    for k in range(3):
+        encoder_share, llm_share = shares[0][k], shares[1][k]
+        both = encoder_share is not None and llm_share is not None
+        pairs.append((encoder_share, llm_share) if both else None)  # type: ignore[arg-type]
     return PerformanceModel(
         encoder=encoder,
         llm=llm,
@@ -921,4 +1176,30 @@ def fit_performance_model(
         encoder_fit=encoder_fit,
         llm_fit=llm_fit,
         metadata=metadata,
+        forward_fraction=pairs[0],
+        passthrough_backward_factor=pairs[1],
+        passthrough_activation_fraction=pairs[2],
     )
+
+
+def _frozen_shares(
+    measurements: Sequence[EncoderMeasurement | DecoderMeasurement],
+) -> tuple[float | None, float | None, float | None]:
+    """One module's (forward fraction, pass-through backward factor, pass-through
+    activation fraction): medians of per-shape ratios, clipped to [0, 1] (None: no shape
+    to take it from)."""
+    forward, backward, activations = [], [], []
+    for m in measurements:
+        full, fwd, through = m.time_s, m.forward_time_s, m.passthrough_time_s
+        if fwd is not None and full > 0:
+            forward.append(fwd / full)
+            if through is not None and full > fwd:
+                backward.append((through - fwd) / (full - fwd))
+        saved, saved_through = m.saved_bytes, m.passthrough_saved_bytes
+        if saved is not None and saved_through is not None and saved > 0 and math.isfinite(saved):
+            activations.append(saved_through / saved)
+
+    def share(ratios: list[float]) -> float | None:
+        return float(np.clip(np.median(ratios), 0.0, 1.0)) if ratios else None
+
+    return share(forward), share(backward), share(activations)

@@ -23,7 +23,7 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Union
 
 import numpy as np
@@ -56,6 +56,34 @@ def _check_nonnegative_finite(owner: str, name: str, value: float) -> float:
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"{owner}.{name} must be finite and >= 0, got {value!r}")
     return value
+
+
+FROZEN_SHARE_FIELDS = (
+    "forward_fraction",
+    "passthrough_backward_factor",
+    "passthrough_activation_fraction",
+)
+"""The ``PerformanceModel`` fields of frozen parts' costs: ``(encoder, llm)`` shares."""
+
+
+def _share_pair(name: str, value: Any) -> tuple[float, float] | None:
+    """``value`` as an ``(encoder, llm)`` pair of floats in [0, 1] (None stays None)."""
+    if value is None:
+        return None
+    what = f"PerformanceModel.{name} must be None or an (encoder, llm) pair of numbers in [0, 1]"
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise ValueError(f"{what}, got {value!r}")
+    if len(value) != 2:
+        raise ValueError(f"{what}, got {len(value)} values: {value!r}")
+    pair = []
+    for v in value:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.number)):
+            raise ValueError(f"{what}, got {value!r}")
+        v = float(v)
+        if not (math.isfinite(v) and 0.0 <= v <= 1.0):
+            raise ValueError(f"{what}, got {value!r}")
+        pair.append(v)
+    return pair[0], pair[1]
 
 
 @dataclass(frozen=True)
@@ -398,6 +426,24 @@ class PerformanceModel:
         encoder_fit, llm_fit: fit quality (held-out error).
         metadata: free-form JSON-able description: hardware (device name, CPU/GPU),
             torch version, dtype, model configs, dflop version, date, ...
+        forward_fraction: ``(encoder, llm)``: the forward pass's share of the module's
+            forward+backward time (``t_forward / t_full``, the forward run under
+            ``torch.no_grad()``): what a frozen stage with nothing trained before it
+            costs, relative to ``encoder`` / ``llm``.
+        passthrough_backward_factor: ``(encoder, llm)``: the backward of a *pass-through*
+            stage (every parameter frozen, its input requiring grad: a frozen layer with
+            a trained part before it) over a training stage's backward, ``(t_passthrough -
+            t_forward) / (t_full - t_forward)``, clipped to [0, 1]. So a pass-through
+            stage costs ``forward_fraction + (1 - forward_fraction) *
+            passthrough_backward_factor`` of ``encoder`` / ``llm``.
+        passthrough_activation_fraction: ``(encoder, llm)``: the bytes autograd saves
+            for the backward of a pass-through stage over those of a training stage
+            (a frozen linear layer keeps its weight, not its input), clipped to [0, 1].
+
+        The three are medians over the profiled shapes of the per-shape ratios (see
+        :func:`~dflop.profiling.fit_performance_model`); ``None`` where not measured: a
+        profile without the frozen variants (older files), a profile of one module only,
+        the activation share of a profile without memory, the analytic model.
     """
 
     encoder: EncoderTimeCoefficients
@@ -410,6 +456,9 @@ class PerformanceModel:
     encoder_fit: FitReport = field(default_factory=FitReport.empty)
     llm_fit: FitReport = field(default_factory=FitReport.empty)
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    forward_fraction: tuple[float, float] | None = None
+    passthrough_backward_factor: tuple[float, float] | None = None
+    passthrough_activation_fraction: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         checks = (
@@ -438,6 +487,8 @@ class PerformanceModel:
             raise ValueError(
                 "PerformanceModel.encoder_per_token needs the profiled tokens_per_unit (>= 1)"
             )
+        for name in FROZEN_SHARE_FIELDS:
+            object.__setattr__(self, name, _share_pair(name, getattr(self, name)))
 
     def encoder_unit_equivalents(self, shapes: Any) -> np.ndarray:
         """(N,) float64: the profiled units each sample's encoder work equals: its units,
@@ -481,18 +532,7 @@ class PerformanceModel:
         self, encoder: EncoderTimeCoefficients, llm: LLMTimeCoefficients
     ) -> PerformanceModel:
         """A copy with other time coefficients (e.g. after adaptive correction)."""
-        return PerformanceModel(
-            encoder=encoder,
-            llm=llm,
-            encoder_memory=self.encoder_memory,
-            llm_memory=self.llm_memory,
-            tensor_parallel_size=self.tensor_parallel_size,
-            tokens_per_unit=self.tokens_per_unit,
-            encoder_per_token=self.encoder_per_token,
-            encoder_fit=self.encoder_fit,
-            llm_fit=self.llm_fit,
-            metadata=dict(self.metadata),
-        )
+        return replace(self, encoder=encoder, llm=llm, metadata=dict(self.metadata))
 
     # -- persistence --------------------------------------------------------------------
 
@@ -516,6 +556,10 @@ class PerformanceModel:
             "encoder_fit": report(self.encoder_fit),
             "llm_fit": report(self.llm_fit),
             "metadata": _jsonable(dict(self.metadata)),
+            **{
+                name: None if getattr(self, name) is None else list(getattr(self, name))
+                for name in FROZEN_SHARE_FIELDS
+            },
         }
 
     @staticmethod
@@ -564,6 +608,8 @@ class PerformanceModel:
             encoder_fit=report("encoder_fit"),
             llm_fit=report("llm_fit"),
             metadata=metadata,
+            # absent from files written before they were measured: None
+            **{name: data.get(name) for name in FROZEN_SHARE_FIELDS},
         )
 
     def save(self, path: PathLike) -> None:
@@ -620,6 +666,7 @@ class PerformanceModel:
                 f"  memory:  encoder {self._memory_text('encoder')}; llm "
                 f"{self._memory_text('llm')}",
             ]
+            + self._frozen_text()
             + (
                 [
                     "  note: a version-1 profile, the LM head timed on every token (in us/token): "
@@ -629,6 +676,21 @@ class PerformanceModel:
                 else []
             )
         )
+
+    def _frozen_text(self) -> list[str]:
+        """The summary's line of the frozen parts' measured shares (none if unmeasured)."""
+
+        def pair(value: tuple[float, float] | None, fmt: str) -> str:
+            return "n/a" if value is None else " / ".join(format(v, fmt) for v in value)
+
+        if all(getattr(self, name) is None for name in FROZEN_SHARE_FIELDS):
+            return []
+        return [
+            f"  frozen:  forward {pair(self.forward_fraction, '.0%')} of forward+backward; "
+            f"pass-through backward {pair(self.passthrough_backward_factor, '.2f')} of a "
+            f"full one, activations {pair(self.passthrough_activation_fraction, '.0%')} "
+            "(encoder / llm)"
+        ]
 
     def _memory_text(self, module: str) -> str:
         """A module's memory coefficients, or "not measured" (e.g. a quick CPU profile)."""

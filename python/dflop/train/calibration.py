@@ -38,14 +38,20 @@ class OnlineCalibration:
             plan's); default one third each.
         trainable: the run's training regime (a frozen part runs less backward, so its
             module's measured forward share is larger).
+        passthrough: the performance model's measured ``passthrough_factors`` (what a
+            frozen layer's backward costs; None: the planner's default).
     """
 
     def __init__(
-        self, forward_fraction: tuple[float, float] | None = None, trainable: str = "full"
+        self,
+        forward_fraction: tuple[float, float] | None = None,
+        trainable: str = "full",
+        passthrough: dict[str, Any] | None = None,
     ) -> None:
         self.trainable = trainable
+        self.passthrough = passthrough
         self._full_training_start = forward_fraction or (1.0 / 3.0, 1.0 / 3.0)
-        fractions = regime_forward_fraction(self._full_training_start, trainable)
+        fractions = regime_forward_fraction(self._full_training_start, trainable, passthrough)
         self.forward_fraction = {"encoder": float(fractions[0]), "llm": float(fractions[1])}
         """(encoder, LLM) forward shares under the run's regime, as its steps measure them."""
         self.link_latency_s = 0.0
@@ -67,7 +73,7 @@ class OnlineCalibration:
         """:attr:`shares` as the planner's model takes them: the shares of full training
         (a module whose layers run no backward keeps the starting share)."""
         return full_training_forward_fraction(
-            self.shares, self.trainable, self._full_training_start
+            self.shares, self.trainable, self._full_training_start, self.passthrough
         )
 
     def learn(

@@ -171,7 +171,9 @@ class Trainer:
         self.cost_model = None
         self.scheduler = None
         # The forward shares a plan was scored with, refined by what the steps measure.
-        self.calibration = OnlineCalibration(forward_fraction, str(self.trainable))
+        self.calibration = OnlineCalibration(
+            forward_fraction, str(self.trainable), _passthrough_factors(performance_model)
+        )
         self._last_step_wall_s: float | None = None
         self._plan_cost_model: Any = None
         # Rank 0: the planner's model of this run's steps (times, memory).
@@ -670,6 +672,17 @@ class Trainer:
         write_adapter_config(adapter_dir, self.trainable, layers, modules, base)
         start = base or f"the initial weights of seed {self.config.seed}"
         print(f"saved the LoRA adapters (PEFT) to {adapter_dir}; they apply to {start}", flush=True)
+
+
+def _passthrough_factors(performance_model: Any) -> dict[str, Any] | None:
+    """What the model profiler measured of a frozen layer's backward (None: nothing)."""
+    if performance_model is None:
+        return None
+    from dflop.profiling import CostModel, PerformanceModel
+
+    if isinstance(performance_model, dict):
+        performance_model = PerformanceModel.from_dict(performance_model)
+    return CostModel(performance_model).passthrough_factors
 
 
 def _same_shapes(a: Any, b: Any) -> bool:

@@ -191,3 +191,154 @@ def test_thread_clock_option() -> None:
         profile_model(None, ToyDecoder(), num_threads=2, cpu_clock="thread")
     with pytest.raises(ValueError, match="cpu_clock must be"):
         profile_model(None, ToyDecoder(), cpu_clock="monotonic")
+
+
+def _frozen_flags(module: nn.Module) -> list[bool]:
+    return [p.requires_grad for p in module.parameters()]
+
+
+def test_frozen_variants_on_the_tiny_reference_model() -> None:
+    """Forward alone and the pass-through step are measured for both modules; the shares
+    fitted from them are in range; the modules' flags and gradients are left as found."""
+    models = pytest.importorskip("dflop.models")
+    model = models.build_model("tiny", seed=0)
+    vision, decoder = model.vision, model.decoder
+    first = next(iter(decoder.parameters()))
+    first.requires_grad_(False)  # a user's partly frozen module: flags restored as they were
+    flags = (_frozen_flags(vision), _frozen_flags(decoder))
+    mixes = [(64,), (32, 32), (128,), (64, 64), (96, 32), (48, 16)]
+    result = profile_model(
+        vision,
+        decoder,
+        unit_counts=[1, 2, 4],
+        seq_len_mixes=mixes,
+        warmup=1,
+        repeats=3,
+        num_threads=1,
+        frozen_shapes=None,
+    )
+    assert (_frozen_flags(vision), _frozen_flags(decoder)) == flags
+    assert all(p.grad is None for p in [*vision.parameters(), *decoder.parameters()])
+    for m in result.encoder + result.decoder:
+        assert m.forward_time_s > 0 and m.passthrough_time_s > 0
+        assert m.saved_bytes > 0 and m.passthrough_saved_bytes >= 0
+        assert m.passthrough_saved_bytes <= m.saved_bytes
+    for m in result.decoder:  # frozen linear layers keep their weight, not their input
+        assert m.passthrough_saved_bytes < m.saved_bytes
+    assert result.metadata["decoder"]["frozen"] == {
+        "forward_shapes": len(mixes),
+        "passthrough_shapes": len(mixes),
+        "note": None,
+    }
+
+    perf = fit_performance_model(result, holdout_fraction=0.25)
+    for name in ("forward_fraction", "passthrough_backward_factor"):
+        encoder_share, llm_share = getattr(perf, name)
+        assert 0.0 < encoder_share <= 1.0 and 0.0 < llm_share <= 1.0, name
+    encoder_share, llm_share = perf.passthrough_activation_fraction
+    assert 0.0 <= encoder_share <= 1.0 and 0.0 < llm_share < 1.0
+    factors = CostModel(perf).passthrough_factors
+    assert factors["backward"] == perf.passthrough_backward_factor
+    assert "frozen:  forward" in perf.summary()
+    # survives the profile's and the model's JSON
+    again = fit_performance_model(ProfileResult.from_dict(result.to_dict()), holdout_fraction=0.25)
+    assert again.passthrough_activation_fraction == perf.passthrough_activation_fraction
+    assert again.forward_fraction == perf.forward_fraction
+    loaded = PerformanceModel.from_dict(perf.to_dict())
+    assert loaded.passthrough_backward_factor == perf.passthrough_backward_factor
+
+
+def test_frozen_variants_on_a_subset_or_none() -> None:
+    result = profile_model(
+        ToyVision(),
+        ToyDecoder(),
+        unit_counts=[1, 2, 4, 8],
+        seq_len_mixes=SMALL_MIXES,
+        image_shape=(3, 8, 8),
+        warmup=0,
+        repeats=1,
+        num_threads=1,
+        frozen_shapes=2,
+    )
+    # the first and last shape of each grid
+    assert [m.forward_time_s is not None for m in result.encoder] == [True, False, False, True]
+    assert [m.passthrough_time_s is not None for m in result.decoder] == [True] + [False] * 5 + [
+        True
+    ]
+    assert all(m.saved_bytes > 0 for m in result.encoder + result.decoder)  # every shape
+    assert result.metadata["frozen_shapes"] == 2
+    perf = fit_performance_model(result, holdout_fraction=0.0)
+    assert perf.forward_fraction is not None and perf.passthrough_activation_fraction is not None
+
+    none = profile_model(
+        ToyVision(),
+        ToyDecoder(),
+        unit_counts=[1, 2],
+        seq_len_mixes=SMALL_MIXES[:4],
+        image_shape=(3, 8, 8),
+        warmup=0,
+        repeats=1,
+        frozen_shapes=0,
+        measure_memory=False,
+    )
+    assert all(m.forward_time_s is None for m in none.encoder + none.decoder)
+    perf = fit_performance_model(none, holdout_fraction=0.0)
+    assert perf.forward_fraction is None and perf.passthrough_backward_factor is None
+    assert CostModel(perf).passthrough_factors is None
+    assert "frozen:" not in perf.summary()
+    # one module only: the shares are (encoder, llm) pairs, so there are none
+    decoder_only = profile_model(
+        None, ToyDecoder(), seq_len_mixes=SMALL_MIXES[:4], warmup=0, repeats=1, vocab_size=32
+    )
+    assert decoder_only.decoder[0].forward_time_s is not None
+    assert fit_performance_model(decoder_only, holdout_fraction=0.0).forward_fraction is None
+    with pytest.raises(ValueError, match="frozen_shapes"):
+        profile_model(None, ToyDecoder(), frozen_shapes=-1)
+
+
+class DetachedVision(ToyVision):
+    """Its output does not depend on its input's gradient: no pass-through to time."""
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return super().forward(pixel_values.detach())
+
+
+def test_pass_through_skipped_when_the_input_gets_no_gradient() -> None:
+    vision = DetachedVision()
+    result = profile_model(
+        vision,
+        ToyDecoder(),
+        unit_counts=[1, 2],
+        seq_len_mixes=SMALL_MIXES[:4],
+        image_shape=(3, 8, 8),
+        warmup=0,
+        repeats=1,
+        measure_memory=False,
+    )
+    assert all(p.requires_grad for p in vision.parameters())
+    assert all(m.forward_time_s is not None for m in result.encoder)
+    assert all(m.passthrough_time_s is None for m in result.encoder)
+    assert "pass-through not measured" in result.metadata["vision"]["frozen"]["note"]
+    perf = fit_performance_model(result, holdout_fraction=0.0)
+    assert perf.forward_fraction is not None
+    assert perf.passthrough_backward_factor is None
+    assert perf.passthrough_activation_fraction is None  # memory not measured
+    assert CostModel(perf).passthrough_factors == {
+        "forward_fraction": perf.forward_fraction,
+        "backward": None,
+        "activations": None,
+    }
+
+
+def test_old_profile_without_frozen_fields_loads() -> None:
+    result = profile_model(
+        None, ToyDecoder(), seq_len_mixes=SMALL_MIXES[:4], warmup=0, repeats=1, vocab_size=32
+    )
+    data = result.to_dict()
+    for m in data["decoder"]:
+        for name in ("forward_time_s", "passthrough_time_s", "saved_bytes"):
+            del m[name]
+        del m["passthrough_saved_bytes"]
+    old = ProfileResult.from_dict(data)
+    assert all(m.forward_time_s is None and m.saved_bytes is None for m in old.decoder)
+    assert fit_performance_model(old, holdout_fraction=0.0).forward_fraction is None

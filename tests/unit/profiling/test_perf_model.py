@@ -222,3 +222,113 @@ def test_costs_feed_the_scheduler() -> None:
     shapes = _shapes(list(units), list(units * 300), list(rng.integers(50, 500, n)))
     schedule = dflop.schedule(model.costs(shapes), num_microbatches=4, dp_size=2)
     assert schedule.num_samples == n
+
+
+def _frozen_model() -> PerformanceModel:
+    from dataclasses import replace
+
+    return replace(
+        _model(),
+        forward_fraction=(0.3, 0.35),
+        passthrough_backward_factor=[0.5, 0.55],  # any pair: stored as a tuple of floats
+        passthrough_activation_fraction=(np.float64(0.6), 0.25),
+    )
+
+
+def test_frozen_shares_roundtrip_and_summary(tmp_path) -> None:
+    model = _frozen_model()
+    assert model.forward_fraction == (0.3, 0.35)
+    assert model.passthrough_backward_factor == (0.5, 0.55)
+    assert model.passthrough_activation_fraction == (0.6, 0.25)
+    assert all(type(v) is float for v in model.passthrough_activation_fraction)
+    data = model.to_dict()
+    assert data["forward_fraction"] == [0.3, 0.35]
+    back = PerformanceModel.from_dict(json.loads(json.dumps(data)))
+    for name in (
+        "forward_fraction",
+        "passthrough_backward_factor",
+        "passthrough_activation_fraction",
+    ):
+        assert getattr(back, name) == getattr(model, name)
+    path = tmp_path / "perf.json"
+    model.save(path)
+    assert PerformanceModel.load(path).passthrough_backward_factor == (0.5, 0.55)
+    # kept by the copies the cost model makes
+    corrected = model.with_time_coefficients(model.encoder, model.llm)
+    assert corrected.passthrough_activation_fraction == (0.6, 0.25)
+    assert (
+        "frozen:  forward 30% / 35% of forward+backward; pass-through backward 0.50 / 0.55 "
+        "of a full one, activations 60% / 25% (encoder / llm)"
+    ) in model.summary()
+    partial = PerformanceModel.from_dict({**data, "passthrough_activation_fraction": None})
+    assert partial.passthrough_activation_fraction is None
+    assert "activations n/a" in partial.summary()
+
+
+def test_frozen_shares_absent_from_old_files_are_none() -> None:
+    data = _model().to_dict()
+    for name in (
+        "forward_fraction",
+        "passthrough_backward_factor",
+        "passthrough_activation_fraction",
+    ):
+        assert data.pop(name) is None
+    old = PerformanceModel.from_dict(data)
+    assert old.forward_fraction is None
+    assert old.passthrough_backward_factor is None
+    assert old.passthrough_activation_fraction is None
+    assert "frozen:" not in old.summary()
+
+
+@pytest.mark.parametrize(
+    "value, problem",
+    [
+        ((0.5, 1.5), "in \\[0, 1\\]"),
+        ((-0.1, 0.5), "in \\[0, 1\\]"),
+        ((0.5, float("nan")), "in \\[0, 1\\]"),
+        ((0.5,), "got 1 values"),
+        ((0.1, 0.2, 0.3), "got 3 values"),
+        (0.5, "pair"),
+        ("ab", "pair"),
+        ({"encoder": 0.1, "llm": 0.2}, "pair"),
+        ((True, 0.5), "pair"),
+        (("0.1", 0.5), "pair"),
+    ],
+)
+def test_frozen_shares_are_validated(value, problem) -> None:
+    for name in (
+        "forward_fraction",
+        "passthrough_backward_factor",
+        "passthrough_activation_fraction",
+    ):
+        with pytest.raises(ValueError, match=f"PerformanceModel.{name} must be.*{problem}"):
+            PerformanceModel(
+                encoder=EncoderTimeCoefficients(1, 0),
+                llm=LLMTimeCoefficients(1, 0, 0),
+                **{name: value},
+            )
+
+
+def test_bad_frozen_share_in_a_file_names_the_field(tmp_path) -> None:
+    data = _frozen_model().to_dict()
+    data["passthrough_backward_factor"] = [0.5, 2.0]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="bad.json: PerformanceModel.passthrough_backward_factor"):
+        PerformanceModel.load(bad)
+
+
+def test_cost_model_passthrough_factors() -> None:
+    assert CostModel(_model()).passthrough_factors is None
+    costs = CostModel(_frozen_model())
+    assert costs.passthrough_factors == {
+        "forward_fraction": (0.3, 0.35),
+        "backward": (0.5, 0.55),
+        "activations": (0.6, 0.25),
+    }
+    with pytest.raises(AttributeError):
+        costs.passthrough_factors = None  # type: ignore[misc]
+    from dataclasses import replace
+
+    no_memory = replace(_frozen_model(), passthrough_activation_fraction=None)
+    assert CostModel(no_memory).passthrough_factors["activations"] is None
