@@ -24,6 +24,7 @@ out train in full).
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -261,7 +262,9 @@ def add_lora(
     inject_adapter_in_model(config, stage)
     for name in targets:
         lora_a = stage.get_submodule(name).lora_A["default"].weight
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        # The model's own name of the layer: without an interleaved stage's chunk index.
+        key = re.sub(r"^\d+\.", "", name)
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
         init = torch.empty(lora_a.shape, dtype=torch.float32)
         torch.nn.init.kaiming_uniform_(init, a=math.sqrt(5), generator=generator)
         with torch.no_grad():
