@@ -8,6 +8,7 @@ import json
 
 import pytest
 from cli_harness import run_cli
+from conftest import DATA_DIR
 
 torch = pytest.importorskip("torch")
 
@@ -94,7 +95,6 @@ def test_lora_adapters_train_and_round_trip_through_peft(tmp_path):
     starting model with ``PeftModel.from_pretrained`` and merged, is that same model."""
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    from conftest import DATA_DIR
     from dflop.models.hf.tiny import save_tiny_llava_onevision
 
     base, out, ckpt = tmp_path / "base", tmp_path / "out", tmp_path / "ckpt"
@@ -169,7 +169,6 @@ def test_presets_train_every_family_on_real_records(tmp_path, family, trainable)
     weights)."""
     pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    from conftest import DATA_DIR
     from dflop.models.hf.tiny import save_tiny
 
     base, out = tmp_path / "base", tmp_path / "out"

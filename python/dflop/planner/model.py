@@ -54,6 +54,7 @@ from dflop.errors import InputTypeError
 from dflop.models.trainable import TrainableParts
 
 __all__ = [
+    "PASSTHROUGH_ACTIVATION_FRACTION",
     "WEIGHT_GRAD_FRACTION",
     "ClusterSpec",
     "PlannerConfig",
@@ -250,9 +251,7 @@ class PlannerModule:
     def forward_share(self) -> float:
         """The forward share of the layers' time under the regime (what a run measures):
         ``forward_fraction`` of full training, over the backward that runs."""
-        f = self.forward_fraction
-        total = f + (1.0 - f) * self.body_backward_factor
-        return 1.0 if total <= 0.0 else f / total
+        return _forward_share(self.forward_fraction, self.body_backward_factor)
 
     @property
     def num_params(self) -> float:
@@ -639,11 +638,18 @@ def regime_forward_fraction(
     scheduler's pipeline model uses), from what the planner's model uses. A module whose
     layers run no backward: 1. ``passthrough``: as for :func:`with_trainable`."""
     regime = _regime(trainable, passthrough)
-    out = []
-    for f, module in zip(forward_fraction, ("encoder", "llm")):
-        total = f + (1.0 - f) * regime[module]["body_backward_factor"]
-        out.append(1.0 if total <= 0.0 else f / total)
-    return out[0], out[1]
+    encoder, llm = (
+        _forward_share(f, regime[module]["body_backward_factor"])
+        for f, module in zip(forward_fraction, ("encoder", "llm"))
+    )
+    return encoder, llm
+
+
+def _forward_share(forward_fraction: float, body_backward_factor: float) -> float:
+    """The forward's share of a module's time when its layers run ``body_backward_factor``
+    of the full backward (1 where they run none)."""
+    total = forward_fraction + (1.0 - forward_fraction) * body_backward_factor
+    return 1.0 if total <= 0.0 else forward_fraction / total
 
 
 def full_training_forward_fraction(
