@@ -15,7 +15,7 @@ from dflop.runtime.engine import PipelineEngine, build_stage
 from dflop.runtime.step_data import StepPlan
 from dflop.runtime.tensor_parallel import full_tensor
 from dflop.scheduling.balance import schedule_from_assignment
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 def step_plan(spec, batch, layout_kw, assignment):
@@ -71,6 +71,7 @@ def run_rank_step(rank, spec, batch, layout_kw, assignment, seed, trainable="ful
         "targets": result.num_target_tokens,
         "grads": grads,
         "sharded": sum(isinstance(p, DTensor) for p in stage.parameters()),
+        "adapters": [isinstance(p, DTensor) for n, p in stage.named_parameters() if "lora_" in n],
         "backward_passes": result.backward_passes,
         "module": info.module,
         "is_last_stage": info.is_last_stage,
@@ -102,8 +103,11 @@ def perturb_lora_b(model) -> None:
     for name, p in model.named_parameters():
         if "lora_B" in name:
             generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            value = 0.05 * torch.randn(p.shape, generator=generator)
+            if isinstance(p, DTensor):  # a tensor-parallel shard: this rank's slice
+                value = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
             with torch.no_grad():
-                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
+                p.copy_(value)
 
 
 def reference_step(model, samples, targets, forward):
@@ -137,6 +141,9 @@ def assert_matches(results, ref_loss, ref_grads, layout_kw):
     assert held == set(ref_grads), sorted(held ^ set(ref_grads))[:4]
     tp = layout_kw.get("encoder_tp", 1) > 1
     assert all((r["sharded"] > 0) == tp for r in results), [r["sharded"] for r in results]
+    # LoRA adapters of sharded layers are sharded with them (a half of each pair).
+    for r in results:
+        assert any(r["adapters"]) == (tp and bool(r["adapters"])), r["adapters"]
 
 
 def assert_backward_only_where_trained(results, trainable) -> None:
@@ -149,12 +156,21 @@ def assert_backward_only_where_trained(results, trainable) -> None:
 
 
 # Frozen-part regimes and the layouts (indices into LAYOUTS) each is tested on.
-FROZEN_CASES = [("frozen-vision", 0), ("frozen-vision", 2), ("projector", 0), ("lora", 0)]
+# LoRA under tensor parallelism: adapters on both modules (column- and row-parallel
+# layers of the tower, the projector and the LLM).
+FROZEN_CASES = [
+    ("frozen-vision", 0),
+    ("frozen-vision", 2),
+    ("projector", 0),
+    ("lora", 0),
+    ("encoder=lora,llm=lora", 2),
+]
 FROZEN_IDS = [
     "frozen_vision-enc_dp2_llm_pp2",
     "frozen_vision-tp2",
     "projector-enc_dp2_llm_pp2",
     "lora-enc_dp2_llm_pp2",
+    "lora_both-tp2",
 ]
 
 

@@ -93,20 +93,15 @@ def test_lora_adapters_train_and_round_trip_through_peft(tmp_path):
     stay bit-identical, only adapters and the projector hold optimizer state, and
     ``--save-hf`` writes the merged model plus a PEFT adapter folder that, loaded onto the
     starting model with ``PeftModel.from_pretrained`` and merged, is that same model."""
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
     from dflop.models.hf.tiny import save_tiny_llava_onevision
 
     base, out, ckpt = tmp_path / "base", tmp_path / "out", tmp_path / "ckpt"
     save_tiny_llava_onevision(str(base))
-    data = DATA_DIR / "llava_mini"
-    result = run_cli(
-        "train", "--model", f"hf:{base}", "--data", str(data / "llava_mini.json"),
-        "--image-folder", str(data / "images"), "--video-folder", str(data / "videos"),
-        "--layout", "enc_dp=1,llm_pp=1,m=2", "--global-batch", "4", "--steps", "2",
-        "--lr", "1e-2", "--trainable", "lora", "--lora-rank", "4", "--quiet",
-        "--checkpoint-dir", str(ckpt), "--save-hf", str(out),
-    )  # fmt: skip
+    result = run_cli(*_lora_train_args(base, "enc_dp=1,llm_pp=1,m=2", 2), "--lr", "1e-2",
+                     "--lora-rank", "4", "--quiet", "--checkpoint-dir", str(ckpt),
+                     "--save-hf", str(out))  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     # The LLM rank's checkpoint: base weights as built, adapters trained, Adam state for
     # the adapters only.
@@ -120,10 +115,33 @@ def test_lora_adapters_train_and_round_trip_through_peft(tmp_path):
             assert torch.equal(value, initial[name.replace(".base_layer.", ".")]), name
     assert len(saved["optimizer"]["state"]) == len(adapters)
     assert any(saved["stage"][n].abs().max() > 0 for n in adapters if ".lora_B." in n)
-    # The adapter folder round-trips through PEFT onto the starting model.
-    model = transformers.AutoModelForImageTextToText.from_pretrained(base)
-    merged = peft.PeftModel.from_pretrained(model, out / "lora-adapter").merge_and_unload()
-    ours = transformers.AutoModelForImageTextToText.from_pretrained(out).state_dict()
+    _assert_adapter_round_trips(base, out)
+    # Another LoRA rank cannot resume this checkpoint.
+    again = run_cli(*_lora_train_args(base, "enc_dp=1,llm_pp=1,m=2", 3), "--lora-rank", "8",
+                    "--checkpoint-dir", str(ckpt))  # fmt: skip
+    assert again.returncode != 0
+    assert "lora_rank=8, the checkpoint's 4" in again.stderr
+
+
+def _lora_train_args(base, layout: str, steps: int) -> tuple[str, ...]:
+    data = DATA_DIR / "llava_mini"
+    return (
+        "train", "--model", f"hf:{base}", "--data", str(data / "llava_mini.json"),
+        "--image-folder", str(data / "images"), "--video-folder", str(data / "videos"),
+        "--layout", layout, "--global-batch", "4", "--steps", str(steps),
+        "--trainable", "lora",
+    )  # fmt: skip
+
+
+def _assert_adapter_round_trips(base, out) -> None:
+    """``out/lora-adapter``, loaded onto the starting model ``base`` with PEFT and merged,
+    is the merged model ``out``; the projector and the LLM moved, the tower did not."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    load = transformers.AutoModelForImageTextToText.from_pretrained
+    initial = load(base).state_dict()
+    merged = peft.PeftModel.from_pretrained(load(base), out / "lora-adapter").merge_and_unload()
+    ours = load(out).state_dict()
     theirs = merged.state_dict()
     assert set(ours) == set(theirs)
     for name in theirs:
@@ -132,15 +150,30 @@ def test_lora_adapters_train_and_round_trip_through_peft(tmp_path):
     assert any("multi_modal_projector" in n for n in trained)
     assert any("language_model" in n for n in trained)  # the LLM's merged updates
     assert not any("vision_tower" in n for n in trained)  # frozen
-    # Another LoRA rank cannot resume this checkpoint.
-    again = run_cli(
-        "train", "--model", f"hf:{base}", "--data", str(data / "llava_mini.json"),
-        "--image-folder", str(data / "images"), "--video-folder", str(data / "videos"),
-        "--layout", "enc_dp=1,llm_pp=1,m=2", "--global-batch", "4", "--steps", "3",
-        "--trainable", "lora", "--lora-rank", "8", "--checkpoint-dir", str(ckpt),
-    )  # fmt: skip
-    assert again.returncode != 0
-    assert "lora_rank=8, the checkpoint's 4" in again.stderr
+
+
+def test_lora_under_tensor_parallelism_trains_resumes_and_round_trips(tmp_path):
+    """LoRA on tensor-parallel modules (encoder tp 2, LLM tp 2: the adapters sharded like
+    the layers they adapt): the run trains, stops, resumes its checkpoint, and its
+    ``--save-hf`` adapter folder round-trips through PEFT; LoRA dropout under tensor
+    parallelism is refused in one line before any process starts."""
+    pytest.importorskip("peft")
+    from dflop.models.hf.tiny import save_tiny_llava_onevision
+
+    base, out, ckpt = tmp_path / "base", tmp_path / "out", tmp_path / "ckpt"
+    save_tiny_llava_onevision(str(base))
+    layout = "enc_tp=2,llm_tp=2,m=2"
+    first = run_cli(*_lora_train_args(base, layout, 1), "--lr", "1e-2", "--quiet",
+                    "--checkpoint-dir", str(ckpt))  # fmt: skip
+    assert first.returncode == 0, first.stdout + first.stderr
+    resumed = run_cli(*_lora_train_args(base, layout, 2), "--lr", "1e-2", "--quiet",
+                      "--checkpoint-dir", str(ckpt), "--save-hf", str(out))  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resum" in resumed.stdout + resumed.stderr
+    _assert_adapter_round_trips(base, out)
+    refused = run_cli(*_lora_train_args(base, layout, 1), "--lora-dropout", "0.1")
+    assert refused.returncode != 0
+    assert "LoRA dropout on a tensor-parallel llm (llm tp=2)" in refused.stderr
 
 
 # Per family: the vision tower's and the projector's parameter prefixes in the saved

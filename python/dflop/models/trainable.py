@@ -237,8 +237,10 @@ def add_lora(
     ``<layer>.lora_A.default.weight`` / ``lora_B``); only the adapters of those parts
     train. Initialised as PEFT does (A Kaiming-uniform, B zero: the update starts at
     zero), A from a generator seeded by ``seed`` and the layer's name, so every replica of
-    a stage, and any pipeline split, starts from the same adapters. Returns the number of
-    adapted layers."""
+    a stage, and any pipeline split or tensor-parallel size, starts from the same
+    adapters; on a tensor-parallel stage each adapter is then sharded like the layer it
+    adapts (:func:`_shard_lora_adapters`). Returns the
+    number of adapted layers."""
     targets = lora_targets(stage, parts, part_of)
     if not targets:
         return 0
@@ -269,10 +271,53 @@ def add_lora(
         torch.nn.init.kaiming_uniform_(init, a=math.sqrt(5), generator=generator)
         with torch.no_grad():
             lora_a.copy_(init)
+        _shard_lora_adapters(stage.get_submodule(name), name)
     # PEFT leaves only adapters trainable: give back the full parts' weights.
     for name, param in stage.named_parameters():
         param.requires_grad_("lora_" in name or name in trainable)
     return len(targets)
+
+
+def _shard_lora_adapters(layer: nn.Module, name: str) -> None:
+    """Shard the LoRA adapters of ``layer`` (a PEFT LoRA layer named ``name`` whose
+    ``base_layer`` :func:`~dflop.runtime.tensor_parallel.apply_tensor_parallel` sharded
+    and marked with its ``tensor_parallel_style``) so that their update adds to the base
+    layer's local output: a column-parallel base gets a column-parallel
+    ``lora_B`` (``lora_A`` replicated), a row-parallel base a row-parallel ``lora_A``
+    (``lora_B`` replicated). The adapters must hold the same full weights on every TP
+    rank (each keeps its slice). A replicated base leaves them as they are.
+
+    Raises:
+        ValueError: a vocabulary-parallel base (the LM head), or LoRA dropout, whose masks
+            would differ between the TP ranks.
+    """
+    base = layer.base_layer
+    kind = getattr(base, "tensor_parallel_style", None)
+    if kind is None:
+        return
+    if kind == "vocab":
+        raise ValueError(
+            f"LoRA on {name}: a vocabulary-parallel layer takes no adapters under tensor "
+            "parallelism; leave it out of the LoRA targets"
+        )
+    import torch
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = base.weight.device_mesh
+    for adapter, dropout in layer.lora_dropout.items():
+        if not isinstance(dropout, torch.nn.Identity):
+            raise ValueError(
+                f"LoRA on {name}: LoRA dropout under tensor parallelism is not supported "
+                "(each TP rank would draw its own mask); set the LoRA dropout to 0"
+            )
+        if kind == "colwise":
+            parallelize_module(layer.lora_B[adapter], mesh, ColwiseParallel(), src_data_rank=None)
+        else:
+            parallelize_module(layer.lora_A[adapter], mesh, RowwiseParallel(), src_data_rank=None)
 
 
 def merge_lora(state: dict[str, Any], lora: LoraSettings) -> dict[str, Any]:

@@ -165,11 +165,14 @@ def apply_tensor_parallel(stage: nn.Module, tp_mesh_or_group: Any, *, tp_size: i
         # The head's rows over the ranks; a plain forward's logits gathered whole.
         VOCAB: lambda: ColwiseParallel(output_layouts=Replicate()),
     }
-    plan = {name: styles[kind]() for name, kind in tensor_parallel_plan(stage).items()}
+    kinds = tensor_parallel_plan(stage)
+    plan = {name: styles[kind]() for name, kind in kinds.items()}
     if plan:
         # src_data_rank=None: every TP rank holds the same full weights, so each keeps its
         # own slice without a scatter from rank 0.
         parallelize_module(stage, mesh, plan, src_data_rank=None)
+    for name, kind in kinds.items():  # LoRA adapters are sharded by it (models.trainable)
+        stage.get_submodule(name).tensor_parallel_style = kind
     stage.tp_size = tp_size  # type: ignore[assignment]
     return stage
 

@@ -84,15 +84,16 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
 
 
 def _check_lora_layout(config: TrainConfig, layout: RuntimeLayout) -> None:
-    """LoRA adapters on a tensor-parallel module are not built yet: say so before any
-    process starts."""
+    """LoRA dropout on a tensor-parallel module would draw a different mask on each TP
+    rank: say so before any process starts."""
     parts = config.trainable_parts()
     for module in ("encoder", "llm"):
         tp = layout.module(module).tp
-        if parts.mode(module) == "lora" and tp > 1:
+        if parts.mode(module) == "lora" and tp > 1 and parts.lora.dropout > 0:
             raise ValueError(
-                f"--trainable {config.trainable}: LoRA on a tensor-parallel {module} "
-                f"({module} tp={tp}) is not supported yet; use a layout with {module} tp 1"
+                f"--lora-dropout {parts.lora.dropout}: LoRA dropout on a tensor-parallel "
+                f"{module} ({module} tp={tp}) is not supported (each TP rank would draw its "
+                f"own mask); use --lora-dropout 0 or a layout with {module} tp 1"
             )
 
 
