@@ -74,6 +74,8 @@ def run_rank_step(rank, spec, batch, layout_kw, assignment, seed, trainable="ful
         "adapters": [isinstance(p, DTensor) for n, p in stage.named_parameters() if "lora_" in n],
         "backward_passes": result.backward_passes,
         "module": info.module,
+        "visual_microbatches": info.module == "llm"
+        and sum(mb.llm[info.dp_rank].visual_rows > 0 for mb in plan.microbatches),
         "is_last_stage": info.is_last_stage,
     }
 
@@ -153,6 +155,9 @@ def assert_backward_only_where_trained(results, trainable) -> None:
     for r in results:
         runs = parts.stage_backward(r["module"], r["is_last_stage"])
         assert (r["backward_passes"] > 0) == runs, (r["module"], r["is_last_stage"], r)
+        if r["module"] == "llm" and not parts.trains("llm"):
+            # A frozen LLM passes gradients on only for microbatches with visual rows.
+            assert r["backward_passes"] == r["visual_microbatches"], r
 
 
 # Frozen-part regimes and the layouts (indices into LAYOUTS) each is tested on.
@@ -176,7 +181,8 @@ FROZEN_IDS = [
 
 LAYOUTS = [
     # encoder dp 2 (samples' units spread over both replicas), LLM pp 2, 3 microbatches.
-    (dict(encoder_dp=2, llm_pp=2, num_microbatches=3), [0, 0, 1, 1, 2, 2, 1, 0], 4),
+    # Microbatch 2 holds the two text-only samples.
+    (dict(encoder_dp=2, llm_pp=2, num_microbatches=3), [0, 2, 0, 1, 0, 1, 2, 0], 4),
     # one encoder stage and one LLM stage, 2 microbatches.
     (dict(num_microbatches=2), [0, 1, 0, 1, 0, 1, 1, 0], 2),
     # tensor parallelism: encoder and LLM each over 2 TP ranks.

@@ -10,6 +10,29 @@
 
 namespace dflop::detail {
 
+namespace {
+
+// The module's loads of a batch (body, last, tokens): all samples', and those of the
+// samples whose backward it surely runs (the LLM: ModuleModel::backward_needs_visual).
+struct Loads {
+  std::array<double, 3> all, backward;
+};
+
+Loads batch_loads(const BatchSums& s, bool is_encoder) {
+  if (is_encoder) {
+    const std::array<double, 3> all{s.enc_body, s.enc_last, s.enc_tokens};
+    return {all, all};
+  }
+  return {s.llm_all(), s.llm_visual};
+}
+
+Loads item_loads(const BatchSums& s, const std::array<double, 3>& big, bool is_encoder) {
+  const bool backward = is_encoder || s.max_llm_visual;
+  return {big, backward ? big : std::array<double, 3>{0, 0, 0}};
+}
+
+}  // namespace
+
 std::pair<const std::array<double, 3>&, double> largest_item(const Context& ctx, const BatchSums& s,
                                                              const ModuleLayout& l,
                                                              bool is_encoder) {
@@ -23,10 +46,9 @@ std::pair<const std::array<double, 3>&, double> largest_item(const Context& ctx,
 double module_batch_bound(const Context& ctx, const ModuleModel& mm, const ModuleLayout& l,
                           int64_t m, bool is_encoder, double extra_allreduce_params,
                           const BatchSums& s) {
-  const double body = is_encoder ? s.enc_body : s.llm_body;
-  const double last = is_encoder ? s.enc_last : s.llm_last;
-  const double tokens = is_encoder ? s.enc_tokens : s.llm_tokens;
+  const Loads loads = batch_loads(s, is_encoder);
   const auto& [big, item_share] = largest_item(ctx, s, l, is_encoder);
+  const Loads item_load = item_loads(s, big, is_encoder);
   // Every LLM bin holds a sample, so each of the m microbatches pays the constant; an
   // encoder replica pays it only for microbatches it has units of (at least one if any).
   const double constants = !is_encoder ? double(m) : (s.has_visual ? 1.0 : 0.0);
@@ -35,10 +57,13 @@ double module_batch_bound(const Context& ctx, const ModuleModel& mm, const Modul
     const int64_t nl = stage_layers(l, st);
     const bool is_last = st == l.pp - 1;
     const double share =
-        mm.stage_time(l.tp, l.recompute, nl, is_last, body, last, tokens) / double(l.dp);
+        mm.stage_time_bound(l.tp, l.recompute, nl, is_last, loads.all, loads.backward) /
+        double(l.dp);
     const double item =
-        mm.stage_time(l.tp, l.recompute, nl, is_last, big[0], big[1], big[2]) / item_share;
-    const double busy = std::max(share, item) + constants * mm.stage_constant(l.tp, nl, is_last);
+        mm.stage_time_bound(l.tp, l.recompute, nl, is_last, item_load.all, item_load.backward) /
+        item_share;
+    const double busy =
+        std::max(share, item) + constants * mm.stage_constant_bound(l.tp, nl, is_last);
     worst = std::max(
         worst, busy + allreduce_time(ctx.c, mm, l, st, st == 0 ? extra_allreduce_params : 0.0));
   }
@@ -56,22 +81,23 @@ double module_bound(const Context& ctx, const ModuleModel& mm, const ModuleLayou
 
 PathPart module_path_part(const Context& ctx, const ModuleModel& mm, const ModuleLayout& l,
                           int64_t m, bool is_encoder, const BatchSums& s) {
-  const double body = is_encoder ? s.enc_body : s.llm_body;
-  const double last = is_encoder ? s.enc_last : s.llm_last;
-  const double tokens = is_encoder ? s.enc_tokens : s.llm_tokens;
+  const Loads loads = batch_loads(s, is_encoder);
   const double constants = !is_encoder ? 1.0 : (s.has_visual ? 1.0 / double(m) : 0.0);
   const auto& [big, item_share] = largest_item(ctx, s, l, is_encoder);
+  const Loads item_load = item_loads(s, big, is_encoder);
   PathPart out;
   out.path = is_encoder ? allreduce_time(ctx.c, mm, l, 0, 0.0) : 0.0;
   out.estimate_path = out.order_path = out.path;
   for (int64_t st = 0; st < l.pp; ++st) {
     const int64_t nl = stage_layers(l, st);
     const bool is_last = st == l.pp - 1;
-    const double share = mm.stage_time(l.tp, l.recompute, nl, is_last, body, last, tokens) /
-                         (double(l.dp) * double(m));
+    const double share =
+        mm.stage_time_bound(l.tp, l.recompute, nl, is_last, loads.all, loads.backward) /
+        (double(l.dp) * double(m));
     const double item =
-        mm.stage_time(l.tp, l.recompute, nl, is_last, big[0], big[1], big[2]) / item_share;
-    const double constant = mm.stage_constant(l.tp, nl, is_last);
+        mm.stage_time_bound(l.tp, l.recompute, nl, is_last, item_load.all, item_load.backward) /
+        item_share;
+    const double constant = mm.stage_constant_bound(l.tp, nl, is_last);
     const double typical = share + (s.has_visual || !is_encoder ? constant : 0.0);
     out.path += share + constants * constant;
     out.estimate_path += typical;
@@ -149,8 +175,8 @@ double colocated_batch_bound(const Context& ctx, const Layout& l, const BatchSum
     const int64_t nl = stage_layers(g, st);
     const bool is_last = st == g.pp - 1;
     double share =
-        ctx.llm.stage_time(g.tp, g.recompute, nl, is_last, s.llm_body, s.llm_last, s.llm_tokens);
-    double c = ctx.llm.stage_constant(g.tp, nl, is_last);
+        ctx.llm.stage_time_bound(g.tp, g.recompute, nl, is_last, s.llm_all(), s.llm_visual);
+    double c = ctx.llm.stage_constant_bound(g.tp, nl, is_last);
     const ModuleModel& ce = ctx.colocated_enc(g.tp);
     if (st == 0) {
       share += ce.stage_time(g.tp, g.recompute, ce.p->num_layers, true, s.enc_body, s.enc_last,

@@ -373,6 +373,7 @@ PipelineSimInput Evaluator::sim_input(const Layout& l, const BinSums& s,
           StageSeconds t = ctx_.llm.stage_seconds(g.tp, g.recompute, nl, is_last, s.llm_body[bin],
                                                   s.llm_last[bin], s.llm_tokens[bin]);
           t += ctx_.llm.stage_constant_seconds(g.tp, nl, is_last);
+          if (ctx_.llm.backward_needs_visual() && s.visual[bin] == 0) t.backward_s = 0.0;
           if (l.colocated && st == 0) {
             const ModuleModel& ce = ctx_.colocated_enc(g.tp);
             t += ce.stage_seconds(g.tp, g.recompute, ce.p->num_layers, true, s.enc_body[bin],

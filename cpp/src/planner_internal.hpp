@@ -115,6 +115,31 @@ struct ModuleModel {
                     double tokens) const {
     return stage_seconds(t, recompute, n, is_last, body, last, tokens).total();
   }
+  // When none of the module's parameters train, its backward only carries gradients back
+  // to the visual features (the LLM of LLaVA's stage 1): a microbatch without visual rows
+  // runs none, on any stage (as the runtime's engine does).
+  bool backward_needs_visual() const {
+    return layers_backward() && p->body_trainable_fraction == 0.0 &&
+           p->last_trainable_fraction == 0.0;
+  }
+  // A lower bound of the stage's seconds on summed samples `all` (body, last, tokens), of
+  // which `visual` are the samples with visual rows: every sample's forward and, where the
+  // backward needs visual rows, at least those samples' backward (a microbatch with visual
+  // rows runs it on all its samples).
+  double stage_time_bound(int64_t t, bool recompute, int64_t n, bool is_last,
+                          const std::array<double, 3>& all,
+                          const std::array<double, 3>& visual) const {
+    const StageSeconds a = stage_seconds(t, recompute, n, is_last, all[0], all[1], all[2]);
+    if (!backward_needs_visual()) return a.total();
+    return a.forward_s +
+           stage_seconds(t, recompute, n, is_last, visual[0], visual[1], visual[2]).backward_s;
+  }
+  // The per-microbatch constant every microbatch pays (the backward share only where a
+  // microbatch without visual rows runs a backward too).
+  double stage_constant_bound(int64_t t, int64_t n, bool is_last) const {
+    const StageSeconds k = stage_constant_seconds(t, n, is_last);
+    return backward_needs_visual() ? k.forward_s : k.total();
+  }
   // The per-microbatch constant of a stage of n layers (its backward share only where the
   // stage runs a backward).
   StageSeconds stage_constant_seconds(int64_t t, int64_t n, bool is_last) const {
@@ -226,6 +251,12 @@ struct BatchSums {
   std::array<double, 3> max_enc_unit{0, 0, 0};
   double max_enc_unit_tokens = 0;
   bool has_visual = false;
+  // The LLM's (body, last, tokens) summed over the samples with visual rows, and whether
+  // max_llm is such a sample (ModuleModel::backward_needs_visual).
+  std::array<double, 3> llm_visual{0, 0, 0};
+  bool max_llm_visual = false;
+  // The LLM's (body, last, tokens) of all samples.
+  std::array<double, 3> llm_all() const { return {llm_body, llm_last, llm_tokens}; }
 };
 
 struct Context {

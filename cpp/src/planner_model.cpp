@@ -122,9 +122,18 @@ Context::Context(const ClusterParams& cluster, const ModuleParams& e, const Modu
           s.max_enc_unit = {eb / u, el / u, x.encoder_tokens[k] / u};
         }
       }
+      // Visual rows, as the bins count them (BinSums::visual): a bin holding this sample
+      // runs the LLM's backward even where only visual rows need one.
+      const bool visual_rows = x.visual_tokens[k] > 0;
+      if (visual_rows) {
+        s.llm_visual[0] += lb;
+        s.llm_visual[1] += ll;
+        s.llm_visual[2] += x.llm_tokens[k];
+      }
       if (x.llm_s[k] > best_l) {
         best_l = x.llm_s[k];
         s.max_llm = {lb, ll, x.llm_tokens[k]};
+        s.max_llm_visual = visual_rows;
       }
     }
   }

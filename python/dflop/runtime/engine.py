@@ -522,6 +522,14 @@ class PipelineEngine:
         self._posted: dict[tuple[bool, int, int], Any] = {}
         self._post_ahead = not debug and dist.get_backend() != "nccl"
 
+    def _carries_gradient(self, ci: RankInfo, mb: MicrobatchPlan) -> bool:
+        """Whether chunk ``ci``'s backward of ``mb`` has a gradient to compute: always,
+        except on a frozen LLM for a share without visual rows (its gradient would reach
+        no trainable parameter: such a microbatch runs no LLM backward on any stage)."""
+        if ci.module != "llm" or self.trainable.mode("llm") != "frozen":
+            return True
+        return mb.llm[self.info.dp_rank].visual_rows > 0
+
     def _input_grad_at(self, ci: RankInfo) -> bool:
         if ci.module == "llm" and ci.is_first_stage:
             return self.trainable.bridge_gradients
@@ -802,8 +810,8 @@ class PipelineEngine:
         if state.output is not None:  # else an empty share: its forward did nothing either
             if self.is_encoder and ci.is_last_stage:
                 grad = grad.to(self.device)
-            elif ci.is_last_stage:
-                grad = None  # the loss is a scalar: backward starts from 1
+            elif ci.is_last_stage or not self._carries_gradient(ci, mb):
+                grad = None  # the loss is a scalar: backward starts from 1; or none
             else:
                 grad = self._received(False, ci, mb)
             start = self.clock.mark()
@@ -879,7 +887,9 @@ class PipelineEngine:
         consumes, or None if it consumes none. Shapes come from the StepPlan."""
         info = self.info
         stage = self._chunks[ci.virtual_stage][0]
-        if not is_forward and not self._runs_backward[ci.virtual_stage]:
+        if not is_forward and not (
+            self._runs_backward[ci.virtual_stage] and self._carries_gradient(ci, mb)
+        ):
             return None
         if self.is_encoder:
             share = mb.encoder[info.dp_rank]
@@ -905,7 +915,9 @@ class PipelineEngine:
             shape = (share.tokens, stage.hidden_size)
         kind = p2p.FORWARD if is_forward else p2p.BACKWARD
         src = ci.prev_rank if is_forward else ci.next_rank
-        requires_grad = is_forward and self._input_grad[ci.virtual_stage]
+        requires_grad = (
+            is_forward and self._input_grad[ci.virtual_stage] and self._carries_gradient(ci, mb)
+        )
         return self._recv(shape, src, mb.index, kind, chunk=ci.chunk, requires_grad=requires_grad)
 
     # ------------------------------------------------------------------ p2p within a module
