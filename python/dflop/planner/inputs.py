@@ -69,6 +69,11 @@ class PlannerInputs:
     global_batch: int
     num_batches: int
 
+    @property
+    def forward_fraction(self) -> tuple[float, float]:
+        """The (encoder, LLM) forward shares of full training these inputs price."""
+        return (self.encoder.forward_fraction, self.llm.forward_fraction)
+
 
 def _last_stage_fractions(
     shapes: SampleShapes,
@@ -150,8 +155,9 @@ def prepare_inputs(
 ) -> PlannerInputs:
     """Sample ``num_batches`` global batches (batch b with seed ``seed + b``; of a run's
     steps, see :func:`plan`: step b) and compute their per-sample costs with
-    ``performance_model``; ``forward_fraction`` (encoder, LLM) overrides the modules'
-    forward share of a stage's time under full training (1/3); ``element_bytes``,
+    ``performance_model``; ``forward_fraction`` (encoder, LLM) is the modules' forward
+    share of a stage's time under full training (None: the profiler's measured one where
+    the performance model has it, else 1/3); ``element_bytes``,
     ``loss_chunk_tokens``, ``trainable`` and ``lora_rank`` are the training's precision,
     chunked loss and regime (:class:`PlannerConfig`)."""
     if not isinstance(encoder, EncoderConfig):
@@ -255,10 +261,12 @@ def _inputs(
         loss_chunk_tokens=loss_chunk_tokens,
         activation_bytes=performance_model.activation_bytes_per_token_layer(encoder, llm),
     )
+    passthrough = getattr(performance_model, "passthrough_factors", None)  # measured
+    if forward_fraction is None and passthrough is not None:
+        forward_fraction = passthrough.get("forward_fraction")
     if forward_fraction is not None:
         enc_spec = replace(enc_spec, forward_fraction=float(forward_fraction[0]))
         llm_spec = replace(llm_spec, forward_fraction=float(forward_fraction[1]))
-    passthrough = getattr(performance_model, "passthrough_factors", None)  # measured
     lora = lora_params_per_layer(encoder, llm, lora_rank)
     enc_spec, llm_spec = with_trainable(enc_spec, llm_spec, trainable, passthrough, lora)
     samples = {

@@ -375,8 +375,10 @@ class PlannerConfig:
             (the runtime's split by visual unit), "sample" (whole samples) or "even" (each
             replica a dp-th of the microbatch's load: an idealisation no runtime reaches).
             The last two are ablations: plans for training use "unit".
-        forward_fraction: the forward share of a stage's time, (encoder, LLM): 1/3 by
-            the FLOP count; a calibration run (``dflop plan --local``) measures it.
+        forward_fraction: the forward share of a stage's time under full training,
+            (encoder, LLM); None: what the model profiler measured
+            (``PerformanceModel.forward_fraction``), else 1/3 by the FLOP count; a
+            calibration run (``dflop plan --local``) measures it too.
         screen_factor: prune also by this fraction of a schedule-free estimate of the step
             (0: lower bounds only: the result equals the exhaustive search).
         patience: stop the pruned search once this many candidates in a row (more for
@@ -434,7 +436,7 @@ class PlannerConfig:
     encoder_max_tp: int | None = None
     encoder_gpus: tuple[int, ...] | None = None
     runtime_schedule: bool = True
-    forward_fraction: tuple[float, float] = (1.0 / 3.0, 1.0 / 3.0)
+    forward_fraction: tuple[float, float] | None = None
     virtual_stage_choices: tuple[int, ...] = (1,)
     element_bytes: int = 2
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS
@@ -481,15 +483,16 @@ class PlannerConfig:
                 f"PlannerConfig.virtual_stage_choices={self.virtual_stage_choices!r} must hold "
                 "1 (the plain 1F1B pipeline)"
             )
-        fractions = tuple(self.forward_fraction)
-        if len(fractions) != 2 or not all(
-            isinstance(f, (int, float)) and 0.0 <= f <= 1.0 for f in fractions
-        ):
-            raise ValueError(
-                "PlannerConfig.forward_fraction must be two numbers in [0, 1] (encoder, LLM), "
-                f"got {self.forward_fraction!r}"
-            )
-        object.__setattr__(self, "forward_fraction", tuple(float(f) for f in fractions))
+        if self.forward_fraction is not None:
+            fractions = tuple(self.forward_fraction)
+            if len(fractions) != 2 or not all(
+                isinstance(f, (int, float)) and 0.0 <= f <= 1.0 for f in fractions
+            ):
+                raise ValueError(
+                    "PlannerConfig.forward_fraction must be None or two numbers in [0, 1] "
+                    f"(encoder, LLM), got {self.forward_fraction!r}"
+                )
+            object.__setattr__(self, "forward_fraction", tuple(float(f) for f in fractions))
         if self.encoder_split not in ("unit", "sample", "even"):
             raise ValueError(
                 f"PlannerConfig.encoder_split={self.encoder_split!r} must be 'unit', 'sample' "

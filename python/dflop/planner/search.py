@@ -305,7 +305,7 @@ def plan(
     description.setdefault("llm", _config_dict(llm))
     description.setdefault("num_batches", config.num_batches)
     description.setdefault("seed", config.seed)
-    description.setdefault("forward_fraction", list(config.forward_fraction))
+    description.setdefault("forward_fraction", list(inputs.forward_fraction))
     description.setdefault("element_bytes", config.element_bytes)
     description.setdefault("loss_chunk_tokens", config.loss_chunk_tokens)
     description.setdefault("trainable", config.trainable)
@@ -433,10 +433,7 @@ def runtime_scored(
             layout,
             stage_constant_s=seen["constants"],
             # what the trainer's scheduler uses: the shares under the training regime
-            forward_fraction=tuple(  # the config's shares, under the inputs' regime
-                replace(module, forward_fraction=f).forward_share
-                for f, module in zip(config.forward_fraction, (inputs.encoder, inputs.llm))
-            ),
+            forward_fraction=(inputs.encoder.forward_share, inputs.llm.forward_share),
             link_latency_s=cluster.link_latency_s,
         )
         # As the trainer's scheduler does for step b: its seed offset by the step.

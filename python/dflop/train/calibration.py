@@ -35,7 +35,8 @@ class OnlineCalibration:
 
     Args:
         forward_fraction: (encoder, LLM) full-training forward shares to start from (a
-            plan's); default one third each.
+            plan's); default: the profiler's measured ones (``passthrough``), else one
+            third each.
         trainable: the run's training regime (a frozen part runs less backward, so its
             module's measured forward share is larger).
         passthrough: the performance model's measured ``passthrough_factors`` (what a
@@ -50,7 +51,8 @@ class OnlineCalibration:
     ) -> None:
         self.trainable = trainable
         self.passthrough = passthrough
-        self._full_training_start = forward_fraction or (1.0 / 3.0, 1.0 / 3.0)
+        measured = (passthrough or {}).get("forward_fraction")
+        self._full_training_start = forward_fraction or measured or (1.0 / 3.0, 1.0 / 3.0)
         fractions = regime_forward_fraction(self._full_training_start, trainable, passthrough)
         self.forward_fraction = {"encoder": float(fractions[0]), "llm": float(fractions[1])}
         """(encoder, LLM) forward shares under the run's regime, as its steps measure them."""

@@ -402,7 +402,7 @@ def evaluate_local(
         cluster=cluster,
         global_batch=layout.global_batch,
         layouts=[runtime_scored(cluster, inputs, scored, config)],
-        inputs={"forward_fraction": list(config.forward_fraction), "trainable": config.trainable},
+        inputs={"forward_fraction": list(inputs.forward_fraction), "trainable": config.trainable},
     )
 
 

@@ -148,11 +148,17 @@ def test_plan_schedules_each_step_as_the_trainer_does(encoder_dp: int) -> None:
     cluster = local_cluster(layout.world_size, MemoryBudget(8e9, 0.0, "test"), link_latency_s=2e-4)
     config = PlannerConfig(num_batches=len(UNITS), seed=5, forward_fraction=(0.4, 0.35))
     inputs = prepare_inputs(
-        cost_model, encoder, llm, global_batch=GLOBAL_BATCH, shapes=FixedBatches(), num_batches=3
+        cost_model,
+        encoder,
+        llm,
+        global_batch=GLOBAL_BATCH,
+        shapes=FixedBatches(),
+        num_batches=3,
+        forward_fraction=config.forward_fraction,
     )
     scored = evaluate_layout(cluster, inputs, core_layout(layout), config)
     planned = runtime_scored(cluster, inputs, scored, config)
-    predictor = StepPredictor(cluster, encoder, llm, core_layout(layout))
+    predictor = StepPredictor(cluster, encoder, llm, core_layout(layout), config)
     times = [step.step_time_s for step in planned.steps]
     assert planned.prediction.step_time_s == pytest.approx(np.mean(times), rel=1e-12)
     with AsyncScheduler(

@@ -246,3 +246,28 @@ def test_plans_record_the_regime() -> None:
     )
     assert result.inputs["trainable"] == "projector"
     assert "priced for training projector" in result.table()
+
+
+class MeasuredForward(AnalyticCostModel):
+    """A profiled model whose forward passes measured 40% (encoder) and 30% (LLM) of
+    forward + backward."""
+
+    passthrough_factors = {"forward_fraction": (0.4, 0.3), "backward": None, "activations": None}
+
+
+def test_the_planner_prices_the_profilers_measured_forward_share() -> None:
+    """PlannerConfig.forward_fraction=None takes the profiler's measured shares (the plan
+    records them); an explicit value wins; without a measurement, 1/3."""
+    encoder, llm = cost_configs(CONFIG)
+    measured = MeasuredForward(encoder, llm)
+
+    def shares(model, fractions=None):
+        kw = dict(global_batch=8, num_batches=1)
+        return prepare_inputs(model, encoder, llm, forward_fraction=fractions, **kw)
+
+    assert shares(measured).forward_fraction == pytest.approx((0.4, 0.3))
+    assert shares(measured, (0.25, 0.5)).forward_fraction == pytest.approx((0.25, 0.5))
+    assert shares(AnalyticCostModel(encoder, llm)).forward_fraction == pytest.approx((1 / 3,) * 2)
+    config = PlannerConfig(num_batches=1, top_k=1)
+    result = plan(measured, encoder, llm, ClusterSpec(num_gpus=2), global_batch=8, config=config)
+    assert result.inputs["forward_fraction"] == pytest.approx([0.4, 0.3])
