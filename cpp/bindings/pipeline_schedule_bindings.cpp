@@ -16,15 +16,16 @@ namespace {
 
 using CostArray = py::array_t<double, py::array::c_style | py::array::forcecast>;
 
-PipelineScheduleOptions pipeline_options(int64_t num_microbatches, int64_t dp_size,
-                                         std::vector<int64_t> microbatch_dims,
-                                         std::vector<int64_t> stages,
-                                         std::vector<double> forward_fraction,
-                                         std::vector<double> microbatch_constant_s,
-                                         double link_latency_s, std::vector<int64_t> replicas,
-                                         std::vector<int64_t> units, std::vector<int64_t> chunks) {
+PipelineScheduleOptions pipeline_options(
+    int64_t num_microbatches, int64_t dp_size, std::vector<int64_t> microbatch_dims,
+    std::vector<int64_t> stages, std::vector<double> forward_fraction,
+    std::vector<double> microbatch_constant_s, double link_latency_s, std::vector<int64_t> replicas,
+    std::vector<int64_t> units, std::vector<int64_t> chunks,
+    std::vector<int64_t> backward_from_stage, std::vector<int64_t> backward_gate) {
   PipelineScheduleOptions o;
   o.chunks = std::move(chunks);
+  o.backward_from_stage = std::move(backward_from_stage);
+  o.backward_gate = std::move(backward_gate);
   o.replicas = std::move(replicas);
   o.units = std::move(units);
   o.num_microbatches = num_microbatches;
@@ -41,21 +42,21 @@ void check_costs(const CostArray& costs) {
   if (costs.ndim() != 2) throw py::value_error("costs must be 2-D (N, D)");
 }
 
-py::dict pipeline_schedule_py(const CostArray& costs, std::vector<int64_t> start_assignment,
-                              int64_t num_microbatches, int64_t dp_size,
-                              std::vector<int64_t> microbatch_dims, std::vector<int64_t> stages,
-                              std::vector<double> forward_fraction,
-                              std::vector<double> microbatch_constant_s, double link_latency_s,
-                              std::optional<std::vector<double>> capacity, double max_growth,
-                              uint64_t seed, std::optional<double> time_budget_ms,
-                              std::optional<double> time_limit_s, std::vector<int64_t> replicas,
-                              std::vector<int64_t> units, std::vector<int64_t> chunks) {
+py::dict pipeline_schedule_py(
+    const CostArray& costs, std::vector<int64_t> start_assignment, int64_t num_microbatches,
+    int64_t dp_size, std::vector<int64_t> microbatch_dims, std::vector<int64_t> stages,
+    std::vector<double> forward_fraction, std::vector<double> microbatch_constant_s,
+    double link_latency_s, std::optional<std::vector<double>> capacity, double max_growth,
+    uint64_t seed, std::optional<double> time_budget_ms, std::optional<double> time_limit_s,
+    std::vector<int64_t> replicas, std::vector<int64_t> units, std::vector<int64_t> chunks,
+    std::vector<int64_t> backward_from_stage, std::vector<int64_t> backward_gate) {
   check_costs(costs);
   const int64_t n = costs.shape(0), d = costs.shape(1);
   PipelineScheduleOptions o =
       pipeline_options(num_microbatches, dp_size, std::move(microbatch_dims), std::move(stages),
                        std::move(forward_fraction), std::move(microbatch_constant_s),
-                       link_latency_s, std::move(replicas), std::move(units), std::move(chunks));
+                       link_latency_s, std::move(replicas), std::move(units), std::move(chunks),
+                       std::move(backward_from_stage), std::move(backward_gate));
   if (capacity) o.capacity = std::move(*capacity);
   o.max_growth = max_growth;
   o.seed = seed;
@@ -86,12 +87,14 @@ double simulated_step_time_py(const CostArray& costs, std::vector<int64_t> assig
                               std::vector<double> forward_fraction,
                               std::vector<double> microbatch_constant_s, double link_latency_s,
                               std::vector<int64_t> replicas, std::vector<int64_t> units,
-                              std::vector<int64_t> chunks) {
+                              std::vector<int64_t> chunks, std::vector<int64_t> backward_from_stage,
+                              std::vector<int64_t> backward_gate) {
   check_costs(costs);
   const PipelineScheduleOptions o =
       pipeline_options(num_microbatches, dp_size, std::move(microbatch_dims), std::move(stages),
                        std::move(forward_fraction), std::move(microbatch_constant_s),
-                       link_latency_s, std::move(replicas), std::move(units), std::move(chunks));
+                       link_latency_s, std::move(replicas), std::move(units), std::move(chunks),
+                       std::move(backward_from_stage), std::move(backward_gate));
   const std::vector<double> data = owned_copy(costs);
   py::gil_scoped_release release;
   return simulated_step_time(data.data(), costs.shape(0), costs.shape(1), assignment, o);
@@ -107,13 +110,17 @@ void register_pipeline_schedule(py::module_& m) {
         py::arg("max_growth"), py::arg("seed"), py::arg("time_budget_ms"), py::arg("time_limit_s"),
         py::arg("replicas") = std::vector<int64_t>{}, py::arg("units") = std::vector<int64_t>{},
         py::arg("chunks") = std::vector<int64_t>{},
+        py::arg("backward_from_stage") = std::vector<int64_t>{},
+        py::arg("backward_gate") = std::vector<int64_t>{},
         "Refine a schedule for the simulated module pipeline; see dflop.pipeline_schedule.");
   m.def("simulated_step_time", &simulated_step_time_py, py::arg("costs"), py::kw_only(),
         py::arg("assignment"), py::arg("num_microbatches"), py::arg("dp_size"),
         py::arg("microbatch_dims"), py::arg("stages"), py::arg("forward_fraction"),
         py::arg("microbatch_constant_s"), py::arg("link_latency_s"),
         py::arg("replicas") = std::vector<int64_t>{}, py::arg("units") = std::vector<int64_t>{},
-        py::arg("chunks") = std::vector<int64_t>{});
+        py::arg("chunks") = std::vector<int64_t>{},
+        py::arg("backward_from_stage") = std::vector<int64_t>{},
+        py::arg("backward_gate") = std::vector<int64_t>{});
   m.def("pipeline_work_budget_for_ms", &pipeline_work_budget_for_ms, py::arg("time_budget_ms"));
 }
 

@@ -115,11 +115,17 @@ class Search {
     for (int64_t c = 0; c < d; ++c) {
       // Virtual stages in model order: chunk by chunk, each 1 / chunks of a stage's work.
       const int64_t chunks = chunks_of(o, c);
+      const int64_t first_backward =
+          o.backward_from_stage.empty() ? 0 : o.backward_from_stage[size_t(c)];
       for (int64_t k = 0; k < o.stages[c] * chunks; ++k) {
         stage_dim_.push_back(c);
         stage_share_.push_back(1.0 / double(chunks));
+        stage_backward_.push_back(k >= first_backward ? 1 : 0);
       }
-      if (!is_mb_dim_[c]) replicas_differ_ = replicas_differ_ || dp_ > 1;
+      gate_.push_back(o.backward_gate.empty() ? -1 : o.backward_gate[size_t(c)]);
+      // A gated backward differs per replica's share.
+      const bool per_replica = !is_mb_dim_[c] || gate_.back() >= 0;
+      if (per_replica) replicas_differ_ = replicas_differ_ || dp_ > 1;
       replicas_[c] = replicas_of(o, c);
       if (replicas_[c] > 1) split_dims_.push_back(c);
     }
@@ -130,6 +136,10 @@ class Search {
     }
     num_stages_ = static_cast<int64_t>(stage_dim_.size());
     latency_.assign(num_stages_ > 1 ? num_stages_ - 1 : 0, o.link_latency_s);
+    // A stage that runs no backward is sent no gradient (as the planner's simulation).
+    gradient_links_.assign(stage_backward_.begin(), stage_backward_.end() - 1);
+    cut_links_ =
+        std::find(gradient_links_.begin(), gradient_links_.end(), 0) != gradient_links_.end();
     forward_.assign(num_stages_ * m_, 0.0);
     backward_.assign(num_stages_ * m_, 0.0);
     std::iota(order_.begin(), order_.end(), int64_t{0});
@@ -162,10 +172,11 @@ class Search {
           const int64_t c = stage_dim_[s];
           const double load = stage_load(j, c, r) * stage_share_[s];
           forward_[s * m_ + p] = forward_fraction_[c] * load;
-          backward_[s * m_ + p] = load - forward_[s * m_ + p];
+          backward_[s * m_ + p] = runs_backward(s, j, r) ? load - forward_[s * m_ + p] : 0.0;
         }
       }
-      step_s = std::max(step_s, sim_.run(forward_.data(), backward_.data(), latency_.data()));
+      step_s = std::max(step_s, sim_.run(forward_.data(), backward_.data(), latency_.data(),
+                                         cut_links_ ? gradient_links_.data() : nullptr));
     }
     double pace_s = 0.0;
     for (int64_t j = 0; j < m_; ++j) {
@@ -366,6 +377,13 @@ class Search {
   // Whether the module has work is counted, not read off the load: sums updated by
   // adding and subtracting leave rounding residue where they should be zero.
   // A replicated dimension takes its slowest replica's share (refresh_splits).
+  // Whether virtual stage s runs microbatch j's backward on replica r.
+  bool runs_backward(int64_t s, int64_t j, int64_t r) const {
+    if (!stage_backward_[s]) return false;
+    const int64_t gate = gate_[stage_dim_[s]];
+    return gate < 0 || bin_nonzero_[(j * dp_ + r) * d_ + gate] > 0;
+  }
+
   double stage_load(int64_t j, int64_t c, int64_t r) const {
     const int64_t at = is_mb_dim_[c] ? j * d_ + c : (j * dp_ + r) * d_ + c;
     const bool has_work = is_mb_dim_[c] ? mb_nonzero_[at] > 0 : bin_nonzero_[at] > 0;
@@ -470,8 +488,12 @@ class Search {
   int64_t n_, d_, m_, dp_, b_;
   std::vector<double> forward_fraction_, constant_;
   std::vector<char> is_mb_dim_;
-  std::vector<int64_t> stage_dim_;   // per virtual stage: its dimension (module)
-  std::vector<double> stage_share_;  // per virtual stage: its share of a stage's load
+  std::vector<int64_t> stage_dim_;       // per virtual stage: its dimension (module)
+  std::vector<double> stage_share_;      // per virtual stage: its share of a stage's load
+  std::vector<uint8_t> stage_backward_;  // per virtual stage: whether it runs a backward
+  std::vector<uint8_t> gradient_links_;  // per boundary: whether a gradient crosses it
+  bool cut_links_ = false;
+  std::vector<int64_t> gate_;  // per dimension: backward_gate
   int64_t num_stages_ = 0;
   bool replicas_differ_ = false;
   std::vector<int64_t> assignment_, order_;
@@ -568,6 +590,29 @@ void validate_pipeline_schedule_input(const double* costs, int64_t n, int64_t d,
     if (!(v >= 0.0 && v <= 1.0)) {
       throw InvalidArgument("forward_fraction[" + std::to_string(c) + "] must be in [0, 1], got " +
                             fmt(v));
+    }
+  }
+  if (!o.backward_from_stage.empty()) {
+    check_length("backward_from_stage", o.backward_from_stage, d);
+    for (int64_t c = 0; c < d; ++c) {
+      const int64_t v = o.backward_from_stage[size_t(c)];
+      const int64_t virtual_stages = o.stages[c] * chunks_of(o, c);
+      if (v < 0 || v > virtual_stages) {
+        throw InvalidArgument("backward_from_stage[" + std::to_string(c) + "] must be in [0, " +
+                              std::to_string(virtual_stages) + "] (its stages x chunks), got " +
+                              std::to_string(v));
+      }
+    }
+  }
+  if (!o.backward_gate.empty()) {
+    check_length("backward_gate", o.backward_gate, d);
+    for (int64_t c = 0; c < d; ++c) {
+      const int64_t g = o.backward_gate[size_t(c)];
+      if (g != -1 && (g < 0 || g >= d || g == c)) {
+        throw InvalidArgument("backward_gate[" + std::to_string(c) +
+                              "] must be -1 or another dimension in [0, " + std::to_string(d) +
+                              "), got " + std::to_string(g));
+      }
     }
   }
   if (!o.microbatch_constant_s.empty()) {

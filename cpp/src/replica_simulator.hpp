@@ -148,9 +148,10 @@ class ReplicaSimulator {
     return end_s;
   }
 
-  // Without events.
-  double run(const double* forward_s, const double* backward_s, const double* latency_s) {
-    return run(forward_s, backward_s, latency_s, nullptr, nullptr, 0.5, nullptr,
+  // Without events (and without transfers).
+  double run(const double* forward_s, const double* backward_s, const double* latency_s,
+             const uint8_t* gradient_links = nullptr) {
+    return run(forward_s, backward_s, latency_s, nullptr, nullptr, 0.5, gradient_links,
                [](int64_t, EventKind, int64_t, int64_t, double, double, int64_t) {});
   }
 

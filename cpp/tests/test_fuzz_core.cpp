@@ -992,10 +992,12 @@ std::string describe(const ScheduleCase& c) {
     << ", replicas=" << vec(o.replicas) << ", units=" << vec(o.units)
     << ", stages=" << vec(o.stages) << ", forward_fraction=" << vec(o.forward_fraction)
     << ", microbatch_constant_s=" << vec(o.microbatch_constant_s)
-    << ", link_latency_s=" << num(o.link_latency_s) << ", capacity=" << vec(o.capacity)
-    << ", max_growth=" << num(o.max_growth) << ", seed=" << o.seed
-    << ", work_budget=" << num(o.work_budget) << ", time_limit_s=" << num(o.time_limit_s)
-    << ", interrupt_after=" << c.interrupt.after << ", expect_reject=" << c.expect_reject << ")";
+    << ", backward_from_stage=" << vec(o.backward_from_stage)
+    << ", backward_gate=" << vec(o.backward_gate) << ", link_latency_s=" << num(o.link_latency_s)
+    << ", capacity=" << vec(o.capacity) << ", max_growth=" << num(o.max_growth)
+    << ", seed=" << o.seed << ", work_budget=" << num(o.work_budget)
+    << ", time_limit_s=" << num(o.time_limit_s) << ", interrupt_after=" << c.interrupt.after
+    << ", expect_reject=" << c.expect_reject << ")";
   return s.str();
 }
 
@@ -1080,15 +1082,35 @@ double model_step_time(const ScheduleCase& c, const Ints& a, double* max_stage_s
     in.backward_s.assign(size_t(S * m), 0.0);
     in.link_latency_s.assign(size_t(S - 1), o.link_latency_s);
     in.link_bandwidth_bytes_per_s.assign(size_t(S - 1), kInf);
+    // The regime (header): stage s of module k runs a backward from its
+    // backward_from_stage on, and only for a share with work in its gate module.
+    std::vector<char> stage_backward(size_t(S), 1);
+    for (int64_t s = 0, q = 0; s < S; ++s, ++q) {
+      if (s > 0 && stage_dim[size_t(s)] != stage_dim[size_t(s - 1)]) q = 0;
+      if (!o.backward_from_stage.empty()) {
+        stage_backward[size_t(s)] = q >= o.backward_from_stage[size_t(stage_dim[size_t(s)])];
+      }
+    }
+    if (std::find(stage_backward.begin(), stage_backward.end(), 0) != stage_backward.end()) {
+      in.gradient_links.assign(stage_backward.begin(), stage_backward.end() - 1);
+    }
     for (int64_t j = 0; j < m; ++j) {
       for (int64_t k = 0; k < d; ++k) {
         const double load = stage_seconds(j, k, r);
-        if (max_stage_s != nullptr) *max_stage_s = std::max(*max_stage_s, load);
         const double f = o.forward_fraction[size_t(k)] * load;
+        const int64_t gate = o.backward_gate.empty() ? -1 : o.backward_gate[size_t(k)];
+        bool gate_open = gate < 0;
+        for (int64_t i = 0; i < c.n && !gate_open; ++i) {
+          gate_open = a[size_t(i)] == j * dp + r && c.costs[size_t(i * d + gate)] > 0.0;
+        }
         for (int64_t s = 0; s < S; ++s) {
           if (stage_dim[size_t(s)] != k) continue;
           in.forward_s[size_t(s * m + j)] = f;
-          in.backward_s[size_t(s * m + j)] = load - f;
+          in.backward_s[size_t(s * m + j)] = stage_backward[size_t(s)] && gate_open ? load - f : 0;
+          // What one stage runs of the microbatch (its forward alone without a backward).
+          if (max_stage_s != nullptr) {
+            *max_stage_s = std::max(*max_stage_s, f + in.backward_s[size_t(s * m + j)]);
+          }
         }
       }
     }
@@ -1130,6 +1152,17 @@ ScheduleCase gen_schedule(Rng& r) {
     o.forward_fraction.push_back(r.pick({1.0 / 3.0, 0.0, 1.0, r.uniform()}));
   }
   if (c.d == 1 && r.chance(0.01)) o.stages[0] = 4096;
+  if (r.chance(0.3)) {  // a training regime: stages without backward
+    for (int64_t k = 0; k < c.d; ++k) {
+      o.backward_from_stage.push_back(r.chance(0.5) ? 0 : r.range(0, o.stages[size_t(k)]));
+    }
+  }
+  if (c.d > 1 && r.chance(0.3)) {  // a backward gated by another module's work
+    for (int64_t k = 0; k < c.d; ++k) {
+      const int64_t g = r.range(0, c.d - 1);
+      o.backward_gate.push_back(r.chance(0.5) || g == k ? -1 : g);
+    }
+  }
   if (r.chance(0.6)) {
     for (int64_t k = 0; k < c.d; ++k) {
       o.microbatch_constant_s.push_back(r.chance(0.5) ? 0.0 : r.uniform(0, 0.1));
@@ -1181,7 +1214,7 @@ void mutate_schedule(Rng& r, ScheduleCase& c) {
   const int64_t count = r.range(1, 3);
   for (int64_t m = 0; m < count; ++m) {
     const size_t k = size_t(r.below(uint64_t(std::max<int64_t>(c.d, 1))));
-    switch (r.below(18)) {
+    switch (r.below(19)) {
       case 0:
         if (!c.costs.empty()) c.costs[r.below(c.costs.size())] = weird_double(r);
         break;
@@ -1287,6 +1320,21 @@ void mutate_schedule(Rng& r, ScheduleCase& c) {
           o.dp_size = weird_int(r);
         }
         break;
+      case 16:
+        if (r.chance(0.5)) {
+          o.backward_from_stage.assign(size_t(c.d + r.range(0, 1)), 0);
+          if (!o.backward_from_stage.empty() && r.chance(0.7)) {
+            o.backward_from_stage[r.below(o.backward_from_stage.size())] =
+                r.chance(0.5) ? weird_int(r) : r.pick<int64_t>({-1, 5, 65});
+          }
+        } else {
+          o.backward_gate.assign(size_t(c.d + r.range(0, 1)), -1);
+          if (!o.backward_gate.empty() && r.chance(0.7)) {
+            o.backward_gate[r.below(o.backward_gate.size())] =
+                r.chance(0.5) ? weird_int(r) : r.pick<int64_t>({-2, 0, c.d});
+          }
+        }
+        break;
       default:
         o.microbatch_dims.push_back(r.chance(0.5) ? weird_int(r) : r.range(0, c.d));
         break;
@@ -1353,6 +1401,20 @@ bool schedule_documented_invalid(const ScheduleCase& c) {
     }
   }
   if (std::isnan(o.link_latency_s) || o.link_latency_s < 0.0) return true;
+  if (!o.backward_from_stage.empty()) {
+    if (int64_t(o.backward_from_stage.size()) != d) return true;
+    for (int64_t k = 0; k < d; ++k) {
+      const int64_t v = o.backward_from_stage[size_t(k)];
+      if (v < 0 || v > o.stages[size_t(k)]) return true;
+    }
+  }
+  if (!o.backward_gate.empty()) {
+    if (int64_t(o.backward_gate.size()) != d) return true;
+    for (int64_t k = 0; k < d; ++k) {
+      const int64_t g = o.backward_gate[size_t(k)];
+      if (g != -1 && (g < 0 || g >= d || g == k)) return true;
+    }
+  }
   if (!(o.max_growth >= 1.0)) return true;
   std::vector<char> mb_dim(size_t(d), 0);
   bool dims_ok = true;

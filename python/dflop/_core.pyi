@@ -41,6 +41,8 @@ def pipeline_schedule(
     replicas: Sequence[int] = ...,
     units: Sequence[int] = ...,
     chunks: Sequence[int] = ...,
+    backward_from_stage: Sequence[int] = ...,
+    backward_gate: Sequence[int] = ...,
 ) -> dict[str, Any]: ...
 def simulated_step_time(
     costs: np.ndarray,
@@ -56,6 +58,8 @@ def simulated_step_time(
     replicas: Sequence[int] = ...,
     units: Sequence[int] = ...,
     chunks: Sequence[int] = ...,
+    backward_from_stage: Sequence[int] = ...,
+    backward_gate: Sequence[int] = ...,
 ) -> float: ...
 def pipeline_work_budget_for_ms(time_budget_ms: float) -> int: ...
 

@@ -53,7 +53,16 @@ struct PipelineScheduleOptions {
   std::vector<int64_t> chunks;
   std::vector<double> forward_fraction;       // in [0, 1] each
   std::vector<double> microbatch_constant_s;  // >= 0 each; empty = zeros
-  double link_latency_s = 0.0;                // >= 0
+  // Empty (all 0), or per dimension: the first of its stages x chunks virtual stages that
+  // runs a backward (stages x chunks: none). A stage before it runs forward only and is
+  // sent no gradient (a frozen encoder; a frozen tower under a trained projector: only
+  // the last stage), as dflop's runtime executes it.
+  std::vector<int64_t> backward_from_stage;
+  // Empty (all -1), or per dimension: -1, or another dimension g: this dimension's stages
+  // run a backward only for a replica's share with a sample of cost > 0 in g (a frozen
+  // LLM passes gradients back only for microbatches with visual rows).
+  std::vector<int64_t> backward_gate;
+  double link_latency_s = 0.0;  // >= 0
   // Empty, or one hard upper bound per dimension on a bin's (microbatch's) cost sum.
   std::vector<double> capacity;
   // No bin's (microbatch's) cost sum may exceed max_growth x the starting schedule's

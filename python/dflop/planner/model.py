@@ -254,6 +254,25 @@ class PlannerModule:
         return _forward_share(self.forward_fraction, self.body_backward_factor)
 
     @property
+    def backward_stages(self) -> str:
+        """Which of the module's stages run a backward under the regime: "all", "last"
+        (a trained head or projector behind frozen layers) or "none"."""
+        if self.body_backward_factor > 0.0:
+            return "all"
+        return "last" if self.last_backward_factor > 0.0 else "none"
+
+    @property
+    def backward_needs_visual(self) -> bool:
+        """Whether the module's layers run a backward only to pass gradients back to a
+        trained part before it (nothing of its own trains): an LLM under a trained
+        projector runs none for a microbatch share without visual rows."""
+        return (
+            self.body_backward_factor > 0.0
+            and self.body_trainable_fraction == 0.0
+            and self.last_trainable_fraction == 0.0
+        )
+
+    @property
     def num_params(self) -> float:
         return (
             self.params_per_layer * self.num_layers

@@ -435,6 +435,7 @@ def runtime_scored(
             # what the trainer's scheduler uses: the shares under the training regime
             forward_fraction=(inputs.encoder.forward_share, inputs.llm.forward_share),
             link_latency_s=cluster.link_latency_s,
+            modules=(inputs.encoder, inputs.llm),
         )
         # As the trainer's scheduler does for step b: its seed offset by the step.
         chosen = pipeline_schedule(

@@ -25,6 +25,7 @@ from dflop.data.costs import EncoderConfig, LLMConfig
 from dflop.data.shapes import SampleShapes
 from dflop.planner.inputs import core_options, sample_record, single_batch_inputs
 from dflop.planner.model import ClusterSpec, PlannerConfig
+from dflop.scheduling.pipeline_schedule import PipelineModel
 
 __all__ = ["StepAudit", "StepPredictor"]
 
@@ -305,6 +306,11 @@ class StepPredictor:
         planner's model (tp, recompute and layers per stage included): ``(costs, constants)``,
         the ``(N, 2)`` per-sample seconds of an average encoder stage (one replica) and
         LLM stage, and each module's per-microbatch constant of an average stage."""
+        return self._stage_costs(cost_model, shapes)[1:]
+
+    def _stage_costs(
+        self, cost_model: Any, shapes: SampleShapes
+    ) -> tuple[Any, np.ndarray, tuple[float, float]]:
         inputs = self._inputs(cost_model, shapes)
         raw = _core.stage_costs(
             self.cluster.to_dict(),
@@ -315,4 +321,29 @@ class StepPredictor:
             self.layout,
             0,
         )
-        return np.asarray(raw["costs"]), tuple(float(c) for c in raw["constants"])
+        return inputs, np.asarray(raw["costs"]), tuple(float(c) for c in raw["constants"])
+
+    def scheduler_view(
+        self,
+        cost_model: Any,
+        shapes: SampleShapes,
+        forward_fraction: tuple[float, float],
+        link_latency_s: float,
+    ) -> tuple[np.ndarray, PipelineModel]:
+        """What the trainer's scheduler sees of ``shapes``: :meth:`stage_costs` and the
+        pipeline of this layout (``forward_fraction``: the modules' shares under the
+        training regime; the regime's backward stages as the runtime runs them)."""
+        inputs, costs, constants = self._stage_costs(cost_model, shapes)
+        encoder, llm = self.layout["encoder"], self.layout["llm"]
+        model = PipelineModel.encoder_llm(
+            encoder_pp=encoder["pp"],
+            encoder_dp=encoder["dp"],
+            llm_pp=llm["pp"],
+            stage_constant_s=constants,
+            forward_fraction=forward_fraction,
+            link_latency_s=link_latency_s,
+            llm_chunks=llm.get("virtual_stages", 1),
+            backward=(inputs.encoder.backward_stages, inputs.llm.backward_stages),
+            llm_backward_needs_visual=inputs.llm.backward_needs_visual,
+        )
+        return costs, model

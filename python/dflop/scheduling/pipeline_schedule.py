@@ -73,6 +73,13 @@ class PipelineModel:
     interleaved 1F1B (:func:`dflop.scheduling.pipeline_program`), each chunk taking
     ``1 / chunks[c]`` of a stage's time; the microbatch count must be a multiple of
     ``stages[c]``.
+
+    ``backward[c]`` (default "all"): which of module ``c``'s stages run a backward, as
+    dflop's runtime executes a training regime: "all", "last" (a trained projector behind
+    a frozen tower) or "none" (frozen, nothing trained before it); a stage that runs
+    none is sent no gradient. ``backward_gate[c]`` (default None): another module whose
+    load gates module ``c``'s backward: a replica's share with no cost in it runs none
+    (a frozen LLM passes gradients back only for microbatches with visual rows).
     """
 
     stages: tuple[int, ...] = (1, 1)
@@ -81,6 +88,8 @@ class PipelineModel:
     link_latency_s: float = 0.0
     replicas: tuple[int, ...] | None = None
     chunks: tuple[int, ...] | None = None
+    backward: tuple[str, ...] | None = None
+    backward_gate: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("stages", "forward_fraction", "microbatch_constant_s"):
@@ -130,6 +139,27 @@ class PipelineModel:
                         "chunks > 1"
                     )
             object.__setattr__(self, "chunks", chunks)
+        if self.backward is not None:
+            backward = tuple(self.backward)
+            if len(backward) != len(stages) or any(
+                b not in ("all", "last", "none") for b in backward
+            ):
+                raise ValueError(
+                    f"PipelineModel.backward={self.backward!r} needs one of 'all', 'last' or "
+                    f"'none' per module ({len(stages)})"
+                )
+            object.__setattr__(self, "backward", backward)
+        if self.backward_gate is not None:
+            gates = tuple(self.backward_gate)
+            if len(gates) != len(stages) or any(
+                g is not None and (isinstance(g, bool) or g not in range(len(stages)) or g == c)
+                for c, g in enumerate(gates)
+            ):
+                raise ValueError(
+                    f"PipelineModel.backward_gate={self.backward_gate!r} needs, per module "
+                    f"({len(stages)}), None or the index of another module"
+                )
+            object.__setattr__(self, "backward_gate", gates)
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "forward_fraction", fractions)
         object.__setattr__(self, "microbatch_constant_s", constants)
@@ -146,12 +176,16 @@ class PipelineModel:
         forward_fraction: tuple[float, float],
         link_latency_s: float,
         llm_chunks: int = 1,
+        backward: tuple[str, str] = ("all", "all"),
+        llm_backward_needs_visual: bool = False,
     ) -> PipelineModel:
         """dflop's encoder -> LLM pipeline as its trainer schedules every step (and the
         planner scores a plan): the encoder's replicas share each microbatch by unit.
         Costs and constants are an average stage's
         (:meth:`dflop.planner.StepPredictor.stage_costs`); ``llm_chunks``: the LLM's virtual
-        stages per stage (interleaved 1F1B)."""
+        stages per stage (interleaved 1F1B); ``backward`` and ``llm_backward_needs_visual``:
+        the training regime (``PlannerModule.backward_stages`` and
+        ``.backward_needs_visual``)."""
         return cls(
             stages=(int(encoder_pp), int(llm_pp)),
             forward_fraction=tuple(float(f) for f in forward_fraction),
@@ -159,6 +193,8 @@ class PipelineModel:
             link_latency_s=float(link_latency_s),
             replicas=(int(encoder_dp), 1),
             chunks=(1, int(llm_chunks)),
+            backward=tuple(backward),
+            backward_gate=(None, 0 if llm_backward_needs_visual else None),
         )
 
     @classmethod
@@ -169,10 +205,19 @@ class PipelineModel:
         stage_constant_s: tuple[float, float],
         forward_fraction: tuple[float, float],
         link_latency_s: float,
+        modules: tuple[Any, Any] | None = None,
     ) -> PipelineModel:
         """:meth:`encoder_llm` of a planner / runtime layout (``layout.encoder`` and
         ``layout.llm`` with ``pp``, ``dp`` and ``virtual_stages``): the one pipeline the
-        trainer's scheduler and the planner's re-scoring both use."""
+        trainer's scheduler and the planner's re-scoring both use. ``modules``: the
+        planner's (encoder, LLM) :class:`dflop.planner.PlannerModule` under the training
+        regime (None: full training)."""
+        regime = {}
+        if modules is not None:
+            regime = {
+                "backward": tuple(m.backward_stages for m in modules),
+                "llm_backward_needs_visual": modules[1].backward_needs_visual,
+            }
         return cls.encoder_llm(
             encoder_pp=layout.encoder.pp,
             encoder_dp=layout.encoder.dp,
@@ -181,6 +226,7 @@ class PipelineModel:
             forward_fraction=forward_fraction,
             link_latency_s=link_latency_s,
             llm_chunks=layout.llm.virtual_stages,
+            **regime,
         )
 
     @property
@@ -205,7 +251,18 @@ class PipelineModel:
             "microbatch_constant_s": list(self.microbatch_constant_s),
             "link_latency_s": self.link_latency_s,
             "chunks": list(self.chunks or ()),
+            "backward_from_stage": self._backward_from_stage(),
+            "backward_gate": [-1 if g is None else g for g in self.backward_gate or ()],
         }
+
+    def _backward_from_stage(self) -> list[int]:
+        """The core's ``backward_from_stage``: per module, its first virtual stage that
+        runs a backward."""
+        if self.backward is None:
+            return []
+        virtual = [s * c for s, c in zip(self.stages, self.chunks or (1,) * len(self.stages))]
+        first = {"all": lambda v: 0, "last": lambda v: v - 1, "none": lambda v: v}
+        return [first[b](v) for b, v in zip(self.backward, virtual)]
 
     def _replica_args(self, units: Any, num_samples: int) -> dict[str, list[int]]:
         """The core's ``replicas`` / ``units`` keywords."""

@@ -255,14 +255,12 @@ class Trainer:
         each module (the encoder's on one replica: its replicas share each microbatch by
         unit) and the pipeline, by the planner's model of this layout (the same numbers a
         plan was scored with) priced by the current cost model and calibration."""
-        costs, constants = self.predictor.stage_costs(self.cost_model, shapes)
-        model = PipelineModel.for_layout(
-            self.layout,
-            stage_constant_s=constants,
+        return self.predictor.scheduler_view(
+            self.cost_model,
+            shapes,
             forward_fraction=self.calibration.shares,
             link_latency_s=self.calibration.link_latency_s,
         )
-        return costs, model
 
     def _submit(self, step: int, shapes: Any = None, deadline: float | None = None) -> None:
         timed = self.config.schedule_deadline and not self.config.deterministic

@@ -34,7 +34,6 @@ from dflop.runtime.step_data import StepPlan
 from dflop.runtime.topology import RuntimeLayout
 from dflop.scheduling.async_scheduler import AsyncScheduler
 from dflop.scheduling.balance import schedule_from_assignment
-from dflop.scheduling.pipeline_schedule import PipelineModel
 from dflop.train.planning import MemoryBudget, core_layout, cost_configs, local_cluster
 
 CONFIG = model_config("tiny")
@@ -138,15 +137,19 @@ def test_trainer_derives_the_plans_split_and_stage_times(encoder_dp: int) -> Non
 
 
 @pytest.mark.parametrize("encoder_dp", [1, 2, 3])
-def test_plan_schedules_each_step_as_the_trainer_does(encoder_dp: int) -> None:
+@pytest.mark.parametrize("trainable", ["full", "frozen-vision", "projector"])
+def test_plan_schedules_each_step_as_the_trainer_does(encoder_dp: int, trainable: str) -> None:
     """The plan's recorded schedules are the ones the trainer's scheduler computes for the
     same batches (the predictor's stage costs, its pipeline model, its AsyncScheduler), so
-    the plan's prediction is of the schedules the runtime executes."""
+    the plan's prediction is of the schedules the runtime executes; under every training
+    regime (the scheduler's pipeline runs the regime's backward as the runtime does)."""
     encoder, llm = cost_configs(CONFIG)
     cost_model = AnalyticCostModel(encoder, llm)
     layout = _layout(encoder_dp)
     cluster = local_cluster(layout.world_size, MemoryBudget(8e9, 0.0, "test"), link_latency_s=2e-4)
-    config = PlannerConfig(num_batches=len(UNITS), seed=5, forward_fraction=(0.4, 0.35))
+    config = PlannerConfig(
+        num_batches=len(UNITS), seed=5, forward_fraction=(0.4, 0.35), trainable=trainable
+    )
     inputs = prepare_inputs(
         cost_model,
         encoder,
@@ -155,7 +158,10 @@ def test_plan_schedules_each_step_as_the_trainer_does(encoder_dp: int) -> None:
         shapes=FixedBatches(),
         num_batches=3,
         forward_fraction=config.forward_fraction,
+        trainable=trainable,
     )
+    # What the trainer's calibration hands its scheduler: the shares under the regime.
+    regime_shares = (inputs.encoder.forward_share, inputs.llm.forward_share)
     scored = evaluate_layout(cluster, inputs, core_layout(layout), config)
     planned = runtime_scored(cluster, inputs, scored, config)
     predictor = StepPredictor(cluster, encoder, llm, core_layout(layout), config)
@@ -166,15 +172,12 @@ def test_plan_schedules_each_step_as_the_trainer_does(encoder_dp: int) -> None:
     ) as scheduler:
         for b in range(len(UNITS)):  # the trainer's step b, on sampled batch b
             shapes = FixedBatches().sample(GLOBAL_BATCH, b)
-            costs, constants = predictor.stage_costs(cost_model, shapes)
-            model = PipelineModel.encoder_llm(
-                encoder_pp=1,
-                encoder_dp=encoder_dp,
-                llm_pp=1,
-                stage_constant_s=constants,
-                forward_fraction=config.forward_fraction,
-                link_latency_s=cluster.link_latency_s,
+            costs, model = predictor.scheduler_view(
+                cost_model, shapes, regime_shares, cluster.link_latency_s
             )
+            if trainable != "full":
+                assert model.backward == ("last", "all")
+                assert model.backward_gate == (None, 0 if trainable == "projector" else None)
             scheduler.submit(b, costs, pipeline=model, units=shapes.encoder_units)
         for b, step in enumerate(planned.steps):
             np.testing.assert_array_equal(scheduler.get(b).assignment, step.assignment)

@@ -36,20 +36,31 @@ def reference_step(costs, schedule, model: dflop.PipelineModel) -> float:
     virtual = sum(count * v for count, v in zip(model.stages, chunks))
     forward = np.zeros((dp, virtual, m))
     backward = np.zeros((dp, virtual, m))
+    runs_backward = []  # per virtual stage
+    # A sample with cost in a module, per (replica, microbatch) share.
+    has_work = np.zeros((m * dp, costs.shape[1]))
+    np.add.at(has_work, schedule.assignment, costs > 0)
+    has_work = has_work.reshape(m, dp, -1) > 0
     s = 0
     for c, (count, v) in enumerate(zip(model.stages, chunks)):
         load = bins[:, :, c].T  # (dp, m)
         if c in schedule.microbatch_dims:
             load = np.broadcast_to(bins[:, :, c].sum(axis=1), (dp, m))
         load = np.where(load > 0, load + model.microbatch_constant_s[c], 0.0) / v
-        for _ in range(count * v):
+        mode = (model.backward or ("all",) * len(model.stages))[c]
+        gate = (model.backward_gate or (None,) * len(model.stages))[c]
+        gated = np.ones((dp, m), dtype=bool) if gate is None else has_work[:, :, gate].T
+        for k in range(count * v):
+            runs = mode == "all" or (mode == "last" and k == count * v - 1)
             forward[:, s, :] = model.forward_fraction[c] * load
-            backward[:, s, :] = load - forward[:, s, :]
+            backward[:, s, :] = np.where(gated & runs, load - forward[:, s, :], 0.0)
+            runs_backward.append(runs)
             s += 1
     latency = np.full(virtual - 1, model.link_latency_s)
     return simulate_pipeline(
         forward,
         backward,
+        gradient_links=None if all(runs_backward) else np.asarray(runs_backward[:-1], np.uint8),
         link_latency_s=latency,
         order="interleaved-1f1b" if max(chunks) > 1 else "1f1b",
         stages=list(model.stages),
@@ -65,11 +76,20 @@ MODEL = dflop.PipelineModel(
 )
 
 
+REGIMES = {
+    "full": {},
+    "frozen_encoder": dict(backward=("none", "all")),
+    "trained_projector": dict(backward=("last", "all")),
+    "projector_only": dict(backward=("last", "all"), backward_gate=(None, 0)),
+}
+
+
 @pytest.mark.parametrize("dp", [1, 2])
 @pytest.mark.parametrize("chunks", [None, (1, 2)], ids=["1f1b", "interleaved"])
-def test_step_time_is_the_simulated_pipeline(dp, chunks):
+@pytest.mark.parametrize("regime", REGIMES)
+def test_step_time_is_the_simulated_pipeline(dp, chunks, regime):
     costs = skewed(40, 0)
-    model = replace(MODEL, chunks=chunks)
+    model = replace(MODEL, chunks=chunks, **REGIMES[regime])
     s = dflop.schedule(costs, 4, dp, microbatch_dims=(0,))
     assert model.step_time_s(costs, s) == pytest.approx(reference_step(costs, s, model), rel=1e-12)
     if chunks:  # the refinement simulates the interleaved program too
@@ -78,6 +98,29 @@ def test_step_time_is_the_simulated_pipeline(dp, chunks):
         assert model.step_time_s(costs, refined) <= model.step_time_s(costs, s) + 1e-12
     with pytest.raises(ValueError, match="multiple of stages"):
         dflop.pipeline_schedule(costs, 5, dp, pipeline=replace(MODEL, chunks=(1, 2)))
+
+
+def test_a_stage_without_backward_waits_for_no_gradient():
+    """By hand, encoder then LLM (one stage each), two microbatches, 0.5 s links: encoder
+    F0 [0, 1], F1 [1, 2]; LLM F0 [1.5, 2.5], B0 [2.5, 4.5], F1 [4.5, 5.5], B1 [5.5, 7.5].
+    A trained encoder's (empty) B1 waits for B1's gradient (7.5 + 0.5 = 8); a frozen one
+    is sent none; a frozen LLM under a trained projector runs no backward for the
+    text-only microbatch (LLM B1 empty at 5.5; the encoder's empty B1 after one link: 6,
+    as in the planner's simulation)."""
+    model = dflop.PipelineModel((1, 1), (1.0, 1 / 3), (0.0, 0.0), 0.5)
+    schedule = dflop.schedule_from_assignment(
+        np.array([[1.0, 3.0], [1.0, 3.0]]), [0, 1], 2, 1, microbatch_dims=(0,)
+    )
+    costs = np.array([[1.0, 3.0], [1.0, 3.0]])
+    assert model.step_time_s(costs, schedule) == pytest.approx(8.0)
+    frozen = replace(model, backward=("none", "all"))
+    assert frozen.step_time_s(costs, schedule) == pytest.approx(7.5)
+    text_only = np.array([[1.0, 3.0], [0.0, 3.0]])
+    projector = replace(model, backward=("last", "all"), backward_gate=(None, 0))
+    assert projector.step_time_s(text_only, schedule) == pytest.approx(6.0)
+    assert replace(projector, backward_gate=None).step_time_s(text_only, schedule) == pytest.approx(
+        8.0
+    )
 
 
 def test_refines_the_balanced_schedule():
@@ -161,6 +204,10 @@ def test_never_worse_and_no_empty_bin(n, m, dp, seed, growth):
         (dict(link_latency_s=math.nan), "link_latency_s"),
         (dict(chunks=(2, 1)), r"chunks\[0\]=2: only the last module"),
         (dict(chunks=(1,)), "chunks needs one entry per module"),
+        (dict(backward=("all", "some")), r"backward=\('all', 'some'\) needs one of"),
+        (dict(backward=("all",)), "backward=.*per module"),
+        (dict(backward_gate=(None, 1)), "backward_gate=.*another module"),
+        (dict(backward_gate=(None, 5)), "backward_gate=.*another module"),
     ],
 )
 def test_bad_pipeline_model(kwargs, match):
