@@ -123,6 +123,11 @@ def _bad_inputs(root) -> list[tuple[list[str], str]]:
         (["simulate", f(folder)], "is a folder; give a plan JSON"),
         (["plan", "--local", "2", "--shapes", f(folder)], "--shapes is the data of --gpus"),
         (["plan", "--gpus", "8", "-o", f(root)], "is a folder; give a file path"),
+        (  # --gpus plans the --shapes; --data would be silently ignored
+            ["plan", "--gpus", "8", "--data", f(root / "README.md")],
+            "--data is a setting of --local N planning; for --gpus give the data's shapes",
+        ),
+        (["plan", "--gpus", "8", "--family", "qwen2-vl"], "--family is a setting of --local N"),
         (["train", "--data", f(folder)], "is a folder; give a dataset file"),
         (["profile-data", f(folder), "-o", f(root / "s.json")], "is a folder; give a .json"),
         (["profile-model", "-o", f(root / "p.json"), "--device", "tpu"], "cpu or cuda[:N]"),

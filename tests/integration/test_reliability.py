@@ -56,7 +56,8 @@ def _checkpointed(tmp_path: Path, steps: int = 4) -> Path:
         tmp_path, "--steps", str(steps), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"
     )
     assert result.returncode == 0, result.stderr
-    assert (ckpt / "latest").read_text().strip() == f"step-{steps - 1:06d}"
+    # Named for the steps done, as the progress line counts them.
+    assert (ckpt / "latest").read_text().strip() == f"step-{steps:06d}"
     return ckpt
 
 
@@ -64,16 +65,16 @@ def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, fu
     """64 random bytes in a rank's file of the latest step: the resume says so and
     continues from the step before, reproducing the uninterrupted run."""
     ckpt = _checkpointed(tmp_path)
-    victim = ckpt / "step-000003" / "rank-00001.pt"
+    victim = ckpt / "step-000004" / "rank-00001.pt"
     data = bytearray(victim.read_bytes())
     offset = len(data) // 2
     data[offset : offset + 64] = np.random.default_rng(0).bytes(64)
     victim.write_bytes(bytes(data))
-    assert "damaged" in verify_checkpoint(ckpt / "step-000003", 2)
+    assert "damaged" in verify_checkpoint(ckpt / "step-000004", 2)
     result, report = _train(tmp_path, "--steps", "6", "--checkpoint-dir", str(ckpt))
     assert result.returncode == 0, result.stderr
     assert "does not match its checksum" in result.stdout
-    assert "resuming from step-000002" in result.stdout
+    assert "resuming from step-000003" in result.stdout
     losses = _losses(report)
     assert sorted(losses) == [3, 4, 5]
     for step, loss in losses.items():
@@ -82,12 +83,12 @@ def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, fu
 
 def test_latest_naming_a_missing_step_is_said_and_the_newest_intact_one_used(tmp_path):
     ckpt = _checkpointed(tmp_path)
-    for path in (ckpt / "step-000003").iterdir():
+    for path in (ckpt / "step-000004").iterdir():
         path.unlink()
-    (ckpt / "step-000003").rmdir()
+    (ckpt / "step-000004").rmdir()
     result, report = _train(tmp_path, "--steps", "5", "--checkpoint-dir", str(ckpt))
     assert result.returncode == 0, result.stderr
-    assert "'latest' names step-000003" in result.stdout and "does not exist" in result.stdout
+    assert "'latest' names step-000004" in result.stdout and "does not exist" in result.stdout
     assert sorted(_losses(report)) == [3, 4]
 
 
@@ -135,7 +136,7 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
     ckpt = _checkpointed(tmp_path, steps=2)
     marker = tmp_path / "pwned"
     for rank in (0, 1):
-        path = ckpt / "step-000001" / f"rank-{rank:05d}.pt"
+        path = ckpt / "step-000002" / f"rank-{rank:05d}.pt"
         state = {"step": 1, "stage": _Payload(str(marker))}
         torch.save(state, path, pickle_module=pickle)
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -204,6 +205,7 @@ def _start_long_run(tmp_path: Path, ckpt: Path):
         stderr=subprocess.PIPE,
         text=True,
         preexec_fn=_default_sigint,
+        start_new_session=True,  # its own process group: a terminal's Ctrl-C reaches all
     )
     import time
 
@@ -236,15 +238,26 @@ def test_sigterm_stops_cleanly_with_a_final_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     proc = _start_long_run(tmp_path, ckpt)
     proc.send_signal(signal.SIGTERM)
+    _assert_stopped_with_checkpoint(tmp_path, proc, ckpt, "SIGTERM", 143)
+
+
+def _assert_stopped_with_checkpoint(tmp_path, proc, ckpt, reason: str, code: int) -> None:
+    """The run stopped after a step with a verified checkpoint named for it, said so in
+    one line, exited ``code``; rerunning resumes at the next step."""
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err
-    assert "stopped by SIGTERM after step" in err
-    stopped = int(err.split("after step ")[1].split(";")[0])
+    assert proc.returncode == code, err
+    assert f"{reason}: stopping after the current step" in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"dflop train: stopped by {reason} after step "), err
+    done = int(line.split("after step ")[1].split(" of ")[0])  # steps done, from 1
     latest = _settled(ckpt)
-    assert latest == f"step-{stopped:06d}" and verify_checkpoint(ckpt / latest, 2) is None
-    result, report = _train(tmp_path, "--steps", str(stopped + 3), "--checkpoint-dir", str(ckpt))
+    assert f"checkpoint {ckpt / latest} (rerun the same command to resume)" in line
+    assert latest == f"step-{done:06d}" and verify_checkpoint(ckpt / latest, 2) is None
+    assert "Traceback" not in err
+    result, report = _train(tmp_path, "--steps", str(done + 2), "--checkpoint-dir", str(ckpt))
     assert result.returncode == 0, result.stderr
-    assert sorted(_losses(report)) == [stopped + 1, stopped + 2]
+    assert f"(after step {done}; step {done + 1} of {done + 2} next)" in result.stdout
+    assert sorted(_losses(report)) == [done, done + 1]  # the report's 0-based step indices
 
 
 def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path):
@@ -278,19 +291,47 @@ def test_a_resumed_run_keeps_the_layout_and_cost_model_it_chose(tmp_path):
     assert json.loads((ckpt / "run.json").read_text()) == saved
 
 
-def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
-    """SIGINT to the launcher (Ctrl-C): the ranks are killed, one line, exit 130, and no
-    rank keeps training."""
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint(tmp_path):
+    """Ctrl-C in a terminal (SIGINT to the whole process group: launcher and ranks): every
+    rank stops after the same step and saves it, one line, exit 130; rerunning the same
+    command resumes at the next step."""
     import signal
 
     ckpt = tmp_path / "ckpt"
     proc = _start_long_run(tmp_path, ckpt)
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)
+    _assert_stopped_with_checkpoint(tmp_path, proc, ckpt, "Ctrl-C", 130)
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    """Two Ctrl-C: the ranks are killed at once, one line, exit 130, and no rank keeps
+    training."""
+    import signal
+    import time
+
+    ckpt = tmp_path / "ckpt"
+    proc = _start_long_run(tmp_path, ckpt)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == "dflop train: interrupted"
     assert "Traceback" not in err
     _settled(ckpt)
+
+
+def test_checkpoints_by_time_and_a_first_run_says_it_starts_fresh(tmp_path):
+    """--checkpoint-every-min saves whenever that much time passed since the last save
+    (here: after every step, without --checkpoint-every); a run that finds no checkpoint
+    says so in one line."""
+    ckpt = tmp_path / "ckpt"
+    args = ("--steps", "3", "--checkpoint-dir", str(ckpt), "--checkpoint-every-min", "1e-6")
+    result, _ = _train(tmp_path, *args)
+    assert result.returncode == 0, result.stderr
+    assert f"checkpoint: none in {ckpt} yet; starting from step 1" in result.stdout
+    # Rotation keeps the newest two: step 2's exists only if a save came after step 2.
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-000002", "step-000003"]
 
 
 def test_deterministic_runs_and_resumes_give_identical_losses(tmp_path):
@@ -351,13 +392,13 @@ def test_a_lock_left_by_a_killed_run_is_reported_and_taken_over(tmp_path):
     assert (ckpt / "dflop.lock").exists()
     leftover = ckpt / _settled(ckpt) / "rank-00000.pt.tmp-999999"
     leftover.write_bytes(b"half a checkpoint")
-    latest = int((ckpt / "latest").read_text().split("-")[1])
+    latest = int((ckpt / "latest").read_text().split("-")[1])  # steps done
     result, report = _train(tmp_path, "--steps", str(latest + 2), "--checkpoint-dir", str(ckpt))
     assert result.returncode == 0, result.stderr
     assert f"was left by process {proc.pid} on host" in result.stdout
     assert "no longer running; taking the folder over" in result.stdout
     assert "removed 1 temporary file(s)" in result.stdout and not leftover.exists()
-    assert sorted(_losses(report)) == [latest + 1]
+    assert sorted(_losses(report)) == [latest, latest + 1]  # 0-based step indices
 
 
 def test_a_lock_from_another_host_is_refused(tmp_path):
@@ -395,7 +436,7 @@ def test_a_changed_learning_rate_is_honoured_on_resume(tmp_path):
     same_losses, other_losses = _losses(same_report), _losses(other_report)
     assert same_losses[2] == other_losses[2]  # step 2's loss is before its update
     assert same_losses[3] != other_losses[3]
-    saved = torch.load(other_dir / "step-000003" / "rank-00000.pt", weights_only=True)
+    saved = torch.load(other_dir / "step-000004" / "rank-00000.pt", weights_only=True)
     assert {g["lr"] for g in saved["optimizer"]["param_groups"]} == {3e-2}
 
 

@@ -124,7 +124,7 @@ def test_local_plan_forced_layout_calibrated_then_trained(tmp_path, perf_json) -
     assert "plan vs measured (dflop): the plan's model predicted" in result.stdout
     # A plan for another model preset is refused.
     bad = run_cli("train", "--plan", str(plan_path), "--preset", "small", "--steps", "1")
-    assert bad.returncode == 2 and "--preset tiny" in bad.stderr
+    assert bad.returncode == 2 and "--model tiny" in bad.stderr
 
 
 def test_a_local_plan_predicts_the_steps_the_run_trains(tmp_path, perf_json) -> None:
@@ -148,11 +148,14 @@ def test_a_local_plan_predicts_the_steps_the_run_trains(tmp_path, perf_json) -> 
 
     planned = [s.step_time_s for s in Plan.load(plan_path).best.steps]
     assert len(planned) == LOCAL_PLAN_BATCHES and len(set(planned)) > 1
+    # The plan carries its data: the command 'dflop plan' suggests trains on it.
+    assert f"train it with: dflop train --plan {plan_path}\n" in result.stdout
     result, report = _train(
-        tmp_path, "", "--plan", str(plan_path), "--steps", "4", "--deterministic", "--quiet",
-        *dataset,
-    )  # fmt: skip
+        tmp_path, "", "--plan", str(plan_path), "--steps", "4", "--deterministic", "--quiet"
+    )
     assert result.returncode == 0, result.stderr
+    assert f"training what {plan_path} was planned for: --data {dataset[1]}" in result.stdout
+    assert "note:" not in result.stdout + result.stderr
     steps = [s for s in report["steps"] if s["mode"] == "dflop"]
     assert [s["step"] for s in steps] == [0, 1, 2, 3]
     for s in steps:
@@ -175,7 +178,7 @@ def test_checkpoint_resume_matches_uninterrupted_run(tmp_path, perf_json, layout
         "--checkpoint-dir", str(ckpt),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert (ckpt / "latest").read_text().strip() == "step-000001"
+    assert (ckpt / "latest").read_text().strip() == "step-000002"
     result, resumed = _train(tmp_path, perf_json, *common, "--checkpoint-dir", str(ckpt))
     assert result.returncode == 0, result.stderr
     assert "resumed from" in result.stdout

@@ -80,9 +80,13 @@ def test_a_plan_records_its_regime_and_training_names_a_mismatch(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert json.loads(plan.read_text())["inputs"]["trainable"] == "frozen-vision"
     assert "priced for training frozen-vision" in result.stdout
-    # The command it suggests trains what was planned.
-    assert f"dflop train --plan {plan} --trainable frozen-vision" in result.stdout
-    other = run_cli("train", "--plan", str(plan), "--steps", "1", "--quiet")
+    # The command it suggests trains what was planned: the plan carries its regime.
+    assert f"train it with: dflop train --plan {plan}\n" in result.stdout
+    same = run_cli("train", "--plan", str(plan), "--steps", "1", "--quiet")
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert f"training what {plan} was planned for: --trainable frozen-vision" in same.stdout
+    assert "note:" not in same.stdout + same.stderr
+    other = run_cli("train", "--plan", str(plan), "--steps", "1", "--quiet", "--trainable", "full")
     assert other.returncode == 0, other.stdout + other.stderr
     assert "was planned to train frozen-vision, this run trains full" in other.stdout + other.stderr
 

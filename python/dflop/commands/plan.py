@@ -107,7 +107,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="run N real steps of the chosen layout on this machine first and re-plan with "
         "what they measured (default 16; 0: the profile alone)",
     )
-    p.set_defaults(handler=run_plan)
+    p.set_defaults(handler=run_plan, local_defaults=_defaults(local))
 
     s = subparsers.add_parser(
         "simulate",
@@ -126,6 +126,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--png", default=None, help="PNG Gantt chart output (needs matplotlib)")
     s.add_argument("--json", action="store_true", help="print JSON instead of text")
     s.set_defaults(handler=run_simulate)
+
+
+def _defaults(group: argparse._ArgumentGroup) -> dict[str, tuple[str, Any]]:
+    """A group's settings: destination -> (its flag, its default)."""
+    return {
+        action.dest: (action.option_strings[0], action.default)
+        for action in group._group_actions
+        if action.dest != "local"
+    }
 
 
 def _performance_model(perf: str, encoder: Any, llm: Any, gpu_flops: float, mfu: float) -> Any:
@@ -190,8 +199,15 @@ def run_plan(args: argparse.Namespace) -> int:
         return _run_local_plan(args)
     if args.gpus is None:
         raise ValueError("pass --gpus N (a GPU cluster) or --local N (local CPU processes)")
-    if args.layout is not None:
-        raise ValueError("--layout forces a layout of local processes: use it with --local N")
+    for dest, (flag, default) in args.local_defaults.items():
+        if getattr(args, dest) != default:  # silently ignored otherwise
+            where = (
+                "; for --gpus give the data's shapes as --shapes (dflop profile-data "
+                "DATASET -o shapes.json makes them)"
+                if dest in ("data", "image_folder", "video_folder")
+                else ""
+            )
+            raise ValueError(f"{flag} is a setting of --local N planning{where}")
     args.global_batch = args.global_batch or 256
 
     if args.model is not None:
@@ -281,11 +297,9 @@ def _run_local_plan(args: argparse.Namespace) -> int:
         print(f"{prepared.description}")
         print(result.table())
         if args.output:
-            regime = "" if config.trainable == "full" else f" --trainable {config.trainable}"
-            print(
-                f"plan written to {args.output}; train it with: dflop train --plan "
-                f"{args.output}{regime}"
-            )
+            # The plan carries its model, data and regime: the command trains what was
+            # planned (dflop train --plan takes them unless told otherwise).
+            print(f"plan written to {args.output}; train it with: dflop train --plan {args.output}")
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from dflop.commands.args import json_object
@@ -80,16 +81,51 @@ def _number(kind: type, zero_is_none: bool = False) -> Any:
 
 def config_from_args(args: argparse.Namespace) -> Any:
     """The TrainConfig of a parsed ``dflop train`` command line: the --config file's
-    settings (if any), overridden by the flags given."""
+    settings (if any), overridden by the flags given; with a plan, the settings it was
+    made for (its model, data and regime) where neither gives them, said in one line."""
     from dflop.train import TrainConfig
-    from dflop.train.config import _FIELDS
+    from dflop.train.config import _FIELDS, read_sections
 
     flags = {name: value for name, value in vars(args).items() if name in _FIELDS}
     if args.quiet:
         flags["log_every"] = 0
+    sections = read_sections(args.config) if args.config is not None else {}
+    given = set(flags) | {
+        k for table in sections.values() if isinstance(table, dict) for k in table
+    }
+    model_table = sections.get("model")
+    plan = flags.get("plan") or (model_table.get("plan") if isinstance(model_table, dict) else None)
+    if plan:
+        flags = {**_planned(plan, given), **flags}
     if args.config is not None:
-        return TrainConfig.load(args.config, **flags)
+        return TrainConfig.from_sections(sections, source=args.config, **flags)
     return TrainConfig(**flags)
+
+
+def _planned(plan_path: str, given: set[str]) -> dict[str, Any]:
+    """The settings ``plan_path`` was made for that the command line and config file do
+    not give, said in one line."""
+    import os
+
+    from dflop.planner import Plan
+    from dflop.train.config import _FIELDS
+    from dflop.train.planning import planned_settings
+
+    if not os.path.isfile(plan_path):
+        return {}  # the run's own check says what is wrong with it
+    taken = {
+        key: value
+        for key, value in planned_settings(Plan.load(plan_path)).items()
+        if key not in given and value != _FIELDS[key].default and value not in (None, {})
+    }
+    if taken:
+        shown = " ".join(
+            f"{_FIELDS[key].metadata.get('flags', ('--' + key.replace('_', '-'),))[0]} "
+            f"{json.dumps(value) if isinstance(value, dict) else value}"
+            for key, value in taken.items()
+        )
+        print(f"training what {plan_path} was planned for: {shown} (a flag overrides)")
+    return taken
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,7 +177,20 @@ def train_main(config, json_path: str | None = None) -> int:
             ),
         )
     if stopped is not None:
-        saved = f"; checkpoint in {config.checkpoint_dir}" if config.checkpoint_dir else ""
-        print(f"dflop train: stopped by SIGTERM after step {stopped}{saved}", file=sys.stderr)
-        return 143  # 128 + SIGTERM, what schedulers expect of a terminated job
+        from dflop.runtime.launch import StopRequested
+        from dflop.train.checkpoint import checkpoint_name
+
+        reason = StopRequested.reason or "SIGTERM"
+        saved = (
+            f"; checkpoint {Path(config.checkpoint_dir) / checkpoint_name(stopped)} (rerun the "
+            "same command to resume)"
+            if config.checkpoint_dir
+            else "; no --checkpoint-dir, nothing saved"
+        )
+        print(
+            f"dflop train: stopped by {reason} after step {stopped + 1} of {config.steps}{saved}",
+            file=sys.stderr,
+        )
+        # The shell's codes: 128 + SIGINT for Ctrl-C, 128 + SIGTERM for a scheduler's stop.
+        return 130 if reason == "Ctrl-C" else 143
     return 0

@@ -180,27 +180,44 @@ _LAUNCHER_GONE_EXIT = 125
 
 
 class StopRequested:
-    """Set when the launcher receives SIGTERM (:func:`spawn_local` forwards it to the
-    ranks): a training loop checks :meth:`requested` and stops cleanly."""
+    """Set when the launcher receives SIGTERM, or Ctrl-C where the launch asked for it
+    (:func:`spawn_local` passes it on to the ranks): a training loop checks
+    :meth:`requested` and stops cleanly; :attr:`reason` says which ("SIGTERM" or
+    "Ctrl-C")."""
 
     _flag = False
+    _interrupts = 0
+    reason: str | None = None
 
     @classmethod
     def install(cls) -> None:
-        """In a rank (main thread): SIGTERM sets the flag instead of killing. Elsewhere
+        """In a rank (main thread): SIGTERM and a first Ctrl-C (SIGINT) set the flag
+        instead of killing; a second Ctrl-C stops at once (KeyboardInterrupt). Elsewhere
         (a rank of :func:`spawn_threads`) nothing: its launcher's thread installs it."""
         import threading
 
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, lambda signum, frame: cls.set())
+            signal.signal(signal.SIGTERM, lambda signum, frame: cls.set("SIGTERM"))
+            signal.signal(signal.SIGINT, cls._on_interrupt)
 
     @classmethod
-    def set(cls) -> None:
+    def _on_interrupt(cls, signum: int, frame: Any) -> None:
+        cls._interrupts += 1
+        if cls._interrupts > 1:
+            raise KeyboardInterrupt
+        cls.set("Ctrl-C")
+
+    @classmethod
+    def set(cls, reason: str = "SIGTERM") -> None:
+        if not cls._flag:
+            cls.reason = reason
         cls._flag = True
 
     @classmethod
     def clear(cls) -> None:
         cls._flag = False
+        cls._interrupts = 0
+        cls.reason = None
 
     @classmethod
     def requested(cls) -> bool:
@@ -217,6 +234,7 @@ def spawn_local(
     collective_timeout_s: float | None = None,
     start_method: str | None = None,
     num_threads: int | None = None,
+    stop_on_interrupt: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes.
 
@@ -242,6 +260,10 @@ def spawn_local(
 
     ``num_threads``: torch intra-op threads per process; default ``cpu_count // world_size``
     (at least 1), so local ranks do not oversubscribe the cores.
+
+    SIGTERM to this process is passed on to the ranks (:class:`StopRequested`); with
+    ``stop_on_interrupt`` a first Ctrl-C is too (the ranks stop after their current step;
+    a second stops them at once), else Ctrl-C stops them at once.
     """
     import torch.distributed as dist
 
@@ -254,6 +276,7 @@ def spawn_local(
     )
     if num_threads is None:
         num_threads = max(1, (os.cpu_count() or 1) // world_size)
+    StopRequested.clear()  # a stop requested of an earlier run in this process is not ours
     host = "127.0.0.1"
     # TCPStore's server listens on every interface when it binds the port itself; given
     # a socket already listening on loopback it serves that one, so no other machine can
@@ -310,7 +333,7 @@ def spawn_local(
             child_end.close()  # the parent keeps only the reading end: EOF when the child ends
             procs.append(proc)
             conns.append(parent_end)
-        with _forward_sigterm(procs):
+        with _forward_stop(procs, stop_on_interrupt):
             return _watch(procs, conns, timeout_s)
     finally:
         _kill_all(procs)
@@ -329,6 +352,7 @@ def spawn_threads(
     *,
     device: str = "cpu",
     collective_timeout_s: float | None = None,
+    stop_on_interrupt: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` threads of this process,
     ranks of one :class:`~dflop.runtime.thread_world.ThreadWorld` on ``device``: the
@@ -390,7 +414,7 @@ def spawn_threads(
     ]
     deadline = time.monotonic() + timeout_s
     try:
-        with _forward_sigterm([]):
+        with _forward_stop([], stop_on_interrupt):
             for thread in threads:
                 thread.start()
             # Until all finish, the deadline, or a grace period after the first failure
@@ -425,10 +449,11 @@ def spawn_threads(
 
 
 @contextlib.contextmanager
-def _forward_sigterm(procs: list[Any]):
-    """While the ranks run, SIGTERM to the launcher (a scheduler's stop) is passed on to
-    them so that they stop cleanly (:class:`StopRequested`), and the launcher keeps
-    waiting for their results; a second SIGTERM kills them. Only in the main thread."""
+def _forward_stop(procs: list[Any], stop_on_interrupt: bool):
+    """While the ranks run, SIGTERM to the launcher (a scheduler's stop), and with
+    ``stop_on_interrupt`` Ctrl-C, is passed on to them so that they stop cleanly after
+    their current step (:class:`StopRequested`), and the launcher keeps waiting for their
+    results; a second signal kills them. Only in the main thread."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
@@ -438,20 +463,32 @@ def _forward_sigterm(procs: list[Any]):
 
     def handler(signum: int, frame: Any) -> None:
         received.append(signum)
-        StopRequested.set()
+        interrupt = signum == signal.SIGINT
+        StopRequested.set("Ctrl-C" if interrupt else "SIGTERM")
         if len(received) > 1:
             _kill_all(procs)
+            if interrupt:
+                raise KeyboardInterrupt
             raise SpawnError("stopped: a second SIGTERM killed the ranks")
+        again = "Ctrl-C" if interrupt else "SIGTERM"
+        print(
+            f"{StopRequested.reason}: stopping after the current step ({again} again to "
+            "stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
         for proc in procs:
             if proc.is_alive():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(proc.pid, signal.SIGTERM)
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    signals = [signal.SIGTERM] + ([signal.SIGINT] if stop_on_interrupt else [])
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _watch(

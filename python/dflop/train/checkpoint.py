@@ -17,8 +17,9 @@ that carries the writer's process id and renamed, each with its checksum; ``late
 moves only after a barrier and after rank 0 has verified every rank's file of the new
 step, so a run killed mid-save, or a save that reached the disk damaged, leaves the
 previous checkpoint in place. Rotation keeps the newest ``keep`` verified steps and never
-removes the one ``latest`` names. ``step`` is the last completed step; a resumed run starts
-at ``step + 1``. Batches are drawn per step from the seed, so no data-loader state is
+removes the one ``latest`` names. ``step-000012`` holds the state after 12 steps (the
+progress line's "step 12/N"); its files' ``step`` is that step's index (11), and a resumed
+run starts at the next one. Batches are drawn per step from the seed, so no data-loader state is
 needed.
 
 Loading reads tensors and plain data only (``torch.load(weights_only=True)``, with the
@@ -47,6 +48,7 @@ from dflop.output import write_file, write_text
 __all__ = [
     "CheckpointError",
     "CheckpointLock",
+    "checkpoint_name",
     "checkpoint_settings",
     "find_checkpoint",
     "load_checkpoint",
@@ -119,8 +121,16 @@ def find_checkpoint(
             return folder
         log(f"checkpoint: skipping {folder.name}: {problem}")
     if named is not None or steps:
-        log(f"checkpoint: no intact checkpoint in {root}; starting from step 0")
+        log(f"checkpoint: no intact checkpoint in {root}; starting from step 1")
+    else:
+        log(f"checkpoint: none in {root} yet; starting from step 1")
     return None
+
+
+def checkpoint_name(step: int) -> str:
+    """The folder of the checkpoint saved after step index ``step``: named for the steps
+    done, as the progress line counts them."""
+    return f"step-{step + 1:06d}"
 
 
 def save_checkpoint(
@@ -134,7 +144,8 @@ def save_checkpoint(
     keep: int = 2,
     settings: dict[str, Any] | None = None,
 ) -> Path:
-    """Save this rank's ``state`` for ``step`` with its checksum; ``barrier()`` is called
+    """Save this rank's ``state`` after ``step`` (an index: the folder is named for the
+    steps done, ``step + 1``) with its checksum; ``barrier()`` is called
     before rank 0 verifies the step and moves the marker (every rank must call this
     function). ``settings`` (rank 0): the run's settings, saved beside the step as
     ``settings.json`` (what :func:`checkpoint_settings` reads).
@@ -148,7 +159,7 @@ def save_checkpoint(
     import torch
 
     root = Path(checkpoint_dir)
-    folder = root / f"step-{step:06d}"
+    folder = root / checkpoint_name(step)
     folder.mkdir(parents=True, exist_ok=True)
     target = _rank_file(folder, rank)
     write_file(target, lambda f: torch.save({**state, "step": step}, f), durable=True)
@@ -160,7 +171,7 @@ def save_checkpoint(
     if rank == 0:
         problem = verify_checkpoint(folder, world_size)
         if problem is not None:
-            raise CheckpointError(f"the checkpoint of step {step} did not verify: {problem}")
+            raise CheckpointError(f"the checkpoint after step {step + 1} did not verify: {problem}")
         write_text(root / _LATEST, folder.name, durable=True)
         steps = sorted(p for p in root.glob("step-*") if p.is_dir())
         for old in steps[:-keep] if keep > 0 else []:

@@ -6,15 +6,18 @@ It owns three decisions of the training loop, made the same on every rank:
   else the newest intact one, saying so) and tells every rank, so all resume from the same
   step; the optimizer takes this run's learning rate and weight decay
   (:mod:`dflop.train.resume` said which settings changed);
-- **save**: after the last step and every ``checkpoint_every`` steps;
-- **stop**: a SIGTERM that reached any rank is agreed by one all-reduce after a step;
-  every rank then stops after that same step, with a checkpoint there.
+- **save**: after the last step, every ``checkpoint_every`` steps, and once
+  ``checkpoint_every_min`` minutes passed since the last save (rank 0's clock);
+- **stop**: a SIGTERM or Ctrl-C that reached any rank is agreed after a step (one
+  all-reduce carries it and the clock's save); every rank then stops after that same
+  step, with a checkpoint there.
 
 Files and their guarantees: :mod:`dflop.train.checkpoint`.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 __all__ = ["Checkpointer"]
@@ -37,6 +40,7 @@ class Checkpointer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self._comm_device = comm_device
+        self._last_save_s = time.monotonic()
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must share with the run loading it (checked on every rank)."""
@@ -72,9 +76,13 @@ class Checkpointer:
         for group in optimizer.param_groups:
             group["lr"] = self.config.lr
             group["weight_decay"] = self.config.weight_decay
-        start_step = int(state["step"]) + 1
+        start_step = int(state["step"]) + 1  # a step index; as many steps are done
         if self.rank == 0:
-            print(f"resumed from {choice[0]} (step {start_step} next)", flush=True)
+            print(
+                f"resumed from {choice[0]} (after step {start_step}; step {start_step + 1} "
+                f"of {self.config.steps} next)",
+                flush=True,
+            )
         return start_step
 
     def save(self, step: int, stage: Any, optimizer: Any) -> None:
@@ -99,27 +107,38 @@ class Checkpointer:
         )
 
     def end_of_step(self, step: int, stage: Any, optimizer: Any) -> bool:
-        """Save if ``step`` is due; True when the run stops after it (a SIGTERM reached
-        some rank: every rank stops after this same step, with a checkpoint there)."""
+        """Save if ``step`` is due; True when the run stops after it (a SIGTERM or Ctrl-C
+        reached some rank: every rank stops after this same step, with a checkpoint
+        there)."""
         config = self.config
         last = step == config.steps - 1
         every = config.checkpoint_every
-        saved = bool(config.checkpoint_dir) and (last or bool(every and (step + 1) % every == 0))
-        if saved:
+        due = last or bool(every and (step + 1) % every == 0)
+        stop = False
+        if not last:
+            stop, time_due = self._agreed_flags()
+            due = due or time_due or stop
+        if config.checkpoint_dir and due:
             self.save(step, stage, optimizer)
-        if last or not self._stop_agreed():
-            return False
-        if config.checkpoint_dir and not saved:
-            self.save(step, stage, optimizer)
-        return True
+            self._last_save_s = time.monotonic()
+        return stop
 
-    def _stop_agreed(self) -> bool:
-        """Whether any rank was asked to stop (SIGTERM): one all-reduce of a flag."""
+    def _agreed_flags(self) -> tuple[bool, bool]:
+        """(a rank was asked to stop, rank 0's clock says a save is due): one all-reduce."""
         import torch
 
         from dflop.runtime import dist
         from dflop.runtime.launch import StopRequested
 
-        flag = torch.tensor([int(StopRequested.requested())], device=self._comm_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        minutes = self.config.checkpoint_every_min
+        time_due = (
+            self.rank == 0
+            and bool(self.config.checkpoint_dir)
+            and minutes > 0
+            and time.monotonic() - self._last_save_s >= 60.0 * minutes
+        )
+        flags = torch.tensor(
+            [int(StopRequested.requested()), int(time_due)], device=self._comm_device
+        )
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0].item()), bool(flags[1].item())

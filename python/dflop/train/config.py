@@ -243,7 +243,15 @@ class TrainConfig:
     checkpoint_dir: str | None = _field(
         "output", None, "checkpoint here; a run resumes from the latest checkpoint here"
     )
-    checkpoint_every: int = _field("output", 0, "checkpoint every this many steps (0: at the end)")
+    checkpoint_every: int = _field(
+        "output", 0, "also checkpoint every this many steps (0: by time and at the end only)"
+    )
+    checkpoint_every_min: float = _field(
+        "output",
+        10.0,
+        "checkpoint when this many minutes passed since the last save (default 10; 0: off; a "
+        "Ctrl-C or SIGTERM also saves, after the current step)",
+    )
     save_hf: str | None = _field(
         "output",
         None,
@@ -364,7 +372,11 @@ class TrainConfig:
         integer("max_seq_len", 2, optional=True)
         if self.too_long not in ("truncate", "skip", "error"):
             raise bad("too_long", "'truncate', 'skip' or 'error'")
-        for name, positive in (("lr", True), ("weight_decay", False)):
+        for name, positive in (
+            ("lr", True),
+            ("weight_decay", False),
+            ("checkpoint_every_min", False),
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise bad(name, "a number")
@@ -609,39 +621,44 @@ class TrainConfig:
             steps = 1000
             lr = 3e-4
         """
-        from dflop.safe_io import load_yaml, open_regular
+        return cls.from_sections(read_sections(path), source=os.fspath(path), **overrides)
 
-        path = os.fspath(path)
-        special = not_regular_reason(path)
-        if special is not None:  # e.g. a named pipe: open() would block forever
-            raise ValueError(f"config file {path!r} {special}")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"config file {path!r} does not exist (or is not a file)")
-        if path.endswith(".toml"):
+
+def read_sections(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A config file's tables (TOML or YAML), as :meth:`TrainConfig.load` reads them."""
+    from dflop.safe_io import load_yaml, open_regular
+
+    path = os.fspath(path)
+    special = not_regular_reason(path)
+    if special is not None:  # e.g. a named pipe: open() would block forever
+        raise ValueError(f"config file {path!r} {special}")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path!r} does not exist (or is not a file)")
+    if path.endswith(".toml"):
+        try:
+            import tomllib  # Python 3.11+
+        except ImportError:  # pragma: no cover - older Pythons
             try:
-                import tomllib  # Python 3.11+
-            except ImportError:  # pragma: no cover - older Pythons
-                try:
-                    import tomli as tomllib  # type: ignore[no-redef]
-                except ImportError:
-                    raise ImportError(
-                        f"reading {path} needs Python 3.11+ or 'pip install tomli' (or use "
-                        "a .yaml config)"
-                    ) from None
-            with open_regular(path, "rb", "config file") as f:
-                try:
-                    sections = tomllib.load(f)
-                except tomllib.TOMLDecodeError as error:
-                    raise ValueError(f"{path}: not valid TOML: {error}") from None
-                except RecursionError:
-                    raise ValueError(f"{path}: not valid TOML: nested too deeply") from None
-        elif path.endswith((".yaml", ".yml")):
-            with open_regular(path, "r", "config file") as f:
-                # bounded: invalid YAML, an alias bomb or deep nesting is a ValueError
-                sections = load_yaml(f, path) or {}
-        else:
-            raise ValueError(f"config file {path!r}: give a .toml or .yaml file")
-        return cls.from_sections(sections, source=path, **overrides)
+                import tomli as tomllib  # type: ignore[no-redef]
+            except ImportError:
+                raise ImportError(
+                    f"reading {path} needs Python 3.11+ or 'pip install tomli' (or use "
+                    "a .yaml config)"
+                ) from None
+        with open_regular(path, "rb", "config file") as f:
+            try:
+                sections = tomllib.load(f)
+            except tomllib.TOMLDecodeError as error:
+                raise ValueError(f"{path}: not valid TOML: {error}") from None
+            except RecursionError:
+                raise ValueError(f"{path}: not valid TOML: nested too deeply") from None
+    elif path.endswith((".yaml", ".yml")):
+        with open_regular(path, "r", "config file") as f:
+            # bounded: invalid YAML, an alias bomb or deep nesting is a ValueError
+            sections = load_yaml(f, path) or {}
+    else:
+        raise ValueError(f"config file {path!r}: give a .toml or .yaml file")
+    return sections
 
 
 _FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}

@@ -186,6 +186,31 @@ def layout_from_plan(
     )
 
 
+PLANNED_DATA_SETTINGS: tuple[str, ...] = (
+    "data",
+    "image_folder",
+    "video_folder",
+    "family",
+    "mix",
+    "scaler",
+    "seed",
+)
+"""The data settings a local plan records (``TrainConfig`` fields of the same names)."""
+
+
+def planned_settings(plan: Any) -> dict[str, Any]:
+    """The ``TrainConfig`` settings ``plan`` was made for: its training regime, and for a
+    plan of local processes its model and data (what ``dflop train --plan`` trains unless
+    told otherwise)."""
+    inputs = plan.inputs
+    settings = {key: inputs[key] for key in ("trainable", "lora_rank") if key in inputs}
+    if inputs.get("local"):
+        if inputs.get("preset") is not None:
+            settings["model"] = inputs["preset"]
+        settings.update({key: inputs[key] for key in PLANNED_DATA_SETTINGS if key in inputs})
+    return settings
+
+
 def cost_configs(model: ModelSpec | str) -> tuple[Any, Any]:
     """(EncoderConfig, LLMConfig) of ``model`` for the planner: its spec's one
     architecture description (:meth:`~dflop.models.spec.ModelSpec.architecture`)."""

@@ -77,6 +77,7 @@ HONOURED: dict[str, str] = {
     "check_images": "the images' check before the first step",
     "checkpoint_dir": "the checkpoint folder",
     "checkpoint_every": "how often checkpoints are written",
+    "checkpoint_every_min": "how often checkpoints are written",
     "save_hf": "the Hugging Face model written at the end",
     "trace": "the timeline written",
     "png": "the timeline written",

@@ -567,9 +567,11 @@ def _check_plan_inputs(plan: Any, config: TrainConfig, log: Callable[[str], None
     if inputs.get("preset") not in (None, config.model):
         raise ValueError(
             f"{config.plan} was planned for the model preset {inputs['preset']!r}, not "
-            f"{config.model!r}: pass --preset {inputs['preset']}"
+            f"{config.model!r}: pass --model {inputs['preset']} (or leave --model out)"
         )
-    for key in ("data", "image_folder", "video_folder", "mix", "scaler", "seed"):
+    from dflop.train.planning import PLANNED_DATA_SETTINGS
+
+    for key in PLANNED_DATA_SETTINGS:
         mine = getattr(config, key)
         if key in inputs and inputs[key] != mine and not (key == "scaler" and not mine):
             log(
@@ -652,7 +654,7 @@ def _rank_main(
     from dflop.runtime.thread_world import current
     from dflop.train.trainer import Trainer
 
-    StopRequested.install()  # SIGTERM: stop cleanly after the current step
+    StopRequested.install()  # SIGTERM, Ctrl-C: stop cleanly after the current step
     member = current()  # a rank of spawn_threads: every rank on the world's device
     device = member[0].device if member is not None else _device_for(device_kind, rank)
     if config.deterministic:
@@ -750,6 +752,7 @@ def _launch_processes(
         backend="nccl" if device_kind == "cuda" else "gloo",
         collective_timeout_s=config.timeout_s,
         num_threads=_threads_per_rank(config, world_size),
+        stop_on_interrupt=True,  # Ctrl-C: stop after the step, with a checkpoint
     )
 
 
@@ -770,6 +773,7 @@ def _launch_threads(
         timeout_s=_run_timeout_s(config),
         device=_device_for(device_kind, 0),
         collective_timeout_s=config.timeout_s,
+        stop_on_interrupt=True,
     )
 
 
