@@ -221,8 +221,9 @@ def render_regimes(rows: list[dict], args: argparse.Namespace, total_s: float) -
         "layers: its backward passes gradients on without weight gradients, only the "
         "adapters hold optimizer state). dflop and the data-blind baseline are priced for the "
         "same regime (analytic: a frozen layer's backward is half a trained one's). dflop's "
-        "runtime does not yet run LoRA on a tensor-parallel module: the `lora` rows' LLM tp > 1 "
-        "layouts are the planner's answer, not yet trainable with `dflop train`.",
+        "runtime runs LoRA on tensor-parallel modules (adapters sharded like the layers they "
+        "adapt), so the `lora` rows' LLM tp > 1 layouts train with `dflop train` (LoRA dropout "
+        "under tp is refused).",
         "",
         "| setting | trains | dflop layout | enc GPUs (vs full) | step s | GPU idle "
         "| data-blind step s | dflop speed-up |",

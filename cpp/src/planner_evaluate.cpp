@@ -274,9 +274,12 @@ Evaluator::Memory Evaluator::combine(const Memory& enc, const Memory& llm) const
 Evaluator::InFlightTokens Evaluator::llm_tokens_lower_bound(int64_t m, int64_t dp) const {
   InFlightTokens out;
   const double bins = double(m * dp);
+  // Where only microbatches with visual rows keep activations, they keep at least every
+  // visual sample's tokens (and no single sample is known to be kept).
+  const bool gated = ctx_.llm.backward_needs_visual();
   for (const BatchSums& s : ctx_.sums) {
-    out.average = std::max(out.average, s.llm_tokens / bins);
-    out.single = std::max(out.single, s.max_llm_tokens);
+    out.average = std::max(out.average, (gated ? s.llm_visual[2] : s.llm_tokens) / bins);
+    if (!gated) out.single = std::max(out.single, s.max_llm_tokens);
   }
   return out;
 }
@@ -532,12 +535,16 @@ Evaluator::Prepared Evaluator::prepare(const Layout& l, std::vector<BinSums> sum
   InFlightTokens llm_tokens, enc_tokens;
   double llm_targets = 0;
   const int64_t m = l.num_microbatches, dp = l.llm.dp;
+  // A frozen LLM under a trained projector keeps nothing of a microbatch without visual
+  // rows (it runs no backward for it).
+  const bool gated = ctx_.llm.backward_needs_visual();
   std::vector<double> llm_gpu(static_cast<size_t>(m)), enc_gpu(static_cast<size_t>(m));
   for (const BinSums& s : out.sums) {
     for (const double t : s.llm_targets) llm_targets = std::max(llm_targets, t);
     for (int64_t r = 0; r < dp; ++r) {  // an LLM replica's microbatches: bins k dp + r
       for (int64_t k = 0; k < m; ++k) {
-        llm_gpu[size_t(k)] = s.llm_tokens[size_t(k * dp + r)];
+        const size_t bin = size_t(k * dp + r);
+        llm_gpu[size_t(k)] = gated && s.visual[bin] == 0 ? 0.0 : s.llm_tokens[bin];
         enc_gpu[size_t(k)] = l.colocated ? s.enc_tokens[size_t(k * dp + r)] : 0.0;
       }
       llm_tokens.add(llm_gpu);

@@ -289,6 +289,7 @@ def _run_local_plan(args: argparse.Namespace) -> int:
     )
     prepared = prepare(config, log=lambda text: print(text, file=sys.stderr))
     result = prepared.plan
+    result.layouts = result.layouts[: args.top]  # the planner kept more to pick from
     if args.output:
         result.save(args.output)
     if args.json:

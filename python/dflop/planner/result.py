@@ -223,7 +223,8 @@ class LayoutPlan:
     def num_encoder_gpus(self) -> int:
         return self.encoder.num_gpus
 
-    def describe(self) -> str:
+    def describe(self, unit: str = "GPUs") -> str:
+        """One line: each module's ``unit`` (GPUs, or local processes) and parallelism."""
         if self.colocated:
             blind = ", data-blind" if self.scheduler == "data_blind" else ""
             pad = (
@@ -234,7 +235,7 @@ class LayoutPlan:
             return f"colocated ({self.llm.describe()}{pad}{blind}) | m={self.num_microbatches}"
         e, g = self.encoder, self.llm
         return (
-            f"enc {e.num_gpus} GPUs ({e.describe()}) | llm {g.num_gpus} GPUs ({g.describe()}) "
+            f"enc {e.num_gpus} {unit} ({e.describe()}) | llm {g.num_gpus} {unit} ({g.describe()}) "
             f"| m={self.num_microbatches}"
         )
 
@@ -270,6 +271,29 @@ class LayoutPlan:
             scheduler=str(data.get("scheduler", data.get("schedule", "balanced"))),
             steps=tuple(StepAudit.from_dict(d) for d in data.get("steps", [])),
         )
+
+
+def _bytes(value: float) -> str:
+    """Memory per GPU, in units that show it (a tiny model's is megabytes)."""
+    if value <= 0:
+        return "not modelled"
+    return f"{value / 1e9:.1f} GB" if value >= 1e9 else f"{value / 1e6:.0f} MB"
+
+
+def _legend(rows: list[tuple[str, ...]], unit: str) -> list[str]:
+    """What the table's tags mean (those it shows); ``unit``: GPUs or processes."""
+    shown = " ".join(r[0] + " " + r[1] for r in rows[1:])
+    tags = [
+        (" rc", "rc: activation recomputation"),
+        (" v=", "v=N: N model chunks per stage (interleaved 1F1B)"),
+        ("colocated", "colocated: the encoder inside the LLM's first stage (Megatron-style)"),
+        ("blind ", "blind: the data-blind baseline (equal-count microbatches in dataset order)"),
+        ("ref ", "ref: the mean-shape optimizer (the published reference's)"),
+    ]
+    said = [text for tag, text in tags if tag in shown]
+    one = {"GPUs": "GPU", "processes": "process"}[unit]
+    said.append(f"memory: the model's peak per {one}, without the reserve")
+    return ["  " + "; ".join(said)]
 
 
 @dataclass
@@ -368,19 +392,42 @@ class Plan:
             what = f"missing field {error}" if isinstance(error, KeyError) else str(error)
             raise ValueError(f"{os.fspath(path)}: not a valid dflop plan: {what}") from None
 
+    def _slower_than_baseline(self, unit: str) -> str:
+        """Why dflop's best layout is predicted slower than the data-blind baseline."""
+        assert self.baseline is not None and self.speedup_over_baseline is not None
+        slower = 1.0 / self.speedup_over_baseline - 1.0
+        best, base = self.best, self.baseline
+        why = (
+            "the baseline runs the encoder inside the LLM's first stage on all "
+            f"{base.llm.num_gpus} {unit} (colocated, Megatron-style), which dflop's runtime "
+            f"does not execute: it gives the encoder {best.encoder.num_gpus} of "
+            f"{best.encoder.num_gpus + best.llm.num_gpus} {unit} of its own, and on this "
+            "cluster and data that split costs more than balancing the batch wins (idle "
+            f"{100 * best.prediction.idle_fraction:.0f}% against the baseline's "
+            f"{100 * base.prediction.idle_fraction:.0f}%)"
+            if base.colocated and not best.colocated
+            else "the data-blind schedule happens to suit these batches"
+        )
+        return (
+            f"note: dflop's best layout is predicted {100 * slower:.1f}% slower than the "
+            f"data-blind baseline: {why}. Train the baseline's layout with Megatron-style "
+            f"colocation, or plan with more {unit}, a larger batch or the real data's shapes."
+        )
+
     def table(self) -> str:
         """A human-readable summary."""
-        rows = [("#", "layout", "step s", "samples/s", "idle", "mem GB")]
+        unit = "processes" if (self.inputs or {}).get("local") else "GPUs"
+        rows = [("#", "layout", "step s", "samples/s", "idle", "memory")]
 
         def row(name: str, lp: LayoutPlan) -> tuple[str, ...]:
             p = lp.prediction
             return (
                 name,
-                lp.describe(),
+                lp.describe(unit),
                 f"{p.step_time_s:.3f}",
                 f"{p.throughput_samples_per_s:.1f}",
                 f"{100 * p.idle_fraction:.1f}%",
-                f"{p.peak_memory_bytes / 1e9:.1f}",
+                _bytes(p.peak_memory_bytes),
             )
 
         for i, lp in enumerate(self.layouts):
@@ -394,8 +441,9 @@ class Plan:
         lines.insert(1, "  ".join("-" * w for w in widths))
         best = self.best.prediction
         lines.append("")
+        lines.extend(_legend(rows, unit))
         lines.append(
-            f"best: {self.best.describe()}; layers per stage enc {list(self.best.encoder.layers_per_stage)} "
+            f"best: {self.best.describe(unit)}; layers per stage enc {list(self.best.encoder.layers_per_stage)} "
             f"llm {list(self.best.llm.layers_per_stage)}"
         )
         lines.append(
@@ -418,6 +466,8 @@ class Plan:
             lines.append(
                 f"speed-up over the data-blind baseline: {self.speedup_over_baseline:.2f}x"
             )
+            if self.speedup_over_baseline < 1.0:
+                lines.append(self._slower_than_baseline(unit))
         if self.stats:
             lines.append(
                 f"planned in {self.planning_time_s:.2f} s; candidates "

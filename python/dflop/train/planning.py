@@ -513,7 +513,7 @@ def plan_local(
         num_microbatches=best.num_microbatches,
         global_batch=global_batch,
     )
-    return LocalPlan(layout, best.describe(), best.prediction.step_time_s, result)
+    return LocalPlan(layout, best.describe("processes"), best.prediction.step_time_s, result)
 
 
 CPU_MEMORY_SHARE = 0.8

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -166,7 +167,9 @@ def test_trainer_example_runs_under_the_launchers(launcher, tmp_path):
     """The README's Hugging Face Trainer example, 2 CPU ranks (gloo), real records."""
     pytest.importorskip("accelerate")
     command = list(LAUNCHERS[launcher])
-    command[0] = shutil.which(command[0]) or command[0]
+    # The launcher installed beside this interpreter (its venv need not be on PATH).
+    beside = Path(sys.executable).parent / command[0]
+    command[0] = str(beside) if beside.exists() else shutil.which(command[0]) or command[0]
     example = str(REPO / "examples" / "hf_trainer_balance.py")
     # It takes 10-20 s here. Runs hung in it about once in 100 (a rank in the teardown
     # of main()'s locals, which the example now frees before closing the group): a hang

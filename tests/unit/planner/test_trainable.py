@@ -10,6 +10,8 @@ rules, and on the paper's 64-GPU setting: a frozen tower gets fewer GPUs.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from dflop.data.costs import AnalyticCostModel
@@ -69,6 +71,11 @@ def test_regime_factors(trainable: str, encoder: tuple, llm: tuple) -> None:
     assert parts.stage_backward("encoder", is_last_stage=True) == (
         enc.body_backward_factor > 0 or enc.last_backward_factor > 0
     )
+    # What the trainer's scheduler simulates (PipelineModel.backward) is the same rule.
+    first, last = (parts.stage_backward("encoder", is_last_stage=x) for x in (False, True))
+    assert enc.backward_stages == ("all" if first else "last" if last else "none")
+    # A frozen LLM behind a trained part runs its backward only for visual rows.
+    assert lm.backward_needs_visual == (not parts.trains("llm") and trainable != "full")
 
 
 def test_lora_prices_adapters_and_a_pass_through_backward() -> None:
@@ -182,6 +189,38 @@ def test_frozen_tower_runs_forward_only_and_gets_no_gradient() -> None:
     # Memory: the frozen stage keeps its weights only, and no activations.
     assert frozen_memory[0] < full_memory[0]
     assert frozen_memory[2:] == pytest.approx(full_memory[2:])
+
+
+def test_a_frozen_llm_keeps_nothing_of_a_text_only_microbatch() -> None:
+    """Under ``projector`` a microbatch without visual rows runs no LLM backward, so the
+    memory model keeps none of its activations: making it the largest microbatch (100x its
+    text) leaves the LLM stage's memory as it was; a trained LLM keeps it."""
+    encoder, llm = cost_configs(CONFIG)
+    cost_model = AnalyticCostModel(encoder, llm)
+    runtime = RuntimeLayout.simple(
+        encoder_layers=CONFIG.vision.layers,
+        llm_layers=CONFIG.decoder.layers,
+        num_microbatches=4,
+        global_batch=8,
+    )
+    cluster = local_cluster(runtime.world_size, MemoryBudget(8e9, 0.0, "test"))
+    batch = synthetic_shapes(8, seed=3)
+    assignment = np.arange(8) % 4
+    text_only = assignment == 0
+    assert not batch.encoder_units[text_only].any() and batch.encoder_units[~text_only].all()
+    text = batch.text_tokens.copy()
+    text[text_only] *= 100
+    longer = replace(batch, text_tokens=text)
+    memory = {}
+    for trainable in ("frozen-vision", "projector"):
+        config = PlannerConfig(num_batches=1, trainable=trainable)
+        predictor = StepPredictor(cluster, encoder, llm, core_layout(runtime), config)
+        memory[trainable] = [
+            predictor.stage_memory_bytes(cost_model, shapes, assignment)[-1]
+            for shapes in (batch, longer)
+        ]
+    assert memory["projector"][1] == memory["projector"][0]
+    assert memory["frozen-vision"][1] > 2 * memory["frozen-vision"][0]
 
 
 @pytest.mark.parametrize(

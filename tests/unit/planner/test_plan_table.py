@@ -1,0 +1,44 @@
+"""The plan table says what it shows: units (GPUs or local processes), memory in units
+that show it, what its tags mean, and why dflop's best is slower than the baseline where
+it is."""
+
+from __future__ import annotations
+
+from dflop.data.costs import ENCODER_PRESETS, LLM_PRESETS, AnalyticCostModel
+from dflop.planner import ClusterSpec, PlannerConfig, plan
+from dflop.planner.result import _bytes
+
+
+def _eight_gpu_plan():
+    """siglip-400m + llm-7b on one 8-GPU node: the colocated data-blind baseline is faster than
+    any layout with encoder GPUs of its own (as ``dflop plan --gpus 8`` finds)."""
+    encoder, llm = ENCODER_PRESETS["siglip-400m"], LLM_PRESETS["llm-7b"]
+    return plan(
+        AnalyticCostModel(encoder, llm),
+        encoder,
+        llm,
+        ClusterSpec(num_gpus=8),
+        global_batch=256,
+        config=PlannerConfig(),
+    )
+
+
+def test_a_plan_slower_than_the_baseline_says_so_and_why() -> None:
+    result = _eight_gpu_plan()
+    assert result.speedup_over_baseline < 1.0
+    table = result.table()
+    slower = 100 * (1 / result.speedup_over_baseline - 1)
+    assert f"note: dflop's best layout is predicted {slower:.1f}% slower than the" in table
+    assert "colocated, Megatron-style), which dflop's runtime does not execute" in table
+    assert "rc: activation recomputation" in table or " rc)" not in table
+    assert "blind: the data-blind baseline" in table and "colocated: the encoder" in table
+    assert " GB" in table and "enc 2 GPUs" in table
+    # A plan of local processes counts processes.
+    result.inputs["local"] = True
+    assert "enc 2 processes" in result.table() and "GPUs (" not in result.table()
+
+
+def test_memory_is_shown_in_units_that_show_it() -> None:
+    assert _bytes(0.0) == "not modelled"
+    assert _bytes(5.4e7) == "54 MB"
+    assert _bytes(7.52e10) == "75.2 GB"
