@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -118,6 +119,14 @@ def test_train_cli_on_real_records(tmp_path, family, folder, layout, request):
     assert untrained is None or untrained not in moved  # never reaches the loss
     assert "lm_head.weight" in moved and trained[1] in moved
     assert any(k.startswith(trained[0]) for k in moved)
+    # The folder loads as the input did: its processor files came along.
+    written = {"config.json", "model.safetensors.index.json"}
+    inputs = {p.name for p in Path(tiny_folder).iterdir()}
+    extra = {n for n in inputs if not n.endswith(".safetensors") and n not in written}
+    assert "preprocessor_config.json" in extra and extra <= {p.name for p in out.iterdir()}
+    transformers = pytest.importorskip("transformers")
+    transformers.AutoImageProcessor.from_pretrained(out)
+    assert not (out / "model-untrained.safetensors").exists()
 
 
 def test_train_rejects_synthetic_data_and_scaler(tiny_folder):

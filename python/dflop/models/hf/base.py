@@ -148,7 +148,10 @@ class HFSpec(ModelSpec):
         """Complete a checkpoint whose trained tensors :meth:`save_shard` wrote: the
         tensors no stage holds (e.g. a vision tower's layers past its feature layer, which
         never reach the loss) as they started (from ``checkpoint_dir``, else the init for
-        ``seed``), the index and ``config.json``."""
+        ``seed``) in ``model-outside-the-loss.safetensors``, the index, ``config.json``, and
+        the input folder's other files (image processor, tokenizer, chat template,
+        generation config), so that ``from_pretrained`` and ``AutoProcessor`` both load
+        the folder."""
         with torch.device("meta"):
             keys = checkpoint_keys(self.model_class(self.config))
         missing = sorted(name for name, key in keys.items() if key not in weight_map)
@@ -162,10 +165,12 @@ class HFSpec(ModelSpec):
             start = tree.state_dict()
             weight_map = {
                 **weight_map,
-                **self.save_shard(folder, "model-untrained.safetensors", start),
+                **self.save_shard(folder, "model-outside-the-loss.safetensors", start),
             }
         write_index(folder, weight_map)
         self.config.save_pretrained(folder)
+        if self.checkpoint_dir is not None:
+            copy_processor_files(self.checkpoint_dir, folder)
 
     def save_checkpoint(self, folder: str, state_dict: dict[str, Tensor], seed: int = 0) -> None:
         """Write the full model's ``state_dict`` (all stages' together) as a Hugging Face
@@ -174,6 +179,32 @@ class HFSpec(ModelSpec):
         self.finish_checkpoint(
             folder, self.save_shard(folder, "model-00000.safetensors", state_dict), seed
         )
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+_WRITTEN = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+
+
+def copy_processor_files(source: str, folder: str) -> list[str]:
+    """Copy ``source``'s files other than weights and what a checkpoint writes itself
+    (processor, tokenizer, chat template, generation config ...) into ``folder``, where
+    it has none of that name; returns their names."""
+    import os
+    import shutil
+
+    copied = []
+    for name in sorted(os.listdir(source)):
+        path = os.path.join(source, name)
+        if (
+            not os.path.isfile(path)
+            or name.endswith(_WEIGHT_SUFFIXES)
+            or name in _WRITTEN
+            or os.path.exists(os.path.join(folder, name))
+        ):
+            continue
+        shutil.copy2(path, os.path.join(folder, name))
+        copied.append(name)
+    return copied
 
 
 class HFStage(nn.Module):
