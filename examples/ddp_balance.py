@@ -51,6 +51,10 @@ def train_on(model, batch, microbatches, step, world_size: int) -> float:
         mb = Microbatch(step, k, world_size)  # the step's k-th: its sync and loss scale
         with mb.gradient_sync(model):
             sum_loss, _ = model(**batch.model_inputs(np.asarray(ids)))
+            # A text-only microbatch leaves the vision tower out of the graph, and DDP
+            # reduces every parameter's gradient: a zero term keeps them all in (as
+            # LLaVA-style trainers do) instead of find_unused_parameters' walk of the graph.
+            sum_loss = sum_loss + 0.0 * sum(p.sum() for p in model.parameters())
             (sum_loss * mb.loss_scale).backward()
     return time.perf_counter() - start
 
@@ -73,10 +77,7 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     )  # fmt: skip
     loader = DataLoader(range(len(shapes)), batch_sampler=sampler, collate_fn=list)
     model = build_model(config, seed=0)
-    if args.fsdp:
-        model = fully_shard(model)
-    else:
-        model = DistributedDataParallel(model, find_unused_parameters=True)
+    model = fully_shard(model) if args.fsdp else DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     microbatches = []
     for ids, mb in sampler.batches(loader):

@@ -49,17 +49,19 @@ class RecordDataset(torch.utils.data.Dataset):
         self.inputs, self.image_folder = inputs, image_folder
         # Shapes only (sizes from the file headers): what pricing the samples needs. A
         # record whose files do not read is skipped, with the reason.
-        self.records, self.shapes = [], []
+        self.records, self.shapes, skipped = [], [], []
         for i, record in enumerate(records):
             try:
                 shape = inputs.sample(
                     record, image_folder=image_folder, where=f"record {i}", lazy=True
                 )
             except (OSError, ValueError) as error:
-                print(f"skipped: {error}")
+                skipped.append(str(error))
                 continue
             self.records.append(record)
             self.shapes.append(shape)
+        if skipped and int(os.environ.get("RANK", "0")) == 0:  # said once, not per rank
+            print(f"skipped {len(skipped)} record(s) that do not read, e.g. {skipped[0]}")
 
     def _sample(self, index: int, lazy: bool):
         return self.inputs.sample(

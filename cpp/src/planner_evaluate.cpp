@@ -243,7 +243,8 @@ Evaluator::Memory Evaluator::llm_memory(const ModuleLayout& g, bool colocated, i
                    ctx_.llm.activation_bytes(g.tp, g.recompute, n, llm_tokens.at(in_flight));
     // One transient at a time on top of what is held: a remade layer or (last stage,
     // all layers' activations still held) the head's chunk.
-    double working = ctx_.llm.recompute_bytes(g.tp, g.recompute, llm_tokens.at(1));
+    double working = std::max(ctx_.llm.recompute_bytes(g.tp, g.recompute, llm_tokens.at(1)),
+                              ctx_.llm.forward_layer_bytes(g.tp, llm_tokens.forward_only));
     if (s == g.pp - 1) working = std::max(working, ctx_.llm.head_bytes(g.tp, llm_bin_targets));
     bool is_enc = false;
     if (colocated && s == 0) {
@@ -544,7 +545,9 @@ Evaluator::Prepared Evaluator::prepare(const Layout& l, std::vector<BinSums> sum
     for (int64_t r = 0; r < dp; ++r) {  // an LLM replica's microbatches: bins k dp + r
       for (int64_t k = 0; k < m; ++k) {
         const size_t bin = size_t(k * dp + r);
-        llm_gpu[size_t(k)] = gated && s.visual[bin] == 0 ? 0.0 : s.llm_tokens[bin];
+        const bool kept = !gated || s.visual[bin] != 0;
+        llm_gpu[size_t(k)] = kept ? s.llm_tokens[bin] : 0.0;
+        if (!kept) llm_tokens.forward_only = std::max(llm_tokens.forward_only, s.llm_tokens[bin]);
         enc_gpu[size_t(k)] = l.colocated ? s.enc_tokens[size_t(k * dp + r)] : 0.0;
       }
       llm_tokens.add(llm_gpu);

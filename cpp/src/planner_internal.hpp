@@ -199,10 +199,14 @@ struct ModuleModel {
   // backward op makes are not counted: measured at the start of the backward (where CPU peaks
   // fell), they are a fraction of one layer's activations, within the model's error.
   double recompute_bytes(int64_t t, bool recompute, double tokens) const {
-    if (!layers_backward()) return tokens * p->activation_bytes_per_token_layer / double(t);
+    if (!layers_backward()) return forward_layer_bytes(t, tokens);
     return recompute ? tokens * p->activation_bytes_per_token_layer * p->kept_activation_fraction /
                            double(t)
                      : 0.0;
+  }
+  // One layer's activations of a forward that keeps none (freed as it goes).
+  double forward_layer_bytes(int64_t t, double tokens) const {
+    return tokens * p->activation_bytes_per_token_layer / double(t);
   }
   // The first stage's inputs of a step of `tokens` tokens per GPU, read before it starts
   // (prefetched; each microbatch's then kept for its backward, which the activations count
@@ -368,6 +372,9 @@ class Evaluator {
   struct InFlightTokens {
     std::vector<double> top;  // top[k - 1]: the k largest's sum; empty: the bound below
     double average = 0.0, single = 0.0;
+    // The largest microbatch whose forward keeps nothing (a frozen LLM's without visual
+    // rows under a trained projector): one layer's activations at a time.
+    double forward_only = 0.0;
     double at(int64_t k) const {
       if (top.empty()) return std::max(double(k) * average, single);
       return top[size_t(std::min<int64_t>(std::max<int64_t>(k, 1), int64_t(top.size())) - 1)];

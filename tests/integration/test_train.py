@@ -351,6 +351,7 @@ def test_ddp_example_runs(wrapper) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "step 1:" in result.stdout and "equal split" in result.stdout
+    assert "find_unused_parameters" not in result.stderr  # no per-step graph walk
 
 
 # ---------------------------------------------------------------- no processes
