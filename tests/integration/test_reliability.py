@@ -321,17 +321,28 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
     _settled(ckpt)
 
 
-def test_checkpoints_by_time_and_a_first_run_says_it_starts_fresh(tmp_path):
+def test_checkpoints_by_time_metrics_per_step_and_a_first_run_says_it_starts_fresh(tmp_path):
     """--checkpoint-every-min saves whenever that much time passed since the last save
     (here: after every step, without --checkpoint-every); a run that finds no checkpoint
     says so in one line."""
     ckpt = tmp_path / "ckpt"
     args = ("--steps", "3", "--checkpoint-dir", str(ckpt), "--checkpoint-every-min", "1e-6")
-    result, _ = _train(tmp_path, *args)
+    result, _ = _train(tmp_path, *args, "--peak-tflops", "0.5")
     assert result.returncode == 0, result.stderr
     assert f"checkpoint: none in {ckpt} yet; starting from step 1" in result.stdout
     # Rotation keeps the newest two: step 2's exists only if a save came after step 2.
     assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-000002", "step-000003"]
+    # The per-step metrics beside the checkpoints (steps counted as the progress line
+    # does), appended by a resumed run; MFU only against a stated or known peak.
+    rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["tflops_per_s"] > 0 and r["tokens_per_s"] > 0 and r["loss"] > 0
+        assert r["mfu"] == pytest.approx(r["tflops_per_s"] / (0.5 * 2))  # 2 processes
+    result, _ = _train(tmp_path, "--steps", "4", "--checkpoint-dir", str(ckpt))
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["mfu"] is None  # CPU
 
 
 def test_deterministic_runs_and_resumes_give_identical_losses(tmp_path):

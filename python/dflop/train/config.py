@@ -252,6 +252,19 @@ class TrainConfig:
         "checkpoint when this many minutes passed since the last save (default 10; 0: off; a "
         "Ctrl-C or SIGTERM also saves, after the current step)",
     )
+    metrics_jsonl: str | None = _field(
+        "output",
+        None,
+        "one JSON line per step here (loss, step time, tokens/s, TFLOP/s, MFU ...; appended "
+        "across resumes); default: metrics.jsonl in --checkpoint-dir; '' turns it off",
+    )
+    peak_tflops: float | None = _field(
+        "output",
+        None,
+        "one device's peak TFLOP/s for MFU (default: a known GPU's dense BF16 peak; on CPU "
+        "no peak is known and MFU is not reported)",
+        zero_is_none=True,
+    )
     save_hf: str | None = _field(
         "output",
         None,
@@ -403,6 +416,14 @@ class TrainConfig:
                 f"TrainConfig.mix must be a table of fractions (e.g. {{text = 0.4}}), got "
                 f"{type(self.mix).__name__} {bounded_repr(self.mix)}"
             )
+        if self.peak_tflops is not None and (
+            isinstance(self.peak_tflops, bool)
+            or not isinstance(self.peak_tflops, (int, float))
+            or not (math.isfinite(self.peak_tflops) and self.peak_tflops > 0)
+        ):
+            raise bad("peak_tflops", "None or a finite number of TFLOP/s > 0")
+        if self.metrics_jsonl is not None and not isinstance(self.metrics_jsonl, str):
+            raise bad("metrics_jsonl", "None or a file path")
         if self.memory_gb is not None and (
             isinstance(self.memory_gb, bool)
             or not isinstance(self.memory_gb, (int, float))

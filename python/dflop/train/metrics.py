@@ -8,7 +8,11 @@ right after the schedule broadcast). Rank 0 turns them into a :class:`StepMetric
 - ``busy_share[s]``: forward + backward seconds of global stage ``s`` over the step time,
   averaged over its ranks; ``idle_share``: idle rank-seconds over all rank-seconds
   (``1 - busy``: pipeline bubbles, waits for imbalanced microbatches, all-reduces);
-- throughput: global batch samples and LLM tokens (packed positions) per second.
+- throughput: global batch samples and LLM tokens (packed positions) per second, and
+  TFLOP/s and MFU as torchtitan counts them: the model's training FLOPs of the step (3x
+  the forward of encoder, projector and LLM, whatever the regime trains) over the step
+  time, and over the ranks' summed peak where the peak is known (stated, or a known GPU;
+  none on CPU).
 """
 
 from __future__ import annotations
@@ -19,7 +23,28 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ModeSummary", "RankRecord", "StepLog", "StepMetrics", "step_metrics", "summarise"]
+__all__ = [
+    "ModeSummary",
+    "RankRecord",
+    "StepLog",
+    "StepMetrics",
+    "metrics_jsonl_path",
+    "peak_flops",
+    "step_metrics",
+    "summarise",
+]
+
+
+def metrics_jsonl_path(config: Any) -> str | None:
+    """Where a run's per-step JSON lines go: ``metrics_jsonl``, else ``metrics.jsonl`` in
+    the checkpoint folder, else nowhere ("" turns them off)."""
+    import os
+
+    if config.metrics_jsonl is not None:
+        return config.metrics_jsonl or None
+    if config.checkpoint_dir:
+        return os.path.join(config.checkpoint_dir, "metrics.jsonl")
+    return None
 
 
 @dataclass(frozen=True)
@@ -60,6 +85,10 @@ class StepMetrics:
     plan_model_step_time_s: float = math.nan
     """The step as the plan's model (uncorrected) predicts it (nan: none, or not the
     dflop schedule)."""
+    tflops_per_s: float = math.nan
+    """The step's model training FLOPs over its time, in TFLOP/s (all ranks together)."""
+    mfu: float = math.nan
+    """``tflops_per_s`` over the ranks' summed peak (nan: no peak known, e.g. on CPU)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -79,7 +108,11 @@ def step_metrics(
     schedule_ratio: float = math.nan,
     grad_norm: float = math.nan,
     plan_model_step_time_s: float = math.nan,
+    step_flops: float = math.nan,
+    peak_flops: float | None = None,
 ) -> StepMetrics:
+    """``step_flops``: the step's model training FLOPs; ``peak_flops``: every rank's peak
+    FLOP/s summed (None: unknown)."""
     step_time_s = max(r.step_time_s for r in records)
     num_stages = max(r.global_stage for r in records) + 1
     busy: list[list[float]] = [[] for _ in range(num_stages)]
@@ -101,7 +134,26 @@ def step_metrics(
         schedule_ratio=schedule_ratio,
         grad_norm=grad_norm,
         plan_model_step_time_s=plan_model_step_time_s,
+        tflops_per_s=step_flops / step_time_s / 1e12 if step_time_s > 0 else math.nan,
+        mfu=step_flops / step_time_s / peak_flops if peak_flops and step_time_s > 0 else math.nan,
     )
+
+
+PEAK_TFLOPS: dict[str, float] = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
+"""Dense BF16 tensor-core peaks (TFLOP/s) of GPUs whose name holds the key."""
+
+
+def peak_flops(device: Any, stated_tflops: float | None) -> float | None:
+    """One rank's peak FLOP/s: the stated one, else a known GPU's (:data:`PEAK_TFLOPS`);
+    None where none is known (a CPU: no peak is invented)."""
+    if stated_tflops:
+        return stated_tflops * 1e12
+    if getattr(device, "type", str(device)) != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name(device)
+    return next((t * 1e12 for key, t in PEAK_TFLOPS.items() if key in name), None)
 
 
 def measured_microbatch_times(
@@ -226,11 +278,14 @@ def format_step(m: StepMetrics, num_steps: int) -> str:
     predicted = ""
     if not math.isnan(m.predicted_step_time_s):
         predicted = f" (sim {m.predicted_step_time_s:.3f} s)"
+    flops = "" if math.isnan(m.tflops_per_s) else f" | {m.tflops_per_s:.3g} TFLOP/s"
+    if not math.isnan(m.mfu):
+        flops += f" MFU {100 * m.mfu:.1f}%"
     return (
         f"step {m.step + 1:>4}/{num_steps} [{m.mode:>5}] loss {m.loss:.4f} "
         f"(grad norm {m.grad_norm:.3g}) | "
         f"{m.step_time_s:.3f} s{predicted} | {m.samples_per_s:.1f} samples/s | "
-        f"{m.tokens_per_s:,.0f} tok/s | busy {busy} | idle {100 * m.idle_share:.0f}%"
+        f"{m.tokens_per_s:,.0f} tok/s{flops} | busy {busy} | idle {100 * m.idle_share:.0f}%"
     )
 
 
@@ -245,6 +300,20 @@ class StepLog:
 
         self.config = config
         self.metrics: list[StepMetrics] = []
+        # One JSON line per step and mode, appended across resumes (rank 0 writes).
+        self.jsonl_path = metrics_jsonl_path(config)
+        self._jsonl = None
+        if self.jsonl_path is not None:
+            import os
+
+            os.makedirs(os.path.dirname(os.path.abspath(self.jsonl_path)), exist_ok=True)
+            self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
+            peak = (
+                f"MFU against {config.peak_tflops:g} TFLOP/s per device"
+                if config.peak_tflops
+                else "MFU against a known GPU's peak (none on CPU; --peak-tflops states one)"
+            )
+            print(f"metrics: one JSON line per step in {self.jsonl_path}; {peak}", flush=True)
         self._recent = {mode: collections.deque(maxlen=config.trace_steps) for mode in config.modes}
         self._bar = None
         if config.progress and sys.stdout.isatty():
@@ -261,6 +330,14 @@ class StepLog:
         """One mode's step: kept, and printed every ``log_every`` steps and at the end."""
         self.metrics.append(row)
         self._recent[row.mode].append((records, row.step_time_s))
+        if self._jsonl is not None:
+            import json
+
+            # NaN is not JSON: an unknown value is null.
+            fields = {k: (None if isinstance(v, float) and math.isnan(v) else v)
+                      for k, v in row.to_dict().items()}  # fmt: skip
+            self._jsonl.write(json.dumps({**fields, "step": row.step + 1}) + "\n")
+            self._jsonl.flush()
         every = self.config.log_every
         if not every or ((row.step + 1) % every and row.step != self.config.steps - 1):
             return
@@ -287,5 +364,8 @@ class StepLog:
         return out
 
     def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
         if self._bar is not None:
             self._bar.close()

@@ -79,6 +79,8 @@ HONOURED: dict[str, str] = {
     "checkpoint_every": "how often checkpoints are written",
     "checkpoint_every_min": "how often checkpoints are written",
     "save_hf": "the Hugging Face model written at the end",
+    "metrics_jsonl": "where the per-step metrics go",
+    "peak_tflops": "the peak MFU is reported against",
     "trace": "the timeline written",
     "png": "the timeline written",
     "profile_trace": "the profiler trace written",

@@ -188,6 +188,8 @@ class Trainer:
             self.start_step,
             self._stage_memory if self.is_leader else None,
         )
+        self._flop_model: Any = None  # rank 0's FLOP count of a step (built on first use)
+        self._peak_flops: float | None = None
         self.stopped_after_step: int | None = None
         """The step after which a SIGTERM stopped the run (None: it ran to the end)."""
         if self.is_leader and "dflop" in config.modes:
@@ -493,6 +495,19 @@ class Trainer:
         dist.gather_object(self._record(results), gathered, dst=0)
         return gathered
 
+    def _step_flops(self, shapes: Any) -> float:
+        """The step's model training FLOPs (3x the forward of every module, whatever the
+        regime trains: as MFU is conventionally counted)."""
+        if self._flop_model is None:
+            from dflop.data.costs import AnalyticCostModel
+            from dflop.train.metrics import peak_flops
+            from dflop.train.planning import cost_configs
+
+            self._flop_model = AnalyticCostModel(*cost_configs(self.spec))
+            one = peak_flops(self.device, self.config.peak_tflops)
+            self._peak_flops = None if one is None else one * self.world_size
+        return float(self._flop_model.flops(shapes).sum())
+
     def _account(
         self, log: StepLog, step: int, run: _StepRun, gathered: list[Any], grad_norm: float
     ) -> None:
@@ -513,6 +528,8 @@ class Trainer:
                 schedule_ratio=schedules[mode].ratio,
                 grad_norm=grad_norm,
                 plan_model_step_time_s=planned if mode == "dflop" else math.nan,
+                step_flops=self._step_flops(shapes),
+                peak_flops=self._peak_flops,
             )
             # A run's first step pays one-time costs; a deterministic run keeps its model.
             if mode == "dflop" and step > self.start_step and not self.config.deterministic:
