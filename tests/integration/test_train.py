@@ -336,10 +336,14 @@ def test_full_demo_runs(tmp_path) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "dflop vs data-blind on the same steps" in result.stdout
-    for name in ("perf.json", "plan.json", "summary.json", "timeline-dflop.png"):
+    # The paired verdict after the 2 warm-up steps, and the figure of its median step.
+    assert "dflop vs data-blind over 1 paired steps (same weights and batch)" in result.stdout
+    assert "dflop-vs-blind.png: step 3 (the median one)" in result.stdout
+    for name in ("perf.json", "plan.json", "summary.json", "dflop-vs-blind.png"):
         assert (out / name).stat().st_size > 0, name
-    summary = json.loads((out / "summary.json").read_text())["summary"]
-    assert set(summary) == {"dflop", "blind"}
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["summary"]) == {"dflop", "blind"}
+    assert summary["paired_steps"]["steps"] == [3]
 
 
 @pytest.mark.parametrize("wrapper", [[], ["--fsdp"]], ids=["ddp", "fsdp2"])

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import time
@@ -199,6 +200,7 @@ def run_full_demo(config: FullDemoConfig, out: TextIO = sys.stdout) -> dict:
     """Profile, plan, train both ways; returns the summary (also in ``out_dir/summary.json``)."""
     import os
 
+    from dflop.commands.demo_figure import paired_steps, write_demo_png
     from dflop.data import ShapeDistribution
     from dflop.models import model_config
     from dflop.profiling import CostModel
@@ -262,8 +264,7 @@ def run_full_demo(config: FullDemoConfig, out: TextIO = sys.stdout) -> dict:
         mix=DEMO_MIX,
         scaler=DEMO_SCALER,
         trace=path("timeline.json"),
-        png=path("timeline.png"),
-        trace_steps=1,
+        trace_steps=config.steps,  # every step: the figure shows a representative one
         log_every=max(1, config.steps // 6),
         progress=False,
         timeout_s=120.0,
@@ -279,18 +280,37 @@ def run_full_demo(config: FullDemoConfig, out: TextIO = sys.stdout) -> dict:
     )
     report = run_training(train_config, log=log, prepared=prepared)
     log("")
-    rows = print_summary(report, out=out, warmup=min(2, config.steps - 1))
+    warmup = min(2, config.steps - 1)
+    rows = print_summary(report, out=out, warmup=warmup)
+    paired = paired_steps(report.metrics, warmup)
+    log("\n" + paired.headline())
+    figure = None
+    if importlib.util.find_spec("matplotlib") is not None:
+        figure = path("dflop-vs-blind.png")
+        shown = write_demo_png(
+            report, paired, figure, local.layout.encoder.pp, trace_steps=config.steps
+        )
+        log(f"wrote {figure}: step {shown + 1} (the median one) under both schedules")
+    else:
+        log("skipped the figure: matplotlib is not installed (pip install 'dflop[plot]')")
     summary = {
         "config": asdict(config),
         "layout": report.layout,
         "summary": {k: v.to_dict() for k, v in rows.items()},
+        "paired_steps": {
+            "steps": [int(s) + 1 for s in paired.steps],
+            "dflop_step_time_s": paired.dflop_s.tolist(),
+            "blind_step_time_s": paired.blind_s.tolist(),
+            "median_ratio": float(np.median(paired.ratios)),
+        },
         "wall_s": time.perf_counter() - start_s,
     }
     with open(path("summary.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1, default=str)
     log(
         f"\nfiles in {config.out_dir}/: perf.json, shapes.json, plan.json, summary.json, "
-        "timeline-dflop.json/.png and timeline-blind.json/.png (open the JSON in "
+        + ("dflop-vs-blind.png, " if figure else "")
+        + "timeline-dflop.json and timeline-blind.json (every step; open them in "
         f"ui.perfetto.dev); {summary['wall_s']:.0f} s in total"
     )
     return summary
