@@ -143,6 +143,11 @@ def search_layouts(
     return layouts, {"stats": dict(raw["stats"]), "shortfall": dict(raw["shortfall"])}
 
 
+_MAX_WIDENED_TOP_K = 256
+"""The furthest :func:`choose_layouts` looks down the search's ranking for a layout that
+fits as the trainer runs it."""
+
+
 def choose_layouts(
     cluster: ClusterSpec,
     inputs: PlannerInputs,
@@ -182,6 +187,12 @@ def choose_layouts(
     with ThreadPoolExecutor(max_workers=min(threads, len(layouts))) as pool:
         scored = [lp for lp in pool.map(as_run, layouts) if lp is not None]
     raw["stats"]["num_over_memory_as_run"] = len(layouts) - len(scored)
+    wider = 4 * (top_k or config.top_k)
+    if not scored and len(layouts) >= (top_k or config.top_k) and wider <= _MAX_WIDENED_TOP_K:
+        # Every kept layout needs more memory under the trainer's schedules than the
+        # search's: look further down the search's ranking before calling it infeasible.
+        found, raw = choose_layouts(cluster, inputs, config, strategy=strategy, top_k=wider)
+        return found[: top_k or config.top_k], raw
     if not scored:
         return [], raw
     scored.sort(key=lambda lp: lp.prediction.step_time_s)

@@ -42,3 +42,23 @@ def test_memory_is_shown_in_units_that_show_it() -> None:
     assert _bytes(0.0) == "not modelled"
     assert _bytes(5.4e7) == "54 MB"
     assert _bytes(7.52e10) == "75.2 GB"
+
+
+def test_a_narrow_top_k_looks_further_when_its_layouts_do_not_fit_as_run() -> None:
+    """The search's best layouts can need more memory under the trainer's schedules than
+    under its own: with top_k=1 the planner then looks further down its ranking (it once
+    called this cluster infeasible) and finds what top_k=5 finds."""
+    encoder, llm = ENCODER_PRESETS["siglip-400m"], LLM_PRESETS["llm-7b"]
+    best = {}
+    for top_k in (1, 5):
+        result = plan(
+            AnalyticCostModel(encoder, llm),
+            encoder,
+            llm,
+            ClusterSpec(num_gpus=8),
+            global_batch=256,
+            config=PlannerConfig(top_k=top_k),
+        )
+        assert 1 <= len(result.layouts) <= top_k
+        best[top_k] = result.best.core_dict()
+    assert best[1] == best[5]
