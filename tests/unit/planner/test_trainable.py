@@ -133,11 +133,10 @@ class MeasuredPassthrough(AnalyticCostModel):
     }
 
 
-def _step(trainable: str, cost_model_type: type = AnalyticCostModel, **layout: int):
-    """The planner's model of one batch on the tiny model under ``layout``: (audit, stage
-    memory, predictor inputs)."""
+def _predictor(trainable: str, **layout: int) -> StepPredictor:
+    """The planner's model of the tiny model's steps under ``layout`` (4 microbatches of a
+    global batch of 8) and the regime ``trainable``."""
     encoder, llm = cost_configs(CONFIG)
-    cost_model = cost_model_type(encoder, llm)
     runtime = RuntimeLayout.simple(
         encoder_layers=CONFIG.vision.layers,
         llm_layers=CONFIG.decoder.layers,
@@ -147,14 +146,23 @@ def _step(trainable: str, cost_model_type: type = AnalyticCostModel, **layout: i
     )
     cluster = local_cluster(runtime.world_size, MemoryBudget(8e9, 0.0, "test"))
     config = PlannerConfig(num_batches=1, trainable=trainable)
-    predictor = StepPredictor(cluster, encoder, llm, core_layout(runtime), config)
+    return StepPredictor(cluster, encoder, llm, core_layout(runtime), config)
+
+
+def _step(trainable: str, cost_model_type: type = AnalyticCostModel, **layout: int):
+    """The planner's model of one batch on the tiny model under ``layout``: (audit, stage
+    memory, predictor inputs)."""
+    encoder, llm = cost_configs(CONFIG)
+    cost_model = cost_model_type(encoder, llm)
+    predictor = _predictor(trainable, **layout)
     batch = synthetic_shapes(8, seed=3)
     assignment = np.arange(8) % 4
     audit = predictor.audit(cost_model, batch, assignment)
     memory = predictor.stage_memory_bytes(cost_model, batch, assignment)
     inputs = single_batch_inputs(
-        cost_model, encoder, llm, batch, element_bytes=config.element_bytes, trainable=trainable
-    )
+        cost_model, encoder, llm, batch, element_bytes=predictor.config.element_bytes,
+        trainable=trainable,
+    )  # fmt: skip
     return audit, memory, inputs
 
 
@@ -198,13 +206,6 @@ def test_a_frozen_llm_keeps_nothing_of_a_text_only_microbatch() -> None:
     layer to the LLM stage's memory; a trained LLM keeps all its layers' of it."""
     encoder, llm = cost_configs(CONFIG)
     cost_model = AnalyticCostModel(encoder, llm)
-    runtime = RuntimeLayout.simple(
-        encoder_layers=CONFIG.vision.layers,
-        llm_layers=CONFIG.decoder.layers,
-        num_microbatches=4,
-        global_batch=8,
-    )
-    cluster = local_cluster(runtime.world_size, MemoryBudget(8e9, 0.0, "test"))
     batch = synthetic_shapes(8, seed=3)
     assignment = np.arange(8) % 4
     text_only = assignment == 0
@@ -218,8 +219,7 @@ def test_a_frozen_llm_keeps_nothing_of_a_text_only_microbatch() -> None:
     )
     growth = {}
     for trainable in ("frozen-vision", "projector"):
-        config = PlannerConfig(num_batches=1, trainable=trainable)
-        predictor = StepPredictor(cluster, encoder, llm, core_layout(runtime), config)
+        predictor = _predictor(trainable)
         before, after = (
             predictor.stage_memory_bytes(cost_model, shapes, assignment)[-1]
             for shapes in (batch, longer)
