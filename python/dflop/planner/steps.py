@@ -309,9 +309,9 @@ class StepPredictor:
         return self._stage_costs(cost_model, shapes)[1:]
 
     def _stage_costs(
-        self, cost_model: Any, shapes: SampleShapes
+        self, cost_model: Any, shapes: SampleShapes, fractions: Any = None
     ) -> tuple[Any, np.ndarray, tuple[float, float]]:
-        inputs = self._inputs(cost_model, shapes)
+        inputs = self._inputs(cost_model, shapes, fractions)
         raw = _core.stage_costs(
             self.cluster.to_dict(),
             inputs.encoder.to_dict(),
@@ -329,11 +329,14 @@ class StepPredictor:
         shapes: SampleShapes,
         forward_fraction: tuple[float, float],
         link_latency_s: float,
+        full_training_fraction: tuple[float, float] | None = None,
     ) -> tuple[np.ndarray, PipelineModel]:
         """What the trainer's scheduler sees of ``shapes``: :meth:`stage_costs` and the
         pipeline of this layout (``forward_fraction``: the modules' shares under the
-        training regime; the regime's backward stages as the runtime runs them)."""
-        inputs, costs, constants = self._stage_costs(cost_model, shapes)
+        training regime; the regime's backward stages as the runtime runs them).
+        ``full_training_fraction``: the same shares under full training, which price the
+        stage costs as a plan's do (default: this predictor's config's)."""
+        inputs, costs, constants = self._stage_costs(cost_model, shapes, full_training_fraction)
         encoder, llm = self.layout["encoder"], self.layout["llm"]
         model = PipelineModel.encoder_llm(
             encoder_pp=encoder["pp"],

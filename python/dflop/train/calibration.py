@@ -52,8 +52,11 @@ class OnlineCalibration:
         self.trainable = trainable
         self.passthrough = passthrough
         measured = (passthrough or {}).get("forward_fraction")
-        self._full_training_start = forward_fraction or measured or (1.0 / 3.0, 1.0 / 3.0)
+        self._full_training_start = tuple(
+            float(f) for f in (forward_fraction or measured or (1.0 / 3.0, 1.0 / 3.0))
+        )
         fractions = regime_forward_fraction(self._full_training_start, trainable, passthrough)
+        self._start_shares = (float(fractions[0]), float(fractions[1]))
         self.forward_fraction = {"encoder": float(fractions[0]), "llm": float(fractions[1])}
         """(encoder, LLM) forward shares under the run's regime, as its steps measure them."""
         self.link_latency_s = 0.0
@@ -73,7 +76,11 @@ class OnlineCalibration:
     @property
     def full_training_shares(self) -> tuple[float, float]:
         """:attr:`shares` as the planner's model takes them: the shares of full training
-        (a module whose layers run no backward keeps the starting share)."""
+        (a module whose layers run no backward keeps the starting share). Until the steps
+        move them, exactly the starting ones (a plan's: the conversion there and back can
+        move the last bit, and with it a tie in the schedule search)."""
+        if self.shares == self._start_shares:
+            return self._full_training_start
         return full_training_forward_fraction(
             self.shares, self.trainable, self._full_training_start, self.passthrough
         )

@@ -262,6 +262,7 @@ class Trainer:
             shapes,
             forward_fraction=self.calibration.shares,
             link_latency_s=self.calibration.link_latency_s,
+            full_training_fraction=self.calibration.full_training_shares,
         )
 
     def _submit(self, step: int, shapes: Any = None, deadline: float | None = None) -> None:

@@ -173,7 +173,7 @@ def test_plan_schedules_each_step_as_the_trainer_does(encoder_dp: int, trainable
         for b in range(len(UNITS)):  # the trainer's step b, on sampled batch b
             shapes = FixedBatches().sample(GLOBAL_BATCH, b)
             costs, model = predictor.scheduler_view(
-                cost_model, shapes, regime_shares, cluster.link_latency_s
+                cost_model, shapes, regime_shares, cluster.link_latency_s, config.forward_fraction
             )
             if trainable != "full":
                 assert model.backward == ("last", "all")
