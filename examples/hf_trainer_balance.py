@@ -92,6 +92,17 @@ def single_image_or_text(record: dict) -> bool:
     return "video" not in record and (image is None or isinstance(image, str))
 
 
+class AllParametersTrainer(BalancedTrainer):
+    """A text-only microbatch leaves the vision tower out of the graph, and DDP reduces
+    every parameter's gradient: a zero term keeps them all in (as LLaVA-style trainers do)
+    instead of DDP's find_unused_parameters walk of the graph and its warning."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+        zero = 0.0 * sum(p.sum() for p in model.parameters() if p.requires_grad)
+        return (out[0] + zero, *out[1:]) if return_outputs else out + zero
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data", default=os.path.join(LLAVA_MINI, "llava_mini.json"))
@@ -119,8 +130,9 @@ def main() -> None:
         num_train_epochs=args.epochs, learning_rate=3e-3, logging_steps=1, save_strategy="no",
         report_to=[], remove_unused_columns=False, use_cpu=cpu,
         ddp_backend="gloo" if cpu and launched else None, disable_tqdm=True, seed=0,
+        ddp_find_unused_parameters=False,  # every parameter is in the graph: see below
     )  # fmt: skip
-    trainer = BalancedTrainer(
+    trainer = AllParametersTrainer(
         model=model, args=training_args, train_dataset=dataset, data_collator=PackingCollator(),
         sample_costs=dataset.costs(spec),
     )  # fmt: skip

@@ -11,10 +11,10 @@ TIMEOUT_S = 150
 
 
 def run_cli(
-    *args: str, env: dict | None = None, timeout_s: float = TIMEOUT_S
+    *args: str, env: dict | None = None, timeout_s: float = TIMEOUT_S, cwd: str | None = None
 ) -> subprocess.CompletedProcess:
     """``dflop ARGS...`` (the installed script, else ``python -m dflop.cli``), output
-    captured; ``env`` on top of this process's environment."""
+    captured; ``env`` on top of this process's environment; in ``cwd`` if given."""
     executable = shutil.which("dflop")
     command = [executable] if executable else [sys.executable, "-m", "dflop.cli"]
     return subprocess.run(
@@ -24,4 +24,5 @@ def run_cli(
         timeout=timeout_s,
         check=False,
         env={**os.environ, **(env or {})},
+        cwd=cwd,
     )

@@ -1,6 +1,6 @@
 """Old public names, kept for one release (0.x) as deprecated aliases of their new ones.
 
-Renamed so that each word has one meaning (README › Glossary). Importing an old module
+Renamed so that each word has one meaning (docs/concepts.md › Glossary). Importing an old module
 path or reading an old attribute works and warns once with a :class:`DeprecationWarning`
 that names the new one. ``dflop.planner.plan`` is not aliased as a module: it is the
 planner's function (the module that held the plan's types is now

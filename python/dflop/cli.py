@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from dflop.errors import InputTypeError, InUseError, WriteError
 
@@ -18,7 +18,12 @@ COMMAND_MODULES = ("demo", "train", "profile", "plan")
 
 class _Parser(argparse.ArgumentParser):
     """argparse with the CLI's error contract: one line on stderr, exit code 2 (argparse
-    prints the whole usage first); subcommand parsers are of this class too."""
+    prints the whole usage first); subcommand parsers are of this class too. Flags are
+    taken only as ``--help`` spells them: a prefix is an error, not a silent match."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -345,6 +345,44 @@ def test_checkpoints_by_time_metrics_per_step_and_a_first_run_says_it_starts_fre
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["mfu"] is None  # CPU
 
 
+def test_metrics_always_and_tensorboard_and_wandb_with_the_same_values(tmp_path):
+    """Without a checkpoint folder the JSON lines go to ./dflop-train-out (said in one
+    line); --log tensorboard,wandb writes TensorBoard event files and an offline W&B run
+    (nothing leaves the machine) in --output-dir, with the JSON lines' values."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train = ("train", "--scheduler", "blind", "--layout", LAYOUT, "--global-batch", "8")
+    result = run_cli(*train, "--steps", "2", cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    default = tmp_path / "dflop-train-out" / "metrics.jsonl"
+    assert f"one JSON line per step in {os.path.join('dflop-train-out', 'metrics.jsonl')}" in (
+        result.stdout
+    )
+    assert [json.loads(line)["step"] for line in default.read_text().splitlines()] == [1, 2]
+
+    out = tmp_path / "out"
+    logs = ("--output-dir", str(out), "--log", "tensorboard,wandb", "--wandb-mode", "offline")
+    result = run_cli(*train, "--steps", "3", *logs, cwd=str(tmp_path), env={"WANDB_SILENT": "true"})
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    for name in ("loss", "step_time_s", "tokens_per_s", "tflops_per_s"):
+        logged = [(e.step, e.value) for e in events.Scalars(f"blind/{name}")]
+        assert logged == [(r["step"], pytest.approx(r[name], rel=1e-6)) for r in rows], name
+    assert "blind/mfu" not in events.Tags()["scalars"]  # no peak known on CPU: not invented
+    assert list((out / "wandb").glob("offline-run-*/run-*.wandb")), "no offline W&B run"
+
+
+def test_an_unknown_logger_is_one_line_before_any_process():
+    result = run_cli("train", "--log", "tensorbord", "--steps", "1")
+    assert result.returncode == 2
+    assert "unknown logger 'tensorbord' (did you mean 'tensorboard'?)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_deterministic_runs_and_resumes_give_identical_losses(tmp_path):
     """--deterministic, planned and scheduled by dflop (no --layout, no --perf): two runs
     and a run resumed half-way give bit-identical losses (the default mode's schedules

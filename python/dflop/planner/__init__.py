@@ -44,7 +44,7 @@ from dflop.planner.search import (
 )
 from dflop.planner.steps import StepAudit, StepPredictor
 
-# Renamed (README › Glossary): ModuleSpec read like the models' ModelSpec.
+# Renamed (docs/concepts.md › Glossary): ModuleSpec read like the models' ModelSpec.
 __getattr__ = attribute_aliases(
     __name__,
     {"ModuleSpec": "PlannerModule", "module_specs": "planner_modules"},

@@ -23,7 +23,7 @@ Every block's input and output stay replicated, plain tensors (no sequence paral
 per block, the forward does one all-reduce after each row-parallel layer and the backward
 one all-reduce per column-parallel layer. So the stage's inputs, outputs, the loss and the
 gradients of the replicated parameters are identical on every TP rank, and a pipeline can
-send activations between stages exactly as with tp=1 (see the README, "Tensor
+send activations between stages exactly as with tp=1 (see docs/models.md, "Tensor
 parallelism"). Sharded parameters become ``DTensor``s; :func:`local_tensor` gives the
 local shard of a parameter or gradient (for a flat DP all-reduce).
 

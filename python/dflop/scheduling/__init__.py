@@ -72,7 +72,7 @@ __all__ = [
     "validate_program",
 ]
 
-# Renamed (README › Glossary): "schedule" is a step's sample assignment only.
+# Renamed (docs/concepts.md › Glossary): "schedule" is a step's sample assignment only.
 __getattr__ = attribute_aliases(
     __name__,
     {"SCHEDULES": "PIPELINE_ORDERS", "schedule_for": "pipeline_order_for"},

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import os
 from collections.abc import Mapping
@@ -30,6 +31,11 @@ __all__ = [
 ]
 
 SCHEDULE_MODES: tuple[str, ...] = ("dflop", "blind", "compare")
+LOGGERS: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb"}
+"""``TrainConfig.log``'s loggers, each with the package it needs (the ``log`` extra)."""
+WANDB_MODES: tuple[str, ...] = ("online", "offline", "disabled")
+DEFAULT_OUTPUT_DIR = "dflop-train-out"
+"""The output folder of a run given neither ``output_dir`` nor ``checkpoint_dir``."""
 """``dflop``: every step balanced by ``dflop.schedule()`` (computed one step ahead);
 ``blind``: equal-count microbatches in dataset order (what a data-blind framework does);
 ``compare``: every step runs twice on the same weights and batch, once each way (the
@@ -252,11 +258,31 @@ class TrainConfig:
         "checkpoint when this many minutes passed since the last save (default 10; 0: off; a "
         "Ctrl-C or SIGTERM also saves, after the current step)",
     )
+    output_dir: str | None = _field(
+        "output",
+        None,
+        f"the run's output folder: metrics.jsonl and the loggers' files (default: "
+        f"--checkpoint-dir, else ./{DEFAULT_OUTPUT_DIR})",
+    )
     metrics_jsonl: str | None = _field(
         "output",
         None,
         "one JSON line per step here (loss, step time, tokens/s, TFLOP/s, MFU ...; appended "
-        "across resumes); default: metrics.jsonl in --checkpoint-dir; '' turns it off",
+        "across resumes); default: metrics.jsonl in the output folder; '' turns it off",
+    )
+    log: str = _field(
+        "output",
+        "",
+        "loggers besides metrics.jsonl, comma-separated: tensorboard (event files in "
+        "OUTPUT_DIR/tensorboard), wandb (Weights & Biases, its files in OUTPUT_DIR/wandb); "
+        "install them with the log extra (pip install '.[log]')",
+    )
+    wandb_project: str = _field("output", "dflop", "the W&B project runs log to")
+    wandb_mode: str | None = _field(
+        "output",
+        None,
+        "W&B's mode: online, offline (nothing leaves this machine; 'wandb sync' uploads "
+        "it later) or disabled; default: the WANDB_MODE variable, else online",
     )
     peak_tflops: float | None = _field(
         "output",
@@ -424,6 +450,21 @@ class TrainConfig:
             raise bad("peak_tflops", "None or a finite number of TFLOP/s > 0")
         if self.metrics_jsonl is not None and not isinstance(self.metrics_jsonl, str):
             raise bad("metrics_jsonl", "None or a file path")
+        if not isinstance(self.log, str):
+            raise bad("log", "a comma-separated list of loggers (tensorboard, wandb)")
+        for name in self.loggers:
+            if name not in LOGGERS:
+                raise ValueError(
+                    f"TrainConfig.log: unknown logger {bounded_repr(name)}"
+                    f"{_did_you_mean(name, LOGGERS)}; known: {', '.join(LOGGERS)}"
+                )
+            if importlib.util.find_spec(LOGGERS[name]) is None:
+                raise ImportError(
+                    f"TrainConfig.log: {name} needs the {LOGGERS[name]} package; install the "
+                    "log extra (pip install '.[log]' from a clone)"
+                )
+        if self.wandb_mode is not None and self.wandb_mode not in WANDB_MODES:
+            raise bad("wandb_mode", f"None or one of {', '.join(WANDB_MODES)}")
         if self.memory_gb is not None and (
             isinstance(self.memory_gb, bool)
             or not isinstance(self.memory_gb, (int, float))
@@ -507,6 +548,7 @@ class TrainConfig:
             ("trace", "file"),
             ("png", "file"),
             ("checkpoint_dir", "folder"),
+            ("output_dir", "folder"),
             ("save_hf", "folder"),
         ):
             check_output_path(f"TrainConfig.{name}", getattr(self, name), kind)
@@ -549,6 +591,18 @@ class TrainConfig:
             field_name = str(error).split("=", 1)[0].replace("LoraSettings.", "lora_")
             raise ValueError(f"TrainConfig.{field_name}: {error}") from None
         return dataclasses.replace(TrainableParts.parse(self.trainable), lora=lora)
+
+    @property
+    def loggers(self) -> tuple[str, ...]:
+        """``log`` as names, in order, each once."""
+        names = (n.strip() for n in str(self.log).split(","))
+        return tuple(dict.fromkeys(n for n in names if n))
+
+    @property
+    def output_folder(self) -> str:
+        """Where metrics.jsonl and the loggers' files go: ``output_dir``, else the
+        checkpoint folder, else ``./dflop-train-out``."""
+        return self.output_dir or self.checkpoint_dir or DEFAULT_OUTPUT_DIR
 
     @property
     def modes(self) -> tuple[str, ...]:

@@ -28,6 +28,8 @@ __all__ = [
     "RankRecord",
     "StepLog",
     "StepMetrics",
+    "TensorBoardLogger",
+    "WandbLogger",
     "metrics_jsonl_path",
     "peak_flops",
     "step_metrics",
@@ -37,14 +39,80 @@ __all__ = [
 
 def metrics_jsonl_path(config: Any) -> str | None:
     """Where a run's per-step JSON lines go: ``metrics_jsonl``, else ``metrics.jsonl`` in
-    the checkpoint folder, else nowhere ("" turns them off)."""
+    the run's output folder (``TrainConfig.output_folder``); "" turns them off."""
     import os
 
     if config.metrics_jsonl is not None:
         return config.metrics_jsonl or None
-    if config.checkpoint_dir:
-        return os.path.join(config.checkpoint_dir, "metrics.jsonl")
-    return None
+    return os.path.join(config.output_folder, "metrics.jsonl")
+
+
+_SCALARS = (
+    "loss",
+    "grad_norm",
+    "step_time_s",
+    "predicted_step_time_s",
+    "samples_per_s",
+    "tokens_per_s",
+    "tflops_per_s",
+    "mfu",
+    "idle_share",
+)
+"""What the loggers plot per step and mode (as ``MODE/NAME``; an unknown value is left out)."""
+
+
+def _scalars(row: StepMetrics) -> dict[str, float]:
+    values = {name: getattr(row, name) for name in _SCALARS}
+    return {f"{row.mode}/{k}": float(v) for k, v in values.items() if math.isfinite(v)}
+
+
+class TensorBoardLogger:
+    """Event files in ``OUTPUT/tensorboard`` (``tensorboard --logdir OUTPUT/tensorboard``)."""
+
+    def __init__(self, config: Any) -> None:
+        import os
+
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.folder = os.path.join(config.output_folder, "tensorboard")
+        self._writer = SummaryWriter(self.folder)
+
+    def log(self, row: StepMetrics) -> None:
+        for tag, value in _scalars(row).items():
+            self._writer.add_scalar(tag, value, row.step + 1)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbLogger:
+    """A Weights & Biases run in ``config.wandb_project``, its files in ``OUTPUT/wandb``;
+    ``wandb_mode="offline"`` keeps everything on this machine (``wandb sync`` uploads it)."""
+
+    def __init__(self, config: Any) -> None:
+        import dataclasses
+        import os
+
+        import wandb
+
+        self.folder = os.path.join(config.output_folder, "wandb")
+        os.makedirs(self.folder, exist_ok=True)
+        settings = {k: v for k, v in dataclasses.asdict(config).items() if v is not None}
+        self._run = wandb.init(
+            project=config.wandb_project,
+            dir=config.output_folder,
+            mode=config.wandb_mode or os.environ.get("WANDB_MODE") or "online",
+            config=settings,
+        )
+
+    def log(self, row: StepMetrics) -> None:
+        self._run.log(_scalars(row), step=row.step + 1)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+LOGGER_CLASSES = {"tensorboard": TensorBoardLogger, "wandb": WandbLogger}
 
 
 @dataclass(frozen=True)
@@ -314,6 +382,9 @@ class StepLog:
                 else "MFU against a known GPU's peak (none on CPU; --peak-tflops states one)"
             )
             print(f"metrics: one JSON line per step in {self.jsonl_path}; {peak}", flush=True)
+        self._loggers = [LOGGER_CLASSES[name](config) for name in config.loggers]
+        for logger in self._loggers:
+            print(f"metrics: {type(logger).__name__[:-6]} files in {logger.folder}", flush=True)
         self._recent = {mode: collections.deque(maxlen=config.trace_steps) for mode in config.modes}
         self._bar = None
         if config.progress and sys.stdout.isatty():
@@ -338,6 +409,8 @@ class StepLog:
                       for k, v in row.to_dict().items()}  # fmt: skip
             self._jsonl.write(json.dumps({**fields, "step": row.step + 1}) + "\n")
             self._jsonl.flush()
+        for logger in self._loggers:
+            logger.log(row)
         every = self.config.log_every
         if not every or ((row.step + 1) % every and row.step != self.config.steps - 1):
             return
@@ -367,5 +440,8 @@ class StepLog:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+        for logger in self._loggers:
+            logger.close()
+        self._loggers = []
         if self._bar is not None:
             self._bar.close()

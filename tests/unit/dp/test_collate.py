@@ -164,7 +164,7 @@ LAUNCHERS = {
 @pytest.mark.integration
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_trainer_example_runs_under_the_launchers(launcher, tmp_path):
-    """The README's Hugging Face Trainer example, 2 CPU ranks (gloo), real records."""
+    """docs/own-training-loop.md's Hugging Face Trainer example, 2 CPU ranks (gloo), real records."""
     pytest.importorskip("accelerate")
     command = list(LAUNCHERS[launcher])
     # The launcher installed beside this interpreter (its venv need not be on PATH).
@@ -192,6 +192,7 @@ def test_trainer_example_runs_under_the_launchers(launcher, tmp_path):
     assert returncode == 0, stderr[-3000:]
     assert "samples over 2 rank(s)" in stdout
     assert "trained 4 steps" in stdout, stdout
+    assert "find_unused_parameters" not in stderr  # DDP's warning: every parameter is used
 
 
 def _run_bounded(argv: list[str], cwd: Path, env: dict, timeout_s: float):

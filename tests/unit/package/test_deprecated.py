@@ -1,4 +1,4 @@
-"""Renamed public names (README › Glossary) still work for one release, with a warning
+"""Renamed public names (docs/concepts.md › Glossary) still work for one release, with a warning
 that names the new one; the planner's ``plan`` stays its function."""
 
 from __future__ import annotations

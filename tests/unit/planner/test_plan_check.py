@@ -280,7 +280,7 @@ def test_valid_plans_load(tmp_path, local_plan, cluster_plan) -> None:
 
 
 def test_a_plan_file_from_before_the_rename_still_loads(tmp_path, local_plan) -> None:
-    """Layouts wrote their scheduler as "schedule" before (README › Glossary)."""
+    """Layouts wrote their scheduler as "schedule" before (docs/concepts.md › Glossary)."""
 
     def rename(data: dict[str, Any]) -> None:
         for layout in data["layouts"]:
