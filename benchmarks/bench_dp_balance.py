@@ -72,6 +72,43 @@ def run(ranks: int, mix, steps: int) -> dict:
     return {k: (float(np.mean(v)) if isinstance(v, list) else v / steps) for k, v in out.items()}
 
 
+FEW_RANKS = (8, 128)
+FEW_PER_RANK = (2, 4, 8)
+FEW_MICROBATCHES = (2, 4)
+FEW_MIXES = {
+    "embedded mix": None,
+    "text-heavy mix": {"single_image": 0.2, "multi_image": 0.0, "video": 0.0, "text": 0.8},
+}
+
+
+def few_per_rank(ranks: int, per_rank: int, microbatches: int, mix, steps: int) -> dict:
+    """The sampler's slowest rank over dflop.schedule's (the same global batch split into
+    ``ranks`` shares with no count to meet: the free optimum), padded (the default) and
+    unpadded (one joint schedule when a share is too small), mean and worst over steps."""
+    import dflop
+
+    global_batch = ranks * per_rank
+    shapes = synthetic_shapes(global_batch * steps, seed=7 * ranks + per_rank, mix=mix)
+    costs = AnalyticCostModel("siglip-400m", "llm-7b").costs(shapes).sum(axis=1)
+    out = {"steps_with_short_shares": 0}
+    for step in range(steps):
+        indices = np.arange(step * global_batch, (step + 1) * global_batch)
+        free = dflop.schedule(costs[indices], 1, ranks, seed=step).assignment
+        out["steps_with_short_shares"] += int(np.bincount(free).min() < microbatches)
+    for pad in ("sample", "empty", None):
+        sampler = BalancedBatchSampler(
+            costs, global_batch, microbatches, rank=0, world_size=ranks, seed=0,
+            padding=pad, check_ranks=False, shuffle=False,
+        )  # fmt: skip
+        ratios = []
+        for step in range(steps):
+            info = sampler.plan_step(0, step)  # the sampler's seed for step s is s
+            free = dflop.schedule(costs[info.indices], 1, ranks, seed=step).makespan
+            ratios.append(info.rank_costs[:, 0].max() / free)
+        out[pad or "joint"] = (float(np.mean(ratios)), float(np.max(ratios)))
+    return out
+
+
 def _wrap(model, wrapper: str):
     """DDP, or FSDP2 (``fully_shard`` on the root: the model calls its parts' pieces
     directly, not their forward, so only the root's hooks see every use)."""
@@ -289,7 +326,49 @@ def main(argv: list[str] | None = None) -> int:
         "--no-measure", dest="measure", action="store_false", help="simulation only"
     )
     parser.add_argument("--measure-steps", type=int, default=12)
+    parser.add_argument("--few-only", action="store_true", help="only the few-per-rank table")
     args = parser.parse_args(argv)
+    few = [
+        "Command: `python benchmarks/bench_dp_balance.py --few-only --markdown "
+        "benchmarks/README.md` (the full run writes this table too)",
+        "",
+        "Few samples per rank (simulated, the same costs): the sampler's slowest rank over "
+        "`dflop.schedule`'s for the same global batch with no microbatch count to meet (the "
+        "free optimum, 1.000 = as good), mean and worst over the steps. A rank whose "
+        "balanced share has fewer samples than microbatches runs padding microbatches (loss scale 0): `sample` (the default) the step's cheapest "
+        "sample again, priced in; `empty` empty microbatches (`padding='empty'`, a "
+        "two-token row under `PackingCollator`, not priced); `joint` (`padding=None`, the "
+        "Hugging Face Trainer's; before this, the only way): such a step is one joint "
+        "schedule of every rank's microbatches. Costs: analytic siglip-400m + llm-7b; "
+        "the text-heavy mix is 80% text, 20% single images (chosen to make short shares "
+        "common).",
+        "",
+        "| ranks | samples per rank | microbatches | mix | steps with a short share | "
+        "sample: mean / worst | empty: mean / worst | joint: mean / worst |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for ranks in FEW_RANKS:
+        for per_rank in FEW_PER_RANK:
+            for microbatches in FEW_MICROBATCHES:
+                if microbatches > per_rank:
+                    continue
+                for name, mix in FEW_MIXES.items():
+                    r = few_per_rank(ranks, per_rank, microbatches, mix, args.steps)
+                    few.append(
+                        f"| {ranks} | {per_rank} | {microbatches} | {name} | "
+                        f"{r['steps_with_short_shares']} of {args.steps} | "
+                        f"{r['sample'][0]:.4f} / {r['sample'][1]:.4f} | "
+                        f"{r['empty'][0]:.4f} / {r['empty'][1]:.4f} | "
+                        f"{r['joint'][0]:.4f} / {r['joint'][1]:.4f} |"
+                    )
+                    print(few[-1], file=sys.stderr, flush=True)
+    print("\n".join(few))
+    if args.markdown:
+        baselines.write_section(
+            args.markdown, "bench_dp_balance_few", "\n".join(few), "### Few samples per rank"
+        )
+    if args.few_only:
+        return 0
     lines = [
         "Command: `python benchmarks/bench_dp_balance.py --markdown benchmarks/README.md`",
         "",

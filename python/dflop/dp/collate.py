@@ -57,6 +57,8 @@ class PackingCollator:
       samples would attend to each other); ``use_cache_flag=False`` leaves it out for a
       model whose forward takes no such argument.
     * ``flash_attention_kwargs=True`` adds ``cu_seq_lens_q/k`` and ``max_length_q/k``.
+    * no samples (a ``BalancedBatchSampler`` padding microbatch): a two-token row of
+      zeros with one target, so the loss stays finite; its loss scale is 0.
 
     Args:
         sequence_keys: the per-token fields.
@@ -121,7 +123,9 @@ class PackingCollator:
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if not samples:
-            raise ValueError("PackingCollator: no samples to pack")
+            # A padding microbatch (BalancedBatchSampler): a two-token row of zeros whose
+            # one target keeps the loss finite; its loss scale is 0.
+            return self([{key: torch.zeros(2, dtype=torch.long) for key in self.sequence_keys}])
         pieces: dict[str, list[Tensor]] = {k: [] for k in self.sequence_keys}
         others: dict[str, list[Tensor]] = {}
         lengths = []

@@ -95,6 +95,8 @@ class BalancedTrainer(Trainer):
             drop_last=args.dataloader_drop_last,
             resources=self.resources,
             limits=self.limits,
+            # The Trainer's loop has no notion of an empty (padding) microbatch.
+            padding=None,
         )
 
     def _get_train_sampler(self, train_dataset: Any = None) -> Any:

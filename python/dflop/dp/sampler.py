@@ -8,8 +8,12 @@ share: DDP and FSDP synchronise once, after its last microbatch), then its own s
 into ``num_microbatches`` microbatches, which it yields in order. A rank whose samples are
 heavy (big images, long videos or texts) gets fewer of them. Every rank runs the same
 number of microbatches (FSDP needs equal forward counts): when the balanced shares leave
-a rank fewer samples than that, the step falls back to one joint schedule of every
-rank's microbatches. Optional per-microbatch
+a rank fewer samples than that (a heavy sample, or few samples per rank), the rank keeps
+its balanced share and runs *padding* microbatches first, with a loss scale of 0 (FSDP's
+collectives run, the gradient does not change; under DDP a loop may skip them): the
+step's cheapest sample again (``padding="sample"``, any collate function takes it) or
+empty (``padding="empty"``, nearly free; ``PackingCollator`` makes a two-token row).
+Optional per-microbatch
 limits on resources (tokens, visual units: a memory budget) keep a long video alone in a
 microbatch instead of out of memory.
 
@@ -33,7 +37,10 @@ import numpy as np
 from dflop.errors import InputTypeError
 from dflop.scheduling.balance import InfeasibleError, schedule
 
-__all__ = ["BalancedBatchSampler", "Microbatch", "StepInfo"]
+__all__ = ["PADDINGS", "BalancedBatchSampler", "Microbatch", "StepInfo"]
+
+PADDINGS = ("sample", "empty", None)
+"""``BalancedBatchSampler(padding=)``'s choices."""
 
 CostFunction = Callable[[np.ndarray], Any]
 """Prices samples by index: ``(k,)`` dataset indices -> ``(k,)`` or ``(k, D)`` costs."""
@@ -59,6 +66,12 @@ class StepInfo:
     """(world_size, D) every rank's summed cost in the step."""
     microbatches: tuple[tuple[int, ...], ...]
     """This rank's microbatches (dataset indices), in order."""
+    num_padding: int = 0
+    """How many of this rank's first microbatches are padding (the step's cheapest sample
+    again, or empty: ``BalancedBatchSampler(padding=)``), run only so that every rank runs
+    ``num_microbatches`` forwards (FSDP's collectives); their :attr:`Microbatch.loss_scale`
+    is 0. The last microbatch is never padding, so DDP's reduction runs in a real
+    backward."""
 
 
 @dataclass(frozen=True)
@@ -76,12 +89,22 @@ class Microbatch:
         return self.index == self.step.num_microbatches - 1
 
     @property
+    def is_padding(self) -> bool:
+        """A padding microbatch (see :attr:`StepInfo.num_padding`). Under FSDP run it
+        (forward and backward under ``gradient_sync``, ``loss_scale`` 0); under DDP it may
+        be skipped. Count nothing of it."""
+        return self.index < self.step.num_padding
+
+    @property
     def loss_scale(self) -> float:
         """Multiply the microbatch's SUMMED token loss by this: after DDP's / FSDP's
         averaging over ranks, the step's gradient is that of the global batch's mean loss
-        per target token (``world_size / global target tokens``; needs ``target_tokens``)."""
+        per target token (``world_size / global target tokens``; needs ``target_tokens``);
+        0 for a padding microbatch."""
         if self.step.global_target_tokens is None:
             raise ValueError("loss_scale needs the sampler's target_tokens")
+        if self.is_padding:
+            return 0.0
         return self.world_size / max(self.step.global_target_tokens, 1)
 
     @contextlib.contextmanager
@@ -141,6 +164,16 @@ class BalancedBatchSampler:
             instead of training overlapping shares. It is a collective (on NCCL: after
             ``torch.cuda.set_device``): every rank must iterate the sampler; turn it off
             to iterate it on one rank alone (e.g. to log the batches).
+        padding: what a rank whose balanced share has fewer samples than
+            ``num_microbatches`` runs first to make up the count (:attr:`StepInfo.
+            num_padding`, loss scale 0), so the ranks keep their balanced totals:
+            ``"sample"`` (default) the step's cheapest sample again (any collate function
+            takes it; its cost is priced in), ``"empty"`` an empty index list (nearly
+            free, the ranks' totals are ``dflop.schedule``'s; the collate function must
+            take ``[]``, as ``PackingCollator`` does). None: such a step is one joint
+            schedule of every rank's microbatches (no padding, for a loop that cannot
+            skip a microbatch's loss, such as the Hugging Face Trainer's; the ranks'
+            totals are less even).
 
     ``state_dict()`` / ``load_state_dict()`` resume mid-epoch at a step boundary;
     ``set_epoch(e)`` starts epoch e (as with DistributedSampler). Iterate the DataLoader
@@ -165,9 +198,13 @@ class BalancedBatchSampler:
         target_tokens: Any = None,
         time_budget_ms: float | None = None,
         check_ranks: bool = True,
+        padding: str | None = "sample",
     ) -> None:
         rank, world_size = _rank_and_world(rank, world_size)
         self.check_ranks = bool(check_ranks)
+        if padding not in PADDINGS:
+            raise ValueError(f"padding={padding!r}: give one of 'sample', 'empty' or None")
+        self.padding = padding
         self.rank, self.world_size = rank, world_size
         self.global_batch = _positive("global_batch", global_batch)
         self.num_microbatches = _positive("num_microbatches", num_microbatches)
@@ -289,21 +326,32 @@ class BalancedBatchSampler:
             **kw,
         )
         sizes = np.bincount(shares.assignment, minlength=self.world_size)
+        num_padding = 0
         try:
-            if sizes.min() < num_microbatches:
+            if self.padding is None and sizes.min() < num_microbatches:
                 raise InfeasibleError("a share is smaller than num_microbatches")
             # Every rank must take the same branch: with limits a cut can fail, so each
             # rank cuts every share (without limits only its own: a cut cannot fail).
             ranks = range(self.world_size) if capacity is not None else [self.rank]
-            cuts = {
-                r: schedule(costs[shares.bin(r)], num_microbatches, 1, capacity=capacity, **kw)
-                for r in ranks
-            }
+            cuts = {r: _cut(costs[shares.bin(r)], num_microbatches, capacity, kw) for r in ranks}
             mine = shares.bin(self.rank)
-            parts = [mine[p] for p in cuts[self.rank].microbatches(0)]
+            parts = [mine[p] for p in cuts[self.rank]]
+            # A share smaller than num_microbatches: padding microbatches first (loss
+            # scale 0), so the last one is real: the step's cheapest sample (priced in)
+            # or empty (a dummy row's cost, not priced).
+            padding = np.maximum(num_microbatches - sizes, 0)
+            num_padding = int(padding[self.rank])
             rank_costs = shares.loads[:, :num_dims]
+            pad = np.zeros(0, dtype=np.int64)
+            if self.padding == "sample":
+                cheapest = int(np.argmin(costs[:, :num_dims].sum(axis=1)))
+                pad = np.array([cheapest])
+                rank_costs = rank_costs + np.outer(padding, costs[cheapest, :num_dims])
+            parts = [pad] * num_padding + parts
         except InfeasibleError:
-            # The shares are the same everywhere, so every rank falls back together.
+            # A share's cut cannot meet the limits (or is too small to cut, unpadded). The
+            # shares are the same everywhere, so every rank falls back together, to one
+            # joint schedule.
             joint = schedule(costs, num_microbatches, self.world_size, capacity=capacity, **kw)
             parts = joint.microbatches(self.rank)
             loads = joint.loads[:, :num_dims].reshape(num_microbatches, self.world_size, -1)
@@ -318,6 +366,7 @@ class BalancedBatchSampler:
             indices,
             np.array(rank_costs, dtype=np.float64),
             tuple(tuple(int(i) for i in indices[p]) for p in parts),
+            num_padding,
         )
 
     def batches(self, loader: Any) -> Iterator[tuple[Any, Microbatch]]:
@@ -325,6 +374,12 @@ class BalancedBatchSampler:
         sampler, which returns batches in the order the sampler yields them, with or
         without workers)."""
         self._yielded.clear()
+        if self.padding == "empty" and _is_default_collate(getattr(loader, "collate_fn", None)):
+            raise ValueError(
+                "BalancedBatchSampler(padding='empty') yields empty microbatches, which "
+                "torch's default collate function cannot take: pass collate_fn="
+                "PackingCollator() (or one that takes []), or use padding='sample'"
+            )
         for batch in loader:
             if not self._yielded:
                 raise ValueError("the loader returned a batch this sampler did not yield")
@@ -371,6 +426,7 @@ class BalancedBatchSampler:
         settings = (self.num_samples, self.global_batch, self.num_microbatches, self.seed,
                     self.shuffle, self.drop_last, self.epoch, self._step)  # fmt: skip
         digest.update(repr(settings).encode())
+        digest.update(repr(self.padding).encode())
         digests: list[Any] = [None] * self.world_size
         dist.all_gather_object(digests, (digest.hexdigest(), settings))
         differing = [r for r, d in enumerate(digests) if d[0] != digests[0][0]]
@@ -406,6 +462,27 @@ class BalancedBatchSampler:
         scale = 1e-9 * total_cost / np.maximum(used.sum(axis=0), 1e-300)
         capacity = [float("inf")] * costs.shape[1] + (np.asarray(self._limits) * scale).tolist()
         return np.concatenate([costs, used * scale], axis=1), capacity
+
+
+def _is_default_collate(collate_fn: Any) -> bool:
+    try:
+        from torch.utils.data import default_collate
+    except ImportError:
+        return False
+    return collate_fn is default_collate
+
+
+def _cut(
+    costs: np.ndarray, num_microbatches: int, capacity: list[float] | None, kw: dict
+) -> list[np.ndarray]:
+    """A rank's share cut into ``num_microbatches`` balanced microbatches (row indices of
+    ``costs``, in run order); a share with fewer samples, one sample per microbatch."""
+    if len(costs) <= num_microbatches:
+        if capacity is not None:  # a sample alone over a limit cannot run at all
+            schedule(costs, len(costs), 1, capacity=capacity, **kw)
+        return [np.array([i]) for i in range(len(costs))]
+    cut = schedule(costs, num_microbatches, 1, capacity=capacity, **kw)
+    return [np.asarray(p) for p in cut.microbatches(0)]
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

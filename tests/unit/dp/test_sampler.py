@@ -15,10 +15,22 @@ def _costs(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).lognormal(0.0, 1.0, n)
 
 
+def _rank_epoch(sampler) -> list[tuple[list[int], bool]]:
+    """A rank's microbatches of one epoch, each with whether it is padding."""
+    out, position, info = [], 0, None
+    for mb in sampler:
+        position = position + 1 if sampler.step_info is info else 0
+        info = sampler.step_info
+        out.append((mb, position < info.num_padding))
+    return out
+
+
 def _epoch(n, global_batch, m, world, **kw):
-    """Every rank's microbatches of one epoch."""
+    """Every rank's microbatches of one epoch, each with whether it is padding."""
     return [
-        list(BalancedBatchSampler(_costs(n), global_batch, m, rank=r, world_size=world, **kw))
+        _rank_epoch(
+            BalancedBatchSampler(_costs(n), global_batch, m, rank=r, world_size=world, **kw)
+        )
         for r in range(world)
     ]
 
@@ -28,12 +40,15 @@ def _epoch(n, global_batch, m, world, **kw):
 )
 def test_every_sample_once_per_epoch_and_same_on_every_rank(n, global_batch, m, world):
     per_rank = _epoch(n, global_batch, m, world, seed=3)
-    seen = [i for mbs in per_rank for mb in mbs for i in mb]
+    seen = [i for mbs in per_rank for mb, padding in mbs if not padding for i in mb]
     kept = n - (n % global_batch if n % global_batch < world else 0)
     assert sorted(seen) == sorted(set(seen)) and len(seen) == kept
     # Every rank yields the same number of microbatches (each step the same count).
     assert len({len(mbs) for mbs in per_rank}) == 1
-    assert all(mb for mbs in per_rank for mb in mbs)  # no empty microbatch
+    assert all(mb for mbs in per_rank for mb, _ in mbs)  # no empty microbatch by default
+    # Padding (the step's cheapest sample again) comes first: the last is real.
+    assert all(len(mb) == 1 for mbs in per_rank for mb, pad in mbs if pad)
+    assert not any(mbs[-1][1] for mbs in per_rank)
     assert per_rank == _epoch(n, global_batch, m, world, seed=3)  # deterministic
     assert per_rank != _epoch(n, global_batch, m, world, seed=4)
 
@@ -160,9 +175,11 @@ def test_resume_under_workers_reading_ahead_continues_after_the_trained_step():
 VOCAB, DIM, SAMPLES = 50, 16, 24
 
 
-def _data():
+def _data(heavy: bool = False):
     rng = np.random.default_rng(11)
     lengths = rng.integers(2, 30, SAMPLES)
+    if heavy:  # a sample so long that its rank's balanced share holds it alone
+        lengths[0] = 400
     tokens = [rng.integers(0, VOCAB, n) for n in lengths]
     return lengths, tokens
 
@@ -220,15 +237,16 @@ def _full_grads(model, wrapper: str) -> dict:
     return grads
 
 
-def _dp_step(rank: int, world_size: int, wrapper: str) -> dict:
+def _dp_step(rank: int, world_size: int, wrapper: str, padding: str | None) -> dict:
     """One balanced step of the whole dataset (one global batch) under DDP or FSDP."""
     import torch
 
     torch.set_num_threads(1)
-    lengths, tokens = _data()
+    lengths, tokens = _data(heavy=padding is not None)
     sampler = BalancedBatchSampler(
-        lengths.astype(float) ** 1.5, SAMPLES, 3, target_tokens=lengths - 1, seed=1
-    )
+        lengths.astype(float) ** 1.5, SAMPLES, 3, target_tokens=lengths - 1, seed=1,
+        padding=padding or "sample",
+    )  # fmt: skip
     model = _wrap(_model(), wrapper)
     synced = []  # DDP: the microbatches whose backward reduced gradients over the ranks
     if wrapper == "ddp":
@@ -239,30 +257,44 @@ def _dp_step(rank: int, world_size: int, wrapper: str) -> dict:
             return allreduce_hook(state, bucket)
 
         model.register_comm_hook(None, counting_hook)
-    loader = torch.utils.data.DataLoader(range(SAMPLES), batch_sampler=sampler)
+    loader = torch.utils.data.DataLoader(
+        range(SAMPLES), batch_sampler=sampler, collate_fn=lambda ids: list(ids)
+    )
     samples = []
     for batch, mb in sampler.batches(loader):
         with mb.gradient_sync(model):
             # One forward per microbatch (FSDP needs the same count on every rank): the
-            # samples packed into one sequence (the model has no attention).
-            loss = _sum_loss(model, [tokens[int(i)] for i in batch]) * mb.loss_scale
+            # samples packed into one sequence (the model has no attention); a padding
+            # microbatch runs a two-token dummy, scaled by 0.
+            sequences = [tokens[int(i)] for i in batch] if batch else [np.zeros(2, int)]
+            loss = _sum_loss(model, sequences) * mb.loss_scale
             loss.backward()
-        samples += batch.tolist()
+        if not mb.is_padding:
+            samples += batch
     assert mb.is_last and mb.step.num_microbatches == 3
-    return {"samples": sorted(samples), "grads": _full_grads(model, wrapper), "synced": synced}
+    return {
+        "samples": sorted(samples),
+        "grads": _full_grads(model, wrapper),
+        "synced": synced,
+        "padding": mb.step.num_padding,
+    }
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("padding", [None, "sample", "empty"], ids=["mixed", "heavy", "empty"])
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp1", "fsdp2"])
-def test_balanced_step_has_the_single_process_gradient(wrapper):
+def test_balanced_step_has_the_single_process_gradient(wrapper, padding):
     """Each rank's microbatches differ in size and token count; with loss_scale and
-    gradient_sync the averaged gradient is the global batch's mean loss gradient."""
+    gradient_sync the averaged gradient is the global batch's mean loss gradient. With a
+    heavy sample its rank runs it alone and pads with 2 microbatches of loss scale 0 (the
+    cheapest sample again, or empty: a two-token dummy)."""
     from dflop.runtime import spawn_local
 
-    results = spawn_local(_dp_step, 2, (wrapper,), timeout_s=120.0, num_threads=1)
+    results = spawn_local(_dp_step, 2, (wrapper, padding), timeout_s=120.0, num_threads=1)
     if wrapper == "ddp":  # linear, so syncing every microbatch would give the same grads
         assert all(set(r["synced"]) == {2} for r in results)  # only after the last of 3
-    lengths, tokens = _data()
+    assert sorted(r["padding"] for r in results) == ([0, 0] if padding is None else [0, 2])
+    lengths, tokens = _data(heavy=padding is not None)
     assert sorted(results[0]["samples"] + results[1]["samples"]) == list(range(SAMPLES))
     assert results[0]["samples"] != results[1]["samples"]
     model = _model()
@@ -304,15 +336,65 @@ def test_ranks_that_would_split_differently_are_named():
         assert "False, 0, 1) vs (32, 8, 2, 0, True, False, 0, 0)" in state  # the steps
 
 
-def test_a_share_too_small_for_its_microbatches_falls_back_on_every_rank_alike():
+@pytest.mark.parametrize("padding", ["sample", "empty"])
+def test_a_share_smaller_than_its_microbatches_is_padded_and_stays_balanced(padding):
+    """A heavy sample's rank holds it alone and runs 3 padding microbatches first (the
+    step's cheapest sample, or empty; loss scale 0): every rank runs 4 forwards (FSDP) and
+    the ranks' totals are dflop.schedule's (plus the padding's), not a joint schedule's."""
+    import dflop
+    from dflop.dp import Microbatch, PackingCollator
+
     costs = np.ones(16)
-    costs[0] = 100.0  # its rank's balanced share would hold this sample alone
+    costs[0] = 100.0  # its rank's balanced share holds this sample alone
+    targets = np.ones(16, dtype=int)
+    samplers = [
+        BalancedBatchSampler(
+            costs, 16, 4, rank=r, world_size=2, shuffle=False, target_tokens=targets,
+            padding=padding,
+        )
+        for r in range(2)
+    ]  # fmt: skip
+    per_rank = [_rank_epoch(s) for s in samplers]
+    assert [len(mbs) for mbs in per_rank] == [4, 4]  # equal forward counts (FSDP)
+    real = sorted(i for mbs in per_rank for mb, pad in mbs if not pad for i in mb)
+    assert real == list(range(16))
+    heavy = 0 if per_rank[0][-1][0] == [0] else 1
+    pad = [1] if padding == "sample" else []  # sample 1: the first of the cheapest
+    assert per_rank[heavy] == [(pad, True)] * 3 + [([0], False)]
+    step = samplers[heavy].plan_step(0, 0)
+    assert step.num_padding == 3 and samplers[1 - heavy].plan_step(0, 0).num_padding == 0
+    # The ranks' totals: the free optimum's (dflop.schedule: 100 | 15), plus the padding
+    # samples' 3 x 1.0.
+    assert sorted(dflop.schedule(costs, 1, 2).loads[:, 0]) == [15.0, 100.0]
+    assert sorted(step.rank_costs[:, 0]) == [15.0, 103.0 if padding == "sample" else 100.0]
+    assert [Microbatch(step, k, 2).loss_scale for k in range(4)] == [0.0, 0.0, 0.0, 2 / 16]
+    # PackingCollator makes an empty microbatch a two-token row with one target.
+    row = PackingCollator()([])
+    assert row["input_ids"].tolist() == [[0, 0]] and row["labels"].tolist() == [[-100, 0]]
+
+
+def test_unpadded_short_shares_fall_back_to_one_joint_schedule_on_every_rank():
+    """padding=None (the Hugging Face Trainer's): no sample runs twice; such a
+    step is one joint schedule of every rank's microbatches."""
+    costs = np.ones(16)
+    costs[0] = 100.0
     per_rank = [
-        list(BalancedBatchSampler(costs, 16, 4, rank=r, world_size=2, shuffle=False))
+        _rank_epoch(
+            BalancedBatchSampler(costs, 16, 4, rank=r, world_size=2, shuffle=False, padding=None)
+        )
         for r in range(2)
     ]
-    assert [len(mbs) for mbs in per_rank] == [4, 4]  # equal forward counts (FSDP)
-    assert sorted(i for mbs in per_rank for mb in mbs for i in mb) == list(range(16))
-    sampler = BalancedBatchSampler(costs, 16, 4, rank=0, world_size=2, shuffle=False)
-    info = sampler.plan_step(0, 0)
-    assert info.rank_costs.shape == (2, 1) and info.rank_costs.sum() == costs.sum()
+    assert [len(mbs) for mbs in per_rank] == [4, 4]
+    assert not any(pad for mbs in per_rank for _, pad in mbs)
+    assert sorted(i for mbs in per_rank for mb, _ in mbs for i in mb) == list(range(16))
+
+
+def test_empty_padding_with_torch_default_collate_is_refused_in_one_line():
+    import torch
+
+    sampler = BalancedBatchSampler(np.ones(8), 8, 2, rank=0, world_size=2, padding="empty")
+    loader = torch.utils.data.DataLoader(range(8), batch_sampler=sampler)
+    with pytest.raises(ValueError, match="default collate function cannot take"):
+        next(sampler.batches(loader))
+    with pytest.raises(ValueError, match="padding='pad': give one of 'sample', 'empty' or None"):
+        BalancedBatchSampler(np.ones(8), 8, 2, rank=0, world_size=2, padding="pad")
