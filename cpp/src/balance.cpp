@@ -38,8 +38,6 @@ constexpr double kGapTolerance = 1e-6;
 constexpr int64_t kMaxPartners = 48;
 // Once an improving op is found, partners scanned before taking the best found so far.
 constexpr int64_t kPartnersAfterFound = 1;
-// Extra budget (x the budget) for a search still over a capacity when its budget ends.
-constexpr int64_t kInfeasibleBudgetFactor = 20;
 // Improving moves between refreshes of the partner ranking (an O(B) step).
 constexpr int64_t kMovesPerPartnerRefresh = 8;
 // Perturbations in a row without a better makespan before the search gives up.
@@ -100,11 +98,19 @@ struct Problem {
   const double* costs;
   int64_t n, d, m, p, b;
   std::vector<char> is_group;  // per dim: load summed per microbatch
+  std::vector<char> is_limit;  // per dim: a limit only (never balanced, not in the makespan)
   std::vector<double> cap;     // per dim, +inf where unbounded
+  bool has_caps = false;       // some capacity is finite
   std::vector<double> total;   // per dim
   double lower_bound = 0.0;
   double overflow_base = 0.0;  // every value above this is a capacity violation
   double c(int64_t i, int64_t k) const { return costs[i * d + k]; }
+  // How a message names dimension k: a limit column by its own index.
+  std::string cap_name(int64_t k) const {
+    const int64_t first_limit = d - std::count(is_limit.begin(), is_limit.end(), 1);
+    return k >= first_limit ? "limits[" + std::to_string(k - first_limit) + "]"
+                            : "capacity[" + std::to_string(k) + "]";
+  }
 };
 
 class Solver {
@@ -121,28 +127,38 @@ class Solver {
 
   BalanceResult run() {
     const int64_t budget = budget_;
-    construct();
     BalanceResult res;
-    res.stats.initial_makespan = makespan();
     res.stats.work_budget = budget;
+    // With capacities, three starts in turn, each only if the one before ended over a
+    // capacity: (1) the balanced start built within the capacities, half the budget (and
+    // the rest once it fits); (2) a first-fit-decreasing packing, so a bin count that FFD
+    // fills is never reported infeasible, half the budget; (3) balance ignoring the
+    // capacities, then repair. A call does at most 2x its budget's work (plus FFD's one
+    // O(N B D) pass), feasible or not.
+    if (pr_.has_caps) budget_ = budget / 2;
+    construct();
+    res.stats.initial_makespan = makespan();
     search();
-    if (makespan() >= pr_.overflow_base) {
-      // Capacity-aware construction led to a dead end. Second attempt: balance ignoring the
-      // capacities (a balanced schedule is usually well inside them), then repair.
+    if (!pr_.has_caps || makespan() < pr_.overflow_base) {
+      budget_ = std::max(budget_, budget);
+      search();
+    } else if (first_fit_decreasing()) {
+      res.stats.seeded_by_first_fit = true;
+      budget_ = work_ + budget / 2;
+      search();
+    } else {
       enforce_caps_ = false;
       construct();
-      budget_ = work_ + budget;
+      budget_ = work_ + budget / 2;
       search();
       enforce_caps_ = true;
-      budget_ = work_ + budget;
-      budget_extended_ = false;
+      budget_ = work_ + budget / 4;
       search();
     }
     finish(res);
     return res;
   }
 
- private:
   // ---- state -------------------------------------------------------------------------
   const Problem& pr_;
   SplitMix64 rng_;
@@ -160,7 +176,6 @@ class Solver {
   // Undo log of (item, previous bin) for reverting a perturbation.
   bool has_group_dims_ = false;
   bool stale_partners_ = true;
-  bool budget_extended_ = false;
   bool enforce_caps_ = true;
   bool logging_ = false;
   std::vector<std::pair<int64_t, int64_t>> undo_;
@@ -181,7 +196,8 @@ class Solver {
   // that repairing capacity always comes before shortening the makespan.
   double value(double v, int64_t k) const {
     const double cap = pr_.cap[k];
-    if (!enforce_caps_ || v <= cap * (1 + kCapRelTol)) return v;
+    const double within = pr_.is_limit[k] ? 0.0 : v;  // a limit counts only when broken
+    if (!enforce_caps_ || v <= cap * (1 + kCapRelTol)) return within;
     return pr_.overflow_base + (v - cap);
   }
   double height(int64_t bin) const {
@@ -235,6 +251,10 @@ class Solver {
     for (int64_t k = 0; k < pr_.d; ++k) {
       const double after = load(bin, k) + pr_.c(i, k);
       const double v = value(after, k);
+      if (pr_.is_limit[k]) {
+        if (v >= pr_.overflow_base) mx = std::max(mx, v);
+        continue;
+      }
       const double nv = v >= pr_.overflow_base ? v : norm(after);
       mx = std::max(mx, nv);
       sum += norm(after);
@@ -244,19 +264,19 @@ class Solver {
   double bin_key(int64_t bin, int64_t only_dim) const {  // per-bin dims only
     double key = 0.0;
     for (int64_t k = 0; k < pr_.d; ++k)
-      if (!pr_.is_group[k] && (only_dim < 0 || only_dim == k))
+      if (!pr_.is_group[k] && !pr_.is_limit[k] && (only_dim < 0 || only_dim == k))
         key = std::max(key, norm(bin_load_[bin * pr_.d + k]));
     return key;
   }
   double group_key(int64_t g, int64_t only_dim) const {  // microbatch dims only
     double key = 0.0;
     for (int64_t k = 0; k < pr_.d; ++k)
-      if (pr_.is_group[k] && (only_dim < 0 || only_dim == k))
+      if (pr_.is_group[k] && !pr_.is_limit[k] && (only_dim < 0 || only_dim == k))
         key = std::max(key, norm(group_load_[g * pr_.d + k]));
     return key;
   }
 
-  void construct() {
+  void reset() {
     const int64_t n = pr_.n, d = pr_.d, b = pr_.b;
     for (int64_t k = 0; k < d; ++k) has_group_dims_ = has_group_dims_ || pr_.is_group[k];
     bin_of_.assign(n, -1);
@@ -264,11 +284,66 @@ class Solver {
     members_.assign(b, {});
     bin_load_.assign(b * d, 0.0);
     group_load_.assign(pr_.m * d, 0.0);
+  }
+
+  // ---- first-fit decreasing: a packing within the capacities -------------------------
+  // Items by decreasing largest share of a capacity, each into the first bin it fits;
+  // then every empty bin takes an item that fits it from a bin holding two or more.
+  // Returns false (state undefined) when an item fits no bin.
+  bool fits(int64_t bin, int64_t i) const {
+    for (int64_t k = 0; k < pr_.d; ++k)
+      if (load(bin, k) + pr_.c(i, k) > pr_.cap[k] * (1 + kCapRelTol)) return false;
+    return true;
+  }
+  bool first_fit_decreasing() {
+    const int64_t n = pr_.n, d = pr_.d, b = pr_.b;
+    reset();
+    std::vector<double> key(n, 0.0);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t k = 0; k < d; ++k)
+        if (std::isfinite(pr_.cap[k]) && pr_.cap[k] > 0)
+          key[i] = std::max(key[i], pr_.c(i, k) / pr_.cap[k]);
+    std::vector<int64_t> order(n);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t x, int64_t y) { return key[x] > key[y]; });
+    for (int64_t i : order) {
+      int64_t bin = 0;
+      while (bin < b && !fits(bin, i)) ++bin;
+      work_ += (bin + 1) * d;
+      if (bin == b) return false;
+      place(i, bin);
+    }
+    for (int64_t empty = 0; empty < b; ++empty) {
+      if (!members_[empty].empty()) continue;
+      bool filled = false;
+      for (int64_t donor = 0; donor < b && !filled; ++donor) {
+        if (members_[donor].size() < 2) continue;
+        for (int64_t j : std::vector<int64_t>(members_[donor])) {
+          unplace(j);
+          if (fits(empty, j)) {
+            place(j, empty);
+            filled = true;
+            break;
+          }
+          place(j, donor);
+        }
+        work_ += static_cast<int64_t>(members_[donor].size()) * d;
+      }
+      if (!filled) return false;
+    }
+    return true;
+  }
+
+  void construct() {
+    const int64_t n = pr_.n, d = pr_.d, b = pr_.b;
+    reset();
 
     std::vector<double> size_key(n), size_sum(n);
     for (int64_t i = 0; i < n; ++i) {
       double mx = 0.0, sum = 0.0;
       for (int64_t k = 0; k < d; ++k) {
+        if (pr_.is_limit[k]) continue;
         mx = std::max(mx, norm(pr_.c(i, k)));
         sum += norm(pr_.c(i, k));
       }
@@ -285,7 +360,8 @@ class Solver {
 
     // Trees: combined + per dimension, separately for per-bin and microbatch dims.
     std::vector<int64_t> bin_dims, group_dims;
-    for (int64_t k = 0; k < d; ++k) (pr_.is_group[k] ? group_dims : bin_dims).push_back(k);
+    for (int64_t k = 0; k < d; ++k)
+      if (!pr_.is_limit[k]) (pr_.is_group[k] ? group_dims : bin_dims).push_back(k);
     std::vector<MinTree> bin_trees, group_trees;
     std::vector<int64_t> bin_tree_dim, group_tree_dim;
     if (!bin_dims.empty()) {
@@ -519,14 +595,7 @@ class Solver {
     double best = descend();
     int64_t fruitless = 0;
     while (true) {
-      if (out_of_budget() || fruitless >= kMaxFruitlessPerturbations) {
-        // Still over a capacity: an error would lose the step, so search (deterministically)
-        // longer once before giving up.
-        if (best < pr_.overflow_base || budget_extended_) break;
-        budget_extended_ = true;
-        budget_ = work_ + kInfeasibleBudgetFactor * std::max<int64_t>(budget_, 1);
-        fruitless = 0;
-      }
+      if (out_of_budget() || fruitless >= kMaxFruitlessPerturbations) break;
       if (best <= pr_.lower_bound * (1 + kGapTolerance)) break;
       undo_.clear();
       logging_ = true;
@@ -563,14 +632,16 @@ class Solver {
       const int64_t count = g ? pr_.m : pr_.b;
       for (int64_t s = 0; s < count; ++s) {
         const double v = loads[s * d + k];
-        mk = std::max(mk, v);
+        if (!pr_.is_limit[k]) mk = std::max(mk, v);
         if (v > pr_.cap[k] * (1 + kCapRelTol)) {
-          throw Infeasible("capacity[" + std::to_string(k) + "]=" + fmt(pr_.cap[k]) +
-                           " could not be met: the best schedule found still puts " + fmt(v) +
-                           " on " + (g ? "microbatch " : "bin ") + std::to_string(s) +
-                           " (the total needs " + fmt(pr_.total[k] / count) + " per " +
-                           (g ? "microbatch" : "bin") +
-                           " on average); raise the capacity or the number of microbatches");
+          throw Infeasible(
+              "no schedule within " + pr_.cap_name(k) + "=" + fmt(pr_.cap[k]) +
+              " found within the search budget (first-fit decreasing did not fit it either): "
+              "the best one puts " +
+              fmt(v) + " on " + (g ? "microbatch " : "bin ") + std::to_string(s) + " of " +
+              std::to_string(count) + " (the total is " + fmt(pr_.total[k]) + ", " +
+              fmt(pr_.total[k] / count) + " per " + (g ? "microbatch" : "bin") +
+              " on average); raise the limit, the number of microbatches or the time budget");
         }
       }
     }
@@ -594,6 +665,9 @@ Problem make_problem(const double* costs, int64_t n, int64_t d, const BalanceOpt
   pr.is_group.assign(d, 0);
   for (int64_t k : o.microbatch_dims) pr.is_group[k] = 1;
   pr.cap = o.capacity.empty() ? std::vector<double>(d, kInf) : o.capacity;
+  pr.is_limit.assign(d, 0);
+  for (int64_t k = d - o.num_limit_dims; k < d; ++k) pr.is_limit[k] = 1;
+  for (double c : pr.cap) pr.has_caps = pr.has_caps || std::isfinite(c);
   pr.total.assign(d, 0.0);
   std::vector<double> largest(d, 0.0);
   for (int64_t i = 0; i < n; ++i)
@@ -603,6 +677,7 @@ Problem make_problem(const double* costs, int64_t n, int64_t d, const BalanceOpt
     }
   double sum_total = 0.0;
   for (int64_t k = 0; k < d; ++k) {
+    if (pr.is_limit[k]) continue;
     const double count = static_cast<double>(pr.is_group[k] ? pr.m : pr.b);
     pr.lower_bound = std::max({pr.lower_bound, pr.total[k] / count, largest[k]});
     sum_total += pr.total[k];
@@ -639,6 +714,13 @@ void validate_balance_input(const double* costs, int64_t n, int64_t d, const Bal
     if (seen[k]) throw InvalidArgument(where + " is listed twice");
     seen[k] = 1;
   }
+  if (o.num_limit_dims < 0 || o.num_limit_dims >= d)
+    throw InvalidArgument("num_limit_dims=" + std::to_string(o.num_limit_dims) +
+                          " must be in [0, D) with D=" + std::to_string(d) +
+                          ": at least one column is balanced");
+  if (o.num_limit_dims > 0 && o.capacity.empty())
+    throw InvalidArgument("num_limit_dims=" + std::to_string(o.num_limit_dims) +
+                          " needs capacity (the limits' bounds)");
   if (!o.capacity.empty() && static_cast<int64_t>(o.capacity.size()) != d)
     throw InvalidArgument("capacity has length " + std::to_string(o.capacity.size()) +
                           " but costs has D=" + std::to_string(d) + " columns");
@@ -674,24 +756,78 @@ void validate_balance_input(const double* costs, int64_t n, int64_t d, const Bal
   // Cheap proofs of infeasibility: a single item over a bound, or a total over count x bound.
   std::vector<char> is_group(d, 0);
   for (int64_t k : o.microbatch_dims) is_group[k] = 1;
+  const int64_t first_limit = d - o.num_limit_dims;
+  // A limit column is named as the caller passed it: resources[i, j] against limits[j].
+  auto cell = [&](int64_t i, int64_t k) {
+    return k >= first_limit
+               ? "resources[" + std::to_string(i) + ", " + std::to_string(k - first_limit) + "]"
+               : "costs[" + std::to_string(i) + ", " + std::to_string(k) + "]";
+  };
+  auto bound = [&](int64_t k) {
+    return k >= first_limit ? "limits[" + std::to_string(k - first_limit) + "]"
+                            : "capacity[" + std::to_string(k) + "]";
+  };
   for (int64_t i = 0; i < n; ++i)
     for (int64_t k = 0; k < d; ++k) {
       const double v = costs[i * d + k];
       if (v > o.capacity[k] * (1 + kCapRelTol))
-        throw Infeasible("sample " + std::to_string(i) + " has costs[" + std::to_string(i) + ", " +
-                         std::to_string(k) + "]=" + fmt(v) + " above capacity[" +
-                         std::to_string(k) + "]=" + fmt(o.capacity[k]) + "; no " +
+        throw Infeasible("sample " + std::to_string(i) + " has " + cell(i, k) + "=" + fmt(v) +
+                         " above " + bound(k) + "=" + fmt(o.capacity[k]) + "; no " +
                          (is_group[k] ? "microbatch" : "bin") + " can hold it");
     }
   for (int64_t k = 0; k < d; ++k) {
     const int64_t count = is_group[k] ? o.num_microbatches : b;
     if (total[k] > o.capacity[k] * static_cast<double>(count) * (1 + kCapRelTol))
-      throw Infeasible("capacity[" + std::to_string(k) + "]=" + fmt(o.capacity[k]) +
-                       " is too small: dimension " + std::to_string(k) + " totals " +
-                       fmt(total[k]) + ", which needs at least " + fmt(total[k] / count) + " per " +
-                       (is_group[k] ? "microbatch" : "bin") + " over " + std::to_string(count) +
+      throw Infeasible(bound(k) + "=" + fmt(o.capacity[k]) + " is too small: " +
+                       (k >= first_limit ? "resources column " + std::to_string(k - first_limit)
+                                         : "dimension " + std::to_string(k)) +
+                       " totals " + fmt(total[k]) + ", which needs at least " +
+                       fmt(total[k] / count) + " per " + (is_group[k] ? "microbatch" : "bin") +
+                       " over " + std::to_string(count) +
                        (is_group[k] ? " microbatches" : " bins"));
   }
+}
+
+int64_t first_fit_decreasing_bins(const double* used, int64_t n, int64_t k,
+                                  const std::vector<double>& limits) {
+  if (k < 1 || static_cast<int64_t>(limits.size()) != k)
+    throw InvalidArgument("limits has " + std::to_string(limits.size()) + " values for " +
+                          std::to_string(k) + " resource columns");
+  for (int64_t j = 0; j < k; ++j)
+    if (std::isnan(limits[j]) || limits[j] < 0)
+      throw InvalidArgument("limits[" + std::to_string(j) + "]=" + fmt(limits[j]) +
+                            " must be a number >= 0 (inf: no bound)");
+  std::vector<double> key(n, 0.0);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < k; ++j) {
+      const double v = used[i * k + j];
+      if (!std::isfinite(v) || v < 0)
+        throw InvalidArgument("resources[" + std::to_string(i) + ", " + std::to_string(j) +
+                              "]=" + fmt(v) + " must be finite and >= 0");
+      if (v > limits[j] * (1 + kCapRelTol))
+        throw Infeasible("sample " + std::to_string(i) + " has resources[" + std::to_string(i) +
+                         ", " + std::to_string(j) + "]=" + fmt(v) + " above limits[" +
+                         std::to_string(j) + "]=" + fmt(limits[j]) + "; no bin can hold it");
+      if (std::isfinite(limits[j]) && limits[j] > 0) key[i] = std::max(key[i], v / limits[j]);
+    }
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return key[x] > key[y]; });
+  std::vector<double> loads;  // bins x k
+  int64_t bins = 0;
+  for (int64_t i : order) {
+    int64_t bin = 0;
+    for (; bin < bins; ++bin) {
+      bool fits = true;
+      for (int64_t j = 0; j < k && fits; ++j)
+        fits = loads[bin * k + j] + used[i * k + j] <= limits[j] * (1 + kCapRelTol);
+      if (fits) break;
+    }
+    if (bin == bins) loads.resize(++bins * k, 0.0);
+    for (int64_t j = 0; j < k; ++j) loads[bin * k + j] += used[i * k + j];
+  }
+  return bins;
 }
 
 int64_t default_work_budget(int64_t num_items, int64_t num_bins, int64_t num_dims) {

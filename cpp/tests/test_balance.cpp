@@ -544,6 +544,50 @@ TEST_CASE(bad_microbatch_dims) {
       InvalidArgument);
 }
 
+TEST_CASE(limit_dims_bound_the_bins_but_are_not_balanced) {
+  // Column 1 is a limit only: the two 10s cannot share a bin, and the makespan and lower
+  // bound are column 0's alone.
+  const Costs c{4, 2, {1, 10, 1, 10, 1, 1, 1, 1}};
+  auto o = options(2, 1, {}, {kInf, 11.0});
+  o.num_limit_dims = 1;
+  const auto r = solve(c, o);
+  CHECK_NE(r.assignment[0], r.assignment[1]);
+  CHECK_NEAR(r.makespan, 2.0, kTol);
+  CHECK_NEAR(r.lower_bound, 2.0, kTol);
+  // Errors name the limit column as the caller passed it.
+  auto over = o;
+  over.capacity = {kInf, 9.0};
+  CHECK_THROWS_WITH(solve(c, over), dflop::Infeasible, "resources[0, 0]=10 above limits[0]=9");
+  auto no_cap = options(2, 1);
+  no_cap.num_limit_dims = 1;
+  CHECK_THROWS_WITH(solve(c, no_cap), dflop::InvalidArgument, "needs capacity");
+  auto all_limits = o;
+  all_limits.num_limit_dims = 2;
+  CHECK_THROWS_WITH(solve(c, all_limits), dflop::InvalidArgument, "at least one column");
+}
+
+TEST_CASE(counts_first_fit_decreasing_fills_are_never_infeasible) {
+  int seeded = 0;
+  for (uint64_t seed = 1; seed <= 40; ++seed) {
+    const Costs tokens = random_costs(seed, 200, 1, static_cast<int>(seed));
+    double largest = 0.0;
+    for (double t : tokens.v) largest = std::max(largest, t);
+    const double limit = largest * (1.0 + static_cast<double>(seed % 4));
+    const int64_t bins = dflop::first_fit_decreasing_bins(tokens.v.data(), 200, 1, {limit});
+    Costs c{200, 2, std::vector<double>(400)};
+    for (int64_t i = 0; i < 200; ++i) {
+      c.v[i * 2] = tokens.v[i] * (1.0 + tokens.v[i] / largest);  // the balanced cost
+      c.v[i * 2 + 1] = tokens.v[i];                              // the limit
+    }
+    auto o = options(bins, 1, {}, {kInf, limit}, seed);
+    o.num_limit_dims = 1;
+    const auto r = solve(c, o);  // throws if not met
+    for (int64_t bin = 0; bin < bins; ++bin) CHECK(r.bin_loads[bin * 2 + 1] <= limit * (1 + kTol));
+    seeded += r.stats.seeded_by_first_fit;
+  }
+  std::printf("  (%d of 40 met only from the first-fit packing)\n", seeded);
+}
+
 TEST_CASE(bad_capacity) {
   const std::vector<double> v(16, 1.0);
   using dflop::InvalidArgument;

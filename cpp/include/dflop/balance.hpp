@@ -24,6 +24,10 @@ struct BalanceOptions {
   std::vector<int64_t> microbatch_dims;
   // Empty, or one upper bound per dimension on a bin's (microbatch's) load; +inf = none.
   std::vector<double> capacity;
+  // The last num_limit_dims columns are limits only (tokens, visual units: a memory
+  // budget): their capacities constrain the schedule, but they are neither balanced nor
+  // part of the makespan or the lower bound. Needs capacity; at least one column remains.
+  int64_t num_limit_dims = 0;
   uint64_t seed = 0;
   // Search effort in work units (one unit ~ one candidate move evaluated). The search
   // counts work instead of reading a clock so that results are reproducible. Without
@@ -49,6 +53,7 @@ struct BalanceStats {
   int64_t improving_moves = 0;
   int64_t perturbations = 0;
   bool stopped_by_time_limit = false;
+  bool seeded_by_first_fit = false;  // the search started again from a first-fit packing
 };
 
 struct BalanceResult {
@@ -62,14 +67,25 @@ struct BalanceResult {
 
 // Checks every argument and throws InvalidArgument naming the first problem
 // (argument, index, value), or Infeasible when the capacities cannot be met by any
-// schedule for a reason that is cheap to prove.
+// schedule for a reason that is cheap to prove (a sample over a bound; a total over the
+// bins' bounds).
 void validate_balance_input(const double* costs, int64_t num_items, int64_t num_dims,
                             const BalanceOptions& options);
 
-// Validates, then solves. `costs` is row-major num_items x num_dims. Throws Infeasible if
-// no schedule within the capacities was found.
+// Validates, then solves. `costs` is row-major num_items x num_dims. With capacities,
+// a search that ends over one starts again from a first-fit-decreasing packing (so a bin
+// count that FFD fills is never reported infeasible), then from a balance that ignores
+// them, repaired; a call does at most 2x its work budget (plus FFD's O(N B D) pass),
+// feasible or not. Throws Infeasible if no schedule within the capacities was found.
 BalanceResult balance(const double* costs, int64_t num_items, int64_t num_dims,
                       const BalanceOptions& options);
+
+// How many bins first-fit decreasing packs the items into within `limits` (one bound per
+// column of the row-major num_items x num_cols `used`; +inf = none): items by decreasing
+// largest share of a bound, each into the first bin it fits. Throws Infeasible naming
+// the item when one alone is over a bound, InvalidArgument for bad input.
+int64_t first_fit_decreasing_bins(const double* used, int64_t num_items, int64_t num_cols,
+                                  const std::vector<double>& limits);
 
 // Work units the search gets by default for a problem of this size.
 int64_t default_work_budget(int64_t num_items, int64_t num_bins, int64_t num_dims);

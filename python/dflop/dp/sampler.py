@@ -311,20 +311,18 @@ class BalancedBatchSampler:
         indices = order[step * self.global_batch : (step + 1) * self.global_batch]
         num_microbatches = self._microbatches_for(len(indices))
         costs = self._step_costs(indices)
-        num_dims = costs.shape[1]
-        capacity = None
-        if self._resources is not None:
-            costs, capacity = self._with_resources(costs, indices)
+        used = None if self._resources is None else self._resources[indices]
+
+        def bounded(rows: Any = slice(None), per: int = 1) -> dict[str, Any]:
+            """The limits of ``per`` microbatches over the samples ``rows``, if any."""
+            if used is None:
+                return {}
+            return {"resources": used[rows], "limits": [v * per for v in self._limits]}
+
         seed = self.seed + 7919 * epoch + step
         kw = {"seed": seed, "time_budget_ms": self.time_budget_ms}
         # The ranks' shares (a share holds num_microbatches microbatches' resources).
-        shares = schedule(
-            costs,
-            1,
-            self.world_size,
-            capacity=None if capacity is None else [c * num_microbatches for c in capacity],
-            **kw,
-        )
+        shares = schedule(costs, 1, self.world_size, **bounded(per=num_microbatches), **kw)
         sizes = np.bincount(shares.assignment, minlength=self.world_size)
         num_padding = 0
         try:
@@ -332,8 +330,11 @@ class BalancedBatchSampler:
                 raise InfeasibleError("a share is smaller than num_microbatches")
             # Every rank must take the same branch: with limits a cut can fail, so each
             # rank cuts every share (without limits only its own: a cut cannot fail).
-            ranks = range(self.world_size) if capacity is not None else [self.rank]
-            cuts = {r: _cut(costs[shares.bin(r)], num_microbatches, capacity, kw) for r in ranks}
+            ranks = range(self.world_size) if used is not None else [self.rank]
+            cuts = {
+                r: _cut(costs[shares.bin(r)], num_microbatches, bounded(shares.bin(r)), kw)
+                for r in ranks
+            }
             mine = shares.bin(self.rank)
             parts = [mine[p] for p in cuts[self.rank]]
             # A share smaller than num_microbatches: padding microbatches first (loss
@@ -341,20 +342,20 @@ class BalancedBatchSampler:
             # or empty (a dummy row's cost, not priced).
             padding = np.maximum(num_microbatches - sizes, 0)
             num_padding = int(padding[self.rank])
-            rank_costs = shares.loads[:, :num_dims]
+            rank_costs = shares.loads
             pad = np.zeros(0, dtype=np.int64)
             if self.padding == "sample":
-                cheapest = int(np.argmin(costs[:, :num_dims].sum(axis=1)))
+                cheapest = int(np.argmin(costs.sum(axis=1)))
                 pad = np.array([cheapest])
-                rank_costs = rank_costs + np.outer(padding, costs[cheapest, :num_dims])
+                rank_costs = rank_costs + np.outer(padding, costs[cheapest])
             parts = [pad] * num_padding + parts
         except InfeasibleError:
             # A share's cut cannot meet the limits (or is too small to cut, unpadded). The
             # shares are the same everywhere, so every rank falls back together, to one
             # joint schedule.
-            joint = schedule(costs, num_microbatches, self.world_size, capacity=capacity, **kw)
+            joint = schedule(costs, num_microbatches, self.world_size, **bounded(), **kw)
             parts = joint.microbatches(self.rank)
-            loads = joint.loads[:, :num_dims].reshape(num_microbatches, self.world_size, -1)
+            loads = joint.loads.reshape(num_microbatches, self.world_size, -1)
             rank_costs = loads.sum(axis=0)
         targets = None if self._targets is None else int(self._targets[indices].sum())
         return StepInfo(
@@ -451,18 +452,6 @@ class BalancedBatchSampler:
             return self._costs[indices]
         return _cost_array("costs", self._cost_fn(indices.copy()), indices)
 
-    def _with_resources(
-        self, costs: np.ndarray, indices: np.ndarray
-    ) -> tuple[np.ndarray, list[float]]:
-        """Resource columns next to the costs, scaled far below them so that they only
-        bound a microbatch (balance's makespan is absolute: a column that is never the
-        largest does not steer it), with the limits scaled alike."""
-        used = self._resources[indices]
-        total_cost = float(costs.sum()) or 1.0
-        scale = 1e-9 * total_cost / np.maximum(used.sum(axis=0), 1e-300)
-        capacity = [float("inf")] * costs.shape[1] + (np.asarray(self._limits) * scale).tolist()
-        return np.concatenate([costs, used * scale], axis=1), capacity
-
 
 def _is_default_collate(collate_fn: Any) -> bool:
     try:
@@ -472,16 +461,15 @@ def _is_default_collate(collate_fn: Any) -> bool:
     return collate_fn is default_collate
 
 
-def _cut(
-    costs: np.ndarray, num_microbatches: int, capacity: list[float] | None, kw: dict
-) -> list[np.ndarray]:
+def _cut(costs: np.ndarray, num_microbatches: int, bounded: dict, kw: dict) -> list[np.ndarray]:
     """A rank's share cut into ``num_microbatches`` balanced microbatches (row indices of
-    ``costs``, in run order); a share with fewer samples, one sample per microbatch."""
+    ``costs``, in run order); a share with fewer samples, one sample per microbatch.
+    ``bounded``: the share's ``resources`` and ``limits`` (or nothing)."""
     if len(costs) <= num_microbatches:
-        if capacity is not None:  # a sample alone over a limit cannot run at all
-            schedule(costs, len(costs), 1, capacity=capacity, **kw)
+        if bounded:  # a sample alone over a limit cannot run at all
+            schedule(costs, len(costs), 1, **bounded, **kw)
         return [np.array([i]) for i in range(len(costs))]
-    cut = schedule(costs, num_microbatches, 1, capacity=capacity, **kw)
+    cut = schedule(costs, num_microbatches, 1, **bounded, **kw)
     return [np.asarray(p) for p in cut.microbatches(0)]
 
 

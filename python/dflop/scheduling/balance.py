@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -56,6 +57,8 @@ class Schedule:
     """Wall time spent inside the native solver."""
     stats: Mapping[str, Any] = field(default_factory=dict)
     """Search statistics: initial_makespan, work_used, work_budget, improving_moves, ..."""
+    resource_loads: np.ndarray | None = None
+    """(num_bins, K) float64: each bin's summed ``resources`` (None without limits)."""
 
     @property
     def num_bins(self) -> int:
@@ -177,11 +180,13 @@ def _as_dims(microbatch_dims: Any) -> tuple[int, ...]:
 
 def schedule(
     costs: Any,
-    num_microbatches: int,
+    num_microbatches: int | None,
     dp_size: int = 1,
     *,
     microbatch_dims: Sequence[int] = (),
     capacity: Sequence[float] | None = None,
+    resources: Any = None,
+    limits: Sequence[float] | None = None,
     seed: int = 0,
     time_budget_ms: float | None = None,
     time_limit_s: float | None = None,
@@ -192,14 +197,23 @@ def schedule(
         costs: (N, D) non-negative per-sample costs in one unit (e.g. seconds of stage
             time); a 1-D array means D = 1. In dflop's own use column 0 is the encoder's
             cost and column 1 the LLM's.
-        num_microbatches: microbatches per DP rank in the step.
+        num_microbatches: microbatches per DP rank in the step; None (with ``limits``):
+            the fewest that meet the limits, never more than first-fit decreasing needs
+            (``stats["first_fit_bins"]``), balanced.
         dp_size: data-parallel ranks; bin ``b`` is microbatch ``b // dp_size`` on rank
             ``b % dp_size``.
         microbatch_dims: dimensions whose load is summed over the whole microbatch (all
             its DP bins), e.g. an encoder whose replicas share each microbatch (pass its
             costs already divided by the encoder's DP size).
         capacity: optional length-D upper bounds on each bin's (microbatch's, for
-            microbatch_dims) load; ``inf`` means unbounded.
+            microbatch_dims) load of the costs; ``inf`` means unbounded.
+        resources, limits: what each sample occupies, ``(N, K)`` (tokens, visual units,
+            bytes: 1-D means K = 1), and ``K`` upper bounds on a bin's sum of each
+            column (a memory budget). Limits constrain the schedule but are not balanced:
+            the makespan and lower bound are the costs' (``Schedule.resource_loads``
+            holds the bins' sums). With any bound the search is also seeded with a
+            first-fit-decreasing packing, so a bin count that first-fit decreasing fills
+            is never reported infeasible.
         seed: seed of the randomised search; equal inputs and seed give equal schedules.
         time_budget_ms: search effort. It is converted to a deterministic amount of work
             (calibrated on one x86 core), so a given budget gives the same schedule on
@@ -216,10 +230,15 @@ def schedule(
     Raises:
         TypeError: non-numeric costs or non-integer counts.
         ValueError: malformed arguments (naming the argument and first offending index).
-        InfeasibleError: (a ValueError) the capacities cannot be met.
+        InfeasibleError: (a ValueError) the capacities or limits cannot be met: a sample
+            alone over one, a total over the bins' bounds (proved), or no schedule found
+            within the budget (said so, with the numbers).
     """
     cost_array = _as_costs(costs)
-    num_microbatches = _as_int("num_microbatches", num_microbatches)
+    num_costs = cost_array.shape[1]
+    chosen = num_microbatches is None
+    if not chosen:
+        num_microbatches = _as_int("num_microbatches", num_microbatches)
     dp_size = _as_int("dp_size", dp_size)
     seed = _as_int("seed", seed, upper=2**64 - 1)
     if seed < 0:
@@ -236,34 +255,119 @@ def schedule(
                 f"D={cost_array.shape[1]} columns"
             )
         cap_list = [float(v) for v in cap_array]
+    num_limits = 0
+    if resources is not None or limits is not None:
+        used, bounds = resource_limits(resources, limits, cost_array.shape[0])
+        num_limits = used.shape[1]
+        cost_array = np.concatenate([cost_array, used], axis=1)
+        cap_list = (cap_list or [math.inf] * num_costs) + bounds
     limit = as_time_limit_s("time_limit_s", time_limit_s)
     limited = limit is not None and math.isfinite(limit)
     budget = as_time_budget_ms("time_budget_ms", time_budget_ms, limited)
+
+    def solve(count: int) -> Schedule:
+        start_s = _perf_counter()
+        raw = _core.balance(
+            cost_array,
+            num_microbatches=count,
+            dp_size=dp_size,
+            microbatch_dims=list(dims),
+            capacity=cap_list,
+            seed=seed,
+            time_budget_ms=budget,
+            time_limit_s=limit,
+            num_limit_dims=num_limits,
+        )
+        return Schedule(
+            assignment=_frozen(raw["assignment"]),
+            loads=_frozen(raw["bin_loads"][:, :num_costs]),
+            microbatch_loads=_frozen(raw["microbatch_loads"][:, :num_costs]),
+            resource_loads=_frozen(raw["bin_loads"][:, num_costs:]) if num_limits else None,
+            makespan=float(raw["makespan"]),
+            lower_bound=float(raw["lower_bound"]),
+            num_microbatches=count,
+            dp_size=dp_size,
+            microbatch_dims=dims,
+            seed=seed,
+            solve_time_s=_perf_counter() - start_s,
+            stats=MappingProxyType(dict(raw["stats"])),
+        )
+
+    if not chosen:
+        return solve(num_microbatches)
+    if not num_limits:
+        raise ValueError(
+            "num_microbatches=None chooses the fewest microbatches that meet limits: give "
+            "resources and limits"
+        )
+    return _fewest_microbatches(solve, used, bounds, dp_size)
+
+
+def _fewest_microbatches(
+    solve: Any, used: np.ndarray, bounds: list[float], dp_size: int
+) -> Schedule:
+    """The fewest microbatches per rank whose ``num_microbatches x dp_size`` bins meet the
+    limits, balanced: counts from the totals' bound up to first-fit decreasing's (which
+    the search, seeded with FFD, always meets), the first that a search meets."""
+    num_samples = used.shape[0]
     start_s = _perf_counter()
-    raw = _core.balance(
-        cost_array,
-        num_microbatches=num_microbatches,
-        dp_size=dp_size,
-        microbatch_dims=list(dims),
-        capacity=cap_list,
-        seed=seed,
-        time_budget_ms=budget,
-        time_limit_s=limit,
-    )
-    solve_time_s = _perf_counter() - start_s
-    return Schedule(
-        assignment=_frozen(raw["assignment"]),
-        loads=_frozen(raw["bin_loads"]),
-        microbatch_loads=_frozen(raw["microbatch_loads"]),
-        makespan=float(raw["makespan"]),
-        lower_bound=float(raw["lower_bound"]),
-        num_microbatches=num_microbatches,
-        dp_size=dp_size,
-        microbatch_dims=dims,
-        seed=seed,
-        solve_time_s=solve_time_s,
-        stats=MappingProxyType(dict(raw["stats"])),
-    )
+    ffd_bins = int(_core.first_fit_decreasing_bins(used, bounds))  # names a sample too big
+    totals = used.sum(axis=0)
+    needed = [math.ceil(t / b * (1 - 1e-9)) for t, b in zip(totals, bounds) if 0 < b < math.inf]
+    lowest = max(1, -(-max(needed, default=1) // dp_size))
+    highest = max(lowest, -(-ffd_bins // dp_size))
+    if highest * dp_size > num_samples:
+        raise InfeasibleError(
+            f"the limits need {highest} microbatches per rank x {dp_size} ranks (first-fit "
+            f"decreasing packs the samples into {ffd_bins} bins), more than the "
+            f"{num_samples} samples: every microbatch needs a sample"
+        )
+    tried = 0
+    for count in range(lowest, highest + 1):
+        tried += 1
+        try:
+            result = solve(count)
+        except InfeasibleError:
+            if count == highest:
+                raise
+            continue
+        stats = {**result.stats, "first_fit_bins": ffd_bins, "counts_tried": tried}
+        return dataclasses.replace(
+            result, solve_time_s=_perf_counter() - start_s, stats=MappingProxyType(stats)
+        )
+    raise AssertionError("unreachable")
+
+
+def resource_limits(
+    resources: Any, limits: Any, num_samples: int
+) -> tuple[np.ndarray, list[float]]:
+    """``resources`` as an ``(N, K)`` float array and ``limits`` as ``K`` floats, checked
+    (finite, non-negative; a limit may be ``inf``), naming the argument and the index."""
+    if resources is None or limits is None:
+        raise ValueError("resources and limits go together: give both or neither")
+    try:
+        used = np.asarray(resources, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise InputTypeError(
+            f"resources must be an (N, K) array of numbers, got {type(resources).__name__}"
+        ) from None
+    if used.ndim == 1:
+        used = used[:, None]
+    if used.ndim != 2 or used.shape[0] != num_samples:
+        raise ValueError(f"resources must have shape ({num_samples}, K), got {used.shape}")
+    bad = np.argwhere(~np.isfinite(used) | (used < 0))
+    if bad.size:
+        i, k = (int(v) for v in bad[0])
+        raise ValueError(f"resources[{i}, {k}]={used[i, k]} must be finite and >= 0")
+    bounds = np.atleast_1d(np.asarray(limits, dtype=np.float64))
+    if bounds.ndim != 1 or bounds.shape[0] != used.shape[1]:
+        raise ValueError(
+            f"limits has {bounds.size} values but resources has {used.shape[1]} columns"
+        )
+    for k, v in enumerate(bounds):
+        if np.isnan(v) or v < 0:
+            raise ValueError(f"limits[{k}]={v} must be a number >= 0 (inf: no bound)")
+    return np.ascontiguousarray(used), [float(v) for v in bounds]
 
 
 def schedule_from_assignment(
