@@ -8,7 +8,11 @@ for every method) of the schedules of:
 - data-blind: equal-count microbatches in dataset order;
 - balanced: ``dflop.schedule`` (per-dimension makespan), microbatches in index order;
 - balanced + order: the best of the constructive orders (``time_budget_ms=0``);
-- pipeline: ``dflop.pipeline_schedule`` with its default budget, and with 100 ms.
+- pipeline: ``dflop.pipeline_schedule`` with its default budget, and with 100 ms;
+- peers (``peers.py``, re-implemented from their descriptions): verl's Karmarkar-Karp
+  with a free and with an equal count per bin, and its greedy partition, over each
+  sample's summed cost (what a one-dimensional balancer can do with these costs; verl
+  balances token counts), microbatches in index order.
 
 Reported per method: the median over batches of step / lower bound, where the lower bound
 is the busiest stage's total work (no schedule can finish before every stage has done
@@ -41,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import baselines  # noqa: E402
 import dflop  # noqa: E402
+import peers  # noqa: E402
 from dflop.data import synthetic_costs  # noqa: E402
 from dflop.data.synthetic import MixSpec  # noqa: E402
 
@@ -129,6 +134,21 @@ def run_setting(setting: Setting, seeds: list[int]) -> list[dict[str, object]]:
             1e3 * (time.perf_counter() - t),
             blind_step,
         )
+        total = costs.sum(axis=1)
+        bins_b = m * dp
+        for label, split, extra in (
+            ("verl Karmarkar-Karp", peers.karmarkar_karp, ()),
+            ("verl Karmarkar-Karp, equal counts", peers.karmarkar_karp, (True,)),
+            ("verl greedy partition", peers.greedy_partition, ()),
+        ):
+            t = time.perf_counter()
+            bins = split(total, bins_b, *extra)
+            ms = 1e3 * (time.perf_counter() - t)
+            assignment = np.empty(len(total), dtype=np.int64)
+            for b, members in enumerate(bins):
+                assignment[members] = b
+            peer = dflop.schedule_from_assignment(costs, assignment, m, dp, microbatch_dims=(0,))
+            record(label, costs, peer, ms, blind_step)
         for label, budget in (
             ("balanced + order", 0.0),
             ("pipeline_schedule", None),
