@@ -94,6 +94,22 @@ class MinTree {
   std::vector<int64_t> idx_;
 };
 
+// Item indices by decreasing largest share of a finite, positive bound (row-major n x d
+// values; ties in index order): first-fit decreasing's order.
+std::vector<int64_t> by_decreasing_share(const double* x, int64_t n, int64_t d,
+                                         const std::vector<double>& bounds) {
+  std::vector<double> key(n, 0.0);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k = 0; k < d; ++k)
+      if (std::isfinite(bounds[k]) && bounds[k] > 0)
+        key[i] = std::max(key[i], x[i * d + k] / bounds[k]);
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return key[a] > key[b]; });
+  return order;
+}
+
 struct Problem {
   const double* costs;
   int64_t n, d, m, p, b;
@@ -139,8 +155,17 @@ class Solver {
     construct();
     res.stats.initial_makespan = makespan();
     search();
-    if (!pr_.has_caps || makespan() < pr_.overflow_base) {
-      budget_ = std::max(budget_, budget);
+    if (pr_.has_caps) fall_back_within_capacities(res, budget);
+    finish(res);
+    return res;
+  }
+
+ private:
+  // Starts (1)'s rest, (2) and (3) of run(), each only if the one before ended over a
+  // capacity.
+  void fall_back_within_capacities(BalanceResult& res, int64_t budget) {
+    if (makespan() < pr_.overflow_base) {
+      budget_ = budget;
       search();
     } else if (first_fit_decreasing()) {
       res.stats.seeded_by_first_fit = true;
@@ -155,8 +180,6 @@ class Solver {
       budget_ = work_ + budget / 4;
       search();
     }
-    finish(res);
-    return res;
   }
 
   // ---- state -------------------------------------------------------------------------
@@ -298,16 +321,7 @@ class Solver {
   bool first_fit_decreasing() {
     const int64_t n = pr_.n, d = pr_.d, b = pr_.b;
     reset();
-    std::vector<double> key(n, 0.0);
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t k = 0; k < d; ++k)
-        if (std::isfinite(pr_.cap[k]) && pr_.cap[k] > 0)
-          key[i] = std::max(key[i], pr_.c(i, k) / pr_.cap[k]);
-    std::vector<int64_t> order(n);
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int64_t x, int64_t y) { return key[x] > key[y]; });
-    for (int64_t i : order) {
+    for (int64_t i : by_decreasing_share(pr_.costs, n, d, pr_.cap)) {
       int64_t bin = 0;
       while (bin < b && !fits(bin, i)) ++bin;
       work_ += (bin + 1) * d;
@@ -797,7 +811,6 @@ int64_t first_fit_decreasing_bins(const double* used, int64_t n, int64_t k,
     if (std::isnan(limits[j]) || limits[j] < 0)
       throw InvalidArgument("limits[" + std::to_string(j) + "]=" + fmt(limits[j]) +
                             " must be a number >= 0 (inf: no bound)");
-  std::vector<double> key(n, 0.0);
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < k; ++j) {
       const double v = used[i * k + j];
@@ -808,15 +821,10 @@ int64_t first_fit_decreasing_bins(const double* used, int64_t n, int64_t k,
         throw Infeasible("sample " + std::to_string(i) + " has resources[" + std::to_string(i) +
                          ", " + std::to_string(j) + "]=" + fmt(v) + " above limits[" +
                          std::to_string(j) + "]=" + fmt(limits[j]) + "; no bin can hold it");
-      if (std::isfinite(limits[j]) && limits[j] > 0) key[i] = std::max(key[i], v / limits[j]);
     }
-  std::vector<int64_t> order(n);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t x, int64_t y) { return key[x] > key[y]; });
   std::vector<double> loads;  // bins x k
   int64_t bins = 0;
-  for (int64_t i : order) {
+  for (int64_t i : by_decreasing_share(used, n, k, limits)) {
     int64_t bin = 0;
     for (; bin < bins; ++bin) {
       bool fits = true;

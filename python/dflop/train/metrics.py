@@ -69,6 +69,8 @@ def _scalars(row: StepMetrics) -> dict[str, float]:
 class TensorBoardLogger:
     """Event files in ``OUTPUT/tensorboard`` (``tensorboard --logdir OUTPUT/tensorboard``)."""
 
+    name = "TensorBoard"
+
     def __init__(self, config: Any) -> None:
         import os
 
@@ -88,6 +90,8 @@ class TensorBoardLogger:
 class WandbLogger:
     """A Weights & Biases run in ``config.wandb_project``, its files in ``OUTPUT/wandb``;
     ``wandb_mode="offline"`` keeps everything on this machine (``wandb sync`` uploads it)."""
+
+    name = "W&B"
 
     def __init__(self, config: Any) -> None:
         import dataclasses
@@ -384,7 +388,7 @@ class StepLog:
             print(f"metrics: one JSON line per step in {self.jsonl_path}; {peak}", flush=True)
         self._loggers = [LOGGER_CLASSES[name](config) for name in config.loggers]
         for logger in self._loggers:
-            print(f"metrics: {type(logger).__name__[:-6]} files in {logger.folder}", flush=True)
+            print(f"metrics: {logger.name} files in {logger.folder}", flush=True)
         self._recent = {mode: collections.deque(maxlen=config.trace_steps) for mode in config.modes}
         self._bar = None
         if config.progress and sys.stdout.isatty():
