@@ -106,11 +106,13 @@ def _rank_step(
     device: str = "cpu",
     program_path: str | None = None,
     trainable: str = "full",
+    order: str | None = None,
 ):
     """One pipelined step on one rank; returns its losses, actions and gradients.
     ``tamper``: the second encoder stage's plan disagrees with the first's.
     ``program_path``: run the program in that file instead of the layout's schedule.
-    ``trainable``: the parts that train (:class:`TrainableParts`), the rest frozen."""
+    ``trainable``: the parts that train (:class:`TrainableParts`), the rest frozen.
+    ``order``: the pipeline order (default: the layout's)."""
     layout, plan, batch = _step_inputs(spec, assignment, config)
     topology = Topology.create(layout, rank)
     info = topology.info
@@ -132,7 +134,9 @@ def _rank_step(
     parts = TrainableParts.parse(trainable)
     freeze_stage(stage, model_spec(config), info.module, parts, MODEL_SEED)
     program = None if program_path is None else load_program(program_path)
-    engine = PipelineEngine(topology, stage, debug=debug, program=program, trainable=parts)
+    engine = PipelineEngine(
+        topology, stage, debug=debug, program=program, trainable=parts, order=order
+    )
     result = engine.run_step(plan, batch)
     chunked = info.num_chunks > 1  # a StageChunks: names start with the chunk's index
     grads = {  # full_tensor gathers tensor-parallel shards (a no-op for plain tensors)
@@ -146,7 +150,7 @@ def _rank_step(
     stages, chunks = layout.pipeline_stages
     if program is None:
         program = pipeline_program(
-            layout.pipeline_order, stages, plan.num_microbatches, chunks=chunks
+            order or layout.pipeline_order, stages, plan.num_microbatches, chunks=chunks
         )
     expected = list(program.actions[info.global_stage])
     return {

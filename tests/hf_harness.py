@@ -46,10 +46,11 @@ def step_plan(spec, batch, layout_kw, assignment):
     return layout, plan
 
 
-def run_rank_step(rank, spec, batch, layout_kw, assignment, seed, trainable="full"):
+def run_rank_step(rank, spec, batch, layout_kw, assignment, seed, trainable="full", order=None):
     """This rank's stage runs one step; its loss, targets, gradients (TP shards gathered:
     every TP rank calls it in the same order) and how many parameters are sharded.
-    ``trainable``: the parts that train (:class:`TrainableParts`), the rest frozen."""
+    ``trainable``: the parts that train (:class:`TrainableParts`), the rest frozen;
+    ``order``: the pipeline order (default: the layout's)."""
     layout, plan = step_plan(spec, batch, layout_kw, assignment)
     topology = Topology.create(layout, rank)
     info = topology.info
@@ -59,7 +60,7 @@ def run_rank_step(rank, spec, batch, layout_kw, assignment, seed, trainable="ful
     parts = TrainableParts.parse(trainable)
     freeze_stage(stage, spec, info.module, parts, seed)
     perturb_lora_b(stage)
-    engine = PipelineEngine(topology, stage, debug=True, trainable=parts)
+    engine = PipelineEngine(topology, stage, debug=True, trainable=parts, order=order)
     result = engine.run_step(plan, batch)
     grads = {
         name: full_tensor(p.grad).numpy().copy()
@@ -77,6 +78,7 @@ def run_rank_step(rank, spec, batch, layout_kw, assignment, seed, trainable="ful
         "visual_microbatches": info.module == "llm"
         and sum(mb.llm[info.dp_rank].visual_rows > 0 for mb in plan.microbatches),
         "is_last_stage": info.is_last_stage,
+        "kinds": sorted({a.kind for a in result.actions}),
     }
 
 

@@ -74,16 +74,14 @@ PipelineShape to_shape(const std::vector<int64_t>& stages, const std::vector<int
   return {stages, chunks};
 }
 
-py::dict simulate_pipeline_py(const DoubleArray& forward_s, const DoubleArray& backward_s,
-                              const std::string& order, const DoubleArray& link_latency_s,
-                              const DoubleArray& link_bandwidth_bytes_per_s,
-                              const std::optional<DoubleArray>& activation_bytes,
-                              const std::optional<DoubleArray>& allreduce_s, bool record_events,
-                              const std::vector<int64_t>& stages,
-                              const std::vector<int64_t>& chunks,
-                              const std::optional<std::vector<IntArray>>& actions,
-                              double weight_grad_fraction,
-                              const std::optional<IntArray>& gradient_links) {
+py::dict simulate_pipeline_py(
+    const DoubleArray& forward_s, const DoubleArray& backward_s, const std::string& order,
+    const DoubleArray& link_latency_s, const DoubleArray& link_bandwidth_bytes_per_s,
+    const std::optional<DoubleArray>& activation_bytes,
+    const std::optional<DoubleArray>& allreduce_s, bool record_events,
+    const std::vector<int64_t>& stages, const std::vector<int64_t>& chunks,
+    const std::optional<std::vector<IntArray>>& actions, double weight_grad_fraction,
+    const std::optional<IntArray>& gradient_links, const std::optional<DoubleArray>& weight_s) {
   PipelineSimInput in;
   in.record_events = record_events;
   in.order = parse_pipeline_order(order);
@@ -101,6 +99,13 @@ py::dict simulate_pipeline_py(const DoubleArray& forward_s, const DoubleArray& b
   if (backward_s.shape(0) != in.num_replicas || backward_s.shape(1) != forward_s.shape(1) ||
       backward_s.shape(2) != in.num_microbatches) {
     throw py::value_error("backward_s must have the shape of forward_s");
+  }
+  if (weight_s) {
+    if (weight_s->ndim() != 3 || weight_s->shape(0) != in.num_replicas ||
+        weight_s->shape(1) != forward_s.shape(1) || weight_s->shape(2) != in.num_microbatches) {
+      throw py::value_error("weight_s must have the shape of backward_s");
+    }
+    in.weight_s = checked_3d(*weight_s, "weight_s");
   }
   in.link_latency_s = checked_1d(link_latency_s, "link_latency_s");
   in.link_bandwidth_bytes_per_s =
@@ -196,7 +201,7 @@ void register_simulator(py::module_& m) {
         py::arg("activation_bytes"), py::arg("allreduce_s"), py::arg("record_events") = true,
         py::arg("stages") = std::vector<int64_t>{}, py::arg("chunks") = std::vector<int64_t>{},
         py::arg("actions") = py::none(), py::arg("weight_grad_fraction") = 0.5,
-        py::arg("gradient_links") = py::none(),
+        py::arg("gradient_links") = py::none(), py::arg("weight_s") = py::none(),
         "Simulate one training step of (R, S, m) pipelines. Returns a dict of numpy arrays "
         "and scalars; event kinds are 0 fwd, 1 bwd, 2 send, 3 allreduce, 4 bwd_input, 5 "
         "bwd_weight. gradient_links: None (every boundary carries gradients back) or V - 1 "

@@ -150,15 +150,57 @@ int64_t gpipe_peak(const PipelineShape& shape, int64_t m, int64_t stage) {
   return m * shape.chunks[size_t(place_of(shape, stage).segment)];
 }
 
+// ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): 1F1B's warm-up, with each
+// backward split into I (the input gradient, sent on at once) and W (the weight gradient).
+// Physical stage s runs its W passes `s` microbatches behind its I passes in the steady
+// state, so that every stage holds min(S, m) microbatches (the first stage's 1F1B peak,
+// the pipeline's peak unchanged); in the cool-down each I is followed by the oldest W
+// left, which fills the wait for the next gradient. With equal F, I and W times the
+// bubble is a third of 1F1B's: (S - 1) x (F + I - W).
+std::vector<PipelineAction> zero_bubble_h1_actions(const PipelineShape& shape, int64_t m,
+                                                   int64_t stage) {
+  const Place p = place_of(shape, stage);
+  const StageOrder order = order_at(shape, m, p);
+  const int64_t warmup = plain_warmup(shape, m, p);
+  auto split = [&](int64_t i, ActionKind kind) {
+    PipelineAction a = order.backwards[size_t(i)];
+    a.kind = kind;
+    return a;
+  };
+  std::vector<PipelineAction> out;
+  out.reserve(size_t(3 * m));
+  for (int64_t i = 0; i < warmup; ++i) out.push_back(order.forwards[size_t(i)]);
+  int64_t weights_done = 0;
+  for (int64_t i = 0; i < m - warmup; ++i) {
+    out.push_back(order.forwards[size_t(warmup + i)]);
+    out.push_back(split(i, ActionKind::BackwardInput));
+    if (i >= stage) out.push_back(split(weights_done++, ActionKind::BackwardWeight));
+  }
+  for (int64_t i = m - warmup; i < m; ++i) {
+    out.push_back(split(i, ActionKind::BackwardInput));
+    if (weights_done <= i) out.push_back(split(weights_done++, ActionKind::BackwardWeight));
+  }
+  while (weights_done < m) out.push_back(split(weights_done++, ActionKind::BackwardWeight));
+  return out;
+}
+
+int64_t zero_bubble_h1_peak(const PipelineShape& shape, int64_t m, int64_t) {
+  return std::min(num_physical_stages(shape), m);
+}
+
 void runs_anything(const PipelineShape&, int64_t) {}
 
-void runs_one_chunk(const PipelineShape& shape, int64_t) {
+void require_one_chunk(const PipelineShape& shape, const char* order) {
   for (size_t g = 0; g < shape.stages.size(); ++g) {
-    require(shape.chunks[g] == 1,
-            "shape.chunks[" + std::to_string(g) + "]=" + std::to_string(shape.chunks[g]) +
-                ": 1f1b runs one chunk per stage (use interleaved-1f1b for more)");
+    require(shape.chunks[g] == 1, "shape.chunks[" + std::to_string(g) +
+                                      "]=" + std::to_string(shape.chunks[g]) + ": " + order +
+                                      " runs one chunk per stage (use interleaved-1f1b for more)");
   }
 }
+
+void runs_one_chunk(const PipelineShape& shape, int64_t) { require_one_chunk(shape, "1f1b"); }
+
+void runs_one_chunk_zb(const PipelineShape& shape, int64_t) { require_one_chunk(shape, "zb-h1"); }
 
 void runs_interleaved(const PipelineShape& shape, int64_t m) {
   const size_t last = shape.stages.size() - 1;
@@ -206,6 +248,8 @@ const std::vector<PipelineOrderDef>& pipeline_order_registry() {
       {PipelineOrder::GPipe, "gpipe", runs_anything, gpipe_actions, gpipe_peak},
       {PipelineOrder::Interleaved1F1B, "interleaved-1f1b", runs_interleaved,
        warmed_up_actions<interleaved_warmup>, warmed_up_peak<interleaved_warmup>},
+      {PipelineOrder::ZeroBubbleH1, "zb-h1", runs_one_chunk_zb, zero_bubble_h1_actions,
+       zero_bubble_h1_peak},
   };
   return registry;
 }

@@ -59,14 +59,15 @@ class ReplicaSimulator {
 
   // Simulates one step. forward_s/backward_s: V x m (row-major, V virtual stages) seconds;
   // latency_s and bandwidth: V - 1 (bandwidth may be null: infinite); bytes: (V - 1) x m or
-  // null (nothing to send); gradient_links: V - 1 (0 = no gradient back over that boundary)
-  // or null (every boundary carries one). Inputs are trusted (validated by the caller).
-  // on_event(stage, kind, microbatch, peer_stage, start_s, end_s, virtual_stage) sees every
-  // compute and send. Returns the time the last stage's compute ends.
+  // null (nothing to send); weight_s: V x m, the seconds of backward_s a BackwardWeight takes
+  // (its BackwardInput the rest), or null (weight_grad_fraction of it); gradient_links: V - 1 (0 =
+  // no gradient back over that boundary) or null (every boundary carries one). Inputs are trusted
+  // (validated by the caller). on_event(stage, kind, microbatch, peer_stage, start_s, end_s,
+  // virtual_stage) sees every compute and send. Returns the time the last stage's compute ends.
   template <class OnEvent>
   double run(const double* forward_s, const double* backward_s, const double* latency_s,
-             const double* bandwidth, const double* bytes, double weight_grad_fraction,
-             const uint8_t* gradient_links, OnEvent&& on_event) {
+             const double* bandwidth, const double* bytes, const double* weight_s,
+             double weight_grad_fraction, const uint8_t* gradient_links, OnEvent&& on_event) {
     const int64_t V = num_virtual_, m = m_;
     std::fill(fwd_arrival_.begin(), fwd_arrival_.end(), kUnknown);
     std::fill(bwd_arrival_.begin(), bwd_arrival_.end(), kUnknown);
@@ -122,8 +123,10 @@ class ReplicaSimulator {
         if (sends_grad && v < V - 1 && carries_grad(v)) input_s = bwd_arrival_[vk];
         if (std::isnan(input_s)) break;  // woken again when the input is sent
         double duration_s = is_forward ? forward_s[vk] : backward_s[vk];
-        if (action.kind == ActionKind::BackwardWeight) duration_s *= weight_grad_fraction;
-        if (action.kind == ActionKind::BackwardInput) duration_s *= 1.0 - weight_grad_fraction;
+        if (action.kind == ActionKind::BackwardWeight || action.kind == ActionKind::BackwardInput) {
+          const double weight = weight_s ? weight_s[vk] : duration_s * weight_grad_fraction;
+          duration_s = action.kind == ActionKind::BackwardWeight ? weight : duration_s - weight;
+        }
         const double start_s = std::max(stage_free_s_[s], input_s);
         const double end_s = start_s + duration_s;
         stage_free_s_[s] = end_s;
@@ -150,8 +153,8 @@ class ReplicaSimulator {
 
   // Without events (and without transfers).
   double run(const double* forward_s, const double* backward_s, const double* latency_s,
-             const uint8_t* gradient_links = nullptr) {
-    return run(forward_s, backward_s, latency_s, nullptr, nullptr, 0.5, gradient_links,
+             const uint8_t* gradient_links = nullptr, const double* weight_s = nullptr) {
+    return run(forward_s, backward_s, latency_s, nullptr, nullptr, weight_s, 0.5, gradient_links,
                [](int64_t, EventKind, int64_t, int64_t, double, double, int64_t) {});
   }
 

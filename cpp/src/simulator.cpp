@@ -115,6 +115,19 @@ void validate_pipeline_input(const PipelineSimInput& in) {
   check_size("backward_s", in.backward_s, times, cells);
   check_nonnegative_3d("forward_s", in.forward_s, v, m, "stage");
   check_nonnegative_3d("backward_s", in.backward_s, v, m, "stage");
+  if (!in.weight_s.empty()) {
+    check_size("weight_s", in.weight_s, times, cells);
+    check_nonnegative_3d("weight_s", in.weight_s, v, m, "stage");
+    for (size_t i = 0; i < in.weight_s.size(); ++i) {
+      if (in.weight_s[i] > in.backward_s[i]) {
+        throw InvalidArgument("weight_s[" + std::to_string(i) + "]=" + fmt(in.weight_s[i]) +
+                              " exceeds backward_s[" + std::to_string(i) +
+                              "]=" + fmt(in.backward_s[i]) +
+                              ": the weight gradients are part of the "
+                              "backward");
+      }
+    }
+  }
   check_size("link_latency_s", in.link_latency_s, num_links, "virtual stages - 1");
   check_nonnegative_1d("link_latency_s", in.link_latency_s, "link");
   check_size("link_bandwidth_bytes_per_s", in.link_bandwidth_bytes_per_s, num_links,
@@ -174,6 +187,7 @@ PipelineSimResult simulate_pipeline(const PipelineSimInput& in) {
                               : in.activation_bytes.data() + static_cast<size_t>(r * num_links * m);
     replica.run(in.forward_s.data() + offset, in.backward_s.data() + offset,
                 in.link_latency_s.data(), in.link_bandwidth_bytes_per_s.data(), bytes,
+                in.weight_s.empty() ? nullptr : in.weight_s.data() + offset,
                 in.weight_grad_fraction, gradient_links,
                 [&](int64_t stage, EventKind kind, int64_t k, int64_t peer, double start_s,
                     double end_s, int64_t virtual_stage) {

@@ -68,12 +68,13 @@ TEST_CASE(interleaved_order) {
 // peak counted along its lists.
 TEST_CASE(generated_programs_are_valid) {
   int64_t checked = 0;
-  for (int kind_index = 0; kind_index < 3; ++kind_index) {
+  for (int kind_index = 0; kind_index < 4; ++kind_index) {
     const auto kind = static_cast<PipelineOrder>(kind_index);
+    const bool one_chunk = kind == PipelineOrder::OneFOneB || kind == PipelineOrder::ZeroBubbleH1;
     for (int64_t first = 0; first <= 3; ++first) {  // 0: no encoder segment
       for (int64_t last = 1; last <= 5; ++last) {   // the LLM's stages
         for (int64_t chunks = 1; chunks <= 4; ++chunks) {
-          if (kind == PipelineOrder::OneFOneB && chunks > 1) continue;
+          if (one_chunk && chunks > 1) continue;
           PipelineShape shape{{last}, {chunks}};
           if (first > 0) shape = {{first, last}, {1, chunks}};
           const bool interleaved = kind == PipelineOrder::Interleaved1F1B && chunks > 1;
@@ -136,7 +137,9 @@ TEST_CASE(validator_names_the_problem) {
                     dflop::InvalidArgument, "shape.stages[1] must be in [1");
   CHECK_THROWS_WITH(dflop::pipeline_program(PipelineOrder::GPipe, {{2}, {1, 1}}, 3),
                     dflop::InvalidArgument, "shape.chunks has 2 entries");
-  CHECK_THROWS_WITH(dflop::parse_pipeline_order("zb-h1"), dflop::InvalidArgument,
+  CHECK_THROWS_WITH(dflop::pipeline_program(PipelineOrder::ZeroBubbleH1, {{1, 2}, {1, 2}}, 4),
+                    dflop::InvalidArgument, "zb-h1 runs one chunk per stage");
+  CHECK_THROWS_WITH(dflop::parse_pipeline_order("zb-h2"), dflop::InvalidArgument,
                     "interleaved-1f1b");
   CHECK(dflop::parse_pipeline_order("Interleaved-1F1B") == PipelineOrder::Interleaved1F1B);
 }
@@ -145,15 +148,17 @@ TEST_CASE(validator_names_the_problem) {
 // and the memory rule are the entries' generator and rule; pipeline_order_for is the one choice.
 TEST_CASE(pipeline_order_registry) {
   const auto& registry = dflop::pipeline_order_registry();
-  CHECK_EQ(registry.size(), size_t(3));
+  CHECK_EQ(registry.size(), size_t(4));
   for (size_t i = 0; i < registry.size(); ++i) {
     const dflop::PipelineOrderDef& def = registry[i];
     CHECK_EQ(int(def.kind), int(i));
     CHECK(&dflop::pipeline_order_def(def.kind) == &def);
     CHECK(dflop::parse_pipeline_order(def.name) == def.kind);
     CHECK_EQ(std::string(dflop::pipeline_order_name(def.kind)), std::string(def.name));
-    const PipelineShape shape = def.kind == PipelineOrder::OneFOneB ? PipelineShape{{2, 3}, {1, 1}}
-                                                                    : PipelineShape{{2, 3}, {1, 2}};
+    const bool one_chunk =
+        def.kind == PipelineOrder::OneFOneB || def.kind == PipelineOrder::ZeroBubbleH1;
+    const PipelineShape shape =
+        one_chunk ? PipelineShape{{2, 3}, {1, 1}} : PipelineShape{{2, 3}, {1, 2}};
     const PipelineProgram p = dflop::pipeline_program(def.kind, shape, 6);
     for (int64_t s = 0; s < 5; ++s) {
       CHECK(p.actions[size_t(s)] == def.stage_actions(shape, 6, s));
@@ -164,7 +169,7 @@ TEST_CASE(pipeline_order_registry) {
                     dflop::InvalidArgument, "pipeline order 7 is not a PipelineOrder");
   CHECK_THROWS_WITH(
       dflop::parse_pipeline_order("zb"), dflop::InvalidArgument,
-      "pipeline order must be \"1f1b\", \"gpipe\" or \"interleaved-1f1b\", got \"zb\"");
+      "pipeline order must be \"1f1b\", \"gpipe\", \"interleaved-1f1b\" or \"zb-h1\", got \"zb\"");
   CHECK_EQ(std::string(dflop::pipeline_order_name(static_cast<PipelineOrder>(7))),
            std::string("unknown"));
   CHECK(dflop::pipeline_order_for(PipelineShape::plain(4)) == PipelineOrder::OneFOneB);
@@ -280,6 +285,32 @@ TEST_CASE(split_backward_program) {
   in.actions[1].pop_back();
   CHECK_THROWS_WITH(dflop::simulate_pipeline(in), dflop::InvalidArgument,
                     "virtual stage 1, microbatch 1 lacks its forward and backward");
+}
+
+TEST_CASE(zero_bubble_h1) {
+  // Stage 1 of 4, 6 microbatches: 1F1B's two warm-up forwards, then F, I and (one
+  // microbatch behind) W, then the cool-down's I passes each followed by the oldest W.
+  CHECK_EQ(text(dflop::pipeline_actions(PipelineOrder::ZeroBubbleH1, 4, 6, 1)),
+           std::string("F1.0 F1.1 F1.2 I1.0 F1.3 I1.1 W1.0 F1.4 I1.2 W1.1 F1.5 I1.3 W1.2 "
+                       "I1.4 W1.3 I1.5 W1.4 W1.5"));
+  CHECK_EQ(text(dflop::pipeline_actions(PipelineOrder::ZeroBubbleH1, 4, 6, 3)),
+           std::string("F3.0 I3.0 F3.1 I3.1 F3.2 I3.2 F3.3 I3.3 W3.0 F3.4 I3.4 W3.1 F3.5 I3.5 "
+                       "W3.2 W3.3 W3.4 W3.5"));
+  // Every stage holds min(S, m): 4 (1F1B: 4, 3, 2, 1).
+  for (int64_t s = 0; s < 4; ++s) {
+    CHECK_EQ(dflop::peak_in_flight(PipelineOrder::ZeroBubbleH1, PipelineShape::plain(4), 6, s),
+             int64_t(4));
+  }
+  // F = I = W = 1 s, 4 stages, 8 microbatches: 1F1B takes (m + S - 1) x 3 = 33 s, ZB-H1
+  // 3 m + (S - 1) = 27 s (a third of the bubble), over an encoder segment too.
+  for (const PipelineShape& shape : {PipelineShape::plain(4), PipelineShape{{1, 3}, {1, 1}}}) {
+    auto in = uniform_input(PipelineOrder::ZeroBubbleH1, shape, 8, 1.0, 2.0);
+    const auto res = dflop::simulate_pipeline(in);
+    CHECK_NEAR(res.step_time_s, 27.0, 1e-9);
+    for (double busy : res.busy_s) CHECK_NEAR(busy, 24.0, 1e-9);
+    in.order = PipelineOrder::OneFOneB;
+    CHECK_NEAR(dflop::simulate_pipeline(in).step_time_s, 33.0, 1e-9);
+  }
 }
 
 }  // namespace

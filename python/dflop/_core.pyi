@@ -80,6 +80,7 @@ def simulate_pipeline(
     actions: list[np.ndarray] | None = None,
     weight_grad_fraction: float = 0.5,
     gradient_links: np.ndarray | None = None,
+    weight_s: np.ndarray | None = None,
 ) -> dict[str, Any]: ...
 def pipeline_program(
     order: str, stages: list[int], chunks: list[int], num_microbatches: int

@@ -125,6 +125,7 @@ def simulate_pipeline(
     chunks: Sequence[int] | None = None,
     program: PipelineProgram | None = None,
     weight_grad_fraction: float = 0.5,
+    weight_s: Any = None,
     link_latency_s: Any = 0.0,
     activation_bytes: Any = None,
     link_bandwidth_bytes_per_s: Any = math.inf,
@@ -140,8 +141,9 @@ def simulate_pipeline(
             (replica, virtual stage, microbatch), shape (R, V, m), for R data-parallel
             replicas. Without chunks, virtual stages are the physical stages (V = S).
         backward_s: backward seconds, the same shape as ``forward_s``.
-        order: the pipeline order: "1f1b" (non-interleaved, Megatron-LM style), "gpipe" or
-            "interleaved-1f1b"; the actions of each stage are
+        order: the pipeline order: "1f1b" (non-interleaved, Megatron-LM style), "gpipe",
+            "interleaved-1f1b" or "zb-h1" (zero bubble, split backwards); the actions of each
+            stage are
             :func:`dflop.scheduling.pipeline_program`'s.
         stages, chunks: the pipeline's segments (physical stages and chunks per stage of
             each module; see :mod:`dflop.scheduling.actions`). Default: one segment of V
@@ -149,7 +151,10 @@ def simulate_pipeline(
         program: a :class:`~dflop.scheduling.PipelineProgram` to run instead of the
             order's (validated; its owners must be those of ``stages`` / ``chunks``).
         weight_grad_fraction: the share of ``backward_s`` a ``"W"`` action takes (its ``"I"``
-            the rest); used only by programs that split the backward.
+            the rest); used only by programs that split the backward, without ``weight_s``.
+        weight_s: None, or the seconds of ``backward_s`` (at most it, same shape) a ``"W"``
+            action takes per cell, its ``"I"`` the rest (e.g. a first stage, whose input
+            takes no gradient, defers its whole backward).
         link_latency_s: point-to-point latency of boundary l (virtual stage l -> l+1): a
             scalar or shape (V-1,).
         activation_bytes: bytes of microbatch k's activation over boundary l (the gradient
@@ -255,6 +260,17 @@ def simulate_pipeline(
                 f"got shape {grad_links.shape}"
             )
         grad_links = np.ascontiguousarray(grad_links, dtype=np.int64)
+    weight: np.ndarray | None = None
+    if weight_s is not None:
+        weight = _numeric("weight_s", weight_s)
+        if weight.ndim == 2:
+            weight = weight[np.newaxis]
+        if weight.shape != fwd.shape:
+            raise ValueError(
+                f"weight_s must have the shape of backward_s {np.shape(backward_s)}, "
+                f"got {np.shape(weight_s)}"
+            )
+        weight = np.ascontiguousarray(weight)
     raw = _core.simulate_pipeline(
         np.ascontiguousarray(fwd),
         np.ascontiguousarray(bwd),
@@ -269,6 +285,7 @@ def simulate_pipeline(
         actions=actions,
         weight_grad_fraction=float(weight_grad_fraction),
         gradient_links=grad_links,
+        weight_s=weight,
     )
     if not (np.isfinite(raw["step_time_s"]) and np.isfinite(raw["busy_s"]).all()):
         raise ValueError(

@@ -137,10 +137,10 @@ def _reference(config, samples, trainable="full"):
     return loss_sum, int(targets.sum()), grads
 
 
-def _rank_step(rank, world_size, folder, layout_kw, assignment, trainable="full"):
+def _rank_step(rank, world_size, folder, layout_kw, assignment, trainable="full", order=None):
     spec = hf_model_spec(folder)
     batch = ProcessedBatch(_samples(spec.config), spec.tokens_per_unit)
-    return run_rank_step(rank, spec, batch, layout_kw, assignment, MODEL_SEED, trainable)
+    return run_rank_step(rank, spec, batch, layout_kw, assignment, MODEL_SEED, trainable, order)
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +186,26 @@ def test_frozen_parts_match_transformers(checkpoint, trainable, layout):
     )
     assert_matches(results, ref_loss, ref_grads, layout_kw)
     assert_backward_only_where_trained(results, trainable)
+
+
+@pytest.mark.parametrize(
+    "trainable, layout", [("full", 0), ("encoder=lora,llm=lora", 2)], ids=["full", "lora_both-tp2"]
+)
+def test_zero_bubble_h1_matches_transformers(checkpoint, trainable, layout):
+    """ZB-H1's split backward (I then W) on the HF family: the loss and every trainable
+    gradient equal transformers', under tensor parallelism with LoRA adapters too."""
+    layout_kw, assignment, world = LAYOUTS[layout]
+    config = _config()
+    ref_loss, _, ref_grads = _reference(config, _samples(config), trainable)
+    results = spawn_local(
+        _rank_step,
+        world,
+        args=(checkpoint, layout_kw, assignment, trainable, "zb-h1"),
+        timeout_s=SPAWN_TIMEOUT_S,
+        num_threads=1,
+    )
+    assert_matches(results, ref_loss, ref_grads, layout_kw)
+    assert all(r["kinds"] == ["F", "I", "W"] for r in results if r["backward_passes"])
 
 
 def test_packed_samples_do_not_see_each_other(reference):

@@ -246,22 +246,14 @@ def _with_kind(program: PipelineProgram, stage: int, index: int, kind: str) -> P
     return PipelineProgram(program.num_microbatches, program.owner, tuple(map(tuple, actions)))
 
 
-def test_check_executable_takes_f_and_b_and_refuses_the_rest():
+def test_check_executable_takes_every_action_kind_and_refuses_the_rest():
     program = pipeline_program("interleaved-1f1b", [1, 2], 4, chunks=[1, 2])
-    check_executable(program)  # F and B only
+    check_executable(program)
+    check_executable(_split_backward(program, 2))  # I and W
     with pytest.raises(
         UnsupportedActionError,
-        match=r"stage 2, action 3 \(I4.0\) is the input-gradient half of a split backward, "
-        r"which is not executable yet: the runtime does not split the backward; the runtime "
-        r"executes F \(forward\) and B \(full backward\) actions only",
-    ):
-        check_executable(_split_backward(program, 2))
-    with pytest.raises(UnsupportedActionError, match=r"stage 0, action 1 \(W0.1\) is the weight"):
-        check_executable(_with_kind(program, 0, 1, "W"))
-    with pytest.raises(
-        UnsupportedActionError,
-        match=r"stage 1, action 0 has kind 'X', not an action kind \(F, B, I, W\); the "
-        r"runtime executes F",
+        match=r"stage 1, action 0 has kind 'X', not an action kind the runtime executes "
+        r"\(F, B, I, W\)",
     ):
         check_executable(_with_kind(program, 1, 0, "X"))
 
@@ -271,7 +263,7 @@ LAYOUT_E = dict(num_microbatches=2)
 ASSIGN_E = [0, 1, 0, 1, 0, 1, 0, 1]
 
 
-def _engine_refusal(rank: int, world_size: int, spec: dict, edit: str):
+def _engine_refusal(rank: int, world_size: int, spec: dict):
     """Builds the engine with an edited program of the layout on every rank: the message
     each rank refused it with (None: accepted)."""
     layout = _layout(spec)
@@ -280,32 +272,23 @@ def _engine_refusal(rank: int, world_size: int, spec: dict, edit: str):
     stage = build_stage(CONFIG, info, seed=MODEL_SEED, tp_group=topology.tp_group, layout=layout)
     stages, chunks = layout.pipeline_stages
     program = pipeline_program("1f1b", stages, layout.num_microbatches, chunks=chunks)
-    program = _split_backward(program, 1) if edit == "split" else _with_kind(program, 1, 2, "Z")
     try:
-        PipelineEngine(topology, stage, program=program)
+        PipelineEngine(topology, stage, program=_with_kind(program, 1, 2, "Z"))
     except UnsupportedActionError as error:
         return str(error)
     return None
 
 
-@pytest.mark.parametrize(
-    "edit, match",
-    [
-        ("split", r"stage 1, action 1 \(I1.0\) is the input-gradient half of a split backward"),
-        ("unknown", r"stage 1, action 2 has kind 'Z', not an action kind"),
-    ],
-)
-def test_the_engine_refuses_a_program_it_cannot_run_on_every_rank(edit, match):
+def test_the_engine_refuses_a_program_it_cannot_run_on_every_rank():
     """The engine of every rank (a real topology in a thread world) refuses the program
     before anything runs, the ranks that hold no such action too."""
-    results = spawn_threads(_engine_refusal, 2, args=(LAYOUT_E, edit), timeout_s=60.0)
+    results = spawn_threads(_engine_refusal, 2, args=(LAYOUT_E,), timeout_s=60.0)
     assert len(results) == 2 and results[0] == results[1]
-    assert re.search(match, results[0])
-    assert "the runtime executes F (forward) and B (full backward) actions only" in results[0]
+    assert re.search(r"stage 1, action 2 has kind 'Z', not an action kind", results[0])
 
 
 def _step_refusal(rank: int, world_size: int, spec: dict, assignment: list[int]):
-    """run_step of an engine whose generated program holds a split backward: (message,
+    """run_step of an engine whose generated program holds an unknown kind: (message,
     whether the step's clock started)."""
     layout, plan, batch = _step_inputs(spec, assignment)
     topology = Topology.create(layout, rank)
@@ -319,19 +302,77 @@ def _step_refusal(rank: int, world_size: int, spec: dict, assignment: list[int])
     return None, True
 
 
-def test_run_step_refuses_a_generated_split_backward_before_anything_runs(monkeypatch):
-    """A schedule generator that emits I / W (a zero-bubble schedule, once registered):
-    run_step refuses the whole program on every rank before the step starts."""
+def test_run_step_refuses_a_generated_program_it_cannot_run_before_anything_runs(monkeypatch):
+    """A pipeline-order generator that emits an action kind the engine lacks: run_step
+    refuses the whole program on every rank before the step starts."""
     real = engine_module.pipeline_program
     monkeypatch.setattr(
         engine_module,
         "pipeline_program",
-        lambda *args, **kwargs: _split_backward(real(*args, **kwargs), 1),
+        lambda *args, **kwargs: _with_kind(real(*args, **kwargs), 1, 1, "Z"),
     )
     results = spawn_threads(_step_refusal, 2, args=(LAYOUT_E, ASSIGN_E), timeout_s=60.0)
     for message, started in results:
-        assert "(I1.0) is the input-gradient half of a split backward" in message
+        assert "stage 1, action 1 has kind 'Z'" in message
         assert not started
+
+
+# ---------------------------------------------------------------- zero-bubble: I and W
+
+# (layout, assignment, world size, trainable parts): the split backward on encoder
+# replicas and an LLM pipeline, behind a frozen tower (no input gradient on the encoder),
+# with only the projector training, and under tensor parallelism (DTensor parameters).
+ZERO_BUBBLE_CASES = {
+    "enc_dp2_llm_pp2": (LAYOUT_A, ASSIGN_A, 4, "full"),
+    "frozen_vision-enc_pp2": (*FROZEN_LAYOUTS["enc_pp2"][:2], 4, "frozen-vision"),
+    "projector-enc_pp2": (*FROZEN_LAYOUTS["enc_pp2"][:2], 4, "projector"),
+    "tp2": (*FROZEN_LAYOUTS["tp2"][:2], 6, "full"),
+}
+
+
+@pytest.mark.parametrize("case", ZERO_BUBBLE_CASES)
+def test_zero_bubble_h1_matches_single_process(case):
+    """ZB-H1 (I and W actions) runs its program and gives one process's loss and
+    gradients, frozen parts included."""
+    spec, assignment, world, trainable = ZERO_BUBBLE_CASES[case]
+    results = spawn_local(
+        _rank_step,
+        world,
+        args=(spec, assignment, False, False, CONFIG, "cpu", None, trainable, "zb-h1"),
+        timeout_s=240 if world > 4 else SPAWN_TIMEOUT_S,
+        num_threads=1,
+    )
+    _check_against_reference(results, trainable=trainable)  # the ZB-H1 program, exactly
+    assert {a.kind for r in results for a in r["actions"]} == {"F", "I", "W"}
+
+
+def _both_orders(rank: int, world_size: int, spec: dict, assignment: list[int]):
+    """The same stage runs a 1F1B step, then a ZB-H1 step: both steps' gradients."""
+    layout, plan, batch = _step_inputs(spec, assignment)
+    topology = Topology.create(layout, rank)
+    stage = build_stage(
+        CONFIG, topology.info, seed=MODEL_SEED, tp_group=topology.tp_group, layout=layout
+    )
+    out = {}
+    for order in ("1f1b", "zb-h1"):
+        result = PipelineEngine(topology, stage, order=order).run_step(plan, batch)
+        grads = {n: p.grad.numpy().copy() for n, p in stage.named_parameters()}
+        out[order] = (result.loss_sum, grads)
+    return out
+
+
+def test_zero_bubble_h1_gradients_equal_1f1b():
+    """On the same ranks and weights, ZB-H1's gradients equal 1F1B's to float32 rounding
+    (each weight gradient is the same product, accumulated in the same microbatch order)."""
+    results = spawn_local(
+        _both_orders, 4, args=(LAYOUT_A, ASSIGN_A), timeout_s=SPAWN_TIMEOUT_S, num_threads=1
+    )
+    for r in results:
+        (loss_1f1b, grads_1f1b), (loss_zb, grads_zb) = r["1f1b"], r["zb-h1"]
+        assert loss_zb == loss_1f1b
+        assert grads_zb.keys() == grads_1f1b.keys()
+        for name, grad in grads_zb.items():
+            np.testing.assert_allclose(grad, grads_1f1b[name], rtol=1e-6, atol=1e-9, err_msg=name)
 
 
 def test_a_program_loaded_from_a_file_runs_and_matches_single_process(tmp_path):

@@ -31,9 +31,14 @@
 
 namespace dflop {
 
-enum class PipelineOrder : int8_t { OneFOneB = 0, GPipe = 1, Interleaved1F1B = 2 };
+enum class PipelineOrder : int8_t {
+  OneFOneB = 0,
+  GPipe = 1,
+  Interleaved1F1B = 2,
+  ZeroBubbleH1 = 3
+};
 
-// A registered name (case-insensitive: "1f1b", "gpipe", "interleaved-1f1b"); throws
+// A registered name (case-insensitive: "1f1b", "gpipe", "interleaved-1f1b", "zb-h1"); throws
 // InvalidArgument otherwise, listing the names.
 PipelineOrder parse_pipeline_order(const std::string& name);
 // The registered name; "unknown" for a kind the registry lacks.
@@ -121,6 +126,12 @@ PipelineOrder pipeline_order_for(const PipelineShape& shape);
 //   does: with a short last round of microbatches this order deadlocks). Stages of earlier
 //   segments run 1F1B with the warm-up of the stages after them plus the forwards the last
 //   segment's first stage runs on its first chunk before its first backward of it.
+// - ZB-H1 (every chunks entry 1; the zero-bubble schedule of Qi et al. that keeps 1F1B's
+//   peak): 1F1B's warm-up, then F(w + i), I(i) and, from i = s on, W(i - s) (stage s of S,
+//   its W passes s microbatches behind its I passes), then the remaining I passes, each
+//   followed by the oldest W left, then the remaining W passes. Every stage holds
+//   min(S, m) microbatches; with equal F, I and W times the bubble is (S - 1) x F, a third
+//   of 1F1B's.
 // Throws InvalidArgument for a bad shape, m outside [1, kMaxPipelineMicrobatches], chunks
 // where the schedule takes none, or an interleaved schedule with m not a multiple of the
 // last segment's stages.
@@ -130,8 +141,8 @@ PipelineProgram pipeline_program(PipelineOrder kind, const PipelineShape& shape,
 // The memory rule: the most (virtual stage, microbatch) activations physical stage `stage`
 // holds at once under the generated schedule (a forward keeps its activations until its
 // Backward, or its BackwardWeight, ends). 1F1B: min(S - stage, m); GPipe: m x chunks;
-// interleaved: its warm-up + 1 (capped at m x chunks). Equals peak_in_flight(actions) of
-// pipeline_program()'s list (tested).
+// interleaved: its warm-up + 1 (capped at m x chunks); ZB-H1: min(S, m). Equals
+// peak_in_flight(actions) of pipeline_program()'s list (tested).
 int64_t peak_in_flight(PipelineOrder kind, const PipelineShape& shape, int64_t num_microbatches,
                        int64_t stage);
 // The same, counted along any action list (Forward +1, Backward or BackwardWeight -1).

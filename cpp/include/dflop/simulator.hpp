@@ -65,11 +65,15 @@ struct PipelineSimInput {
   // (validate_program() checks it with the shape's owners); order is then ignored.
   std::vector<std::vector<PipelineAction>> actions;
   // The share of backward_s a BackwardWeight action takes (its BackwardInput the rest);
-  // in [0, 1]. Used only by programs that split backwards.
+  // in [0, 1]. Used only by programs that split backwards, where weight_s is empty.
   double weight_grad_fraction = 0.5;
   // num_replicas x V x num_microbatches, row-major; finite and >= 0.
   std::vector<double> forward_s;
   std::vector<double> backward_s;
+  // Empty, or like backward_s: the seconds of backward_s (at most it) a BackwardWeight
+  // action takes, its BackwardInput the rest (a stage whose input takes no gradient
+  // defers all of its backward; a frozen one that passes gradients on, none).
+  std::vector<double> weight_s;
   // V - 1 each, boundary l joins virtual stage l and l + 1. Latency finite and >= 0;
   // bandwidth > 0 (+inf: transfers take only the latency).
   std::vector<double> link_latency_s;

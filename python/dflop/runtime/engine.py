@@ -9,9 +9,10 @@ v model chunks (:class:`StageChunks`; chunk c of stage p is virtual stage c * pp
 an action names the chunk it runs; the last LLM stage's chunk c sends its output to the
 first LLM stage's chunk c + 1. A given program (``PipelineEngine(program=...)``, e.g. one
 loaded from a file) runs instead of the generated one. Actions run from a table: ``F``
-(forward) and ``B`` (full backward); the split backward's ``I`` / ``W`` (zero-bubble
-schedules) and anything else are refused before a step starts, on every rank
-(:func:`check_executable`). Per action:
+(forward), ``B`` (full backward), and the split backward of zero-bubble orders, ``I``
+(the input gradient, sent on at once) and ``W`` (the weight gradients, later;
+:mod:`dflop.runtime.split_backward`); anything else is refused before a step starts, on
+every rank (:func:`check_executable`). Per action:
 
 - forward of microbatch j: receive the stage input (pixels from the batch source on the
   first encoder stage, read for the whole step before its clock starts, as a data
@@ -76,6 +77,7 @@ from dflop.models.spec import EncoderStageModule, LLMStageModule, ModelSpec
 from dflop.models.trainable import TrainableParts
 from dflop.runtime import dist, p2p
 from dflop.runtime.bridge import BridgeCommunicator
+from dflop.runtime.split_backward import WeightGradients, backward_input, backward_weight
 from dflop.runtime.step_data import EncoderShare, LLMShare, MicrobatchPlan, StepPlan
 from dflop.runtime.tensor_parallel import apply_tensor_parallel, local_tensor
 from dflop.runtime.topology import RankInfo, RuntimeLayout, Topology, chunk_infos
@@ -100,20 +102,17 @@ __all__ = [
 ]
 
 FORWARD, BACKWARD = "forward", "backward"
+BACKWARD_INPUT, BACKWARD_WEIGHT = "backward_input", "backward_weight"
 
 # The engine's action table: kind -> (the timing's name, the PipelineEngine method that
 # runs it). A kind not here is refused before a step starts (check_executable).
 _ACTION_RUNNERS: dict[str, tuple[str, str]] = {
     "F": (FORWARD, "_run_forward"),
     "B": (BACKWARD, "_run_backward"),
+    "I": (BACKWARD_INPUT, "_run_backward_input"),
+    "W": (BACKWARD_WEIGHT, "_run_backward_weight"),
 }
 _KIND_OF_TIMING = {timing: kind for kind, (timing, _) in _ACTION_RUNNERS.items()}
-# Kinds of the action vocabulary (dflop.scheduling.ACTION_KINDS) the engine cannot run yet.
-_NOT_EXECUTABLE: dict[str, str] = {
-    "I": "the input-gradient half of a split backward",
-    "W": "the weight-gradient half of a split backward",
-}
-_EXECUTES = "the runtime executes F (forward) and B (full backward) actions only"
 
 
 class UnsupportedActionError(ValueError):
@@ -128,25 +127,16 @@ def check_executable(program: PipelineProgram) -> None:
     the same program instead of some waiting for a peer that refused.
 
     Raises:
-        UnsupportedActionError: naming the first such action's stage, index and text: a
-            split backward (``I`` / ``W``: the runtime does not split the backward yet) or
-            a kind that is no action kind at all.
+        UnsupportedActionError: naming the first such action's stage, index and kind.
     """
     for s, actions in enumerate(program.actions):
         for i, action in enumerate(actions):
-            stage, kind, microbatch = action
-            if kind in _ACTION_RUNNERS:
-                continue
-            where = f"pipeline program stage {s}, action {i}"
-            if kind in _NOT_EXECUTABLE:
+            if action[1] not in _ACTION_RUNNERS:
                 raise UnsupportedActionError(
-                    f"{where} ({kind}{stage}.{microbatch}) is {_NOT_EXECUTABLE[kind]}, which is "
-                    f"not executable yet: the runtime does not split the backward; {_EXECUTES}"
+                    f"pipeline program stage {s}, action {i} has kind "
+                    f"{bounded_repr(action[1], 40)}, not an action kind the runtime executes "
+                    "(F, B, I, W)"
                 )
-            raise UnsupportedActionError(
-                f"{where} has kind {bounded_repr(kind, 40)}, not an action kind (F, B, I, W); "
-                f"{_EXECUTES}"
-            )
 
 
 class ShapeMismatchError(RuntimeError):
@@ -189,7 +179,8 @@ class ActionTiming:
     """One executed action; times in seconds from the start of the step."""
 
     kind: str
-    """``"forward"`` or ``"backward"``."""
+    """``"forward"``, ``"backward"``, or a split backward's ``"backward_input"`` /
+    ``"backward_weight"``."""
     microbatch: int
     start_s: float
     """When its inputs had arrived and compute began."""
@@ -417,7 +408,8 @@ class PipelineEngine:
         stage: this rank's stage (:func:`build_stage`): an ``EncoderStageModule`` on
             encoder ranks, an ``LLMStageModule`` on LLM ranks (a :class:`StageChunks` of
             them with virtual stages), already on ``device``.
-        order: the pipeline order, ``"1f1b"``, ``"gpipe"`` or ``"interleaved-1f1b"``, as in
+        order: the pipeline order, ``"1f1b"``, ``"gpipe"``, ``"interleaved-1f1b"`` or
+            ``"zb-h1"``, as in
             ``pipeline_program``; default: ``layout.pipeline_order``
             (:func:`dflop.scheduling.pipeline_order_for`).
         program: a :class:`~dflop.scheduling.PipelineProgram` to run instead of a
@@ -485,6 +477,13 @@ class PipelineEngine:
             for v, (_, ci) in self._chunks.items()
         }
         self._input_grad = {v: self._input_grad_at(ci) for v, (_, ci) in self._chunks.items()}
+        # Split backwards: the trainable parameters per chunk, and what each I left for
+        # its W, by (virtual stage, microbatch).
+        self._params = {
+            v: [p for p in module.parameters() if p.requires_grad]
+            for v, (module, _) in self._chunks.items()
+        }
+        self._weight_work: dict[tuple[int, int], WeightGradients | None] = {}
         self._programs: dict[int, tuple[PipelineAction, ...]] = {}
         self.program = program
         if program is None:
@@ -574,6 +573,7 @@ class PipelineEngine:
         stamps: list[tuple[str, int, Any, Any, Any, int]] = []
         in_flight: dict[tuple[int, int], _InFlight] = {}
         self._posted.clear()  # nothing left over from a step that failed
+        self._weight_work.clear()
         for i, (v, kind, j) in enumerate(actions):
             mb = plan.microbatches[j]
             chunk = self._chunks[v]
@@ -655,6 +655,35 @@ class PipelineEngine:
     ) -> Any:
         """Action ``B`` (the full backward)."""
         return self._backward(chunk, mb, in_flight.pop(key))
+
+    def _run_backward_input(
+        self,
+        chunk: _Chunk,
+        mb: MicrobatchPlan,
+        plan: StepPlan,
+        batch: _Prefetched,
+        in_flight: dict[tuple[int, int], _InFlight],
+        key: tuple[int, int],
+    ) -> Any:
+        """Action ``I``: the input gradients, sent on; the weight gradients wait for ``W``."""
+        return self._backward(chunk, mb, in_flight.pop(key), split_key=key)
+
+    def _run_backward_weight(
+        self,
+        chunk: _Chunk,
+        mb: MicrobatchPlan,
+        plan: StepPlan,
+        batch: _Prefetched,
+        in_flight: dict[tuple[int, int], _InFlight],
+        key: tuple[int, int],
+    ) -> Any:
+        """Action ``W``: the weight gradients that the ``I`` of ``key`` left."""
+        work = self._weight_work.pop(key)
+        if work is None:
+            return None
+        start = self.clock.mark()
+        backward_weight(work)
+        return start
 
     def _result(
         self, plan: StepPlan, clock: _Clock, stamps: list, end: Any, loss_sum: float
@@ -794,10 +823,20 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ backward
 
-    def _backward(self, chunk: _Chunk, mb: MicrobatchPlan, state: _InFlight) -> Any:
-        """Returns the clock mark at which compute began (None: nothing to compute)."""
+    def _backward(
+        self,
+        chunk: _Chunk,
+        mb: MicrobatchPlan,
+        state: _InFlight,
+        split_key: tuple[int, int] | None = None,
+    ) -> Any:
+        """A full backward, or with ``split_key`` the ``I`` half of a split one (its ``W``
+        work kept under that key). Returns the clock mark at which compute began (None:
+        nothing to compute)."""
         _, ci = chunk
         start = None
+        if split_key is not None:
+            self._weight_work[split_key] = None  # unless a backward runs below
         if not self._runs_backward[ci.virtual_stage]:
             return None  # a forward-only stage: no gradient comes, none goes back
         if self.is_encoder and ci.is_last_stage:
@@ -817,7 +856,13 @@ class PipelineEngine:
             start = self.clock.mark()
             # Frozen parts: e.g. a text-only microbatch on a frozen LLM's first stage has
             # nothing to differentiate.
-            if state.output.requires_grad:
+            if state.output.requires_grad and split_key is not None:
+                inputs = [t for t in (state.stage_input, state.visual_features) if t is not None]
+                self._weight_work[split_key] = backward_input(
+                    state.output, grad, inputs, self._params[ci.virtual_stage]
+                )
+                self._backward_passes += 1
+            elif state.output.requires_grad:
                 torch.autograd.backward(state.output, grad)
                 self._backward_passes += 1
             if state.stage_input is not None and state.stage_input.requires_grad:

@@ -220,6 +220,10 @@ def pipeline_program(
       chunks reversed, ``min(2 (P - 1 - p) + (v - 1) P, m v)`` warm-up forwards; m must be
       a multiple of the last segment's stages P. Earlier segments run 1F1B, warmed up for
       what the last segment's first stage takes before its first backward.
+    - ``"zb-h1"`` (zero bubble, Qi et al. 2023; chunks 1): 1F1B's warm-up with each
+      backward split into ``I`` (input gradient) and ``W`` (weight gradients), stage s's
+      ``W`` passes s microbatches behind its ``I`` passes, the cool-down's ``I`` passes each
+      followed by the oldest ``W`` left: ``min(S, m)`` microbatches in flight on every stage.
 
     Raises:
         ValueError: an unknown pipeline order, bad counts, chunks it cannot run, or

@@ -87,8 +87,11 @@ def test_validator_names_stage_action_and_problem():
         pipeline_program("1f1b", [2], 4, chunks=[2])
 
 
-def _reference_step(program: PipelineProgram, fwd, bwd, latency, w_fraction=0.5) -> float:
-    """The step by repeated passes over the stages (no worklist, no shared code)."""
+def _reference_step(
+    program: PipelineProgram, fwd, bwd, latency, w_fraction=0.5, weight=None
+) -> float:
+    """The step by repeated passes over the stages (no worklist, no shared code);
+    ``weight``: the W seconds per cell (default ``w_fraction`` of the backward)."""
     V, m = fwd.shape
     fwd_at, grad_at = {}, {}
     free = [0.0] * program.num_stages
@@ -108,8 +111,8 @@ def _reference_step(program: PipelineProgram, fwd, bwd, latency, w_fraction=0.5)
                     if (v, k) not in grad_at:
                         break
                     ready = grad_at[(v, k)]
-                share = {"F": 1.0, "B": 1.0, "I": 1.0 - w_fraction, "W": w_fraction}[kind]
-                duration = (fwd if kind == "F" else bwd)[v, k] * share
+                w = bwd[v, k] * w_fraction if weight is None else weight[v, k]
+                duration = {"F": fwd[v, k], "B": bwd[v, k], "I": bwd[v, k] - w, "W": w}[kind]
                 free[s] = max(free[s], ready) + duration
                 if kind == "F" and v < V - 1:
                     fwd_at[(v + 1, k)] = free[s] + latency
@@ -164,11 +167,46 @@ def test_interleaving_shrinks_the_bubble_and_a_split_backward_runs():
         simulate_pipeline(np.ones((4, 2)), np.ones((4, 2)), stages=[2], chunks=[2], program=program)
 
 
+@pytest.mark.parametrize("stages", [[3], [1, 3], [2, 2]])
+def test_zero_bubble_h1_keeps_the_pipelines_peak_and_shrinks_the_bubble(stages):
+    S = sum(stages)
+    for m in range(1, 3 * S + 1):
+        program = pipeline_program("zb-h1", stages, m)
+        validate_program(program)
+        for s, actions in enumerate(program.actions):
+            live = peak = 0
+            for a in actions:
+                live += {"F": 1, "I": 0, "W": -1}[a.kind]
+                peak = max(peak, live)
+            assert peak_in_flight("zb-h1", stages, m, s) == peak == min(S, m)
+            assert peak_in_flight("1f1b", stages, m, s) == min(S - s, m)
+    # Equal F, I and W: 3 m + S - 1 against 1F1B's 3 (m + S - 1).
+    m = 2 * S
+    f = np.ones((S, m))
+    assert simulate_pipeline(f, 2 * f, order="zb-h1", stages=stages).step_time_s == 3 * m + S - 1
+    assert simulate_pipeline(f, 2 * f, order="1f1b", stages=stages).step_time_s == 3 * (m + S - 1)
+    # Per-cell W seconds: the first stage defers its whole backward (its input takes no
+    # gradient); the simulator and the reference agree.
+    rng = np.random.default_rng(S)
+    fwd, bwd = rng.uniform(0.5, 1.5, (S, m)), rng.uniform(1.0, 3.0, (S, m))
+    weight = bwd * rng.uniform(0.3, 0.7, (S, m))
+    weight[0] = bwd[0]
+    got = simulate_pipeline(fwd, bwd, order="zb-h1", stages=stages, weight_s=weight)
+    program = pipeline_program("zb-h1", stages, m)
+    assert got.step_time_s == pytest.approx(_reference_step(program, fwd, bwd, 0.0, weight=weight))
+    with pytest.raises(ValueError, match=r"weight_s\[1\]=.* exceeds backward_s\[1\]"):
+        bad = weight.copy()
+        bad[0, 1] = bwd[0, 1] + 1.0
+        simulate_pipeline(fwd, bwd, order="zb-h1", stages=stages, weight_s=bad)
+    with pytest.raises(ValueError, match="weight_s must have the shape of backward_s"):
+        simulate_pipeline(fwd, bwd, order="zb-h1", stages=stages, weight_s=weight[:, :1])
+
+
 def test_every_small_generated_program_runs():
     for schedule, stages, v in itertools.product(
-        ["1f1b", "gpipe", "interleaved-1f1b"], [1, 2, 3], [1, 2]
+        ["1f1b", "gpipe", "interleaved-1f1b", "zb-h1"], [1, 2, 3], [1, 2]
     ):
-        if schedule == "1f1b" and v > 1:
+        if schedule in ("1f1b", "zb-h1") and v > 1:
             continue
         m = 2 * stages
         program = pipeline_program(schedule, [1, stages], m, chunks=[1, v])
@@ -192,7 +230,7 @@ def test_schedules_come_from_the_registry_and_the_choice_is_the_cores():
     assert (
         PIPELINE_ORDERS
         == tuple(_core.pipeline_order_names())
-        == ("1f1b", "gpipe", "interleaved-1f1b")
+        == ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1")
     )
     assert pipeline_order_for(([4], [1])) == "1f1b"
     assert pipeline_order_for(([2, 3], [1, 1])) == "1f1b"
@@ -275,7 +313,7 @@ def test_format_action_refuses_what_it_cannot_write():
 def test_a_program_round_trips_through_its_text_and_a_file(
     tmp_path_factory, schedule, encoder_stages, llm_stages, chunks, rounds, split
 ):
-    if schedule == "1f1b":
+    if schedule in ("1f1b", "zb-h1"):
         chunks = 1
     stages = [encoder_stages, llm_stages] if encoder_stages else [llm_stages]
     chunk_counts = [1, chunks] if encoder_stages else [chunks]

@@ -1,0 +1,107 @@
+"""The split backward (dflop.runtime.split_backward): I then W give a full backward's
+gradients on graphs with shared weights, weight-only branches, frozen parameters and
+inputs the output ignores, and compute every product once over the two halves."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dflop.runtime.split_backward import backward_input, backward_weight  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+
+class _Tangled(nn.Module):
+    """An embedding added to the input (a weight-only branch), linears, a layer norm, one
+    weight applied twice (a boundary node below another of its group) and a parameter
+    that reaches the output both through the input path and directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.l1, self.l2 = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.norm = nn.LayerNorm(16)
+        self.shared = nn.Linear(16, 16, bias=False)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, x, ids, extra=None):  # noqa: ARG002 (extra: an input left unused)
+        h = x + self.emb(ids)
+        h = self.l2(torch.relu(self.l1(h)))
+        h = self.shared(self.shared(self.norm(h))) * self.scale
+        return h.sum(-1).pow(2).sum() + self.scale.sum()
+
+
+def _full(model, make_inputs):
+    model.zero_grad(set_to_none=True)
+    inputs = make_inputs()
+    model(*inputs).backward()
+    return [t.grad for t in inputs if t.requires_grad], {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
+
+
+def _split(model, make_inputs):
+    model.zero_grad(set_to_none=True)
+    inputs = make_inputs()
+    output = model(*inputs)
+    differentiable = [t for t in inputs if t.requires_grad]
+    work = backward_input(output, None, differentiable, list(model.parameters()))
+    assert all(p.grad is None for p in model.parameters())  # weights wait for W
+    input_grads = [t.grad for t in differentiable]
+    backward_weight(work)
+    return input_grads, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("frozen", ["", "l1.weight", "shared.weight"])
+def test_split_backward_equals_the_full_backward(frozen):
+    torch.manual_seed(0)
+    model = _Tangled()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name != frozen)
+    x, ids = torch.randn(8, 16), torch.randint(0, 50, (8,))
+    ignored = torch.randn(3)  # an input the output does not depend on
+
+    def make_inputs():
+        return x.clone().requires_grad_(), ids, ignored.clone().requires_grad_()
+
+    (ref_x, ref_ignored), ref = _full(model, make_inputs)
+    (got_x, got_ignored), got = _split(model, make_inputs)
+    assert ref_ignored is None and torch.equal(got_ignored, torch.zeros(3))
+    torch.testing.assert_close(got_x, ref_x, rtol=1e-6, atol=1e-7)
+    assert got.keys() == ref.keys() and frozen not in got
+    for name, grad in ref.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_no_input_gradient_puts_the_whole_backward_in_w():
+    """A first stage (its input needs no gradient): I does nothing, W all of it."""
+    torch.manual_seed(1)
+    model = _Tangled()
+    x, ids = torch.randn(4, 16), torch.randint(0, 50, (4,))
+    _, ref = _full(model, lambda: (x, ids))
+    _, got = _split(model, lambda: (x, ids))
+    for name, grad in ref.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-6, atol=1e-7)
+
+
+def test_each_product_runs_once():
+    """A stack of linear layers: I computes the input gradients' products and W the
+    weights', each half of a full backward's FLOPs, none repeated."""
+    torch.manual_seed(2)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(6)])
+    x = torch.randn(32, 64)
+    grad = torch.randn(32, 64)
+    with FlopCounterMode(display=False) as full:
+        model(x.clone().requires_grad_()).backward(grad)
+    xi = x.clone().requires_grad_()
+    out = model(xi)
+    with FlopCounterMode(display=False) as first:
+        work = backward_input(out, grad, [xi], list(model.parameters()))
+    with FlopCounterMode(display=False) as second:
+        backward_weight(work)
+    forward_flops = 2 * 32 * 64 * 64 * 6
+    assert full.get_total_flops() == 3 * forward_flops  # the forward and both products
+    assert first.get_total_flops() == forward_flops
+    assert second.get_total_flops() == forward_flops
