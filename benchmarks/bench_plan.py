@@ -251,6 +251,68 @@ def render_regimes(rows: list[dict], args: argparse.Namespace, total_s: float) -
     return "\n".join(lines)
 
 
+def zero_bubble(args: argparse.Namespace) -> list[dict]:
+    """The paper's settings with everything trained and with a frozen tower: the data-blind
+    baseline, dflop under 1F1B and dflop allowed ZB-H1 (``PlannerConfig.zero_bubble``), each
+    chosen on the search batches and scored on the held-out ones."""
+    rows = []
+    for encoder, llm in SETTINGS:
+        model = AnalyticCostModel(encoder, llm)
+        for trainable in ("full", "frozen-vision"):
+            inputs = _inputs(model, args.global_batch, args.batches, 0, trainable)
+            held_out = _inputs(model, args.global_batch, args.held_out, 10_000, trainable)
+            row = {"setting": f"{encoder} + {llm}", "trainable": trainable}
+            for key, strategy, zb in (
+                ("blind", "data_blind", False),
+                ("1f1b", "data_aware", False),
+                ("zb", "data_aware", True),
+            ):
+                cfg = replace(_config(args.batches), trainable=trainable, zero_bubble=zb)
+                score_cfg = replace(_config(args.held_out), trainable=trainable, zero_bubble=zb)
+                row[key] = held_out_best(CLUSTER, inputs, held_out, cfg, score_cfg, strategy)
+            rows.append(row)
+        print(f"{encoder} + {llm} zero bubble: done", file=sys.stderr)
+    return rows
+
+
+def render_zero_bubble(rows: list[dict], total_s: float) -> str:
+    lines = [
+        "Command: `python benchmarks/bench_plan.py --zero-bubble-only --markdown "
+        "benchmarks/README.md` (the full run writes this table too)",
+        "",
+        f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; run time "
+        f"{total_s:.0f} s; the simulated cluster, mix and batches of the table above",
+        "- dflop under 1F1B, and dflop with `PlannerConfig(zero_bubble=True)` (`dflop plan "
+        "--zero-bubble`): each kept layout is scored under ZB-H1 too and runs it where that "
+        "is faster and fits in memory (every stage then holds min(S, m) microbatches). Its W "
+        "share of a trained layer's backward is the analytic 0.5 (a profile's measured "
+        "pass-through factor on a real model); a stage whose input takes no gradient (the "
+        "first, or the projector behind a frozen tower) runs all of its backward in W. "
+        "Bound: the layout's lower bound (the busiest GPU's compute, or a microbatch's path "
+        "through the stages): what no order can beat.",
+        "",
+        "| setting | trains | data-blind s | dflop 1F1B: layout | s | idle "
+        "| dflop + ZB-H1: layout | s | idle | bound s | speed-up 1F1B / ZB |",
+        "|---|---|---:|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        blind, plain, zb = row["blind"], row["1f1b"], row["zb"]
+        if plain is None or zb is None:
+            lines.append(f"| {row['setting']} | {row['trainable']} | no layout fits |||||||||")
+            continue
+        b = blind["layout"].prediction.step_time_s if blind else float("nan")
+        p, z = plain["layout"], zb["layout"]
+        pp, zp = p.prediction, z.prediction
+        lines.append(
+            f"| {row['setting']} | {row['trainable']} | {b:.2f} | "
+            f"{p.describe().replace('|', ';')} | {pp.step_time_s:.2f} | {fmt_pct(pp.idle_fraction)} "
+            f"| {z.describe().replace('|', ';')} | {zp.step_time_s:.2f} | "
+            f"{fmt_pct(zp.idle_fraction)} | {zp.lower_bound_s:.2f} | "
+            f"{b / pp.step_time_s:.2f}x / {b / zp.step_time_s:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 def agreement(model, cluster, inputs, layout, config) -> tuple[float, int, int]:
     """(largest relative difference between the planned and the re-simulated step times,
     microbatches checked, microbatches whose recorded split differs from split_units)."""
@@ -715,16 +777,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--regimes-only", action="store_true", help="only the training regimes' table"
     )
+    parser.add_argument(
+        "--zero-bubble-only", action="store_true", help="only the zero-bubble table"
+    )
     args = parser.parse_args(argv)
     args.scale_gpus = [int(v) for v in args.scale_gpus.split(",") if v]
-    start = time.perf_counter()
-    regime_rows = regimes(args)
-    regime_body = render_regimes(regime_rows, args, time.perf_counter() - start)
-    print(regime_body)
-    if args.markdown:
-        heading = "### Training regimes (`--trainable`)"
-        baselines.write_section(args.markdown, "bench_plan_regimes", regime_body, heading)
+    if not args.zero_bubble_only:
+        start = time.perf_counter()
+        regime_rows = regimes(args)
+        regime_body = render_regimes(regime_rows, args, time.perf_counter() - start)
+        print(regime_body)
+        if args.markdown:
+            heading = "### Training regimes (`--trainable`)"
+            baselines.write_section(args.markdown, "bench_plan_regimes", regime_body, heading)
     if args.regimes_only:
+        return 0
+    start = time.perf_counter()
+    zero_bubble_body = render_zero_bubble(zero_bubble(args), time.perf_counter() - start)
+    print(zero_bubble_body)
+    if args.markdown:
+        heading = "### Zero bubble (`--zero-bubble`)"
+        baselines.write_section(args.markdown, "bench_plan_zero_bubble", zero_bubble_body, heading)
+    if args.zero_bubble_only:
         return 0
     start = time.perf_counter()
     rows = []

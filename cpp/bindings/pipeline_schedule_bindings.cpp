@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -21,8 +22,11 @@ PipelineScheduleOptions pipeline_options(
     std::vector<int64_t> stages, std::vector<double> forward_fraction,
     std::vector<double> microbatch_constant_s, double link_latency_s, std::vector<int64_t> replicas,
     std::vector<int64_t> units, std::vector<int64_t> chunks,
-    std::vector<int64_t> backward_from_stage, std::vector<int64_t> backward_gate) {
+    std::vector<int64_t> backward_from_stage, std::vector<int64_t> backward_gate, std::string order,
+    std::vector<double> weight_fraction) {
   PipelineScheduleOptions o;
+  o.order = std::move(order);
+  o.weight_fraction = std::move(weight_fraction);
   o.chunks = std::move(chunks);
   o.backward_from_stage = std::move(backward_from_stage);
   o.backward_gate = std::move(backward_gate);
@@ -49,14 +53,15 @@ py::dict pipeline_schedule_py(
     double link_latency_s, std::optional<std::vector<double>> capacity, double max_growth,
     uint64_t seed, std::optional<double> time_budget_ms, std::optional<double> time_limit_s,
     std::vector<int64_t> replicas, std::vector<int64_t> units, std::vector<int64_t> chunks,
-    std::vector<int64_t> backward_from_stage, std::vector<int64_t> backward_gate) {
+    std::vector<int64_t> backward_from_stage, std::vector<int64_t> backward_gate, std::string order,
+    std::vector<double> weight_fraction) {
   check_costs(costs);
   const int64_t n = costs.shape(0), d = costs.shape(1);
-  PipelineScheduleOptions o =
-      pipeline_options(num_microbatches, dp_size, std::move(microbatch_dims), std::move(stages),
-                       std::move(forward_fraction), std::move(microbatch_constant_s),
-                       link_latency_s, std::move(replicas), std::move(units), std::move(chunks),
-                       std::move(backward_from_stage), std::move(backward_gate));
+  PipelineScheduleOptions o = pipeline_options(
+      num_microbatches, dp_size, std::move(microbatch_dims), std::move(stages),
+      std::move(forward_fraction), std::move(microbatch_constant_s), link_latency_s,
+      std::move(replicas), std::move(units), std::move(chunks), std::move(backward_from_stage),
+      std::move(backward_gate), std::move(order), std::move(weight_fraction));
   if (capacity) o.capacity = std::move(*capacity);
   o.max_growth = max_growth;
   o.seed = seed;
@@ -88,13 +93,14 @@ double simulated_step_time_py(const CostArray& costs, std::vector<int64_t> assig
                               std::vector<double> microbatch_constant_s, double link_latency_s,
                               std::vector<int64_t> replicas, std::vector<int64_t> units,
                               std::vector<int64_t> chunks, std::vector<int64_t> backward_from_stage,
-                              std::vector<int64_t> backward_gate) {
+                              std::vector<int64_t> backward_gate, std::string order,
+                              std::vector<double> weight_fraction) {
   check_costs(costs);
-  const PipelineScheduleOptions o =
-      pipeline_options(num_microbatches, dp_size, std::move(microbatch_dims), std::move(stages),
-                       std::move(forward_fraction), std::move(microbatch_constant_s),
-                       link_latency_s, std::move(replicas), std::move(units), std::move(chunks),
-                       std::move(backward_from_stage), std::move(backward_gate));
+  const PipelineScheduleOptions o = pipeline_options(
+      num_microbatches, dp_size, std::move(microbatch_dims), std::move(stages),
+      std::move(forward_fraction), std::move(microbatch_constant_s), link_latency_s,
+      std::move(replicas), std::move(units), std::move(chunks), std::move(backward_from_stage),
+      std::move(backward_gate), std::move(order), std::move(weight_fraction));
   const std::vector<double> data = owned_copy(costs);
   py::gil_scoped_release release;
   return simulated_step_time(data.data(), costs.shape(0), costs.shape(1), assignment, o);
@@ -111,7 +117,8 @@ void register_pipeline_schedule(py::module_& m) {
         py::arg("replicas") = std::vector<int64_t>{}, py::arg("units") = std::vector<int64_t>{},
         py::arg("chunks") = std::vector<int64_t>{},
         py::arg("backward_from_stage") = std::vector<int64_t>{},
-        py::arg("backward_gate") = std::vector<int64_t>{},
+        py::arg("backward_gate") = std::vector<int64_t>{}, py::arg("order") = std::string(),
+        py::arg("weight_fraction") = std::vector<double>{},
         "Refine a schedule for the simulated module pipeline; see dflop.pipeline_schedule.");
   m.def("simulated_step_time", &simulated_step_time_py, py::arg("costs"), py::kw_only(),
         py::arg("assignment"), py::arg("num_microbatches"), py::arg("dp_size"),
@@ -120,7 +127,8 @@ void register_pipeline_schedule(py::module_& m) {
         py::arg("replicas") = std::vector<int64_t>{}, py::arg("units") = std::vector<int64_t>{},
         py::arg("chunks") = std::vector<int64_t>{},
         py::arg("backward_from_stage") = std::vector<int64_t>{},
-        py::arg("backward_gate") = std::vector<int64_t>{});
+        py::arg("backward_gate") = std::vector<int64_t>{}, py::arg("order") = std::string(),
+        py::arg("weight_fraction") = std::vector<double>{});
   m.def("pipeline_work_budget_for_ms", &pipeline_work_budget_for_ms, py::arg("time_budget_ms"));
 }
 

@@ -108,6 +108,7 @@ ModuleParams to_module(const py::dict& d, const char* w) {
   r.opt("body_trainable_fraction", &p.body_trainable_fraction);
   r.opt("last_trainable_fraction", &p.last_trainable_fraction);
   r.opt("kept_activation_fraction", &p.kept_activation_fraction);
+  r.opt("input_grad_fraction", &p.input_grad_fraction);
   r.finish();
   return p;
 }
@@ -157,6 +158,7 @@ PlannerOptions to_options(const py::dict& d) {
   r.opt("prune", &o.prune);
   r.opt("top_k", &o.top_k);
   r.opt("order_microbatches", &o.order_microbatches);
+  r.opt("zero_bubble", &o.zero_bubble);
   r.opt("balanced_layer_split", &o.balanced_layer_split);
   r.opt("zero1", &o.zero1);
   r.opt("max_tp", &o.max_tp);
@@ -207,6 +209,9 @@ Layout to_layout(const py::dict& d) {
   l.encoder = to_module_layout(r.get<py::dict>("encoder"), "layout.encoder");
   l.llm = to_module_layout(r.get<py::dict>("llm"), "layout.llm");
   l.num_microbatches = r.get<int64_t>("num_microbatches");
+  std::string order;  // none or absent: pipeline_order_for()'s
+  r.opt("order", &order);
+  if (!order.empty()) l.order = parse_pipeline_order(order);
   r.finish();
   return l;
 }
@@ -242,6 +247,8 @@ py::dict from_score(const LayoutScore& s) {
   layout["encoder"] = from_module_layout(s.layout.encoder);
   layout["llm"] = from_module_layout(s.layout.llm);
   layout["num_microbatches"] = s.layout.num_microbatches;
+  layout["order"] =
+      s.layout.order ? py::object(py::str(pipeline_order_name(*s.layout.order))) : py::none();
   py::list steps;
   for (const StepBreakdown& b : s.steps) {
     py::dict step;
@@ -359,6 +366,7 @@ py::dict from_step(const StepModel& step) {
   py::dict out;
   out["forward_s"] = arr3(in.forward_s, R, S, m);
   out["backward_s"] = arr3(in.backward_s, R, S, m);
+  if (!in.weight_s.empty()) out["weight_s"] = arr3(in.weight_s, R, S, m);
   out["activation_bytes"] = arr3(in.activation_bytes, R, S - 1, m);
   out["link_latency_s"] = in.link_latency_s;
   out["link_bandwidth_bytes_per_s"] = in.link_bandwidth_bytes_per_s;

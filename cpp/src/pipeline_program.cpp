@@ -249,7 +249,7 @@ const std::vector<PipelineOrderDef>& pipeline_order_registry() {
       {PipelineOrder::Interleaved1F1B, "interleaved-1f1b", runs_interleaved,
        warmed_up_actions<interleaved_warmup>, warmed_up_peak<interleaved_warmup>},
       {PipelineOrder::ZeroBubbleH1, "zb-h1", runs_one_chunk_zb, zero_bubble_h1_actions,
-       zero_bubble_h1_peak},
+       zero_bubble_h1_peak, true},
   };
   return registry;
 }

@@ -35,11 +35,23 @@ int64_t chunks_of(const PipelineScheduleOptions& o, int64_t c) {
   return o.chunks.empty() ? 1 : o.chunks[size_t(c)];
 }
 
-// The program every replica runs: pipeline_order_for() its modules' stages and chunks.
+// The program every replica runs: options.order, or pipeline_order_for() its modules'
+// stages and chunks.
 PipelineProgram program_of(const PipelineScheduleOptions& o) {
   PipelineShape shape{o.stages, std::vector<int64_t>(o.stages.size(), 1)};
   for (size_t c = 0; c < o.stages.size(); ++c) shape.chunks[c] = chunks_of(o, int64_t(c));
-  return pipeline_program(pipeline_order_for(shape), shape, o.num_microbatches);
+  const PipelineOrder kind =
+      o.order.empty() ? pipeline_order_for(shape) : parse_pipeline_order(o.order);
+  return pipeline_program(kind, shape, o.num_microbatches);
+}
+
+bool splits_backward(const PipelineProgram& program) {
+  for (const auto& actions : program.actions) {
+    for (const PipelineAction& a : actions) {
+      if (a.kind == ActionKind::BackwardWeight) return true;
+    }
+  }
+  return false;
 }
 
 // Simulated actions per millisecond on one current x86 core (2 stages, 24 microbatches).
@@ -142,6 +154,18 @@ class Search {
         std::find(gradient_links_.begin(), gradient_links_.end(), 0) != gradient_links_.end();
     forward_.assign(num_stages_ * m_, 0.0);
     backward_.assign(num_stages_ * m_, 0.0);
+    if (splits_backward(sim_.program())) {
+      // The W share of each virtual stage's backward: all of it where the input takes no
+      // gradient (the first stage, or one after a stage that runs no backward).
+      for (int64_t s = 0; s < num_stages_; ++s) {
+        const int64_t c = stage_dim_[s];
+        const bool input_grad = s > 0 && stage_backward_[s - 1];
+        weight_share_.push_back(!input_grad                 ? 1.0
+                                : o.weight_fraction.empty() ? 0.5
+                                                            : o.weight_fraction[size_t(c)]);
+      }
+      weight_.assign(num_stages_ * m_, 0.0);
+    }
     std::iota(order_.begin(), order_.end(), int64_t{0});
     for (int64_t i = 0; i < n; ++i) add(i, assignment_[i], +1.0);
     // Growth bound relative to the start's makespan, and the hard capacities.
@@ -173,10 +197,12 @@ class Search {
           const double load = stage_load(j, c, r) * stage_share_[s];
           forward_[s * m_ + p] = forward_fraction_[c] * load;
           backward_[s * m_ + p] = runs_backward(s, j, r) ? load - forward_[s * m_ + p] : 0.0;
+          if (!weight_.empty()) weight_[s * m_ + p] = weight_share_[s] * backward_[s * m_ + p];
         }
       }
       step_s = std::max(step_s, sim_.run(forward_.data(), backward_.data(), latency_.data(),
-                                         cut_links_ ? gradient_links_.data() : nullptr));
+                                         cut_links_ ? gradient_links_.data() : nullptr,
+                                         weight_.empty() ? nullptr : weight_.data()));
     }
     double pace_s = 0.0;
     for (int64_t j = 0; j < m_; ++j) {
@@ -487,6 +513,7 @@ class Search {
   const double* costs_;
   int64_t n_, d_, m_, dp_, b_;
   std::vector<double> forward_fraction_, constant_;
+  std::vector<double> weight_share_, weight_;  // split backwards: per stage; per cell
   std::vector<char> is_mb_dim_;
   std::vector<int64_t> stage_dim_;       // per virtual stage: its dimension (module)
   std::vector<double> stage_share_;      // per virtual stage: its share of a stage's load
@@ -604,6 +631,17 @@ void validate_pipeline_schedule_input(const double* costs, int64_t n, int64_t d,
       }
     }
   }
+  if (!o.weight_fraction.empty()) {
+    check_length("weight_fraction", o.weight_fraction, d);
+    for (size_t c = 0; c < o.weight_fraction.size(); ++c) {
+      const double v = o.weight_fraction[c];
+      if (!(v >= 0.0 && v <= 1.0)) {
+        throw InvalidArgument("weight_fraction[" + std::to_string(c) + "] must be in [0, 1], got " +
+                              fmt(v));
+      }
+    }
+  }
+  if (!o.order.empty()) program_of(o);  // a registered order that runs these stages
   if (!o.backward_gate.empty()) {
     check_length("backward_gate", o.backward_gate, d);
     for (int64_t c = 0; c < d; ++c) {

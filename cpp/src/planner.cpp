@@ -80,7 +80,8 @@ void check_module(const char* module, const ModuleParams& p) {
       {"last_backward_factor", p.last_backward_factor},
       {"body_trainable_fraction", p.body_trainable_fraction},
       {"last_trainable_fraction", p.last_trainable_fraction},
-      {"kept_activation_fraction", p.kept_activation_fraction}};
+      {"kept_activation_fraction", p.kept_activation_fraction},
+      {"input_grad_fraction", p.input_grad_fraction}};
   for (const auto& [name, value] : fractions) {
     require(std::isfinite(value) && value >= 0.0 && value <= 1.0,
             m + "." + name + " must be in [0, 1], got " + fmt(value));
@@ -143,6 +144,18 @@ void check_layout(const ClusterParams& c, const ModuleParams& enc, const ModuleP
   }
   require(l.num_microbatches * l.llm.dp <= o.global_batch,
           "num_microbatches x llm.dp must be <= global_batch (one sample per bin at least)");
+  if (l.order) {
+    // The order must run the layout's pipeline (e.g. zb-h1 takes one chunk per stage).
+    const PipelineShape shape =
+        l.colocated ? PipelineShape::plain(l.llm.pp)
+                    : PipelineShape{{l.encoder.pp, l.llm.pp}, {1, l.llm.virtual_stages}};
+    try {
+      pipeline_order_def(*l.order).check(shape, l.num_microbatches);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(std::string("order=") + pipeline_order_name(*l.order) + ": " +
+                            e.what());
+    }
+  }
   if (l.colocated) {
     require(l.llm.first_rank == 0 && l.llm.tp * l.llm.pp * l.llm.dp == c.num_gpus,
             "a colocated layout must use all num_gpus from rank 0");

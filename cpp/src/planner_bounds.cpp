@@ -80,7 +80,7 @@ double module_bound(const Context& ctx, const ModuleModel& mm, const ModuleLayou
 }
 
 PathPart module_path_part(const Context& ctx, const ModuleModel& mm, const ModuleLayout& l,
-                          int64_t m, bool is_encoder, const BatchSums& s) {
+                          int64_t m, bool is_encoder, const BatchSums& s, bool split) {
   const Loads loads = batch_loads(s, is_encoder);
   const double constants = !is_encoder ? 1.0 : (s.has_visual ? 1.0 / double(m) : 0.0);
   const auto& [big, item_share] = largest_item(ctx, s, l, is_encoder);
@@ -99,7 +99,16 @@ PathPart module_path_part(const Context& ctx, const ModuleModel& mm, const Modul
         item_share;
     const double constant = mm.stage_constant_bound(l.tp, nl, is_last);
     const double typical = share + (s.has_visual || !is_encoder ? constant : 0.0);
-    out.path += share + constants * constant;
+    double on_path = 1.0;
+    if (split) {
+      // At most (1 - forward_fraction) of a stage's time is backward (less where parts are
+      // frozen); of it the W share, all where the stage's input takes no gradient.
+      const bool input_grad =
+          st > 0 ? mm.layers_backward() : !is_encoder && ctx.enc.runs_backward(true);
+      const double w = input_grad ? mm.weight_share(is_last) : 1.0;
+      on_path = 1.0 - (1.0 - mm.p->forward_fraction) * w;
+    }
+    out.path += (share + constants * constant) * on_path;
     out.estimate_path += typical;
     const double busy = std::max(double(m) * share, item) + double(m) * (typical - share);
     out.excess = std::max(out.excess, busy - typical);
@@ -200,8 +209,9 @@ double batch_bound(const Context& ctx, const Layout& l, int64_t b) {
   const BatchSums& s = ctx.sums[size_t(b)];
   if (l.colocated) return colocated_batch_bound(ctx, l, s);
   const int64_t m = l.num_microbatches;
-  const double path = module_path_part(ctx, ctx.enc, l.encoder, m, true, s).path +
-                      module_path_part(ctx, ctx.llm, l.llm, m, false, s).path +
+  const bool split = pipeline_order_def(layout_order(l)).splits_backward;
+  const double path = module_path_part(ctx, ctx.enc, l.encoder, m, true, s, split).path +
+                      module_path_part(ctx, ctx.llm, l.llm, m, false, s, split).path +
                       path_links(ctx, l.encoder.pp, l.llm.pp);
   return std::max({module_batch_bound(ctx, ctx.llm, l.llm, m, false, 0.0, s),
                    module_batch_bound(ctx, ctx.enc, l.encoder, m, true, 0.0, s), path});

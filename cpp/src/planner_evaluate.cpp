@@ -203,19 +203,19 @@ EncoderReplicas Evaluator::encoder_replicas(const Layout& l, int64_t b,
 Evaluator::Memory Evaluator::memory(const Layout& l, const InFlightTokens& llm_tokens,
                                     double llm_bin_targets,
                                     const InFlightTokens& enc_tokens) const {
-  const Memory enc =
-      l.colocated ? Memory{} : encoder_memory(l.encoder, l.llm, l.num_microbatches, enc_tokens);
-  return combine(enc, llm_memory(l.llm, l.colocated, l.num_microbatches, llm_tokens,
-                                 llm_bin_targets, enc_tokens));
+  const Memory enc = l.colocated ? Memory{} : encoder_memory(l, enc_tokens);
+  return combine(enc, llm_memory(l, llm_tokens, llm_bin_targets, enc_tokens));
 }
 
-Evaluator::Memory Evaluator::encoder_memory(const ModuleLayout& e, const ModuleLayout& g, int64_t m,
+Evaluator::Memory Evaluator::encoder_memory(const Layout& l,
                                             const InFlightTokens& enc_tokens) const {
   Memory out;
-  const PipelineShape shape{{e.pp, g.pp}, {1, g.virtual_stages}};
+  const ModuleLayout& e = l.encoder;
+  const int64_t m = l.num_microbatches;
+  const PipelineShape shape = layout_shape(l);
   for (int64_t s = 0; s < e.pp; ++s) {
     const int64_t n = e.layers_per_stage[size_t(s)];
-    const int64_t in_flight = peak_in_flight(pipeline_order_for(shape), shape, m, s);
+    const int64_t in_flight = peak_in_flight(layout_order(l), shape, m, s);
     const double bytes =
         ctx_.enc.state_bytes(ctx_.enc.gpu_params(e, s), ctx_.enc.gpu_trainable_params(e, s), e.dp,
                              ctx_.o.zero1) +
@@ -228,16 +228,21 @@ Evaluator::Memory Evaluator::encoder_memory(const ModuleLayout& e, const ModuleL
   return out;
 }
 
-Evaluator::Memory Evaluator::llm_memory(const ModuleLayout& g, bool colocated, int64_t m,
-                                        const InFlightTokens& llm_tokens, double llm_bin_targets,
+Evaluator::Memory Evaluator::llm_memory(const Layout& l, const InFlightTokens& llm_tokens,
+                                        double llm_bin_targets,
                                         const InFlightTokens& enc_tokens) const {
   Memory out;
+  const ModuleLayout& g = l.llm;
+  const bool colocated = l.colocated;
+  const int64_t m = l.num_microbatches;
   const bool zero1 = ctx_.o.zero1;
-  const PipelineShape shape{{g.pp}, {g.virtual_stages}};
+  // The LLM's stages follow the encoder's in the replica's pipeline.
+  const PipelineShape shape = layout_shape(l);
+  const int64_t first = colocated ? 0 : l.encoder.pp;
   for (int64_t s = 0; s < g.pp; ++s) {
     // The activations of one microbatch on one chunk (the stage itself without chunks).
     const int64_t n = largest_chunk(g, s);
-    const int64_t in_flight = peak_in_flight(pipeline_order_for(shape), shape, m, s);
+    const int64_t in_flight = peak_in_flight(layout_order(l), shape, m, first + s);
     double bytes = ctx_.llm.state_bytes(ctx_.llm.gpu_params(g, s),
                                         ctx_.llm.gpu_trainable_params(g, s), g.dp, zero1) +
                    ctx_.llm.activation_bytes(g.tp, g.recompute, n, llm_tokens.at(in_flight));
@@ -330,8 +335,8 @@ PipelineSimInput Evaluator::sim_input(const Layout& l, const BinSums& s,
   in.num_stages = S;
   in.num_microbatches = m;
   in.record_events = record_events;
-  in.shape = l.colocated ? PipelineShape::plain(S) : PipelineShape{{E, g.pp}, {1, v}};
-  in.order = pipeline_order_for(in.shape);
+  in.shape = layout_shape(l);
+  in.order = layout_order(l);
   const size_t cells = size_t(R * V * m);
   in.forward_s.assign(cells, 0.0);
   in.backward_s.assign(cells, 0.0);
@@ -420,6 +425,23 @@ PipelineSimInput Evaluator::sim_input(const Layout& l, const BinSums& s,
     links[size_t(vs)] = backward ? 1 : 0;
     any_cut = any_cut || !backward;
   }
+  if (pipeline_order_def(in.order).splits_backward) {
+    // The W share of each backward: all of it where the stage's input takes no gradient
+    // (the first stage, or one after a stage that runs no backward), as the runtime runs.
+    in.weight_s.assign(cells, 0.0);
+    for (int64_t vs = 0; vs < V; ++vs) {
+      const bool input_grad = vs > 0 && links[size_t(vs - 1)];
+      const double share = !input_grad ? 1.0
+                           : vs < E    ? ctx_.enc.weight_share(vs == E - 1)
+                                       : ctx_.llm.weight_share(vs - E == g.pp * v - 1);
+      for (int64_t r = 0; r < R; ++r) {
+        for (int64_t k = 0; k < m; ++k) {
+          const size_t i = size_t((r * V + vs) * m + k);
+          in.weight_s[i] = share * in.backward_s[i];
+        }
+      }
+    }
+  }
   if (any_cut) in.gradient_links = std::move(links);
   return in;
 }
@@ -470,6 +492,7 @@ PipelineSimInput Evaluator::permuted(const PipelineSimInput& in,
         const size_t from = size_t((r * S + st) * m + order[size_t(k)]);
         out.forward_s[to] = in.forward_s[from];
         out.backward_s[to] = in.backward_s[from];
+        if (!in.weight_s.empty()) out.weight_s[to] = in.weight_s[from];
       }
     }
     for (int64_t st = 0; st + 1 < S; ++st) {
@@ -576,11 +599,13 @@ PipelineSimInput Evaluator::replica_input(const PipelineSimInput& in, int64_t r,
   out.gradient_links = in.gradient_links;
   out.forward_s.resize(size_t(S * m));
   out.backward_s.resize(size_t(S * m));
+  if (!in.weight_s.empty()) out.weight_s.resize(size_t(S * m));
   for (int64_t st = 0; st < S; ++st) {
     for (int64_t k = 0; k < m; ++k) {
       const size_t from = size_t((r * S + st) * m + order[size_t(k)]);
       out.forward_s[size_t(st * m + k)] = in.forward_s[from];
       out.backward_s[size_t(st * m + k)] = in.backward_s[from];
+      if (!in.weight_s.empty()) out.weight_s[size_t(st * m + k)] = in.weight_s[from];
     }
   }
   if (!in.activation_bytes.empty()) {
@@ -658,8 +683,10 @@ double Evaluator::replica_bound(const Layout& l, const BinSums& sums, double eno
         const double end = fill_at[size_t(u0)] + busy[size_t(r * S + st)];
         double tail = allreduce(st), drain = 0;
         // Down to the first boundary that carries no gradient (the stages before it run
-        // no backward that waits for one).
-        for (int64_t down = u0 - 1; down >= 0 && gradient_link(down); --down) {
+        // no backward that waits for one). A split backward may end with weight
+        // gradients after the last input gradient went down: no drain is certain.
+        for (int64_t down = u0 - 1; down >= 0 && gradient_link(down) && base.weight_s.empty();
+             --down) {
           drain += transfer(r, down, last) + base.backward_s[size_t((r * V + down) * m + last)];
           tail = std::max(tail, drain + allreduce(owner[size_t(down)]));
         }

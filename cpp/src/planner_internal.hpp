@@ -111,6 +111,19 @@ struct ModuleModel {
             (1.0 - f) * (p->body_backward_factor * body_s + p->last_backward_factor * last_s +
                          (layers_backward() ? comm : 0.0))};
   }
+  // The weight gradients' share of a stage's backward (what a zero-bubble order's W runs):
+  // of a trained part, 1 - input_grad_fraction; of one that passes gradients through
+  // frozen weights (its backward is the input gradient), none. The layers' where they run
+  // a backward, else the last stage's part's. A stage whose input takes no gradient runs
+  // all of its backward in W (Evaluator::sim_input).
+  double weight_share(bool is_last) const {
+    const double in = p->input_grad_fraction;
+    auto share = [in](double factor) {
+      return factor > 0.0 ? std::max(0.0, factor - in) / factor : 0.0;
+    };
+    if (layers_backward()) return share(p->body_backward_factor);
+    return is_last ? share(p->last_backward_factor) : 0.0;
+  }
   double stage_time(int64_t t, bool recompute, int64_t n, bool is_last, double body, double last,
                     double tokens) const {
     return stage_seconds(t, recompute, n, is_last, body, last, tokens).total();
@@ -295,6 +308,17 @@ inline int64_t total_stages(const Layout& l) {
   return l.colocated ? l.llm.pp : l.encoder.pp + l.llm.pp;
 }
 
+// The pipeline a replica runs: the encoder's stages (none when colocated), then the LLM's.
+inline PipelineShape layout_shape(const Layout& l) {
+  return l.colocated ? PipelineShape::plain(l.llm.pp)
+                     : PipelineShape{{l.encoder.pp, l.llm.pp}, {1, l.llm.virtual_stages}};
+}
+
+// The one choice of a layout's pipeline order: its own, else pipeline_order_for().
+inline PipelineOrder layout_order(const Layout& l) {
+  return l.order ? *l.order : pipeline_order_for(layout_shape(l));
+}
+
 // ---------------------------------------------------------------------------------------
 // Scoring one layout
 
@@ -392,12 +416,10 @@ class Evaluator {
   };
   Memory memory(const Layout& l, const InFlightTokens& llm_tokens, double llm_bin_targets,
                 const InFlightTokens& enc_tokens) const;
-  // The peak over the encoder's stages (disaggregated: the LLM's stages g follow them).
-  Memory encoder_memory(const ModuleLayout& e, const ModuleLayout& g, int64_t m,
-                        const InFlightTokens& enc_tokens) const;
+  // The peak over the encoder's stages (disaggregated: the LLM's stages follow them).
+  Memory encoder_memory(const Layout& l, const InFlightTokens& enc_tokens) const;
   // The peak over the LLM's stages (colocated: the encoder's on the first).
-  Memory llm_memory(const ModuleLayout& g, bool colocated, int64_t m,
-                    const InFlightTokens& llm_tokens, double llm_bin_targets,
+  Memory llm_memory(const Layout& l, const InFlightTokens& llm_tokens, double llm_bin_targets,
                     const InFlightTokens& enc_tokens) const;
   // Peak over all stages: the encoder's first, ties to the earlier stage; plus the reserve.
   Memory combine(const Memory& enc, const Memory& llm) const;
@@ -518,8 +540,10 @@ struct PathPart {
   double order_path = 0.0, order_slowest = 0.0;
 };
 
+// split: under an order that splits backwards (zero bubble), whose path holds no stage's
+// weight gradients (each stage's share shrinks by its W's largest possible part).
 PathPart module_path_part(const Context& ctx, const ModuleModel& mm, const ModuleLayout& l,
-                          int64_t m, bool is_encoder, const BatchSums& s);
+                          int64_t m, bool is_encoder, const BatchSums& s, bool split = false);
 
 PathPart module_path_mean(const Context& ctx, const ModuleModel& mm, const ModuleLayout& l,
                           int64_t m, bool is_encoder);

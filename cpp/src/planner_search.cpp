@@ -53,6 +53,7 @@
 namespace dflop {
 namespace {
 
+using detail::batch_bound;
 using detail::batch_key;
 using detail::BatchSums;
 using detail::BinSums;
@@ -192,6 +193,7 @@ class Search {
     } else {
       run_pruned();
     }
+    if (o.zero_bubble && o.strategy == PlanStrategy::DataAware) try_zero_bubble();
     PlanResult result;
     result.stats = stats_;
     result.best = best_;
@@ -442,6 +444,27 @@ class Search {
     }
   }
 
+  // Each kept layout that can run ZB-H1 (disaggregated, one chunk per LLM stage), scored
+  // under it with the same schedules: kept under ZB-H1 where that is faster and fits.
+  void try_zero_bubble() {
+    for (LayoutScore& kept : best_) {
+      const Layout& l = kept.layout;
+      if (l.colocated || l.llm.virtual_stages > 1 || l.order) continue;
+      Layout z = l;
+      z.order = PipelineOrder::ZeroBubbleH1;
+      bool feasible = false;
+      LayoutScore score = eval_.score(z, &feasible, nullptr, nullptr);
+      if (!feasible || !(score.mean_step_time_s < kept.mean_step_time_s)) continue;
+      double bound = 0;
+      for (int64_t b = 0; b < ctx_.x.num_batches; ++b) bound += batch_bound(ctx_, z, b);
+      score.lower_bound_s = bound / double(ctx_.x.num_batches);
+      kept = std::move(score);
+    }
+    std::stable_sort(best_.begin(), best_.end(), [](const LayoutScore& a, const LayoutScore& b) {
+      return better(a.mean_step_time_s, a.layout, b.mean_step_time_s, b.layout);
+    });
+  }
+
   void insert(const Candidate& c, LayoutScore score) {
     ++stats_.num_simulated;
     score.lower_bound_s = ctx_.o.strategy == PlanStrategy::MeanShapeReference ? 0.0 : c.lower_bound;
@@ -678,8 +701,12 @@ class Search {
             reference ? PathPart{} : module_path_mean(ctx_, ctx_.llm, g, m, false);
         const Evaluator::InFlightTokens llm_tokens = eval_.llm_tokens_lower_bound(m, g.dp);
         const double llm_targets = eval_.llm_targets_lower_bound(m, g.dp);
-        const Evaluator::Memory llm_mem =
-            eval_.llm_memory(g, false, m, llm_tokens, llm_targets, {});
+        // The search's orders (pipeline_order_for) keep an LLM stage's activations
+        // whatever the encoder's stages before it.
+        l.encoder = ModuleLayout{};
+        l.llm = g;
+        l.num_microbatches = m;
+        const Evaluator::Memory llm_mem = eval_.llm_memory(l, llm_tokens, llm_targets, {});
         for (size_t ei = 0; ei < encs.size(); ++ei) {
           const ModuleLayout& e = encs[ei];
           if (pass_ == Pass::All) ++stats_.num_candidates;
@@ -704,12 +731,10 @@ class Search {
           }
           const Evaluator::InFlightTokens enc_tokens =
               eval_.enc_tokens_lower_bound(m, g.dp, false, e.dp);
-          if (!fits(eval_.combine(eval_.encoder_memory(e, g, m, enc_tokens), llm_mem))) {
-            continue;
-          }
           l.encoder = e;
           l.llm = g;
           l.num_microbatches = m;
+          if (!fits(eval_.combine(eval_.encoder_memory(l, enc_tokens), llm_mem))) continue;
           consider(k.key, k.bound, k.order, l);
         }
       }

@@ -2071,7 +2071,7 @@ TEST_CASE(fuzz_pipeline_actions) {
           stage = r.chance(0.5) ? weird_int(r) : r.pick<int64_t>({-1, S});
           break;
         default:
-          kind = static_cast<PipelineOrder>(r.pick<int>({3, -1, 127}));
+          kind = static_cast<PipelineOrder>(r.pick<int>({4, -1, 127}));
           break;
       }
     }

@@ -45,6 +45,8 @@ def pipeline_schedule(
     chunks: Sequence[int] = ...,
     backward_from_stage: Sequence[int] = ...,
     backward_gate: Sequence[int] = ...,
+    order: str = "",
+    weight_fraction: Sequence[float] = ...,
 ) -> dict[str, Any]: ...
 def simulated_step_time(
     costs: np.ndarray,
@@ -62,6 +64,8 @@ def simulated_step_time(
     chunks: Sequence[int] = ...,
     backward_from_stage: Sequence[int] = ...,
     backward_gate: Sequence[int] = ...,
+    order: str = "",
+    weight_fraction: Sequence[float] = ...,
 ) -> float: ...
 def pipeline_work_budget_for_ms(time_budget_ms: float) -> int: ...
 

@@ -116,6 +116,19 @@ def _broadcast(name: str, value: Any, shape: tuple[int, ...], accepted: str) -> 
     return np.ascontiguousarray(np.broadcast_to(array, shape))
 
 
+def _like(name: str, value: Any, shaped: np.ndarray, other: str, given: Any) -> np.ndarray:
+    """``value`` as a contiguous (R, V, m) array of ``shaped``'s shape (a 2-D one gains
+    the replica axis); the error names ``other``, the argument whose shape it must have."""
+    array = _numeric(name, value)
+    if array.ndim == 2:
+        array = array[np.newaxis]
+    if array.shape != shaped.shape:
+        raise ValueError(
+            f"{name} must have the shape of {other} {np.shape(given)}, got {np.shape(value)}"
+        )
+    return np.ascontiguousarray(array)
+
+
 def simulate_pipeline(
     forward_s: Any,
     backward_s: Any,
@@ -194,14 +207,7 @@ def simulate_pipeline(
     for dim, size in zip(("R", "V", "m"), fwd.shape):
         if size < 1:
             raise ValueError(f"forward_s must have {dim} >= 1, got shape {fwd.shape}")
-    bwd = _numeric("backward_s", backward_s)
-    if bwd.ndim == 2:
-        bwd = bwd[np.newaxis]
-    if bwd.shape != fwd.shape:
-        raise ValueError(
-            f"backward_s must have the shape of forward_s {np.shape(forward_s)}, "
-            f"got {np.shape(backward_s)}"
-        )
+    bwd = _like("backward_s", backward_s, fwd, "forward_s", forward_s)
     stage_counts, chunk_counts = _segments(stages, chunks, num_virtual)
     num_stages = sum(stage_counts)
     expected_virtual = sum(s * c for s, c in zip(stage_counts, chunk_counts))
@@ -260,17 +266,9 @@ def simulate_pipeline(
                 f"got shape {grad_links.shape}"
             )
         grad_links = np.ascontiguousarray(grad_links, dtype=np.int64)
-    weight: np.ndarray | None = None
-    if weight_s is not None:
-        weight = _numeric("weight_s", weight_s)
-        if weight.ndim == 2:
-            weight = weight[np.newaxis]
-        if weight.shape != fwd.shape:
-            raise ValueError(
-                f"weight_s must have the shape of backward_s {np.shape(backward_s)}, "
-                f"got {np.shape(weight_s)}"
-            )
-        weight = np.ascontiguousarray(weight)
+    weight = (
+        None if weight_s is None else _like("weight_s", weight_s, fwd, "backward_s", backward_s)
+    )
     raw = _core.simulate_pipeline(
         np.ascontiguousarray(fwd),
         np.ascontiguousarray(bwd),

@@ -347,17 +347,23 @@ def test_zero_bubble_h1_matches_single_process(case):
 
 
 def _both_orders(rank: int, world_size: int, spec: dict, assignment: list[int]):
-    """The same stage runs a 1F1B step, then a ZB-H1 step: both steps' gradients."""
+    """The same stage runs a 1F1B step, then two ZB-H1 steps (nothing of one step's
+    messages left for the next): the steps' gradients."""
     layout, plan, batch = _step_inputs(spec, assignment)
     topology = Topology.create(layout, rank)
     stage = build_stage(
         CONFIG, topology.info, seed=MODEL_SEED, tp_group=topology.tp_group, layout=layout
     )
     out = {}
-    for order in ("1f1b", "zb-h1"):
-        result = PipelineEngine(topology, stage, order=order).run_step(plan, batch)
+    zero_bubble = PipelineEngine(topology, stage, order="zb-h1")
+    for name, engine in [
+        ("1f1b", PipelineEngine(topology, stage, order="1f1b")),
+        ("zb-h1", zero_bubble),
+        ("zb-h1 again", zero_bubble),
+    ]:
+        result = engine.run_step(plan, batch)
         grads = {n: p.grad.numpy().copy() for n, p in stage.named_parameters()}
-        out[order] = (result.loss_sum, grads)
+        out[name] = (result.loss_sum, grads)
     return out
 
 
@@ -368,11 +374,15 @@ def test_zero_bubble_h1_gradients_equal_1f1b():
         _both_orders, 4, args=(LAYOUT_A, ASSIGN_A), timeout_s=SPAWN_TIMEOUT_S, num_threads=1
     )
     for r in results:
-        (loss_1f1b, grads_1f1b), (loss_zb, grads_zb) = r["1f1b"], r["zb-h1"]
-        assert loss_zb == loss_1f1b
-        assert grads_zb.keys() == grads_1f1b.keys()
-        for name, grad in grads_zb.items():
-            np.testing.assert_allclose(grad, grads_1f1b[name], rtol=1e-6, atol=1e-9, err_msg=name)
+        loss_1f1b, grads_1f1b = r["1f1b"]
+        for steps in ("zb-h1", "zb-h1 again"):
+            loss_zb, grads_zb = r[steps]
+            assert loss_zb == loss_1f1b
+            assert grads_zb.keys() == grads_1f1b.keys()
+            for name, grad in grads_zb.items():
+                np.testing.assert_allclose(
+                    grad, grads_1f1b[name], rtol=1e-6, atol=1e-9, err_msg=name
+                )
 
 
 def test_a_program_loaded_from_a_file_runs_and_matches_single_process(tmp_path):

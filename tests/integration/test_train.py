@@ -226,6 +226,34 @@ def test_interleaved_pipeline_trains_like_the_plain_one(tmp_path) -> None:
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
 
 
+def test_zero_bubble_trains_like_1f1b(tmp_path) -> None:
+    # --pipeline-order zb-h1 splits every backward into I and W on every rank: the same
+    # weights and batches give 1F1B's gradient norms and losses, over 3 steps (no message
+    # of one step left for the next); the scheduler simulates the order it runs.
+    runs = {}
+    for order in ("1f1b", "zb-h1"):
+        result, report = _train(
+            tmp_path, "", "--model", "small", "--deterministic", "--layout", "llm_pp=2,m=4",
+            "--pipeline-order", order, "--steps", "3", "--quiet", "--grad-clip", "0.05",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert f"pipeline {order}" in result.stdout
+        runs[order] = report["steps"]
+        assert all(s["predicted_step_time_s"] > 0 for s in report["steps"])
+    for got, want in zip(runs["zb-h1"], runs["1f1b"]):
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    # An order the layout cannot run is refused in one line, naming the flag.
+    result, _ = _train(
+        tmp_path, "", "--model", "small", "--layout", "llm_pp=2,llm_v=2", "--steps", "1",
+        "--pipeline-order", "zb-h1",
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--pipeline-order zb-h1: RuntimeLayout.order='zb-h1': shape.chunks[1]=2: zb-h1 " in (
+        result.stderr
+    )
+
+
 def test_max_growth_bounds_the_refined_schedule(tmp_path, perf_json) -> None:
     # Steps 0 and 1 are scheduled before any measurement, from the same costs in every run:
     # the refinement may grow microbatches past the balanced makespan only as far as

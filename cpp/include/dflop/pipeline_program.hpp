@@ -100,6 +100,8 @@ struct PipelineOrderDef {
   // The memory rule: the most (virtual stage, microbatch) activations physical stage
   // `stage` holds at once under the generated list (after check()).
   int64_t (*peak_in_flight)(const PipelineShape& shape, int64_t m, int64_t stage);
+  // Whether its backwards are split into BackwardInput and BackwardWeight.
+  bool splits_backward = false;
 };
 
 // Every generated pipeline order, in enum order.

@@ -62,6 +62,14 @@ struct PipelineScheduleOptions {
   // run a backward only for a replica's share with a sample of cost > 0 in g (a frozen
   // LLM passes gradients back only for microbatches with visual rows).
   std::vector<int64_t> backward_gate;
+  // The pipeline order every replica runs (a registered name, e.g. "zb-h1"); empty:
+  // pipeline_order_for() the stages and chunks.
+  std::string order;
+  // Empty (0.5 each), or per dimension in [0, 1]: the share of its stages' backward that
+  // is weight gradients, which a zero-bubble order's W runs (its I the rest). A stage
+  // whose input takes no gradient (the first, or one behind a stage that runs no
+  // backward) runs all of it in W, as dflop's runtime does.
+  std::vector<double> weight_fraction;
   double link_latency_s = 0.0;  // >= 0
   // Empty, or one hard upper bound per dimension on a bin's (microbatch's) cost sum.
   std::vector<double> capacity;

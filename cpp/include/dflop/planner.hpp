@@ -80,6 +80,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "dflop/encoder_split.hpp"
@@ -161,6 +162,11 @@ struct ModuleParams {
   // the regime (1: trained; frozen layers that pass gradients on keep less: a frozen
   // linear layer needs its weight, not its input, for the input gradient).
   double kept_activation_fraction = 1.0;
+  // The input gradient's share of a trained layer's backward (the rest: its weight
+  // gradients, which a zero-bubble order's W runs). What a frozen layer that passes
+  // gradients on runs (the model profiler's pass-through backward factor), 0.5 unless
+  // measured.
+  double input_grad_fraction = 0.5;
 };
 
 // Per-sample inputs of num_batches sampled global batches of batch_size samples each,
@@ -198,7 +204,11 @@ struct PlannerOptions {
   int64_t global_batch = 0;  // must equal PlannerSamples::batch_size
   bool prune = true;         // false: simulate every memory-feasible candidate
   int64_t top_k = 5;
-  bool order_microbatches = true;    // DataAware: best of a few orderings per step
+  bool order_microbatches = true;  // DataAware: best of a few orderings per step
+  // DataAware: each kept layout (disaggregated, one chunk per LLM stage) is scored under
+  // ZB-H1 too and runs it where that is faster and fits in memory (the search itself
+  // ranks the orders pipeline_order_for() gives).
+  bool zero_bubble = false;
   bool balanced_layer_split = true;  // DataAware: min-max layer split (else uniform)
   bool zero1 = true;
   int64_t max_tp = 0;  // 0: gpus_per_node
@@ -264,6 +274,8 @@ struct Layout {
                            // heads padded to a multiple of tp when tp does not divide them
   ModuleLayout llm;
   int64_t num_microbatches = 1;
+  // The pipeline order; none: pipeline_order_for() the layout's stages and chunks.
+  std::optional<PipelineOrder> order;
 };
 
 // Microbatch orderings tried per step (DataAware with order_microbatches).

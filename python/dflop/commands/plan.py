@@ -69,6 +69,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--lora-rank", type=int, default=16, help="LoRA's rank, for a --trainable with lora parts"
     )
+    p.add_argument(
+        "--zero-bubble",
+        action="store_true",
+        help="also score each kept layout under the zero-bubble order zb-h1 and keep it where "
+        "it is faster and fits",
+    )
     p.add_argument("--no-prune", action="store_true", help="simulate every candidate")
     p.add_argument("--reference", action="store_true", help="also run the mean-shape optimizer")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
@@ -233,6 +239,7 @@ def run_plan(args: argparse.Namespace) -> int:
         virtual_stage_choices=args.virtual_stages,
         trainable=args.trainable,
         lora_rank=args.lora_rank,
+        zero_bubble=args.zero_bubble,
     )
     inputs = {
         "model": args.model,

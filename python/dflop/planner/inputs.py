@@ -297,6 +297,7 @@ def core_options(config: PlannerConfig, strategy: str, global_batch: int, top_k:
         "prune": config.prune,
         "top_k": top_k,
         "order_microbatches": config.order_microbatches,
+        "zero_bubble": config.zero_bubble,
         "balanced_layer_split": config.balanced_layer_split,
         "zero1": config.zero1,
         "max_tp": config.max_tp or 0,

@@ -150,6 +150,12 @@ class ClusterSpec:
         return cls(**data)
 
 
+WEIGHT_GRAD_FRACTION = 0.5
+"""The weight gradients' share of a layer's backward (one of its two GEMMs per weight; the
+simulator's ``weight_grad_fraction``): what a frozen layer that passes gradients on skips,
+unless the model profiler measured it."""
+
+
 @dataclass(frozen=True)
 class PlannerModule:
     """What the planner needs of one module (encoder + projector, or the LLM).
@@ -191,6 +197,10 @@ class PlannerModule:
         kept_activation_fraction: the share of ``activation_bytes_per_token_layer`` the
             layers keep for their backward under the regime (1: trained; frozen layers
             that pass gradients on keep less).
+        input_grad_fraction: the input gradient's share of a trained layer's backward
+            (the rest, its weight gradients, is what a zero-bubble order's ``W`` runs):
+            what a frozen layer that passes gradients on runs, the profile's measured
+            pass-through factor, else ``1 -`` :data:`WEIGHT_GRAD_FRACTION`.
     """
 
     num_layers: int
@@ -214,6 +224,7 @@ class PlannerModule:
     body_trainable_fraction: float = 1.0
     last_trainable_fraction: float = 1.0
     kept_activation_fraction: float = 1.0
+    input_grad_fraction: float = 1.0 - WEIGHT_GRAD_FRACTION
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "hidden_size"):
@@ -242,6 +253,7 @@ class PlannerModule:
             "body_trainable_fraction",
             "last_trainable_fraction",
             "kept_activation_fraction",
+            "input_grad_fraction",
         ):
             _check_number("PlannerModule", name, getattr(self, name), positive=False)
             if getattr(self, name) > 1.0:
@@ -252,6 +264,20 @@ class PlannerModule:
         """The forward share of the layers' time under the regime (what a run measures):
         ``forward_fraction`` of full training, over the backward that runs."""
         return _forward_share(self.forward_fraction, self.body_backward_factor)
+
+    @property
+    def weight_share(self) -> float:
+        """The weight gradients' share of a stage's backward under the regime (what a
+        zero-bubble order's ``W`` runs; the layers', else the last stage's part's): of a
+        trained part ``1 - input_grad_fraction``, of one passing gradients through frozen
+        weights none. A stage whose input takes no gradient runs all of it in ``W``."""
+
+        def share(factor: float) -> float:
+            return max(0.0, factor - self.input_grad_fraction) / factor if factor > 0 else 0.0
+
+        if self.body_backward_factor > 0.0:
+            return share(self.body_backward_factor)
+        return share(self.last_backward_factor)
 
     @property
     def backward_stages(self) -> str:
@@ -380,6 +406,13 @@ class PlannerConfig:
         prune: skip candidates whose lower bound exceeds the k-th best simulated time
             (the result equals exhaustive evaluation).
         order_microbatches: try a few microbatch orders per step and keep the fastest.
+        zero_bubble: score every kept layout (encoder and LLM disaggregated, one chunk per
+            LLM stage) under the zero-bubble order ZB-H1 too, and run it where it is
+            faster and fits in memory; its W share of each backward comes from the
+            modules' ``input_grad_fraction``. Off by default: the split backward costs the
+            runtime a walk of each step's autograd graph, and holds the gradients it
+            records for ``W`` (one per weight's output) until then, neither of which the
+            model prices yet (small next to GPU layers, not next to tiny CPU ones).
         balanced_layer_split: split layers to balance stages (the LM head / projector on
             the last stage counts); False: uniform split.
         zero1: shard the optimizer states over DP (Megatron's distributed optimizer).
@@ -440,6 +473,7 @@ class PlannerConfig:
     top_k: int = 5
     prune: bool = True
     order_microbatches: bool = True
+    zero_bubble: bool = False
     balanced_layer_split: bool = True
     zero1: bool = True
     max_tp: int | None = None
@@ -526,11 +560,6 @@ class PlannerConfig:
             )
 
 
-WEIGHT_GRAD_FRACTION = 0.5
-"""The weight gradients' share of a layer's backward (one of its two GEMMs per weight; the
-simulator's ``weight_grad_fraction``): what a frozen layer that passes gradients on skips,
-unless the model profiler measured it."""
-
 PASSTHROUGH_ACTIVATION_FRACTION = 2.0 / 3.0
 """The share of a layer's activations a frozen layer that passes gradients on keeps, unless
 the model profiler measured it: a frozen linear layer needs its weight, not its input, for
@@ -586,6 +615,9 @@ def _regime(
     through = _Passthrough.of(measured)
 
     def layers(part: str, k: int, gradients_pass: bool) -> dict[str, float]:
+        return {**_layers(part, k, gradients_pass), "input_grad_fraction": through.backward[k]}
+
+    def _layers(part: str, k: int, gradients_pass: bool) -> dict[str, float]:
         # LoRA: the frozen layers pass gradients on (the adapters' own backward is
         # rank-sized: not counted) and keep their inputs, which the adapters' A needs.
         mode = parts.mode(part)

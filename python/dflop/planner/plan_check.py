@@ -41,6 +41,8 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from dflop.scheduling.actions import PIPELINE_ORDERS
+
 __all__ = [
     "MAX_PLAN_BATCHES",
     "MAX_PLAN_GLOBAL_BATCH",
@@ -443,7 +445,7 @@ def _one_line(text: str) -> str:
 # ---------------------------------------------------------------------------- layouts
 
 _LAYOUT_REQUIRED = ("encoder", "llm", "num_microbatches", "global_batch", "prediction")
-_LAYOUT_OPTIONAL = ("colocated", "scheduler", "schedule", "steps")  # schedule: older files
+_LAYOUT_OPTIONAL = ("colocated", "scheduler", "schedule", "steps", "order")  # schedule: older
 _MODULE_REQUIRED = ("tp", "pp", "dp", "first_rank", "layers_per_stage")
 _MODULE_OPTIONAL = (
     "num_gpus",
@@ -461,6 +463,8 @@ def _check_layout(path: str, value: Any, context: _Context) -> None:
     colocated = _bool(f"{path}.colocated", layout.get("colocated", False))
     for key in ("scheduler", "schedule"):
         _str(f"{path}.{key}", layout.get(key, "balanced"), ("balanced", "data_blind"))
+    if layout.get("order") is not None:
+        _str(f"{path}.order", layout["order"], PIPELINE_ORDERS)
     batch = _int(f"{path}.global_batch", layout["global_batch"], 1, MAX_PLAN_GLOBAL_BATCH)
     if batch != context.global_batch:
         _fail(
@@ -732,7 +736,7 @@ _STEP_REQUIRED = (
     "link_bandwidth_bytes_per_s",
     "allreduce_s",
 )
-_STEP_OPTIONAL = ("samples", "llm_chunks", "gradient_links")
+_STEP_OPTIONAL = ("samples", "llm_chunks", "gradient_links", "order", "weight_s")
 _PIECES = ("microbatch", "sample", "first_unit", "num_units", "replica")
 _SAMPLES = ("encoder_units", "encoder_s", "llm_s")
 
@@ -803,6 +807,14 @@ def _check_step(
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
             _fail(f"{path}.link_bandwidth_bytes_per_s[{k}]", rate, "must be a number > 0")
     _array(f"{path}.allreduce_s", step["allreduce_s"], "f", (encoder_stages + llm["pp"],))
+    if step.get("order") is not None:
+        _str(f"{path}.order", step["order"], PIPELINE_ORDERS)
+    if step.get("weight_s"):  # absent or empty: no split backward
+        weight = _array(
+            f"{path}.weight_s", step["weight_s"], "f", (replicas, encoder_stages + llm_virtual, m)
+        )
+        if (weight < 0).any():
+            _fail(f"{path}.weight_s", float(weight.min()), "must be >= 0")
     if step.get("gradient_links"):  # absent or empty: every link carries gradients
         cut = _array(f"{path}.gradient_links", step["gradient_links"], "i", (links,))
         if ((cut != 0) & (cut != 1)).any():

@@ -212,6 +212,20 @@ class LayoutPlan:
     steps: tuple[StepAudit, ...] = ()
     """The chosen layout: per sampled batch, the step the planner scored (for audits and
     ``dflop simulate``); empty for the other layouts."""
+    order: str | None = None
+    """The pipeline order (e.g. ``"zb-h1"``); None: :func:`dflop.scheduling.pipeline_order_for`'s
+    choice for the stages and chunks."""
+
+    @property
+    def pipeline_order(self) -> str:
+        """The pipeline order its replicas run."""
+        from dflop.scheduling.actions import pipeline_order_for
+
+        if self.order is not None:
+            return self.order
+        if self.colocated:
+            return pipeline_order_for(([self.llm.pp], [self.llm.virtual_stages]))
+        return pipeline_order_for(([self.encoder.pp, self.llm.pp], [1, self.llm.virtual_stages]))
 
     @property
     def schedule(self) -> str:
@@ -236,7 +250,7 @@ class LayoutPlan:
         e, g = self.encoder, self.llm
         return (
             f"enc {e.num_gpus} {unit} ({e.describe()}) | llm {g.num_gpus} {unit} ({g.describe()}) "
-            f"| m={self.num_microbatches}"
+            f"| m={self.num_microbatches}" + (f" {self.order}" if self.order else "")
         )
 
     def core_dict(self) -> dict[str, Any]:
@@ -245,6 +259,7 @@ class LayoutPlan:
             "encoder": self.encoder.core_dict(),
             "llm": self.llm.core_dict(),
             "num_microbatches": self.num_microbatches,
+            "order": self.order,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -255,6 +270,7 @@ class LayoutPlan:
             "num_microbatches": self.num_microbatches,
             "global_batch": self.global_batch,
             "scheduler": self.scheduler,
+            "order": self.order,
             "prediction": self.prediction.to_dict(),
             "steps": [step.to_dict() for step in self.steps],
         }
@@ -270,6 +286,7 @@ class LayoutPlan:
             colocated=bool(data.get("colocated", False)),
             scheduler=str(data.get("scheduler", data.get("schedule", "balanced"))),
             steps=tuple(StepAudit.from_dict(d) for d in data.get("steps", [])),
+            order=data.get("order"),
         )
 
 
@@ -286,6 +303,7 @@ def _legend(rows: list[tuple[str, ...]], unit: str) -> list[str]:
     tags = [
         (" rc", "rc: activation recomputation"),
         (" v=", "v=N: N model chunks per stage (interleaved 1F1B)"),
+        (" zb-h1", "zb-h1: the zero-bubble pipeline order (backwards split into I and W)"),
         ("colocated", "colocated: the encoder inside the LLM's first stage (Megatron-style)"),
         ("blind ", "blind: the data-blind baseline (equal-count microbatches in dataset order)"),
         ("ref ", "ref: the mean-shape optimizer (the published reference's)"),

@@ -110,6 +110,7 @@ def _layout_plan(
         prediction,
         colocated,
         scheduler="data_blind" if strategy == "data_blind" else "balanced",
+        order=layout.get("order"),
     )
 
 

@@ -76,6 +76,11 @@ class StepAudit:
     gradient_links: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     """Empty (every link carries gradients back), or per link 0 where none goes back: the
     stages before it are frozen and run no backward that waits (``simulate_pipeline``)."""
+    order: str | None = None
+    """The pipeline order the step ran (None, an older plan's: ``pipeline_order_for``)."""
+    weight_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Empty, or (LLM dp, S, m) like :meth:`simulator_input`: the seconds of each backward a
+    split-backward order's ``W`` runs (``simulate_pipeline``'s ``weight_s``)."""
 
     @property
     def num_encoder_stages(self) -> int:
@@ -122,7 +127,8 @@ class StepAudit:
         return simulate_pipeline(
             forward,
             backward,
-            order=pipeline_order_for((stages, chunks)),
+            order=self.order or pipeline_order_for((stages, chunks)),
+            weight_s=self.weight_s if self.weight_s.size else None,
             stages=stages,
             chunks=chunks,
             link_latency_s=latency,
@@ -165,6 +171,8 @@ class StepAudit:
             samples=dict(samples or {}),
             llm_chunks=int(raw["chunks"][-1]),
             gradient_links=np.asarray(raw["gradient_links"], dtype=np.int64),
+            order=str(raw["schedule"]),
+            weight_s=np.asarray(raw.get("weight_s", np.zeros(0)), dtype=np.float64),
         )
         return replace(probe, step_time_s=float(probe.simulate(record_events=False).step_time_s))
 
@@ -185,6 +193,8 @@ class StepAudit:
             "samples": {k: np.asarray(v).tolist() for k, v in self.samples.items()},
             "llm_chunks": self.llm_chunks,
             "gradient_links": self.gradient_links.tolist(),
+            "order": self.order,
+            "weight_s": self.weight_s.tolist(),
         }
 
     @classmethod
@@ -210,6 +220,8 @@ class StepAudit:
             samples={k: np.asarray(v) for k, v in data.get("samples", {}).items()},
             llm_chunks=int(data.get("llm_chunks", 1)),
             gradient_links=np.asarray(data.get("gradient_links", []), dtype=np.int64).reshape(-1),
+            order=data.get("order"),
+            weight_s=np.asarray(data.get("weight_s", []), dtype=np.float64),
         )
 
 
@@ -348,5 +360,7 @@ class StepPredictor:
             llm_chunks=llm.get("virtual_stages", 1),
             backward=(inputs.encoder.backward_stages, inputs.llm.backward_stages),
             llm_backward_needs_visual=inputs.llm.backward_needs_visual,
+            order=self.layout.get("order"),
+            weight_fraction=(inputs.encoder.weight_share, inputs.llm.weight_share),
         )
         return costs, model

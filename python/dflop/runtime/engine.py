@@ -912,7 +912,10 @@ class PipelineEngine:
     # ------------------------------------------------------------------ receives
 
     def _post(self, action: PipelineAction, mb: MicrobatchPlan) -> None:
-        """Post the receive that ``action`` will wait for, if any."""
+        """Post the receive that ``action`` will wait for, if any (a ``W`` waits for none:
+        its ``I`` took the gradient)."""
+        if action.kind == "W":
+            return
         key = (action.is_forward, action.stage, mb.index)
         if key not in self._posted:
             handle = self._receive(action.is_forward, self._chunks[action.stage][1], mb)

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from dflop._deprecated import warn_renamed
 from dflop.errors import InputTypeError
-from dflop.scheduling.actions import pipeline_order_for
+from dflop.scheduling.actions import pipeline_order_for, pipeline_order_name, pipeline_program
 
 __all__ = [
     "DEFAULT_GROUP_TIMEOUT_S",
@@ -185,12 +185,15 @@ class RuntimeLayout:
         num_microbatches: microbatches per LLM DP replica per step (the Schedule's).
         global_batch: samples per step over all LLM DP replicas; the balancer gives every
             bin a sample, so it must be >= ``num_microbatches * llm.dp``.
+        order: the pipeline order (a name of :data:`dflop.scheduling.PIPELINE_ORDERS`,
+            e.g. ``"zb-h1"``); None: :func:`dflop.scheduling.pipeline_order_for`'s choice.
     """
 
     encoder: ModuleLayout
     llm: ModuleLayout
     num_microbatches: int
     global_batch: int
+    order: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("encoder", "llm"):
@@ -209,6 +212,13 @@ class RuntimeLayout:
                 f"llm.pp={self.llm.pp} for the interleaved schedule (llm.virtual_stages="
                 f"{self.llm.virtual_stages})"
             )
+        if self.order is not None:
+            try:
+                object.__setattr__(self, "order", pipeline_order_name(self.order))
+                stages, chunks = self.pipeline_stages
+                pipeline_program(self.order, stages, self.num_microbatches, chunks=chunks)
+            except ValueError as error:
+                raise ValueError(f"RuntimeLayout.order={self.order!r}: {error}") from None
         bins = self.num_microbatches * self.llm.dp
         if self.global_batch < bins:
             raise ValueError(
@@ -233,9 +243,10 @@ class RuntimeLayout:
 
     @property
     def pipeline_order(self) -> str:
-        """The pipeline order this layout runs: :func:`dflop.scheduling.pipeline_order_for`
-        (``"interleaved-1f1b"`` for an LLM with virtual stages, else ``"1f1b"``)."""
-        return pipeline_order_for(self)
+        """The pipeline order this layout runs: :attr:`order`, or
+        :func:`dflop.scheduling.pipeline_order_for` (``"interleaved-1f1b"`` for an LLM with
+        virtual stages, else ``"1f1b"``)."""
+        return self.order or pipeline_order_for(self)
 
     @property
     def default_schedule(self) -> str:
@@ -278,6 +289,7 @@ class RuntimeLayout:
             "llm": self.llm.to_dict(),
             "num_microbatches": self.num_microbatches,
             "global_batch": self.global_batch,
+            "order": self.order,
         }
 
     @classmethod
@@ -290,6 +302,7 @@ class RuntimeLayout:
             llm=ModuleLayout.from_dict(data["llm"]),
             num_microbatches=data["num_microbatches"],
             global_batch=data["global_batch"],
+            order=data.get("order"),
         )
 
     @classmethod
@@ -307,6 +320,7 @@ class RuntimeLayout:
         encoder_tp: int = 1,
         llm_tp: int = 1,
         llm_virtual_stages: int = 1,
+        order: str | None = None,
     ) -> RuntimeLayout:
         """A layout with uniform layer splits (:func:`uniform_layer_ranges`)."""
         return cls(
@@ -322,6 +336,7 @@ class RuntimeLayout:
             ),
             num_microbatches=num_microbatches,
             global_batch=global_batch,
+            order=order,
         )
 
 

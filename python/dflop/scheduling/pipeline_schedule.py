@@ -25,6 +25,7 @@ import numpy as np
 
 from dflop import _core
 from dflop.errors import InputTypeError
+from dflop.scheduling.actions import pipeline_order_name
 from dflop.scheduling.balance import (
     Schedule,
     _as_costs,
@@ -80,6 +81,12 @@ class PipelineModel:
     none is sent no gradient. ``backward_gate[c]`` (default None): another module whose
     load gates module ``c``'s backward: a replica's share with no cost in it runs none
     (a frozen LLM passes gradients back only for microbatches with visual rows).
+
+    ``order`` (default None: :func:`dflop.scheduling.pipeline_order_for` the stages and
+    chunks): the pipeline order every replica runs, e.g. ``"zb-h1"``. Its split backwards
+    take ``weight_fraction[c]`` (default 0.5) of a module ``c`` stage's backward in ``W``,
+    the rest in ``I``; a stage whose input takes no gradient runs all of it in ``W``, as
+    dflop's runtime does.
     """
 
     stages: tuple[int, ...] = (1, 1)
@@ -90,6 +97,8 @@ class PipelineModel:
     chunks: tuple[int, ...] | None = None
     backward: tuple[str, ...] | None = None
     backward_gate: tuple[int | None, ...] | None = None
+    order: str | None = None
+    weight_fraction: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("stages", "forward_fraction", "microbatch_constant_s"):
@@ -160,6 +169,19 @@ class PipelineModel:
                     f"({len(stages)}), None or the index of another module"
                 )
             object.__setattr__(self, "backward_gate", gates)
+        if self.order is not None:
+            object.__setattr__(self, "order", pipeline_order_name(self.order))
+        if self.weight_fraction is not None:
+            weights = tuple(
+                _as_float(f"PipelineModel.weight_fraction[{k}]", v)
+                for k, v in enumerate(self.weight_fraction)
+            )
+            if len(weights) != len(stages) or not all(0.0 <= w <= 1.0 for w in weights):
+                raise ValueError(
+                    f"PipelineModel.weight_fraction={self.weight_fraction!r} needs one value "
+                    f"in [0, 1] per module ({len(stages)})"
+                )
+            object.__setattr__(self, "weight_fraction", weights)
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "forward_fraction", fractions)
         object.__setattr__(self, "microbatch_constant_s", constants)
@@ -178,6 +200,8 @@ class PipelineModel:
         llm_chunks: int = 1,
         backward: tuple[str, str] = ("all", "all"),
         llm_backward_needs_visual: bool = False,
+        order: str | None = None,
+        weight_fraction: tuple[float, float] | None = None,
     ) -> PipelineModel:
         """dflop's encoder -> LLM pipeline as its trainer schedules every step (and the
         planner scores a plan): the encoder's replicas share each microbatch by unit.
@@ -185,7 +209,8 @@ class PipelineModel:
         (:meth:`dflop.planner.StepPredictor.stage_costs`); ``llm_chunks``: the LLM's virtual
         stages per stage (interleaved 1F1B); ``backward`` and ``llm_backward_needs_visual``:
         the training regime (``PlannerModule.backward_stages`` and
-        ``.backward_needs_visual``)."""
+        ``.backward_needs_visual``); ``order`` and ``weight_fraction``: the pipeline order
+        and the W share of a stage's backward (:class:`PipelineModel`)."""
         return cls(
             stages=(int(encoder_pp), int(llm_pp)),
             forward_fraction=tuple(float(f) for f in forward_fraction),
@@ -195,6 +220,8 @@ class PipelineModel:
             chunks=(1, int(llm_chunks)),
             backward=tuple(backward),
             backward_gate=(None, 0 if llm_backward_needs_visual else None),
+            order=order,
+            weight_fraction=weight_fraction,
         )
 
     @classmethod
@@ -208,7 +235,7 @@ class PipelineModel:
         modules: tuple[Any, Any] | None = None,
     ) -> PipelineModel:
         """:meth:`encoder_llm` of a planner / runtime layout (``layout.encoder`` and
-        ``layout.llm`` with ``pp``, ``dp`` and ``virtual_stages``): the one pipeline the
+        ``layout.llm`` with ``pp``, ``dp`` and ``virtual_stages``, and its ``order``): the one pipeline the
         trainer's scheduler and the planner's re-scoring both use. ``modules``: the
         planner's (encoder, LLM) :class:`dflop.planner.PlannerModule` under the training
         regime (None: full training)."""
@@ -217,6 +244,7 @@ class PipelineModel:
             regime = {
                 "backward": tuple(m.backward_stages for m in modules),
                 "llm_backward_needs_visual": modules[1].backward_needs_visual,
+                "weight_fraction": (modules[0].weight_share, modules[1].weight_share),
             }
         return cls.encoder_llm(
             encoder_pp=layout.encoder.pp,
@@ -226,6 +254,7 @@ class PipelineModel:
             forward_fraction=forward_fraction,
             link_latency_s=link_latency_s,
             llm_chunks=layout.llm.virtual_stages,
+            order=getattr(layout, "order", None),
             **regime,
         )
 
@@ -253,6 +282,8 @@ class PipelineModel:
             "chunks": list(self.chunks or ()),
             "backward_from_stage": self._backward_from_stage(),
             "backward_gate": [-1 if g is None else g for g in self.backward_gate or ()],
+            "order": self.order or "",
+            "weight_fraction": list(self.weight_fraction or ()),
         }
 
     def _backward_from_stage(self) -> list[int]:
@@ -288,7 +319,7 @@ class PipelineModel:
         return costs / np.asarray(self.replicas, dtype=np.float64)
 
     def step_time_s(self, costs: Any, schedule: Schedule, units: Any = None) -> float:
-        """The simulated step (1F1B, or interleaved with chunks) of ``schedule`` (microbatches run in index order) under
+        """The simulated step (the pipeline's order) of ``schedule`` (microbatches run in index order) under
         this model: the same simulation :func:`pipeline_schedule` minimises. ``units``:
         the samples' visual units, needed when a module is replicated."""
         cost_array = _as_costs(costs)

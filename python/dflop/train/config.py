@@ -98,6 +98,13 @@ class TrainConfig:
         "a manual layout, e.g. enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1,m=4 (with neither plan "
         "nor layout, the planner plans for nproc local processes)",
     )
+    pipeline_order: str | None = _field(
+        "model",
+        None,
+        "the pipeline order every replica runs: 1f1b, gpipe, interleaved-1f1b or zb-h1 (zero "
+        "bubble: backwards split into input and weight gradients); default: the plan's, else "
+        "1f1b (interleaved-1f1b with llm_v > 1)",
+    )
     nproc: int | None = _field(
         "model", None, "local processes to spawn (default: the layout's world size, else 2)"
     )
@@ -221,7 +228,8 @@ class TrainConfig:
         True,
         "refine every balanced schedule for the encoder -> LLM pipeline "
         "(dflop.pipeline_schedule, in the scheduler's background thread): which samples "
-        "share a microbatch and the microbatch order, chosen on the simulated 1F1B step",
+        "share a microbatch and the microbatch order, chosen on the simulated step of the "
+        "pipeline order it runs",
     )
     max_growth: float = _field(
         "schedule",
@@ -485,6 +493,11 @@ class TrainConfig:
             raise bad("max_growth", "a number >= 1 (inf allowed)")
         if self.scheduler not in SCHEDULE_MODES:
             raise bad("scheduler", f"one of {SCHEDULE_MODES}")
+        if self.pipeline_order is not None:
+            from dflop.scheduling.actions import PIPELINE_ORDERS
+
+            if str(self.pipeline_order).lower() not in PIPELINE_ORDERS:
+                raise bad("pipeline_order", f"one of {PIPELINE_ORDERS}")
         if not isinstance(self.trainable, str):
             raise bad("trainable", "a preset name or 'part=mode,...'")
         try:

@@ -256,6 +256,15 @@ def measured_microbatch_times(
     return encoder, llm, fraction
 
 
+# The engine's timing names -> dflop.timeline's event kinds.
+_TIMELINE_KIND = {
+    "forward": "fwd",
+    "backward": "bwd",
+    "backward_input": "bwd_input",
+    "backward_weight": "bwd_weight",
+}
+
+
 def timeline_records(records: list[RankRecord], offset_s: float) -> list[dict[str, Any]]:
     """Events for :func:`dflop.timeline.make_events`: pid = the rank's DP replica, tid =
     its global stage; times shifted by ``offset_s`` (to lay several steps end to end)."""
@@ -266,7 +275,7 @@ def timeline_records(records: list[RankRecord], offset_s: float) -> list[dict[st
                 {
                     "replica": r.dp_rank,
                     "stage": r.global_stage,
-                    "kind": "fwd" if kind == "forward" else "bwd",
+                    "kind": _TIMELINE_KIND[kind],
                     "microbatch": j,
                     "start_s": start_s + offset_s,
                     "end_s": end_s + offset_s,

@@ -183,6 +183,7 @@ def layout_from_plan(
         llm=modules["llm"],
         num_microbatches=num_microbatches or best.num_microbatches,
         global_batch=global_batch or best.global_batch,
+        order=best.order,
     )
 
 
@@ -610,6 +611,7 @@ def core_layout(layout: RuntimeLayout) -> dict[str, Any]:
         "encoder": module(encoder, 0),
         "llm": module(layout.llm, encoder.tp * encoder.pp * encoder.dp),
         "num_microbatches": layout.num_microbatches,
+        "order": layout.order,
     }
 
 

@@ -223,7 +223,11 @@ def check_layout(config: Any, layout: Any, point: ResumePoint) -> None:
     from dflop.runtime.topology import RuntimeLayout
 
     saved = RuntimeLayout.from_dict(point.settings["layout"])
-    if layout.to_dict() == saved.to_dict():
+    # The pipeline order only reorders a step's work: a run may resume under another.
+    mine, theirs = layout.to_dict(), saved.to_dict()
+    mine.pop("order", None)
+    theirs.pop("order", None)
+    if mine == theirs:
         return
     given = [
         f"{n}={bounded_repr(getattr(config, n))}"
@@ -232,7 +236,7 @@ def check_layout(config: Any, layout: Any, point: ResumePoint) -> None:
     ]
     differences = [
         f"{key} {bounded_repr(a)} vs the checkpoint's {bounded_repr(b)}"
-        for key, a, b in _layout_differences(layout.to_dict(), saved.to_dict())
+        for key, a, b in _layout_differences(mine, theirs)
     ]
     raise ValueError(
         f"cannot resume from {point.folder}: this run's layout differs from the checkpoint's "

@@ -83,6 +83,19 @@ def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared
     return prepared
 
 
+def _with_order(layout: RuntimeLayout, config: TrainConfig) -> RuntimeLayout:
+    """``layout`` under ``--pipeline-order`` (unchanged without it); a ValueError naming the
+    flag when the order cannot run the layout (zb-h1 with llm_v > 1)."""
+    from dataclasses import replace
+
+    if config.pipeline_order is None:
+        return layout
+    try:
+        return replace(layout, order=config.pipeline_order)
+    except ValueError as error:
+        raise ValueError(f"--pipeline-order {config.pipeline_order}: {error}") from None
+
+
 def _check_lora_layout(config: TrainConfig, layout: RuntimeLayout) -> None:
     """LoRA dropout on a tensor-parallel module would draw a different mask on each TP
     rank: say so before any process starts."""
@@ -136,7 +149,10 @@ def _prepare(config: TrainConfig, log: Callable[[str], None]) -> Prepared:
                 "the run will not exercise the encoder as the data intends"
             )
     forced = (  # a manual layout, parsed once
-        parse_layout(config.layout, model, config.global_batch or 16, config.num_microbatches)
+        _with_order(
+            parse_layout(config.layout, model, config.global_batch or 16, config.num_microbatches),
+            config,
+        )
         if config.layout is not None
         else None
     )
@@ -145,20 +161,28 @@ def _prepare(config: TrainConfig, log: Callable[[str], None]) -> Prepared:
         check_local_processes(forced.world_size, config.oversubscribe)
     saved = _saved_run(config, log)
     if saved is not None:
+        saved["layout"] = _with_order(saved["layout"], config)
         return Prepared(distribution=distribution, **saved)
     plan_file = Plan.load(config.plan) if config.plan is not None else None
     if plan_file is not None:  # checked in full before any profiling
         _check_plan_inputs(plan_file, config, log)
         layout = layout_from_plan(config.plan, model, config.global_batch, config.num_microbatches)
+        if config.pipeline_order is not None and _with_order(layout, config) != layout:
+            layout = _with_order(layout, config)
+            log(
+                f"note: --pipeline-order {layout.order} replaces the plan's "
+                f"{plan_file.best.pipeline_order}; its prediction was for that order"
+            )
     perf = None
     if "dflop" in config.modes or plan_file is None:
         seq_lens = distribution.distribution.samples.seq_len if model.family else ()
         perf = _performance_model(config, plan_file, model, config.nproc or 2, log, seq_lens)
     if plan_file is not None:
         best = plan_file.best
-        same = (layout.global_batch, layout.num_microbatches) == (
+        same = (layout.global_batch, layout.num_microbatches, layout.pipeline_order) == (
             best.global_batch,
             best.num_microbatches,
+            best.pipeline_order,
         )
         return Prepared(
             layout=layout,
@@ -212,7 +236,12 @@ def _prepare(config: TrainConfig, log: Callable[[str], None]) -> Prepared:
             num_microbatches=config.num_microbatches,
             **common,
         )
-        return local.layout, local.plan, f"planned for {nproc} local processes: {local.description}"
+        description = f"planned for {nproc} local processes: {local.description}"
+        layout = _with_order(local.layout, config)
+        if layout != local.layout:  # the planner's layout under the order asked for
+            plan = evaluate_local(cost_model, model, layout, data, **common)
+            return layout, plan, f"{description}, {layout.order}"
+        return local.layout, local.plan, description
 
     def fitted_plan(calibration: Any = None) -> tuple[RuntimeLayout, Any, str]:
         """:func:`local_plan`, or a ValueError naming what does not fit in memory."""

@@ -65,21 +65,28 @@ class FixedBatches:
         )
 
 
-def _layout(encoder_dp: int) -> RuntimeLayout:
+def _layout(encoder_dp: int, order: str | None = None) -> RuntimeLayout:
     return RuntimeLayout.simple(
         encoder_dp=encoder_dp,
         encoder_layers=CONFIG.vision.layers,
         llm_layers=CONFIG.decoder.layers,
         num_microbatches=MICROBATCHES,
         global_batch=GLOBAL_BATCH,
+        order=order,
     )
 
 
+# Every pipeline order dflop runs here: the layout's default (1F1B) and zero bubble (its
+# backwards split, the W share priced per stage).
+ORDERS = [None, "zb-h1"]
+
+
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("encoder_dp", [1, 2, 3])
-def test_trainer_derives_the_plans_split_and_stage_times(encoder_dp: int) -> None:
+def test_trainer_derives_the_plans_split_and_stage_times(encoder_dp: int, order: str) -> None:
     encoder, llm = cost_configs(CONFIG)
     cost_model = AnalyticCostModel(encoder, llm)
-    layout = _layout(encoder_dp)
+    layout = _layout(encoder_dp, order)
     cluster = local_cluster(layout.world_size, MemoryBudget(8e9, 0.0, "test"))
     config = PlannerConfig(num_batches=len(UNITS), seed=0)
     inputs = prepare_inputs(
@@ -87,6 +94,10 @@ def test_trainer_derives_the_plans_split_and_stage_times(encoder_dp: int) -> Non
     )
     scored = audited(cluster, inputs, evaluate_layout(cluster, inputs, core_layout(layout), config))
     assert len(scored.steps) == len(UNITS)
+    assert scored.order == order and scored.pipeline_order == layout.pipeline_order
+    assert all(step.order == layout.pipeline_order for step in scored.steps)
+    assert all(bool(step.weight_s.size) == (order == "zb-h1") for step in scored.steps)
+    assert scored.prediction.lower_bound_s <= scored.prediction.step_time_s * (1 + 1e-9)
     # The plan's prediction is the mean of its records, and the records re-simulate to it.
     times = [step.step_time_s for step in scored.steps]
     assert scored.prediction.step_times_s == pytest.approx(times, rel=1e-12)
@@ -136,16 +147,19 @@ def test_trainer_derives_the_plans_split_and_stage_times(encoder_dp: int) -> Non
         assert fewer_units > 0
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("encoder_dp", [1, 2, 3])
 @pytest.mark.parametrize("trainable", ["full", "frozen-vision", "projector"])
-def test_plan_schedules_each_step_as_the_trainer_does(encoder_dp: int, trainable: str) -> None:
+def test_plan_schedules_each_step_as_the_trainer_does(
+    encoder_dp: int, trainable: str, order: str
+) -> None:
     """The plan's recorded schedules are the ones the trainer's scheduler computes for the
     same batches (the predictor's stage costs, its pipeline model, its AsyncScheduler), so
     the plan's prediction is of the schedules the runtime executes; under every training
     regime (the scheduler's pipeline runs the regime's backward as the runtime does)."""
     encoder, llm = cost_configs(CONFIG)
     cost_model = AnalyticCostModel(encoder, llm)
-    layout = _layout(encoder_dp)
+    layout = _layout(encoder_dp, order)
     cluster = local_cluster(layout.world_size, MemoryBudget(8e9, 0.0, "test"), link_latency_s=2e-4)
     config = PlannerConfig(
         num_batches=len(UNITS), seed=5, forward_fraction=(0.4, 0.35), trainable=trainable
@@ -175,6 +189,7 @@ def test_plan_schedules_each_step_as_the_trainer_does(encoder_dp: int, trainable
             costs, model = predictor.scheduler_view(
                 cost_model, shapes, regime_shares, cluster.link_latency_s, config.forward_fraction
             )
+            assert model.order == order
             if trainable != "full":
                 assert model.backward == ("last", "all")
                 assert model.backward_gate == (None, 0 if trainable == "projector" else None)

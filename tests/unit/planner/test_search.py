@@ -336,6 +336,42 @@ def test_threads_do_not_change_the_result() -> None:
         PlannerConfig(num_threads=0)
 
 
+def test_zero_bubble_is_chosen_where_it_pays_and_planned_end_to_end(tmp_path) -> None:
+    """PlannerConfig.zero_bubble scores each kept layout under ZB-H1 too: a deep pipeline
+    with few microbatches takes it (its steps re-simulate under the split program, its
+    lower bound stays below), it is never slower than the search without it, the plan file
+    keeps the order and the trainer's layout runs it."""
+    from dflop.models import model_config
+    from dflop.planner.search import audited
+    from dflop.train.planning import layout_from_plan
+
+    zero_bubble = replace(FAST, zero_bubble=True)
+    assert PlannerConfig().zero_bubble is False  # opt in: see PlannerConfig
+    inputs = _inputs(batch=16)
+    cluster = ClusterSpec(num_gpus=16)
+    with_zb, _ = search_layouts(cluster, inputs, zero_bubble)
+    without, _ = search_layouts(cluster, inputs, FAST)
+    assert with_zb[0].prediction.step_time_s <= without[0].prediction.step_time_s * (1 + 1e-12)
+    best = with_zb[0]
+    assert best.order == "zb-h1" and "zb-h1" in best.describe()
+    assert best.prediction.lower_bound_s <= best.prediction.step_time_s
+    # The same layout without the order is slower (ZB-H1 was kept because it pays).
+    plain = [lp for lp in without if lp.core_dict() == {**best.core_dict(), "order": None}]
+    if plain:
+        assert best.prediction.step_time_s < plain[0].prediction.step_time_s
+    scored = audited(cluster, inputs, best, zero_bubble)
+    for step, planned in zip(scored.steps, scored.prediction.step_times_s):
+        assert step.order == "zb-h1" and step.weight_s.size
+        assert step.simulate(record_events=False).step_time_s == pytest.approx(planned)
+    path = tmp_path / "plan.json"
+    result = _plan(16, batch=16, config=zero_bubble)
+    assert result.best.order == "zb-h1"
+    result.save(path)
+    assert Plan.load(path).best.order == "zb-h1"
+    layout = layout_from_plan(path, model_config("siglip-400m+llm-7b"), 64)
+    assert layout.pipeline_order == "zb-h1"
+
+
 def test_microbatch_ordering_never_hurts() -> None:
     inputs = _inputs(encoder="vit-6b", batch=64)
     layouts, _ = search_layouts(ClusterSpec(num_gpus=16), inputs, FAST)
