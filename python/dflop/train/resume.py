@@ -69,6 +69,7 @@ HONOURED: dict[str, str] = {
     "perf": "the cost model the schedules are made with",
     "adaptive": "the cost model's online correction",
     "pipeline_schedule": "the schedules' pipeline refinement",
+    "pipeline_order": "the pipeline order (it reorders a step's work; gradients do not change)",
     "max_growth": "the schedules' memory bound",
     "lookahead": "how many schedules are made ahead",
     "schedule_deadline": "the schedules' deadline",
