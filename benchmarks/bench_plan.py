@@ -90,6 +90,7 @@ INTERLEAVING_SETTINGS = (
 )
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
+import levers  # noqa: E402
 
 IDLE_TARGET = 0.15
 TOP_K = 10  # layouts kept per method, for the held-out memory fallback
@@ -270,6 +271,10 @@ def zero_bubble(args: argparse.Namespace) -> list[dict]:
                 cfg = replace(_config(args.batches), trainable=trainable, zero_bubble=zb)
                 score_cfg = replace(_config(args.held_out), trainable=trainable, zero_bubble=zb)
                 row[key] = held_out_best(CLUSTER, inputs, held_out, cfg, score_cfg, strategy)
+            for key in ("1f1b", "zb"):
+                if row[key] is not None:
+                    row[key]["finer"] = levers.best_finer_encoder(row[key]["layout"])
+            row["encoder_constant_s"] = float(model.microbatch_constant_s[0])
             rows.append(row)
         print(f"{encoder} + {llm} zero bubble: done", file=sys.stderr)
     return rows
@@ -309,6 +314,54 @@ def render_zero_bubble(rows: list[dict], total_s: float) -> str:
             f"| {z.describe().replace('|', ';')} | {zp.step_time_s:.2f} | "
             f"{fmt_pct(zp.idle_fraction)} | {zp.lower_bound_s:.2f} | "
             f"{b / pp.step_time_s:.2f}x / {b / zp.step_time_s:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def render_levers(rows: list[dict]) -> str:
+    """Lever by lever, from the zero-bubble rows: what each won and what is left."""
+    lines = [
+        "Command: `python benchmarks/bench_plan.py --zero-bubble-only --markdown "
+        "benchmarks/README.md` (the same run as the zero-bubble table; simulation)",
+        "",
+        "- Finer encoder microbatches (lever 2, decoupled from the LLM's): each LLM "
+        "microbatch's encoder work run as 2, 4 or 8 encoder microbatches (the best shown, "
+        "x factor), the LLM microbatch starting when its last part arrives "
+        "(`benchmarks/levers.py`: the planner's recorded steps re-simulated by dflop's "
+        "simulator with the program expanded). An optimistic bound: no per-pass constant "
+        "added, the units split perfectly. The other direction (several LLM microbatches' "
+        "units in one encoder forward) lengthens the fill and can save at most the "
+        "encoder's per-pass constant: m x its constant, the last column.",
+        "- Bound: the layout's lower bound (no pipeline order beats it). Busiest: the "
+        "busiest stage's compute per GPU plus its all-reduce. Zero idle: the layout's mean "
+        "GPU compute, its step if no GPU ever waited.",
+        "",
+        "| setting | trains | data-blind s | 1F1B s (idle) | + ZB-H1 s (idle) | 1F1B + finer "
+        "encoder s | ZB-H1 + finer encoder s | bound s | busiest compute + all-reduce s "
+        "| zero idle s | speed-up: chosen / bound / zero idle | coarser encoder: at most s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        blind, plain, zb = row["blind"], row["1f1b"], row["zb"]
+        if plain is None or zb is None or blind is None:
+            lines.append(f"| {row['setting']} | {row['trainable']} | no layout fits |||||||||||")
+            continue
+        b = blind["layout"].prediction.step_time_s
+        pp, z = plain["layout"].prediction, zb["layout"]
+        zp, lim = z.prediction, levers.limits(z)
+
+        def finer(found: dict) -> str:
+            step, factor = found["finer"]
+            return f"{step:.2f} (x{factor})" if factor > 1 else f"{step:.2f} (none faster)"
+
+        lines.append(
+            f"| {row['setting']} | {row['trainable']} | {b:.2f} | {pp.step_time_s:.2f} "
+            f"({fmt_pct(pp.idle_fraction)}) | {zp.step_time_s:.2f} ({fmt_pct(zp.idle_fraction)}) "
+            f"| {finer(plain)} | {finer(zb)} | {lim['lower_bound_s']:.2f} | "
+            f"{lim['busiest_compute_s']:.2f} + {lim['busiest_allreduce_s']:.2f} | "
+            f"{lim['mean_compute_s']:.2f} | {b / zp.step_time_s:.2f}x / "
+            f"{b / lim['lower_bound_s']:.2f}x / {b / lim['mean_compute_s']:.2f}x | "
+            f"{z.num_microbatches * row['encoder_constant_s']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -793,11 +846,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.regimes_only:
         return 0
     start = time.perf_counter()
-    zero_bubble_body = render_zero_bubble(zero_bubble(args), time.perf_counter() - start)
+    zero_bubble_rows = zero_bubble(args)
+    zero_bubble_body = render_zero_bubble(zero_bubble_rows, time.perf_counter() - start)
+    levers_body = render_levers(zero_bubble_rows)
     print(zero_bubble_body)
+    print(levers_body)
     if args.markdown:
         heading = "### Zero bubble (`--zero-bubble`)"
         baselines.write_section(args.markdown, "bench_plan_zero_bubble", zero_bubble_body, heading)
+        heading = "### Lever by lever: what is left"
+        baselines.write_section(args.markdown, "bench_plan_levers", levers_body, heading)
     if args.zero_bubble_only:
         return 0
     start = time.perf_counter()
