@@ -352,6 +352,9 @@ PipelineSimInput Evaluator::sim_input(const Layout& l, const BinSums& s,
   auto bytes_at = [&](int64_t r, int64_t boundary, int64_t k) -> double& {
     return in.activation_bytes[size_t((r * (V - 1) + boundary) * m + k)];
   };
+  const bool split = pipeline_order_def(in.order).splits_backward;
+  // Per cell: seconds of backward_s that only W runs (the LM head's remade logits).
+  std::vector<double> weight_only_s(split ? cells : 0, 0.0);
   const double enc_h = double(ctx_.enc.p->hidden_size), llm_h = double(ctx_.llm.p->hidden_size);
   const double enc_bytes = ctx_.enc.p->element_bytes, llm_bytes = ctx_.llm.p->element_bytes;
   for (int64_t k = 0; k < m; ++k) {
@@ -383,6 +386,11 @@ PipelineSimInput Evaluator::sim_input(const Layout& l, const BinSums& s,
                                                   s.llm_last[bin], s.llm_tokens[bin]);
           t += ctx_.llm.stage_constant_seconds(g.tp, nl, is_last);
           if (ctx_.llm.backward_needs_visual() && s.visual[bin] == 0) t.backward_s = 0.0;
+          if (split && is_last && t.backward_s > 0.0) {
+            const double remake = ctx_.llm.head_remake_seconds(g.tp, s.llm_last[bin]);
+            t.backward_s += remake;
+            weight_only_s[size_t((r * V + E + vs) * m + k)] = remake;
+          }
           if (l.colocated && st == 0) {
             const ModuleModel& ce = ctx_.colocated_enc(g.tp);
             t += ce.stage_seconds(g.tp, g.recompute, ce.p->num_layers, true, s.enc_body[bin],
@@ -425,9 +433,10 @@ PipelineSimInput Evaluator::sim_input(const Layout& l, const BinSums& s,
     links[size_t(vs)] = backward ? 1 : 0;
     any_cut = any_cut || !backward;
   }
-  if (pipeline_order_def(in.order).splits_backward) {
+  if (split) {
     // The W share of each backward: all of it where the stage's input takes no gradient
-    // (the first stage, or one after a stage that runs no backward), as the runtime runs.
+    // (the first stage, or one after a stage that runs no backward), as the runtime runs;
+    // plus what only W runs.
     in.weight_s.assign(cells, 0.0);
     for (int64_t vs = 0; vs < V; ++vs) {
       const bool input_grad = vs > 0 && links[size_t(vs - 1)];
@@ -437,7 +446,7 @@ PipelineSimInput Evaluator::sim_input(const Layout& l, const BinSums& s,
       for (int64_t r = 0; r < R; ++r) {
         for (int64_t k = 0; k < m; ++k) {
           const size_t i = size_t((r * V + vs) * m + k);
-          in.weight_s[i] = share * in.backward_s[i];
+          in.weight_s[i] = share * (in.backward_s[i] - weight_only_s[i]) + weight_only_s[i];
         }
       }
     }

@@ -124,6 +124,14 @@ struct ModuleModel {
     if (layers_backward()) return share(p->body_backward_factor);
     return is_last ? share(p->last_backward_factor) : 0.0;
   }
+  // The seconds a split backward's W adds on the LLM's last stage: it remakes the chunked
+  // LM head's logits once more (dflop.models.loss: I computes the hidden gradient, W the
+  // head's weight gradient, each from the logits), one forward of the last stage's part,
+  // where that part trains. `last`: the part's seconds, as stage_seconds takes them.
+  double head_remake_seconds(int64_t t, double last) const {
+    if (p->last_trainable_fraction == 0.0 || p->last_backward_factor == 0.0) return 0.0;
+    return stage_seconds(t, false, 0, true, 0.0, last, 0.0).forward_s;
+  }
   double stage_time(int64_t t, bool recompute, int64_t n, bool is_last, double body, double last,
                     double tokens) const {
     return stage_seconds(t, recompute, n, is_last, body, last, tokens).total();

@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from dflop.runtime.split_backward import split_half
+
 __all__ = ["DEFAULT_LOSS_CHUNK_TOKENS", "chunked_lm_loss", "head_logit_shard"]
 
 DEFAULT_LOSS_CHUNK_TOKENS = 1024
@@ -73,7 +75,11 @@ def _all_reduce(tensor: Tensor, op: Any, group: Any) -> Tensor:
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     """Sum over rows of ``cross_entropy(hidden @ weight.T + bias, targets)`` (see the
-    module docstring); ``weight`` holds vocabulary rows ``[start, start + len)``."""
+    module docstring); ``weight`` holds vocabulary rows ``[start, start + len)``. Split
+    aware (:mod:`dflop.runtime.split_backward`): a zero-bubble ``I`` computes the hidden
+    gradient only, its ``W`` the weight and bias gradients only."""
+
+    SPLIT_AWARE = True
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -107,6 +113,11 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     def backward(ctx: Any, grad_total: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        half = split_half(ctx)
+        want_hidden = want_hidden and half != "weight"
+        want_weight, want_bias = (want and half != "input" for want in (want_weight, want_bias))
+        if not (want_hidden or want_weight or want_bias):
+            return None, None, None, None, None, None, None
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros_like(weight) if want_weight else None
         grad_bias = torch.zeros_like(bias) if want_bias and bias is not None else None

@@ -16,6 +16,13 @@ group, differentiated in one call; inside a group, a boundary node reached from 
 one is fed exactly the recorded gradient (a hook replaces what arrives), so no gradient is
 counted twice.
 
+A custom autograd Function computes all of its gradients in one ``backward``: as a
+boundary node it would run whole in ``I`` and again in ``W``. One that sets
+``SPLIT_AWARE = True`` is told which half runs (:func:`split_half` of its ``ctx``:
+``"input"`` in ``I``, ``"weight"`` in ``W``, None in a plain backward) and computes only
+that half's gradients (dflop's chunked LM head: the ``W`` pass remakes each chunk's logits
+once more, one head forward, instead of running the whole head backward twice).
+
 Activations stay alive from the forward to the ``W`` (the memory rule of the zero-bubble
 orders, :func:`dflop.scheduling.peak_in_flight`, counts a microbatch until its ``W``). A
 stage whose inputs take no gradient (the first stage, or one behind frozen stages) has no
@@ -33,7 +40,23 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["WeightGradients", "backward_input", "backward_weight"]
+__all__ = ["WeightGradients", "backward_input", "backward_weight", "split_half"]
+
+_HALF = "dflop_split_half"  # the attribute set on a split-aware Function's node (its ctx)
+
+
+def split_half(ctx: Any) -> str | None:
+    """For a ``SPLIT_AWARE`` custom Function's ``backward``: ``"input"`` when only its input
+    gradients are wanted (a split backward's ``I``), ``"weight"`` when only its weight
+    gradients are (``W``), None when all are (a plain backward)."""
+    return getattr(ctx, _HALF, None)
+
+
+def _mark(nodes: Sequence[Node], half: str) -> None:
+    """Tells the split-aware Function nodes among ``nodes`` which half runs next."""
+    for node in nodes:
+        if getattr(getattr(node, "_forward_cls", None), "SPLIT_AWARE", False):
+            setattr(node, _HALF, half)
 
 
 @dataclass(eq=False)  # compared by identity
@@ -140,6 +163,8 @@ def backward_input(
         for group in work.groups
         for node in group.nodes
     ]
+    boundary = [node for group in work.groups for node in group.nodes]
+    _mark(boundary, "input")
     try:
         grads = torch.autograd.grad(
             output, inputs, grad_outputs=grad, retain_graph=True, allow_unused=True
@@ -147,6 +172,7 @@ def backward_input(
     finally:
         for hook in hooks:
             hook.remove()
+        _mark(boundary, "weight")
     for t, g in zip(inputs, grads, strict=True):
         t.grad = torch.zeros_like(t) if g is None else g
     return work

@@ -232,3 +232,43 @@ def test_cli_simulate_resimulates_the_recorded_steps(tmp_path) -> None:
     assert summary["source"] == "recorded"
     assert summary["step_time_s"] == pytest.approx(plan.best.steps[1].step_time_s, rel=1e-12)
     assert summary["planned_step_time_s"] == pytest.approx(plan.best.steps[1].step_time_s)
+
+
+@pytest.mark.parametrize("trainable", ["full", "lora"])
+def test_zero_bubble_prices_the_heads_remade_logits(trainable: str) -> None:
+    """Under ZB-H1 the LLM's last stage runs one LM-head forward more than under 1F1B (the
+    split-aware chunked head: W remakes each chunk's logits for the head's weight
+    gradient), all of it in W; where the head does not train (LoRA) nothing more. Every
+    other cell is the same."""
+    encoder, llm = cost_configs(CONFIG)
+    cost_model = AnalyticCostModel(encoder, llm)
+    config = PlannerConfig(num_batches=1, seed=0, trainable=trainable)
+    cluster = local_cluster(_layout(1).world_size, MemoryBudget(8e9, 0.0, "test"))
+    predictors = {
+        order: StepPredictor(cluster, encoder, llm, core_layout(_layout(1, order)), config)
+        for order in (None, "zb-h1")
+    }
+    for b in range(len(UNITS)):
+        shapes = FixedBatches().sample(GLOBAL_BATCH, b)
+        assignment = np.arange(GLOBAL_BATCH) % MICROBATCHES
+        plain, zb = (p.audit(cost_model, shapes, assignment) for p in predictors.values())
+        np.testing.assert_array_equal(plain.llm_forward_s, zb.llm_forward_s)
+        np.testing.assert_array_equal(plain.encoder_backward_s, zb.encoder_backward_s)
+        np.testing.assert_array_equal(plain.llm_backward_s[:, :-1], zb.llm_backward_s[:, :-1])
+        extra = zb.llm_backward_s[0, -1] - plain.llm_backward_s[0, -1]
+        weight = zb.weight_s.reshape(1, -1, MICROBATCHES)[0, -1]
+        if trainable == "lora":
+            np.testing.assert_allclose(extra, 0.0, atol=1e-15)
+            continue
+        # The head's forward: the forward share of each microbatch's last-stage part.
+        samples = predictors[None]._inputs(cost_model, shapes).samples
+        last_s = samples["llm_s"] * samples["llm_last_fraction"]
+        llm_module = predictors[None]._inputs(cost_model, shapes).llm
+        head = np.bincount(assignment, last_s, MICROBATCHES) * llm_module.forward_fraction
+        for k in range(MICROBATCHES):
+            if plain.llm_backward_s[0, -1, k] == 0.0:  # no backward, no W
+                assert extra[k] == 0.0
+                continue
+            assert extra[k] == pytest.approx(head[k], rel=1e-9) and head[k] > 0
+            share = (weight[k] - extra[k]) / plain.llm_backward_s[0, -1, k]
+            assert share == pytest.approx(llm_module.weight_share, rel=1e-9)

@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from dflop.models.loss import chunked_lm_loss  # noqa: E402
 from dflop.runtime.split_backward import backward_input, backward_weight  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
@@ -105,3 +106,41 @@ def test_each_product_runs_once():
     assert full.get_total_flops() == 3 * forward_flops  # the forward and both products
     assert first.get_total_flops() == forward_flops
     assert second.get_total_flops() == forward_flops
+
+
+def test_the_chunked_head_splits_its_backward():
+    """dflop's chunked LM head (a custom Function, split aware): I computes the hidden
+    gradient, W the head's weight and bias gradients; together one head forward (W's
+    remade logits) more than a full backward, not the whole head backward twice. The
+    gradients equal a plain backward's."""
+    torch.manual_seed(3)
+    layer, head = nn.Linear(32, 32), nn.Linear(32, 500)
+    x, targets = torch.randn(24, 32), torch.randint(0, 500, (24,))
+    params = [*layer.parameters(), *head.parameters()]
+
+    def run(split: bool):
+        for p in params:
+            p.grad = None
+        xi = x.clone().requires_grad_()
+        loss = chunked_lm_loss(layer(xi), head, targets, chunk_tokens=7)
+        counters = [FlopCounterMode(display=False), FlopCounterMode(display=False)]
+        if split:
+            with counters[0]:
+                work = backward_input(loss, None, [xi], params)
+            assert all(p.grad is None for p in params)
+            with counters[1]:
+                backward_weight(work)
+        else:
+            with counters[0]:
+                loss.backward()
+        flops = [c.get_total_flops() for c in counters]
+        return flops, xi.grad, [p.grad.clone() for p in params]
+
+    (full_flops, _), ref_x, ref = run(False)
+    (input_flops, weight_flops), got_x, got = run(True)
+    head_forward = 2 * 24 * 32 * 500  # one chunked pass of logits over all rows
+    # (Whether FlopCounterMode counts the in-place addmm_ of the weight gradient or not.)
+    assert input_flops + weight_flops == full_flops + head_forward
+    torch.testing.assert_close(got_x, ref_x, rtol=1e-6, atol=1e-7)
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7)
