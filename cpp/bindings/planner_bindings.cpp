@@ -109,6 +109,8 @@ ModuleParams to_module(const py::dict& d, const char* w) {
   r.opt("last_trainable_fraction", &p.last_trainable_fraction);
   r.opt("kept_activation_fraction", &p.kept_activation_fraction);
   r.opt("input_grad_fraction", &p.input_grad_fraction);
+  r.opt("weight_grad_bytes_per_token_layer", &p.weight_grad_bytes_per_token_layer);
+  r.opt("weight_grad_sharded_fraction", &p.weight_grad_sharded_fraction);
   r.finish();
   return p;
 }

@@ -383,6 +383,27 @@ int64_t peak_in_flight(const std::vector<PipelineAction>& actions) {
   return peak;
 }
 
+int64_t peak_pending_weight(PipelineOrder kind, const PipelineShape& shape, int64_t m,
+                            int64_t stage) {
+  const PipelineOrderDef& def = pipeline_order_def(kind);
+  check_program_args(def, shape, m);
+  if (!def.splits_backward) return 0;
+  if (stage < 0 || stage >= num_physical_stages(shape)) {
+    throw InvalidArgument("stage must be in [0, " + std::to_string(num_physical_stages(shape)) +
+                          "), got " + std::to_string(stage));
+  }
+  return peak_pending_weight(def.stage_actions(shape, m, stage));
+}
+
+int64_t peak_pending_weight(const std::vector<PipelineAction>& actions) {
+  int64_t now = 0, peak = 0;
+  for (const PipelineAction& a : actions) {
+    if (a.kind == ActionKind::BackwardInput) peak = std::max(peak, ++now);
+    if (a.kind == ActionKind::BackwardWeight) --now;
+  }
+  return peak;
+}
+
 std::string program_grid(const PipelineProgram& program,
                          const std::vector<std::pair<int64_t, int64_t>>& marks,
                          int64_t focus_stage) {

@@ -64,6 +64,7 @@ void check_module(const char* module, const ModuleParams& p) {
       {"first_stage_params", p.first_stage_params},
       {"last_stage_params", p.last_stage_params},
       {"activation_bytes_per_token_layer", p.activation_bytes_per_token_layer},
+      {"weight_grad_bytes_per_token_layer", p.weight_grad_bytes_per_token_layer},
       {"head_bytes_per_target_token", p.head_bytes_per_target_token},
       {"input_bytes_per_token", p.input_bytes_per_token},
       {"microbatch_constant_s", p.microbatch_constant_s}};
@@ -81,7 +82,8 @@ void check_module(const char* module, const ModuleParams& p) {
       {"body_trainable_fraction", p.body_trainable_fraction},
       {"last_trainable_fraction", p.last_trainable_fraction},
       {"kept_activation_fraction", p.kept_activation_fraction},
-      {"input_grad_fraction", p.input_grad_fraction}};
+      {"input_grad_fraction", p.input_grad_fraction},
+      {"weight_grad_sharded_fraction", p.weight_grad_sharded_fraction}};
   for (const auto& [name, value] : fractions) {
     require(std::isfinite(value) && value >= 0.0 && value <= 1.0,
             m + "." + name + " must be in [0, 1], got " + fmt(value));

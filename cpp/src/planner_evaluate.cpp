@@ -221,7 +221,9 @@ Evaluator::Memory Evaluator::encoder_memory(const Layout& l,
                              ctx_.o.zero1) +
         ctx_.enc.activation_bytes(e.tp, e.recompute, n, enc_tokens.at(in_flight)) +
         ctx_.enc.recompute_bytes(e.tp, e.recompute, enc_tokens.at(1)) +
-        (s == 0 ? ctx_.enc.input_bytes(enc_tokens.at(m)) : 0.0);
+        (s == 0 ? ctx_.enc.input_bytes(enc_tokens.at(m)) : 0.0) +
+        pending_weight_bytes(ctx_.enc, l, s, s == e.pp - 1, s > 0 && ctx_.enc.runs_backward(false),
+                             e.tp, n, enc_tokens);
     out.stage_bytes.push_back(bytes);
     if (bytes > out.peak) out.set_peak(bytes, true, s);
   }
@@ -243,9 +245,13 @@ Evaluator::Memory Evaluator::llm_memory(const Layout& l, const InFlightTokens& l
     // The activations of one microbatch on one chunk (the stage itself without chunks).
     const int64_t n = largest_chunk(g, s);
     const int64_t in_flight = peak_in_flight(layout_order(l), shape, m, first + s);
+    const bool input_grad =
+        s > 0 ? ctx_.llm.runs_backward(false) : !colocated && ctx_.enc.runs_backward(true);
     double bytes = ctx_.llm.state_bytes(ctx_.llm.gpu_params(g, s),
                                         ctx_.llm.gpu_trainable_params(g, s), g.dp, zero1) +
-                   ctx_.llm.activation_bytes(g.tp, g.recompute, n, llm_tokens.at(in_flight));
+                   ctx_.llm.activation_bytes(g.tp, g.recompute, n, llm_tokens.at(in_flight)) +
+                   pending_weight_bytes(ctx_.llm, l, first + s, s == g.pp - 1, input_grad, g.tp, n,
+                                        llm_tokens);
     // One transient at a time on top of what is held: a remade layer or (last stage,
     // all layers' activations still held) the head's chunk.
     double working = std::max(ctx_.llm.recompute_bytes(g.tp, g.recompute, llm_tokens.at(1)),
@@ -267,6 +273,15 @@ Evaluator::Memory Evaluator::llm_memory(const Layout& l, const InFlightTokens& l
     if (bytes > out.peak) out.set_peak(bytes, is_enc, s);
   }
   return out;
+}
+
+double Evaluator::pending_weight_bytes(const ModuleModel& mm, const Layout& l, int64_t stage,
+                                       bool is_last, bool input_grad, int64_t tp, int64_t n,
+                                       const InFlightTokens& tokens) const {
+  if (!mm.runs_backward(is_last)) return 0.0;
+  const int64_t pending =
+      peak_pending_weight(layout_order(l), layout_shape(l), l.num_microbatches, stage);
+  return pending == 0 ? 0.0 : mm.weight_grad_bytes(tp, n, tokens.at(pending), input_grad);
 }
 
 Evaluator::Memory Evaluator::combine(const Memory& enc, const Memory& llm) const {

@@ -214,6 +214,17 @@ struct ModuleModel {
                   : p->activation_bytes_per_token_layer * p->kept_activation_fraction;
     return tokens * double(n) * per_layer / double(t);
   }
+  // What a zero-bubble order's I passes keep for their W passes, for microbatches of
+  // `tokens` tokens in all, on a stage of n layers (dflop.runtime.split_backward records the
+  // gradient reaching each trained weight's node: a linear layer's output, a norm's). A
+  // stage whose input takes no gradient keeps its output's gradient (its W runs the whole
+  // backward); frozen layers keep none.
+  double weight_grad_bytes(int64_t t, int64_t n, double tokens, bool input_grad) const {
+    if (!input_grad) return tokens * double(p->hidden_size) * p->element_bytes;
+    if (!layers_backward() || p->body_trainable_fraction == 0.0) return 0.0;
+    const double f = p->weight_grad_sharded_fraction;
+    return tokens * double(n) * p->weight_grad_bytes_per_token_layer * (f / double(t) + 1.0 - f);
+  }
   // One layer's activations of one microbatch of `tokens` tokens, held transiently: the
   // layer the backward remakes (full recomputation: what the regime keeps of it) or the
   // layer a forward-only stage runs (its activations are freed as it goes). The gradients a
@@ -431,6 +442,11 @@ class Evaluator {
                     const InFlightTokens& enc_tokens) const;
   // Peak over all stages: the encoder's first, ties to the earlier stage; plus the reserve.
   Memory combine(const Memory& enc, const Memory& llm) const;
+  // What physical stage `stage` (of module model mm, tp-way, n layers) keeps for its
+  // pending W passes under the layout's order (0 unless it splits its backwards).
+  double pending_weight_bytes(const ModuleModel& mm, const Layout& l, int64_t stage, bool is_last,
+                              bool input_grad, int64_t tp, int64_t n,
+                              const InFlightTokens& tokens) const;
 
   // The fewest tokens any schedule could put in flight on an LLM GPU / encoder GPU
   // (disaggregated: per microbatch over encoder_dp GPUs; colocated: per bin): some GPU

@@ -301,6 +301,19 @@ TEST_CASE(zero_bubble_h1) {
     CHECK_EQ(dflop::peak_in_flight(PipelineOrder::ZeroBubbleH1, PipelineShape::plain(4), 6, s),
              int64_t(4));
   }
+  // Stage s keeps s + 1 microbatches' W inputs at once (its W lags s behind its I, as the
+  // lists above show); none under an order that does not split its backwards.
+  for (int64_t s = 0; s < 4; ++s) {
+    const PipelineShape shape = PipelineShape::plain(4);
+    CHECK_EQ(dflop::peak_pending_weight(PipelineOrder::ZeroBubbleH1, shape, 6, s), s + 1);
+    // With 2 microbatches (stages 0-1: I0 W0 I1 W1; stages 2-3: both I before a W).
+    CHECK_EQ(dflop::peak_pending_weight(PipelineOrder::ZeroBubbleH1, shape, 2, s),
+             int64_t(s >= 2 ? 2 : 1));
+    CHECK_EQ(dflop::peak_pending_weight(PipelineOrder::OneFOneB, shape, 6, s), int64_t(0));
+  }
+  CHECK_THROWS_WITH(
+      dflop::peak_pending_weight(PipelineOrder::ZeroBubbleH1, PipelineShape::plain(4), 6, 4),
+      dflop::InvalidArgument, "stage must be in [0, 4), got 4");
   // F = I = W = 1 s, 4 stages, 8 microbatches: 1F1B takes (m + S - 1) x 3 = 33 s, ZB-H1
   // 3 m + (S - 1) = 27 s (a third of the bubble), over an encoder segment too.
   for (const PipelineShape& shape : {PipelineShape::plain(4), PipelineShape{{1, 3}, {1, 1}}}) {

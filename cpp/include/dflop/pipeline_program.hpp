@@ -149,6 +149,13 @@ int64_t peak_in_flight(PipelineOrder kind, const PipelineShape& shape, int64_t n
                        int64_t stage);
 // The same, counted along any action list (Forward +1, Backward or BackwardWeight -1).
 int64_t peak_in_flight(const std::vector<PipelineAction>& actions);
+// The most microbatches whose BackwardInput ran and BackwardWeight did not yet, at once, on
+// physical stage `stage` of the generated schedule (0 for orders that do not split their
+// backwards): what it keeps for its W passes besides their activations.
+int64_t peak_pending_weight(PipelineOrder kind, const PipelineShape& shape,
+                            int64_t num_microbatches, int64_t stage);
+// The same, counted along any action list (BackwardInput +1, BackwardWeight -1).
+int64_t peak_pending_weight(const std::vector<PipelineAction>& actions);
 
 // Checks a program: owners in range; every action on its virtual stage's owner with a
 // microbatch in range; per (virtual stage, microbatch) one Forward and either one Backward

@@ -167,6 +167,12 @@ struct ModuleParams {
   // gradients on runs (the model profiler's pass-through backward factor), 0.5 unless
   // measured.
   double input_grad_fraction = 0.5;
+  // What a zero-bubble order's I pass keeps for its W per token and layer at t = 1 (the
+  // gradients that reach each trained weight's node: a linear layer's output gradient, a
+  // norm's), while the layers train, and the share of it that tensor parallelism shards
+  // (column-parallel outputs; row-parallel outputs and norms are whole on every rank).
+  double weight_grad_bytes_per_token_layer = 0.0;
+  double weight_grad_sharded_fraction = 1.0;
 };
 
 // Per-sample inputs of num_batches sampled global batches of batch_size samples each,

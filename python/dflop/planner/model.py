@@ -201,6 +201,12 @@ class PlannerModule:
             (the rest, its weight gradients, is what a zero-bubble order's ``W`` runs):
             what a frozen layer that passes gradients on runs, the profile's measured
             pass-through factor, else ``1 -`` :data:`WEIGHT_GRAD_FRACTION`.
+        weight_grad_bytes_per_token_layer: what a zero-bubble order's ``I`` pass keeps
+            for its ``W`` per token and layer at t = 1 while the layers train: the
+            gradient reaching each trained weight's node (a linear layer's output, a
+            norm's), as :mod:`dflop.runtime.split_backward` records it.
+        weight_grad_sharded_fraction: the share of it tensor parallelism shards (the
+            column-parallel outputs; row-parallel outputs and norms are whole per rank).
     """
 
     num_layers: int
@@ -225,6 +231,8 @@ class PlannerModule:
     last_trainable_fraction: float = 1.0
     kept_activation_fraction: float = 1.0
     input_grad_fraction: float = 1.0 - WEIGHT_GRAD_FRACTION
+    weight_grad_bytes_per_token_layer: float = 0.0
+    weight_grad_sharded_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "hidden_size"):
@@ -237,6 +245,7 @@ class PlannerModule:
             "head_bytes_per_target_token",
             "input_bytes_per_token",
             "microbatch_constant_s",
+            "weight_grad_bytes_per_token_layer",
         ):
             _check_number("PlannerModule", name, getattr(self, name), positive=False)
         _check_int("PlannerModule", "head_chunk_tokens", self.head_chunk_tokens, 0)
@@ -254,6 +263,7 @@ class PlannerModule:
             "last_trainable_fraction",
             "kept_activation_fraction",
             "input_grad_fraction",
+            "weight_grad_sharded_fraction",
         ):
             _check_number("PlannerModule", name, getattr(self, name), positive=False)
             if getattr(self, name) > 1.0:
@@ -366,6 +376,8 @@ def planner_modules(
         / (attention_flops + 4.0 * h * encoder.intermediate_size),
         attention_param_fraction=float(4 * h * h + 3 * h) / layer_params,
         attention_activation_fraction=8.0 / ACTIVATION_BYTES_PER_HIDDEN,
+        # q, k, v, fc1 outputs (column-parallel); out, fc2 outputs and two norms (whole).
+        **_weight_grads(3 * h + encoder.intermediate_size, 4 * h, element_bytes),
     )
     g = llm.hidden_size
     d = llm.resolved_head_dim
@@ -390,8 +402,25 @@ def planner_modules(
         head_chunk_tokens=loss_chunk_tokens,
         element_bytes=element_bytes,
         microbatch_constant_s=float(constants[1]),
+        # q, k, v, gate, up outputs (column-parallel); o, down outputs and two norms (whole).
+        **_weight_grads(
+            d * (llm.num_heads + 2 * llm.num_kv_heads) + 2 * llm.intermediate_size,
+            4 * g,
+            element_bytes,
+        ),
     )
     return enc, llm_spec
+
+
+def _weight_grads(sharded: int, whole: int, element_bytes: int) -> dict[str, float]:
+    """The PlannerModule fields of what a layer's ``I`` pass keeps for its ``W``: per
+    token, ``sharded`` elements that tensor parallelism splits and ``whole`` that it does
+    not."""
+    total = float(sharded + whole)
+    return {
+        "weight_grad_bytes_per_token_layer": total * element_bytes,
+        "weight_grad_sharded_fraction": sharded / total,
+    }
 
 
 @dataclass(frozen=True)

@@ -272,3 +272,37 @@ def test_zero_bubble_prices_the_heads_remade_logits(trainable: str) -> None:
             assert extra[k] == pytest.approx(head[k], rel=1e-9) and head[k] > 0
             share = (weight[k] - extra[k]) / plain.llm_backward_s[0, -1, k]
             assert share == pytest.approx(llm_module.weight_share, rel=1e-9)
+
+
+def test_zero_bubble_memory_keeps_what_w_waits_for() -> None:
+    """Under ZB-H1 each stage also holds the gradients its pending W passes wait for
+    (PlannerModule.weight_grad_bytes_per_token_layer, checked against the runtime's split
+    backward in tests/unit/runtime/test_split_backward.py); under 1F1B nothing more. The
+    encoder's first stage (no input path) keeps its output's gradient instead."""
+    from dataclasses import replace
+
+    encoder, llm = cost_configs(CONFIG)
+    cost_model = AnalyticCostModel(encoder, llm)
+    inputs = prepare_inputs(
+        cost_model, encoder, llm, global_batch=GLOBAL_BATCH, shapes=FixedBatches(), num_batches=3
+    )
+    without = replace(
+        inputs,
+        encoder=replace(inputs.encoder, weight_grad_bytes_per_token_layer=0.0),
+        llm=replace(inputs.llm, weight_grad_bytes_per_token_layer=0.0),
+    )
+    assert inputs.llm.weight_grad_bytes_per_token_layer > 0
+    config = PlannerConfig(num_batches=3, seed=0)
+    for order in (None, "zb-h1"):
+        layout = _layout(1, order)
+        cluster = local_cluster(layout.world_size, MemoryBudget(8e9, 0.0, "test"))
+        core = core_layout(layout)
+        held, bare = (
+            evaluate_layout(cluster, x, core, config).prediction.stage_memory_bytes
+            for x in (inputs, without)
+        )
+        extra = np.subtract(held, bare)
+        if order is None:
+            np.testing.assert_array_equal(extra, 0.0)
+        else:  # the LLM stage (its input takes the projector's gradient) keeps more
+            assert extra[-1] > 0 and np.all(extra >= 0)

@@ -144,3 +144,42 @@ def test_the_chunked_head_splits_its_backward():
     torch.testing.assert_close(got_x, ref_x, rtol=1e-6, atol=1e-7)
     for g, r in zip(got, ref, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7)
+
+
+def _kept_for_w(work) -> int:
+    """Bytes of the gradients an I pass recorded for its W (each tensor once)."""
+    kept = {}
+    for group in work.groups:
+        for grads in group.grads.values():
+            for g in grads:
+                if g is not None:
+                    kept[g.untyped_storage().data_ptr()] = g.numel() * g.element_size()
+    return sum(kept.values())
+
+
+def test_the_planner_prices_what_i_keeps_for_w():
+    """PlannerModule.weight_grad_bytes_per_token_layer (what the memory model adds per
+    pending W under a zero-bubble order) is what backward_input keeps on dflop's reference
+    decoder and vision blocks, per token and layer (fp32, one GPU)."""
+    from dflop.models import model_config
+    from dflop.models.decoder import DecoderBlock, rotary_cos_sin
+    from dflop.models.vision import VisionBlock
+    from dflop.planner.model import planner_modules
+    from dflop.train.planning import cost_configs
+
+    torch.manual_seed(4)
+    config = model_config("small")
+    encoder_module, llm_module = planner_modules(*cost_configs("small"), element_bytes=4)
+    d, v = config.decoder, config.vision
+    tokens = 40
+    block = DecoderBlock(d)
+    x = torch.randn(tokens, d.hidden, requires_grad=True)
+    cos, sin = rotary_cos_sin(torch.arange(tokens), d.head_dim, d.rope_theta)
+    out = block(x, cos, sin, [tokens])
+    work = backward_input(out, torch.randn_like(out), [x], list(block.parameters()))
+    assert _kept_for_w(work) == tokens * llm_module.weight_grad_bytes_per_token_layer
+    vision = VisionBlock(v)
+    y = torch.randn(2, tokens // 2, v.hidden, requires_grad=True)
+    out = vision(y)
+    work = backward_input(out, torch.randn_like(out), [y], list(vision.parameters()))
+    assert _kept_for_w(work) == tokens * encoder_module.weight_grad_bytes_per_token_layer
