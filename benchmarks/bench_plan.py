@@ -289,7 +289,8 @@ def render_zero_bubble(rows: list[dict], total_s: float) -> str:
         f"{total_s:.0f} s; the simulated cluster, mix and batches of the table above",
         "- dflop under 1F1B, and dflop with `PlannerConfig(zero_bubble=True)` (`dflop plan "
         "--zero-bubble`): each kept layout is scored under ZB-H1 too and runs it where that "
-        "is faster and fits in memory (every stage then holds min(S, m) microbatches). Its W "
+        "is faster and fits in memory (every stage then holds min(S, m) microbatches' "
+        "activations, and the gradients its pending W passes wait for). Its W "
         "share of a trained layer's backward is the analytic 0.5 (a profile's measured "
         "pass-through factor on a real model); a stage whose input takes no gradient (the "
         "first, or the projector behind a frozen tower) runs all of its backward in W. "
