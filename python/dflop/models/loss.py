@@ -30,9 +30,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dflop.runtime.split_backward import split_half
-
 __all__ = ["DEFAULT_LOSS_CHUNK_TOKENS", "chunked_lm_loss", "head_logit_shard"]
+
+SPLIT_HALF = "dflop_split_half"
+"""The attribute :mod:`dflop.runtime.split_backward` sets on the node (the ``ctx``) of a
+``SPLIT_AWARE`` autograd Function: ``"input"`` when a zero-bubble ``I`` runs it,
+``"weight"`` when its ``W`` does; absent in a plain backward."""
 
 DEFAULT_LOSS_CHUNK_TOKENS = 1024
 """Target rows per chunk of :func:`chunked_lm_loss` (``TrainConfig.loss_chunk_tokens``):
@@ -113,7 +116,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     def backward(ctx: Any, grad_total: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
-        half = split_half(ctx)
+        half = getattr(ctx, SPLIT_HALF, None)
         want_hidden = want_hidden and half != "weight"
         want_weight, want_bias = (want and half != "input" for want in (want_weight, want_bias))
         if not (want_hidden or want_weight or want_bias):

@@ -40,9 +40,11 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from dflop.models.loss import SPLIT_HALF
+
 __all__ = ["WeightGradients", "backward_input", "backward_weight", "split_half"]
 
-_HALF = "dflop_split_half"  # the attribute set on a split-aware Function's node (its ctx)
+_HALF = SPLIT_HALF  # the attribute set on a split-aware Function's node (its ctx)
 
 
 def split_half(ctx: Any) -> str | None:
