@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -18,7 +19,7 @@ py::dict balance_py(const py::array_t<double, py::array::c_style | py::array::fo
                     int64_t num_microbatches, int64_t dp_size, std::vector<int64_t> microbatch_dims,
                     std::optional<std::vector<double>> capacity, uint64_t seed,
                     std::optional<double> time_budget_ms, std::optional<double> time_limit_s,
-                    int64_t num_limit_dims) {
+                    int64_t num_limit_dims, std::optional<int64_t> work_budget) {
   if (costs.ndim() != 2) throw py::value_error("costs must be 2-D (N, D)");
   const int64_t n = costs.shape(0), d = costs.shape(1);
   BalanceOptions options;
@@ -29,6 +30,7 @@ py::dict balance_py(const py::array_t<double, py::array::c_style | py::array::fo
   options.num_limit_dims = num_limit_dims;
   options.seed = seed;
   if (time_budget_ms) options.work_budget = work_budget_for_ms(*time_budget_ms);
+  if (work_budget) options.work_budget = std::max<int64_t>(*work_budget, 0);  // what is left
   options.time_limit_s = time_limit_or_none(time_limit_s);
   options.interrupted = python_signal_check();
   const std::vector<double> data = owned_copy(costs);
@@ -58,7 +60,7 @@ void register_balance(py::module_& m) {
   m.def("balance", &balance_py, py::arg("costs"), py::kw_only(), py::arg("num_microbatches"),
         py::arg("dp_size"), py::arg("microbatch_dims"), py::arg("capacity"), py::arg("seed"),
         py::arg("time_budget_ms"), py::arg("time_limit_s") = py::none(),
-        py::arg("num_limit_dims") = 0,
+        py::arg("num_limit_dims") = 0, py::arg("work_budget") = py::none(),
         "Assign samples to num_microbatches x dp_size bins minimising the largest load. "
         "Returns a dict of numpy arrays and scalars; see dflop.schedule.");
   m.def(

@@ -218,6 +218,8 @@ def schedule(
         time_budget_ms: search effort. It is converted to a deterministic amount of work
             (calibrated on one x86 core), so a given budget gives the same schedule on
             every machine and a larger budget is never worse. Default: chosen by size.
+            With ``num_microbatches=None`` it is the whole call's: the counts it tries
+            share it.
         time_limit_s: optional hard wall-clock limit: past it the search returns the best
             schedule found so far. The result then depends on machine speed and load (it
             is reported in ``stats["stopped_by_time_limit"]``): use it where an answer is
@@ -265,7 +267,7 @@ def schedule(
     limited = limit is not None and math.isfinite(limit)
     budget = as_time_budget_ms("time_budget_ms", time_budget_ms, limited)
 
-    def solve(count: int) -> Schedule:
+    def solve(count: int, work: int | None = None, limit_s: float | None = limit) -> Schedule:
         start_s = _perf_counter()
         raw = _core.balance(
             cost_array,
@@ -275,8 +277,9 @@ def schedule(
             capacity=cap_list,
             seed=seed,
             time_budget_ms=budget,
-            time_limit_s=limit,
+            time_limit_s=limit_s,
             num_limit_dims=num_limits,
+            work_budget=work,
         )
         return Schedule(
             assignment=_frozen(raw["assignment"]),
@@ -300,16 +303,30 @@ def schedule(
             "num_microbatches=None chooses the fewest microbatches that meet limits: give "
             "resources and limits"
         )
-    return _fewest_microbatches(solve, used, bounds, dp_size)
+    return _fewest_microbatches(solve, used, bounds, dp_size, budget, limit, cost_array.shape[1])
+
+
+FEWEST_WORK_FACTOR = 8
+"""``num_microbatches=None`` without ``time_budget_ms``: each count's search gets its
+default budget, and the call at most this many times the first one's."""
 
 
 def _fewest_microbatches(
-    solve: Any, used: np.ndarray, bounds: list[float], dp_size: int
+    solve: Any,
+    used: np.ndarray,
+    bounds: list[float],
+    dp_size: int,
+    budget_ms: float | None,
+    limit_s: float | None,
+    num_dims: int,
 ) -> Schedule:
     """The fewest microbatches per rank whose ``num_microbatches x dp_size`` bins meet the
     limits, balanced: first-fit decreasing's count (which the search, seeded with FFD,
     always meets), then one fewer at a time while a search still meets it, down to the
-    totals' bound (usually one or two calls: FFD is rarely more than one bin off)."""
+    totals' bound. The counts share one work budget and the wall-clock limit, so that the
+    call, not each count, keeps to them: ``budget_ms``'s, each count taking half of what
+    is left (all of it at the totals' bound, the last count to try); else each count its
+    default budget, up to :data:`FEWEST_WORK_FACTOR` times the first one's in all."""
     num_samples = used.shape[0]
     start_s = _perf_counter()
     ffd_bins = int(_core.first_fit_decreasing_bins(used, bounds))  # names a sample too big
@@ -323,14 +340,46 @@ def _fewest_microbatches(
             f"decreasing packs the samples into {ffd_bins} bins), more than the "
             f"{num_samples} samples: every microbatch needs a sample"
         )
-    best, tried = solve(highest), 1
+
+    def default(count: int) -> int:
+        return int(_core.default_work_budget(num_samples, count * dp_size, num_dims))
+
+    if budget_ms is not None:
+        work_left = int(_core.work_budget_for_ms(budget_ms))
+    else:
+        work_left = FEWEST_WORK_FACTOR * default(highest)
+    call_work, work_used = work_left, 0
+
+    def attempt(count: int) -> Schedule:
+        # A search runs to the end of its budget: the next count down must still get some.
+        nonlocal work_left, work_used
+        if budget_ms is None:
+            work = min(default(count), work_left)
+        else:
+            work = work_left if count == lowest else work_left // 2
+        left_s = None if limit_s is None else max(limit_s - (_perf_counter() - start_s), 0.0)
+        found = solve(count, work, left_s)
+        work_used += int(found.stats["work_used"])
+        work_left -= int(found.stats["work_used"])
+        return found
+
+    best, tried = attempt(highest), 1  # seeded with FFD's packing: it meets this count
     for count in range(highest - 1, lowest - 1, -1):
+        if work_left <= 0 or (limit_s is not None and _perf_counter() - start_s >= limit_s):
+            break
         tried += 1
         try:
-            best = solve(count)
-        except InfeasibleError:
+            best = attempt(count)
+        except InfeasibleError:  # a count lower still would not be met either
             break
-    stats = {**best.stats, "first_fit_bins": ffd_bins, "counts_tried": tried}
+    stats = {
+        **best.stats,
+        "first_fit_bins": ffd_bins,
+        "counts_tried": tried,
+        # The counts that met the limits; a failed last one ran within what was left.
+        "work_used": work_used,
+        "work_budget": call_work,
+    }
     return dataclasses.replace(
         best, solve_time_s=_perf_counter() - start_s, stats=MappingProxyType(stats)
     )

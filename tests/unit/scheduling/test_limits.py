@@ -111,3 +111,47 @@ def test_no_packing_found_is_said_in_the_callers_terms():
     tokens = np.array([3.0, 3.0, 2.0, 2.0, 2.0])
     with pytest.raises(dflop.InfeasibleError, match=r"no schedule within limits\[0\]=4.5 found"):
         dflop.schedule(tokens, 3, resources=tokens, limits=[4.5], time_budget_ms=1)
+
+
+@pytest.mark.parametrize("budget_ms", [None, 10.0, 100.0])
+def test_the_chosen_count_keeps_to_one_budget(budget_ms, monkeypatch):
+    """num_microbatches=None tries counts from first-fit decreasing's down; they share the
+    call's work budget (time_budget_ms's, else a default by size), so the work of all the
+    core's searches it ran stays within it (each search checks its budget between moves;
+    one whose start ends over a limit also pays first-fit decreasing's one pass, not at
+    these budgets); the same inputs give the same schedule. Before, each count had the
+    whole budget: 10 ms took 86 ms here."""
+    from dflop import _core
+
+    searches = []  # each core search's work, failed ones included
+
+    def counted(*args, **kwargs):
+        try:
+            raw = balance(*args, **kwargs)
+        except dflop.InfeasibleError:
+            searches.append(kwargs["work_budget"])  # at most what it was given
+            raise
+        searches.append(raw["stats"]["work_used"])
+        return raw
+
+    balance = _core.balance
+    monkeypatch.setattr(_core, "balance", counted)
+    # The embedded mix (bench_packing's 1,024 samples under a 16k cap): first-fit
+    # decreasing is a few microbatches over the totals' bound, so several counts are tried.
+    from dflop.data import AnalyticCostModel, synthetic_shapes
+
+    shapes = synthetic_shapes(1024, seed=1024)
+    tokens = shapes.seq_len.astype(np.float64)
+    costs = AnalyticCostModel("siglip-400m", "llm-7b").costs(shapes)[:, 1]
+    runs = [
+        dflop.schedule(costs, None, resources=tokens, limits=[16384.0], time_budget_ms=budget_ms)
+        for _ in range(2)
+    ]
+    s = runs[0]
+    if budget_ms is not None:
+        assert s.stats["work_budget"] == _core.work_budget_for_ms(budget_ms)
+    assert 0 < sum(searches) / 2 <= s.stats["work_budget"] * 1.01
+    assert s.stats["counts_tried"] == len(searches) / 2 >= 2
+    assert s.num_microbatches < s.stats["first_fit_bins"]
+    assert s.resource_loads.max() <= 16384.0 * (1 + 1e-9)
+    np.testing.assert_array_equal(runs[1].assignment, s.assignment)
