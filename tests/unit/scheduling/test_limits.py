@@ -120,7 +120,7 @@ def test_the_chosen_count_keeps_to_one_budget(budget_ms, monkeypatch):
     core's searches it ran stays within it (each search checks its budget between moves;
     one whose start ends over a limit also pays first-fit decreasing's one pass, not at
     these budgets); the same inputs give the same schedule. Before, each count had the
-    whole budget: 10 ms took 86 ms here."""
+    whole budget (20 ms took 86 ms at 1,024 samples, 7 counts)."""
     from dflop import _core
 
     searches = []  # each core search's work, failed ones included
