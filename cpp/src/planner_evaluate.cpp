@@ -278,9 +278,10 @@ Evaluator::Memory Evaluator::llm_memory(const Layout& l, const InFlightTokens& l
 double Evaluator::pending_weight_bytes(const ModuleModel& mm, const Layout& l, int64_t stage,
                                        bool is_last, bool input_grad, int64_t tp, int64_t n,
                                        const InFlightTokens& tokens) const {
-  if (!mm.runs_backward(is_last)) return 0.0;
-  const int64_t pending =
-      peak_pending_weight(layout_order(l), layout_shape(l), l.num_microbatches, stage);
+  // The search's orders never split: skip generating a stage's actions on its hot path.
+  const PipelineOrder order = layout_order(l);
+  if (!pipeline_order_def(order).splits_backward || !mm.runs_backward(is_last)) return 0.0;
+  const int64_t pending = peak_pending_weight(order, layout_shape(l), l.num_microbatches, stage);
   return pending == 0 ? 0.0 : mm.weight_grad_bytes(tp, n, tokens.at(pending), input_grad);
 }
 

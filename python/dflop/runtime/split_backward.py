@@ -18,8 +18,9 @@ counted twice.
 
 A custom autograd Function computes all of its gradients in one ``backward``: as a
 boundary node it would run whole in ``I`` and again in ``W``. One that sets
-``SPLIT_AWARE = True`` is told which half runs (:func:`split_half` of its ``ctx``:
-``"input"`` in ``I``, ``"weight"`` in ``W``, None in a plain backward) and computes only
+``SPLIT_AWARE = True`` is told which half runs (its ``ctx``'s attribute
+:data:`dflop.models.loss.SPLIT_HALF`: ``"input"`` in ``I``, ``"weight"`` in ``W``, absent
+in a plain backward) and computes only
 that half's gradients (dflop's chunked LM head: the ``W`` pass remakes each chunk's logits
 once more, one head forward, instead of running the whole head backward twice).
 
@@ -42,23 +43,14 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from dflop.models.loss import SPLIT_HALF
 
-__all__ = ["WeightGradients", "backward_input", "backward_weight", "split_half"]
-
-_HALF = SPLIT_HALF  # the attribute set on a split-aware Function's node (its ctx)
-
-
-def split_half(ctx: Any) -> str | None:
-    """For a ``SPLIT_AWARE`` custom Function's ``backward``: ``"input"`` when only its input
-    gradients are wanted (a split backward's ``I``), ``"weight"`` when only its weight
-    gradients are (``W``), None when all are (a plain backward)."""
-    return getattr(ctx, _HALF, None)
+__all__ = ["WeightGradients", "backward_input", "backward_weight"]
 
 
 def _mark(nodes: Sequence[Node], half: str) -> None:
     """Tells the split-aware Function nodes among ``nodes`` which half runs next."""
     for node in nodes:
         if getattr(getattr(node, "_forward_cls", None), "SPLIT_AWARE", False):
-            setattr(node, _HALF, half)
+            setattr(node, SPLIT_HALF, half)
 
 
 @dataclass(eq=False)  # compared by identity
