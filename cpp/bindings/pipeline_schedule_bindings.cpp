@@ -23,10 +23,11 @@ PipelineScheduleOptions pipeline_options(
     std::vector<double> microbatch_constant_s, double link_latency_s, std::vector<int64_t> replicas,
     std::vector<int64_t> units, std::vector<int64_t> chunks,
     std::vector<int64_t> backward_from_stage, std::vector<int64_t> backward_gate, std::string order,
-    std::vector<double> weight_fraction) {
+    std::vector<double> weight_fraction, std::vector<double> last_stage_weight_extra) {
   PipelineScheduleOptions o;
   o.order = std::move(order);
   o.weight_fraction = std::move(weight_fraction);
+  o.last_stage_weight_extra = std::move(last_stage_weight_extra);
   o.chunks = std::move(chunks);
   o.backward_from_stage = std::move(backward_from_stage);
   o.backward_gate = std::move(backward_gate);
@@ -54,14 +55,15 @@ py::dict pipeline_schedule_py(
     uint64_t seed, std::optional<double> time_budget_ms, std::optional<double> time_limit_s,
     std::vector<int64_t> replicas, std::vector<int64_t> units, std::vector<int64_t> chunks,
     std::vector<int64_t> backward_from_stage, std::vector<int64_t> backward_gate, std::string order,
-    std::vector<double> weight_fraction) {
+    std::vector<double> weight_fraction, std::vector<double> last_stage_weight_extra) {
   check_costs(costs);
   const int64_t n = costs.shape(0), d = costs.shape(1);
-  PipelineScheduleOptions o = pipeline_options(
-      num_microbatches, dp_size, std::move(microbatch_dims), std::move(stages),
-      std::move(forward_fraction), std::move(microbatch_constant_s), link_latency_s,
-      std::move(replicas), std::move(units), std::move(chunks), std::move(backward_from_stage),
-      std::move(backward_gate), std::move(order), std::move(weight_fraction));
+  PipelineScheduleOptions o =
+      pipeline_options(num_microbatches, dp_size, std::move(microbatch_dims), std::move(stages),
+                       std::move(forward_fraction), std::move(microbatch_constant_s),
+                       link_latency_s, std::move(replicas), std::move(units), std::move(chunks),
+                       std::move(backward_from_stage), std::move(backward_gate), std::move(order),
+                       std::move(weight_fraction), std::move(last_stage_weight_extra));
   if (capacity) o.capacity = std::move(*capacity);
   o.max_growth = max_growth;
   o.seed = seed;
@@ -94,13 +96,15 @@ double simulated_step_time_py(const CostArray& costs, std::vector<int64_t> assig
                               std::vector<int64_t> replicas, std::vector<int64_t> units,
                               std::vector<int64_t> chunks, std::vector<int64_t> backward_from_stage,
                               std::vector<int64_t> backward_gate, std::string order,
-                              std::vector<double> weight_fraction) {
+                              std::vector<double> weight_fraction,
+                              std::vector<double> last_stage_weight_extra) {
   check_costs(costs);
-  const PipelineScheduleOptions o = pipeline_options(
-      num_microbatches, dp_size, std::move(microbatch_dims), std::move(stages),
-      std::move(forward_fraction), std::move(microbatch_constant_s), link_latency_s,
-      std::move(replicas), std::move(units), std::move(chunks), std::move(backward_from_stage),
-      std::move(backward_gate), std::move(order), std::move(weight_fraction));
+  const PipelineScheduleOptions o =
+      pipeline_options(num_microbatches, dp_size, std::move(microbatch_dims), std::move(stages),
+                       std::move(forward_fraction), std::move(microbatch_constant_s),
+                       link_latency_s, std::move(replicas), std::move(units), std::move(chunks),
+                       std::move(backward_from_stage), std::move(backward_gate), std::move(order),
+                       std::move(weight_fraction), std::move(last_stage_weight_extra));
   const std::vector<double> data = owned_copy(costs);
   py::gil_scoped_release release;
   return simulated_step_time(data.data(), costs.shape(0), costs.shape(1), assignment, o);
@@ -119,6 +123,7 @@ void register_pipeline_schedule(py::module_& m) {
         py::arg("backward_from_stage") = std::vector<int64_t>{},
         py::arg("backward_gate") = std::vector<int64_t>{}, py::arg("order") = std::string(),
         py::arg("weight_fraction") = std::vector<double>{},
+        py::arg("last_stage_weight_extra") = std::vector<double>{},
         "Refine a schedule for the simulated module pipeline; see dflop.pipeline_schedule.");
   m.def("simulated_step_time", &simulated_step_time_py, py::arg("costs"), py::kw_only(),
         py::arg("assignment"), py::arg("num_microbatches"), py::arg("dp_size"),
@@ -128,7 +133,8 @@ void register_pipeline_schedule(py::module_& m) {
         py::arg("chunks") = std::vector<int64_t>{},
         py::arg("backward_from_stage") = std::vector<int64_t>{},
         py::arg("backward_gate") = std::vector<int64_t>{}, py::arg("order") = std::string(),
-        py::arg("weight_fraction") = std::vector<double>{});
+        py::arg("weight_fraction") = std::vector<double>{},
+        py::arg("last_stage_weight_extra") = std::vector<double>{});
   m.def("pipeline_work_budget_for_ms", &pipeline_work_budget_for_ms, py::arg("time_budget_ms"));
 }
 

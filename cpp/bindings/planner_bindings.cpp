@@ -434,6 +434,8 @@ py::dict stage_costs_py(const py::dict& cluster, const py::dict& encoder, const 
   py::dict out;
   out["costs"] = costs;
   out["constants"] = py::make_tuple(sc.constants[0], sc.constants[1]);
+  out["last_stage_weight_extra"] =
+      py::make_tuple(sc.last_stage_weight_extra[0], sc.last_stage_weight_extra[1]);
   return out;
 }
 

@@ -164,6 +164,16 @@ class Search {
                                 : o.weight_fraction.empty() ? 0.5
                                                             : o.weight_fraction[size_t(c)]);
       }
+      // A split W that remakes something on a module's last stage (the chunked LM head's
+      // logits) runs that extra there.
+      weight_extra_.assign(num_stages_, 0.0);
+      if (!o.last_stage_weight_extra.empty()) {
+        for (int64_t s = 0; s < num_stages_; ++s) {
+          if (s + 1 == num_stages_ || stage_dim_[s + 1] != stage_dim_[s]) {
+            weight_extra_[s] = o.last_stage_weight_extra[size_t(stage_dim_[s])];
+          }
+        }
+      }
       weight_.assign(num_stages_ * m_, 0.0);
     }
     std::iota(order_.begin(), order_.end(), int64_t{0});
@@ -197,7 +207,13 @@ class Search {
           const double load = stage_load(j, c, r) * stage_share_[s];
           forward_[s * m_ + p] = forward_fraction_[c] * load;
           backward_[s * m_ + p] = runs_backward(s, j, r) ? load - forward_[s * m_ + p] : 0.0;
-          if (!weight_.empty()) weight_[s * m_ + p] = weight_share_[s] * backward_[s * m_ + p];
+          if (!weight_.empty()) {
+            const double b = backward_[s * m_ + p];
+            const double work = std::max(0.0, stage_load(j, c, r) - constant_[c]);
+            const double extra = b > 0.0 ? weight_extra_[s] * work : 0.0;
+            weight_[s * m_ + p] = weight_share_[s] * b + extra;
+            backward_[s * m_ + p] = b + extra;
+          }
         }
       }
       step_s = std::max(step_s, sim_.run(forward_.data(), backward_.data(), latency_.data(),
@@ -513,7 +529,8 @@ class Search {
   const double* costs_;
   int64_t n_, d_, m_, dp_, b_;
   std::vector<double> forward_fraction_, constant_;
-  std::vector<double> weight_share_, weight_;  // split backwards: per stage; per cell
+  // Split backwards: per stage (W's share, W's extra per unit of load); per cell.
+  std::vector<double> weight_share_, weight_extra_, weight_;
   std::vector<char> is_mb_dim_;
   std::vector<int64_t> stage_dim_;       // per virtual stage: its dimension (module)
   std::vector<double> stage_share_;      // per virtual stage: its share of a stage's load
@@ -638,6 +655,16 @@ void validate_pipeline_schedule_input(const double* costs, int64_t n, int64_t d,
       if (!(v >= 0.0 && v <= 1.0)) {
         throw InvalidArgument("weight_fraction[" + std::to_string(c) + "] must be in [0, 1], got " +
                               fmt(v));
+      }
+    }
+  }
+  if (!o.last_stage_weight_extra.empty()) {
+    check_length("last_stage_weight_extra", o.last_stage_weight_extra, d);
+    for (size_t c = 0; c < o.last_stage_weight_extra.size(); ++c) {
+      const double v = o.last_stage_weight_extra[c];
+      if (!(std::isfinite(v) && v >= 0.0)) {
+        throw InvalidArgument("last_stage_weight_extra[" + std::to_string(c) +
+                              "] must be finite and >= 0, got " + fmt(v));
       }
     }
   }

@@ -478,6 +478,7 @@ StageCosts stage_costs(const ClusterParams& c, const ModuleParams& enc, const Mo
   StageCosts out;
   out.costs = eval.sample_stage_costs(l, batch);
   out.constants = eval.stage_constants(l);
+  out.last_stage_weight_extra = eval.last_stage_weight_extra(l, batch, out.costs);
   return out;
 }
 

@@ -62,6 +62,18 @@ std::array<double, 2> Evaluator::stage_constants(const Layout& l) const {
           ctx_.llm.stage_constant(g.tp, ctx_.llm.p->num_layers, true) / double(g.pp)};
 }
 
+std::array<double, 2> Evaluator::last_stage_weight_extra(const Layout& l, int64_t b,
+                                                         const std::vector<double>& costs) const {
+  double remake_s = 0.0, llm_s = 0.0;
+  for (int64_t i = 0; i < ctx_.n; ++i) {
+    const size_t k = size_t(b * ctx_.n + i);
+    remake_s +=
+        ctx_.llm.head_remake_seconds(l.llm.tp, ctx_.x.llm_s[k] * ctx_.x.llm_last_fraction[k]);
+    llm_s += costs[size_t(2 * i + 1)];
+  }
+  return {0.0, llm_s > 0.0 ? remake_s / llm_s : 0.0};
+}
+
 std::vector<int64_t> Evaluator::assign(const Layout& l, int64_t b) const {
   const int64_t n = ctx_.n, m = l.num_microbatches, dp = l.llm.dp;
   std::vector<int64_t> bins(static_cast<size_t>(n), 0);

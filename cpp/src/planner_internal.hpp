@@ -380,6 +380,10 @@ class Evaluator {
   // The per-microbatch constant of an average stage of each module (disaggregated).
   std::array<double, 2> stage_constants(const Layout& l) const;
 
+  // StageCosts::last_stage_weight_extra of batch b, whose sample_stage_costs are `costs`.
+  std::array<double, 2> last_stage_weight_extra(const Layout& l, int64_t b,
+                                                const std::vector<double>& costs) const;
+
   // The schedule of batch b: bin of each sample (bin = microbatch x dp + rank).
   std::vector<int64_t> assign(const Layout& l, int64_t b) const;
 

@@ -296,6 +296,11 @@ TEST_CASE(bad_input_is_named) {
   bad = o;
   bad.time_limit_s = std::nan("");
   CHECK_THROWS_WITH(run(bad, start), InvalidArgument, "time_limit_s");
+  bad = o;
+  bad.last_stage_weight_extra = {0.0, std::nan("")};
+  CHECK_THROWS_WITH(run(bad, start), InvalidArgument, "last_stage_weight_extra[1]");
+  bad.last_stage_weight_extra = {0.0};
+  CHECK_THROWS_WITH(run(bad, start), InvalidArgument, "last_stage_weight_extra");
   // Stage x microbatch pairs beyond what one simulation may hold.
   const int64_t n = 4096;
   const Doubles many(n * 2, 1.0);

@@ -48,6 +48,7 @@ def pipeline_schedule(
     backward_gate: Sequence[int] = ...,
     order: str = "",
     weight_fraction: Sequence[float] = ...,
+    last_stage_weight_extra: Sequence[float] = ...,
 ) -> dict[str, Any]: ...
 def simulated_step_time(
     costs: np.ndarray,
@@ -67,6 +68,7 @@ def simulated_step_time(
     backward_gate: Sequence[int] = ...,
     order: str = "",
     weight_fraction: Sequence[float] = ...,
+    last_stage_weight_extra: Sequence[float] = ...,
 ) -> float: ...
 def pipeline_work_budget_for_ms(time_budget_ms: float) -> int: ...
 

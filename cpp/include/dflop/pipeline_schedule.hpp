@@ -70,6 +70,11 @@ struct PipelineScheduleOptions {
   // whose input takes no gradient (the first, or one behind a stage that runs no
   // backward) runs all of it in W, as dflop's runtime does.
   std::vector<double> weight_fraction;
+  // Empty (0 each), or per dimension >= 0: seconds a split order's W adds on the
+  // dimension's last virtual stage, as a fraction of the microbatch's cost sum in that
+  // dimension (dflop's chunked LM head remakes its logits there: the planner's
+  // StageCosts::last_stage_weight_extra), where that stage runs a backward.
+  std::vector<double> last_stage_weight_extra;
   double link_latency_s = 0.0;  // >= 0
   // Empty, or one hard upper bound per dimension on a bin's (microbatch's) cost sum.
   std::vector<double> capacity;

@@ -403,6 +403,10 @@ StepModel step_from_assignment(const ClusterParams& cluster, const ModuleParams&
 struct StageCosts {
   std::vector<double> costs;
   std::array<double, 2> constants{};
+  // Per module: what a split order's W adds on its last stage, as a fraction of the
+  // microbatch's cost sum (the LLM: the chunked head's remade logits, where the head trains;
+  // the ratio of the batch's sums, since the costs are an average stage's).
+  std::array<double, 2> last_stage_weight_extra{};
 };
 StageCosts stage_costs(const ClusterParams& cluster, const ModuleParams& encoder,
                        const ModuleParams& llm, const PlannerSamples& samples,

@@ -448,6 +448,7 @@ def runtime_scored(
             forward_fraction=(inputs.encoder.forward_share, inputs.llm.forward_share),
             link_latency_s=cluster.link_latency_s,
             modules=(inputs.encoder, inputs.llm),
+            last_stage_weight_extra=seen["last_stage_weight_extra"],
         )
         # As the trainer's scheduler does for step b: its seed offset by the step.
         chosen = pipeline_schedule(

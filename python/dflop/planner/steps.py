@@ -318,11 +318,12 @@ class StepPredictor:
         planner's model (tp, recompute and layers per stage included): ``(costs, constants)``,
         the ``(N, 2)`` per-sample seconds of an average encoder stage (one replica) and
         LLM stage, and each module's per-microbatch constant of an average stage."""
-        return self._stage_costs(cost_model, shapes)[1:]
+        _, raw = self._stage_costs(cost_model, shapes)
+        return np.asarray(raw["costs"]), tuple(float(c) for c in raw["constants"])
 
     def _stage_costs(
         self, cost_model: Any, shapes: SampleShapes, fractions: Any = None
-    ) -> tuple[Any, np.ndarray, tuple[float, float]]:
+    ) -> tuple[Any, dict[str, Any]]:
         inputs = self._inputs(cost_model, shapes, fractions)
         raw = _core.stage_costs(
             self.cluster.to_dict(),
@@ -333,7 +334,7 @@ class StepPredictor:
             self.layout,
             0,
         )
-        return inputs, np.asarray(raw["costs"]), tuple(float(c) for c in raw["constants"])
+        return inputs, raw
 
     def scheduler_view(
         self,
@@ -348,13 +349,13 @@ class StepPredictor:
         training regime; the regime's backward stages as the runtime runs them).
         ``full_training_fraction``: the same shares under full training, which price the
         stage costs as a plan's do (default: this predictor's config's)."""
-        inputs, costs, constants = self._stage_costs(cost_model, shapes, full_training_fraction)
+        inputs, raw = self._stage_costs(cost_model, shapes, full_training_fraction)
         encoder, llm = self.layout["encoder"], self.layout["llm"]
         model = PipelineModel.encoder_llm(
             encoder_pp=encoder["pp"],
             encoder_dp=encoder["dp"],
             llm_pp=llm["pp"],
-            stage_constant_s=constants,
+            stage_constant_s=raw["constants"],
             forward_fraction=forward_fraction,
             link_latency_s=link_latency_s,
             llm_chunks=llm.get("virtual_stages", 1),
@@ -362,5 +363,6 @@ class StepPredictor:
             llm_backward_needs_visual=inputs.llm.backward_needs_visual,
             order=self.layout.get("order"),
             weight_fraction=(inputs.encoder.weight_share, inputs.llm.weight_share),
+            last_stage_weight_extra=raw["last_stage_weight_extra"],
         )
-        return costs, model
+        return np.asarray(raw["costs"]), model

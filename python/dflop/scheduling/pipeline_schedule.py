@@ -86,7 +86,10 @@ class PipelineModel:
     chunks): the pipeline order every replica runs, e.g. ``"zb-h1"``. Its split backwards
     take ``weight_fraction[c]`` (default 0.5) of a module ``c`` stage's backward in ``W``,
     the rest in ``I``; a stage whose input takes no gradient runs all of it in ``W``, as
-    dflop's runtime does.
+    dflop's runtime does. ``last_stage_weight_extra[c]`` (default 0): what ``W`` adds on
+    module ``c``'s last stage, as a fraction of the microbatch's cost in column ``c``
+    (dflop's chunked LM head remakes its logits there; the planner's
+    ``_core.stage_costs`` gives it).
     """
 
     stages: tuple[int, ...] = (1, 1)
@@ -99,6 +102,7 @@ class PipelineModel:
     backward_gate: tuple[int | None, ...] | None = None
     order: str | None = None
     weight_fraction: tuple[float, ...] | None = None
+    last_stage_weight_extra: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("stages", "forward_fraction", "microbatch_constant_s"):
@@ -182,6 +186,18 @@ class PipelineModel:
                     f"in [0, 1] per module ({len(stages)})"
                 )
             object.__setattr__(self, "weight_fraction", weights)
+        if self.last_stage_weight_extra is not None:
+            extras = tuple(
+                _as_float(f"PipelineModel.last_stage_weight_extra[{k}]", v)
+                for k, v in enumerate(self.last_stage_weight_extra)
+            )
+            if len(extras) != len(stages) or not all(math.isfinite(x) and x >= 0 for x in extras):
+                raise ValueError(
+                    "PipelineModel.last_stage_weight_extra="
+                    f"{self.last_stage_weight_extra!r} needs one finite value >= 0 per module "
+                    f"({len(stages)})"
+                )
+            object.__setattr__(self, "last_stage_weight_extra", extras)
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "forward_fraction", fractions)
         object.__setattr__(self, "microbatch_constant_s", constants)
@@ -202,6 +218,7 @@ class PipelineModel:
         llm_backward_needs_visual: bool = False,
         order: str | None = None,
         weight_fraction: tuple[float, float] | None = None,
+        last_stage_weight_extra: tuple[float, float] | None = None,
     ) -> PipelineModel:
         """dflop's encoder -> LLM pipeline as its trainer schedules every step (and the
         planner scores a plan): the encoder's replicas share each microbatch by unit.
@@ -209,8 +226,9 @@ class PipelineModel:
         (:meth:`dflop.planner.StepPredictor.stage_costs`); ``llm_chunks``: the LLM's virtual
         stages per stage (interleaved 1F1B); ``backward`` and ``llm_backward_needs_visual``:
         the training regime (``PlannerModule.backward_stages`` and
-        ``.backward_needs_visual``); ``order`` and ``weight_fraction``: the pipeline order
-        and the W share of a stage's backward (:class:`PipelineModel`)."""
+        ``.backward_needs_visual``); ``order``, ``weight_fraction`` and
+        ``last_stage_weight_extra``: the pipeline order, the W share of a stage's backward
+        and what W adds on the last stage (:class:`PipelineModel`)."""
         return cls(
             stages=(int(encoder_pp), int(llm_pp)),
             forward_fraction=tuple(float(f) for f in forward_fraction),
@@ -222,6 +240,7 @@ class PipelineModel:
             backward_gate=(None, 0 if llm_backward_needs_visual else None),
             order=order,
             weight_fraction=weight_fraction,
+            last_stage_weight_extra=last_stage_weight_extra,
         )
 
     @classmethod
@@ -233,12 +252,14 @@ class PipelineModel:
         forward_fraction: tuple[float, float],
         link_latency_s: float,
         modules: tuple[Any, Any] | None = None,
+        last_stage_weight_extra: tuple[float, float] | None = None,
     ) -> PipelineModel:
         """:meth:`encoder_llm` of a planner / runtime layout (``layout.encoder`` and
         ``layout.llm`` with ``pp``, ``dp`` and ``virtual_stages``, and its ``order``): the one pipeline the
         trainer's scheduler and the planner's re-scoring both use. ``modules``: the
         planner's (encoder, LLM) :class:`dflop.planner.PlannerModule` under the training
-        regime (None: full training)."""
+        regime (None: full training); ``last_stage_weight_extra``: the planner's stage
+        costs' (what a split order's W adds on each module's last stage)."""
         regime = {}
         if modules is not None:
             regime = {
@@ -255,6 +276,7 @@ class PipelineModel:
             link_latency_s=link_latency_s,
             llm_chunks=layout.llm.virtual_stages,
             order=getattr(layout, "order", None),
+            last_stage_weight_extra=last_stage_weight_extra,
             **regime,
         )
 
@@ -284,6 +306,7 @@ class PipelineModel:
             "backward_gate": [-1 if g is None else g for g in self.backward_gate or ()],
             "order": self.order or "",
             "weight_fraction": list(self.weight_fraction or ()),
+            "last_stage_weight_extra": list(self.last_stage_weight_extra or ()),
         }
 
     def _backward_from_stage(self) -> list[int]:

@@ -239,7 +239,8 @@ def test_zero_bubble_prices_the_heads_remade_logits(trainable: str) -> None:
     """Under ZB-H1 the LLM's last stage runs one LM-head forward more than under 1F1B (the
     split-aware chunked head: W remakes each chunk's logits for the head's weight
     gradient), all of it in W; where the head does not train (LoRA) nothing more. Every
-    other cell is the same."""
+    other cell is the same. The trainer's scheduler prices the same seconds (its model's
+    last-stage W extra over the batch's average-stage LLM costs)."""
     encoder, llm = cost_configs(CONFIG)
     cost_model = AnalyticCostModel(encoder, llm)
     config = PlannerConfig(num_batches=1, seed=0, trainable=trainable)
@@ -257,9 +258,17 @@ def test_zero_bubble_prices_the_heads_remade_logits(trainable: str) -> None:
         np.testing.assert_array_equal(plain.llm_backward_s[:, :-1], zb.llm_backward_s[:, :-1])
         extra = zb.llm_backward_s[0, -1] - plain.llm_backward_s[0, -1]
         weight = zb.weight_s.reshape(1, -1, MICROBATCHES)[0, -1]
+        costs, model = predictors["zb-h1"].scheduler_view(cost_model, shapes, (0.3, 0.3), 0.0)
+        scheduler_extra_s = model.last_stage_weight_extra[1] * costs[:, 1].sum()
+        assert model.last_stage_weight_extra[0] == 0.0
         if trainable == "lora":
             np.testing.assert_allclose(extra, 0.0, atol=1e-15)
+            assert scheduler_extra_s == 0.0
             continue
+        # Over the batch, the scheduler's extra is the audit's (its costs: an average stage).
+        ran_backward = plain.llm_backward_s[0, -1] > 0
+        assert ran_backward.all()
+        assert scheduler_extra_s == pytest.approx(extra.sum(), rel=1e-9)
         # The head's forward: the forward share of each microbatch's last-stage part.
         samples = predictors[None]._inputs(cost_model, shapes).samples
         last_s = samples["llm_s"] * samples["llm_last_fraction"]

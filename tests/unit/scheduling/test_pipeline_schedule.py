@@ -36,6 +36,7 @@ def reference_step(costs, schedule, model: dflop.PipelineModel) -> float:
     virtual = sum(count * v for count, v in zip(model.stages, chunks))
     forward = np.zeros((dp, virtual, m))
     backward = np.zeros((dp, virtual, m))
+    weight = np.zeros((dp, virtual, m))  # a split order's W (zb-h1)
     runs_backward = []  # per virtual stage
     # A sample with cost in a module, per (replica, microbatch) share.
     has_work = np.zeros((m * dp, costs.shape[1]))
@@ -46,6 +47,7 @@ def reference_step(costs, schedule, model: dflop.PipelineModel) -> float:
         load = bins[:, :, c].T  # (dp, m)
         if c in schedule.microbatch_dims:
             load = np.broadcast_to(bins[:, :, c].sum(axis=1), (dp, m))
+        extra = (model.last_stage_weight_extra or (0.0,) * len(model.stages))[c] * load
         load = np.where(load > 0, load + model.microbatch_constant_s[c], 0.0) / v
         mode = (model.backward or ("all",) * len(model.stages))[c]
         gate = (model.backward_gate or (None,) * len(model.stages))[c]
@@ -54,6 +56,14 @@ def reference_step(costs, schedule, model: dflop.PipelineModel) -> float:
             runs = mode == "all" or (mode == "last" and k == count * v - 1)
             forward[:, s, :] = model.forward_fraction[c] * load
             backward[:, s, :] = np.where(gated & runs, load - forward[:, s, :], 0.0)
+            # W: all of the backward where the input takes no gradient, else the module's
+            # share; the module's last stage adds its extra.
+            input_grad = s > 0 and runs_backward[-1]
+            share = (model.weight_fraction or (0.5,) * len(model.stages))[c] if input_grad else 1
+            weight[:, s, :] = share * backward[:, s, :]
+            if k == count * v - 1:
+                weight[:, s, :] += np.where(backward[:, s, :] > 0, extra, 0.0)
+                backward[:, s, :] += np.where(backward[:, s, :] > 0, extra, 0.0)
             runs_backward.append(runs)
             s += 1
     latency = np.full(virtual - 1, model.link_latency_s)
@@ -62,9 +72,10 @@ def reference_step(costs, schedule, model: dflop.PipelineModel) -> float:
         backward,
         gradient_links=None if all(runs_backward) else np.asarray(runs_backward[:-1], np.uint8),
         link_latency_s=latency,
-        order="interleaved-1f1b" if max(chunks) > 1 else "1f1b",
+        order=model.order or ("interleaved-1f1b" if max(chunks) > 1 else "1f1b"),
         stages=list(model.stages),
         chunks=list(chunks),
+        weight_s=weight if model.order == "zb-h1" else None,
     ).step_time_s
 
 
@@ -98,6 +109,26 @@ def test_step_time_is_the_simulated_pipeline(dp, chunks, regime):
         assert model.step_time_s(costs, refined) <= model.step_time_s(costs, s) + 1e-12
     with pytest.raises(ValueError, match="multiple of stages"):
         dflop.pipeline_schedule(costs, 5, dp, pipeline=replace(MODEL, chunks=(1, 2)))
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("regime", REGIMES)
+def test_a_split_order_runs_the_last_stages_extra_in_w(dp, regime):
+    """Under ZB-H1 each stage's W is its module's share of the backward (all of it where
+    the input takes no gradient), and a module's last stage runs its extra in W too (the
+    chunked LM head's remade logits: a fraction of the microbatch's cost in that module's
+    column), as the planner's audit prices it; the refinement simulates that program."""
+    costs = skewed(40, 0)
+    plain = replace(MODEL, order="zb-h1", weight_fraction=(0.6, 0.45), **REGIMES[regime])
+    model = replace(plain, last_stage_weight_extra=(0.0, 2.0))
+    s = dflop.schedule(costs, 4, dp, microbatch_dims=(0,))
+    assert model.step_time_s(costs, s) == pytest.approx(reference_step(costs, s, model), rel=1e-12)
+    assert plain.step_time_s(costs, s) == pytest.approx(reference_step(costs, s, plain), rel=1e-12)
+    assert model.step_time_s(costs, s) > plain.step_time_s(costs, s)
+    refined = dflop.pipeline_schedule(costs, 4, dp, pipeline=model, microbatch_dims=(0,))
+    assert model.step_time_s(costs, refined) <= model.step_time_s(costs, s) + 1e-12
+    with pytest.raises(ValueError, match=r"last_stage_weight_extra=\(0.0, -1.0\) needs one"):
+        replace(model, last_stage_weight_extra=(0.0, -1.0))
 
 
 def test_a_stage_without_backward_waits_for_no_gradient():
