@@ -11,9 +11,9 @@ number of microbatches (FSDP needs equal forward counts): when the balanced shar
 a rank fewer samples than that (a heavy sample, or few samples per rank), the rank keeps
 its balanced share and runs *padding* microbatches first, with a loss scale of 0 (FSDP's
 collectives run, the gradient does not change; under DDP a loop may skip them): the
-step's cheapest sample again (``padding="sample"``, any collate function takes it) or
-empty (``padding="empty"``, nearly free; ``PackingCollator`` makes a two-token row).
-Optional per-microbatch
+dataset's cheapest sample (``padding="sample"``, any collate function takes it; the
+step's cheapest with a cost function) or empty (``padding="empty"``, nearly free;
+``PackingCollator`` makes a two-token row). Optional per-microbatch
 limits on resources (tokens, visual units: a memory budget) keep a long video alone in a
 microbatch instead of out of memory.
 
@@ -67,8 +67,8 @@ class StepInfo:
     microbatches: tuple[tuple[int, ...], ...]
     """This rank's microbatches (dataset indices), in order."""
     num_padding: int = 0
-    """How many of this rank's first microbatches are padding (the step's cheapest sample
-    again, or empty: ``BalancedBatchSampler(padding=)``), run only so that every rank runs
+    """How many of this rank's first microbatches are padding (a cheap sample, or empty:
+    ``BalancedBatchSampler(padding=)``), run only so that every rank runs
     ``num_microbatches`` forwards (FSDP's collectives); their :attr:`Microbatch.loss_scale`
     is 0. The last microbatch is never padding, so DDP's reduction runs in a real
     backward."""
@@ -167,8 +167,9 @@ class BalancedBatchSampler:
         padding: what a rank whose balanced share has fewer samples than
             ``num_microbatches`` runs first to make up the count (:attr:`StepInfo.
             num_padding`, loss scale 0), so the ranks keep their balanced totals:
-            ``"sample"`` (default) the step's cheapest sample again (any collate function
-            takes it; its cost is priced in), ``"empty"`` an empty index list (nearly
+            ``"sample"`` (default) a cheap sample (any collate function takes it; its cost
+            is priced in: the dataset's cheapest with a cost array, the step's with a
+            cost function), ``"empty"`` an empty index list (nearly
             free, the ranks' totals are ``dflop.schedule``'s; the collate function must
             take ``[]``, as ``PackingCollator`` does). None: such a step is one joint
             schedule of every rank's microbatches (no padding, for a loop that cannot
@@ -226,6 +227,7 @@ class BalancedBatchSampler:
             if num_samples is not None and num_samples != self.num_samples:
                 raise ValueError(f"num_samples={num_samples} but costs has {self.num_samples} rows")
         self._resources, self._limits = _resources(resources, limits, self.num_samples)
+        self._pad_index: int | None = None  # padding="sample" with a cost array
         self._targets = None
         if target_tokens is not None:
             self._targets = np.asarray(target_tokens)
@@ -336,25 +338,25 @@ class BalancedBatchSampler:
                 for r in ranks
             }
             mine = shares.bin(self.rank)
-            parts = [mine[p] for p in cuts[self.rank]]
+            microbatches = [indices[mine[p]] for p in cuts[self.rank]]
             # A share smaller than num_microbatches: padding microbatches first (loss
-            # scale 0), so the last one is real: the step's cheapest sample (priced in)
-            # or empty (a dummy row's cost, not priced).
+            # scale 0), so the last one is real: a cheap sample (priced in) or empty (a
+            # dummy row's cost, not priced).
             padding = np.maximum(num_microbatches - sizes, 0)
             num_padding = int(padding[self.rank])
             rank_costs = shares.loads
             pad = np.zeros(0, dtype=np.int64)
             if self.padding == "sample":
-                cheapest = int(np.argmin(costs.sum(axis=1)))
-                pad = np.array([cheapest])
-                rank_costs = rank_costs + np.outer(padding, costs[cheapest])
-            parts = [pad] * num_padding + parts
+                pad_index, pad_cost = self._padding_sample(indices, costs)
+                pad = np.array([pad_index])
+                rank_costs = rank_costs + np.outer(padding, pad_cost)
+            microbatches = [pad] * num_padding + microbatches
         except InfeasibleError:
             # A share's cut cannot meet the limits (or is too small to cut, unpadded). The
             # shares are the same everywhere, so every rank falls back together, to one
             # joint schedule.
             joint = schedule(costs, num_microbatches, self.world_size, **bounded(), **kw)
-            parts = joint.microbatches(self.rank)
+            microbatches = [indices[p] for p in joint.microbatches(self.rank)]
             loads = joint.loads.reshape(num_microbatches, self.world_size, -1)
             rank_costs = loads.sum(axis=0)
         targets = None if self._targets is None else int(self._targets[indices].sum())
@@ -366,7 +368,7 @@ class BalancedBatchSampler:
             targets,
             indices,
             np.array(rank_costs, dtype=np.float64),
-            tuple(tuple(int(i) for i in indices[p]) for p in parts),
+            tuple(tuple(int(i) for i in mb) for mb in microbatches),
             num_padding,
         )
 
@@ -446,6 +448,18 @@ class BalancedBatchSampler:
                 "on every rank), else ranks train overlapping shares. check_ranks=False "
                 "turns this check off."
             )
+
+    def _padding_sample(self, indices: np.ndarray, costs: np.ndarray) -> tuple[int, np.ndarray]:
+        """The sample a padding microbatch runs (``padding="sample"``) and its cost row:
+        with a cost array, the dataset's cheapest (found once; often a few tokens of text,
+        so padding costs next to nothing); with a cost function,
+        the step's cheapest (pricing the whole dataset could take long)."""
+        if self._cost_fn is not None:
+            cheapest = int(np.argmin(costs.sum(axis=1)))
+            return int(indices[cheapest]), costs[cheapest]
+        if self._pad_index is None:  # every sample fits the limits alone (checked)
+            self._pad_index = int(np.argmin(self._costs.sum(axis=1)))
+        return self._pad_index, self._costs[self._pad_index]
 
     def _step_costs(self, indices: np.ndarray) -> np.ndarray:
         if self._cost_fn is None:

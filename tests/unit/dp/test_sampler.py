@@ -339,7 +339,7 @@ def test_ranks_that_would_split_differently_are_named():
 @pytest.mark.parametrize("padding", ["sample", "empty"])
 def test_a_share_smaller_than_its_microbatches_is_padded_and_stays_balanced(padding):
     """A heavy sample's rank holds it alone and runs 3 padding microbatches first (the
-    step's cheapest sample, or empty; loss scale 0): every rank runs 4 forwards (FSDP) and
+    dataset's cheapest sample, or empty; loss scale 0): every rank runs 4 forwards (FSDP) and
     the ranks' totals are dflop.schedule's (plus the padding's), not a joint schedule's."""
     import dflop
     from dflop.dp import Microbatch, PackingCollator
@@ -371,6 +371,26 @@ def test_a_share_smaller_than_its_microbatches_is_padded_and_stays_balanced(padd
     # PackingCollator makes an empty microbatch a two-token row with one target.
     row = PackingCollator()([])
     assert row["input_ids"].tolist() == [[0, 0]] and row["labels"].tolist() == [[-100, 0]]
+
+
+def test_sample_padding_runs_the_datasets_cheapest_sample():
+    """With a cost array the padding is the dataset's cheapest sample (here a 0.01 s one
+    outside the step), so a short share pays almost nothing for it; with a cost function
+    (the dataset is not priced up front) the step's cheapest."""
+    costs = np.ones(32)
+    costs[0] = 100.0  # step 0 (samples 0-15): its rank holds it alone, 3 padding microbatches
+    costs[20] = 0.01  # in step 1
+    for given, pad, pad_cost in ((costs, 20, 0.01), (lambda ids: costs[ids], 1, 1.0)):
+        steps = [
+            BalancedBatchSampler(
+                given, 16, 4, rank=r, world_size=2, num_samples=32, shuffle=False
+            ).plan_step(0, 0)
+            for r in range(2)
+        ]
+        heavy = int(np.argmax(steps[0].rank_costs[:, 0]))
+        assert steps[heavy].rank_costs[heavy, 0] == pytest.approx(100.0 + 3 * pad_cost)
+        assert steps[heavy].microbatches == ((pad,),) * 3 + ((0,),)
+        assert steps[heavy].num_padding == 3 and steps[1 - heavy].num_padding == 0
 
 
 def test_unpadded_short_shares_fall_back_to_one_joint_schedule_on_every_rank():
