@@ -288,8 +288,9 @@ def render_zero_bubble(rows: list[dict], total_s: float) -> str:
         f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; run time "
         f"{total_s:.0f} s; the simulated cluster, mix and batches of the table above",
         "- dflop under 1F1B, and dflop with `PlannerConfig(zero_bubble=True)` (`dflop plan "
-        "--zero-bubble`): each kept layout is scored under ZB-H1 too and runs it where that "
-        "is faster and fits in memory (every stage then holds min(S, m) microbatches' "
+        "--zero-bubble`): the kept layouts and the best others simulated (4 x top_k) are "
+        "scored under ZB-H1 too where its bound can win, and run it where that is faster "
+        "and fits in memory (every stage then holds min(S, m) microbatches' "
         "activations, and the gradients its pending W passes wait for). Its W "
         "share of a trained layer's backward is the analytic 0.5 (a profile's measured "
         "pass-through factor on a real model); a stage whose input takes no gradient (the "

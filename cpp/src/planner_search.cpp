@@ -207,6 +207,8 @@ class Search {
   static constexpr size_t kWaveSize = 32;
   // Schedules kept for layouts that share them (first in, first out).
   static constexpr size_t kScheduleCacheBytes = size_t(64) << 20;
+  // Layouts simulated under 1F1B that try_zero_bubble also tries, per kept layout.
+  static constexpr int64_t kZeroBubblePool = 4;
 
   double kth_best() const {
     if (int64_t(best_.size()) < ctx_.o.top_k) return kInf;
@@ -444,31 +446,65 @@ class Search {
     }
   }
 
-  // Each kept layout that can run ZB-H1 (disaggregated, one chunk per LLM stage), scored
-  // under it with the same schedules: kept under ZB-H1 where that is faster and fits.
+  // The layouts that can run ZB-H1 (disaggregated, one chunk per LLM stage) among the
+  // kept ones and the zb_pool_ (the best simulated under 1F1B beyond them: a layout whose
+  // 1F1B step ranks lower can gain more from ZB-H1), each scored under it with the same
+  // schedules where its ZB-H1 lower bound can still beat the k-th best, and kept under
+  // ZB-H1 where that is faster and fits. The result: the best top_k of those, and the
+  // 1F1B top_k besides (at most 2 top_k), so that re-scoring them as the runtime runs them
+  // (choose_layouts) can never lose the plan the search without ZB-H1 makes.
   void try_zero_bubble() {
-    for (LayoutScore& kept : best_) {
+    const std::vector<LayoutScore> plain = best_;
+    std::vector<LayoutScore> all = best_;
+    std::set<TieKey> seen;
+    for (const LayoutScore& s : best_) seen.insert(tie_key(s.layout));
+    for (LayoutScore& s : zb_pool_) {
+      if (seen.insert(tie_key(s.layout)).second) all.push_back(std::move(s));
+    }
+    zb_pool_.clear();
+    auto by_time = [](const LayoutScore& a, const LayoutScore& b) {
+      return better(a.mean_step_time_s, a.layout, b.mean_step_time_s, b.layout);
+    };
+    std::stable_sort(all.begin(), all.end(), by_time);
+    auto kth = [&] {
+      std::vector<double> times;
+      for (const LayoutScore& s : all) times.push_back(s.mean_step_time_s);
+      const size_t k = size_t(std::min<int64_t>(ctx_.o.top_k, int64_t(times.size())));
+      std::nth_element(times.begin(), times.begin() + (k - 1), times.end());
+      return times[k - 1];
+    };
+    for (LayoutScore& kept : all) {
       const Layout& l = kept.layout;
       if (l.colocated || l.llm.virtual_stages > 1 || l.order) continue;
       Layout z = l;
       z.order = PipelineOrder::ZeroBubbleH1;
-      bool feasible = false;
-      LayoutScore score = eval_.score(z, &feasible, nullptr, nullptr);
-      if (!feasible || !(score.mean_step_time_s < kept.mean_step_time_s)) continue;
       double bound = 0;
       for (int64_t b = 0; b < ctx_.x.num_batches; ++b) bound += batch_bound(ctx_, z, b);
-      score.lower_bound_s = bound / double(ctx_.x.num_batches);
+      bound /= double(ctx_.x.num_batches);
+      if (!(bound < std::min(kept.mean_step_time_s, kth()))) continue;
+      bool feasible = false;
+      LayoutScore score = eval_.score(z, &feasible, nullptr, nullptr);
+      ++stats_.num_simulated;
+      if (!feasible || !(score.mean_step_time_s < kept.mean_step_time_s)) continue;
+      score.lower_bound_s = bound;
       kept = std::move(score);
     }
-    std::stable_sort(best_.begin(), best_.end(), [](const LayoutScore& a, const LayoutScore& b) {
-      return better(a.mean_step_time_s, a.layout, b.mean_step_time_s, b.layout);
-    });
+    std::stable_sort(all.begin(), all.end(), by_time);
+    if (int64_t(all.size()) > ctx_.o.top_k) all.resize(size_t(ctx_.o.top_k));
+    std::set<std::pair<TieKey, int>> kept;
+    for (const LayoutScore& s : all) kept.insert({tie_key(s.layout), s.layout.order ? 1 : 0});
+    for (const LayoutScore& s : plain) {
+      if (!kept.count({tie_key(s.layout), 0})) all.push_back(s);
+    }
+    std::stable_sort(all.begin(), all.end(), by_time);
+    best_ = std::move(all);
   }
 
   void insert(const Candidate& c, LayoutScore score) {
     ++stats_.num_simulated;
     score.lower_bound_s = ctx_.o.strategy == PlanStrategy::MeanShapeReference ? 0.0 : c.lower_bound;
     if (ctx_.o.strategy == PlanStrategy::MeanShapeReference) score.estimate_s = c.bound;
+    if (ctx_.o.zero_bubble && ctx_.o.strategy == PlanStrategy::DataAware) keep_for_zb(score);
     best_.push_back(std::move(score));
     // The reference keeps its own ranking (by its estimate: candidates arrive in that
     // order), so that best[0] is its choice whatever top_k; re-sorting by simulated time
@@ -478,6 +514,22 @@ class Search {
       return better(a.mean_step_time_s, a.layout, b.mean_step_time_s, b.layout);
     });
     if (int64_t(best_.size()) > ctx_.o.top_k) best_.pop_back();
+  }
+
+  // The zero-bubble pool: the kZeroBubblePool x top_k best simulated layouts (try_zero_bubble).
+  void keep_for_zb(const LayoutScore& score) {
+    const size_t cap = size_t(kZeroBubblePool * ctx_.o.top_k);
+    auto worse = [](const LayoutScore& a, const LayoutScore& b) {
+      return better(a.mean_step_time_s, a.layout, b.mean_step_time_s, b.layout);
+    };  // a max-heap on the step: its front is the worst kept
+    if (zb_pool_.size() < cap) {
+      zb_pool_.push_back(score);
+      std::push_heap(zb_pool_.begin(), zb_pool_.end(), worse);
+    } else if (worse(score, zb_pool_.front())) {
+      std::pop_heap(zb_pool_.begin(), zb_pool_.end(), worse);
+      zb_pool_.back() = score;
+      std::push_heap(zb_pool_.begin(), zb_pool_.end(), worse);
+    }
   }
 
   // Offers a candidate to the current pass: All keeps it; Incumbent keeps the heap_size()
@@ -758,6 +810,7 @@ class Search {
   Evaluator eval_;
   std::vector<Candidate> cands_;
   std::vector<LayoutScore> best_;
+  std::vector<LayoutScore> zb_pool_;  // with zero_bubble: see keep_for_zb
   PlannerStats stats_;
   MemoryShortfall shortfall_;
   // The pass enumerate() feeds (consider()): every candidate, the incumbent's, or a

@@ -431,17 +431,19 @@ class PlannerConfig:
         num_batches: global batches sampled from the distribution and simulated per
             candidate (the score is the mean step time).
         seed: seed of the sampled batches (batch b uses ``seed + b``) and of the balance.
-        top_k: layouts kept.
+        top_k: layouts kept (with ``zero_bubble``, up to ``top_k`` of each order).
         prune: skip candidates whose lower bound exceeds the k-th best simulated time
             (the result equals exhaustive evaluation).
         order_microbatches: try a few microbatch orders per step and keep the fastest.
-        zero_bubble: score every kept layout (encoder and LLM disaggregated, one chunk per
-            LLM stage) under the zero-bubble order ZB-H1 too, and run it where it is
-            faster and fits in memory; its W share of each backward comes from the
-            modules' ``input_grad_fraction``. Off by default: the split backward costs the
-            runtime a walk of each step's autograd graph, and holds the gradients it
-            records for ``W`` (one per weight's output) until then, neither of which the
-            model prices yet (small next to GPU layers, not next to tiny CPU ones).
+        zero_bubble: score the kept layouts and the best others simulated under 1F1B
+            (4 x ``top_k``; encoder and LLM disaggregated, one chunk per LLM stage) under
+            the zero-bubble order ZB-H1 too, where its lower bound can still win, and run
+            it where it is faster and fits in memory (the gradients ``W`` waits for
+            included); its W share of each backward comes from the modules'
+            ``input_grad_fraction``. The result keeps the 1F1B ``top_k`` too, so a plan
+            with it is never slower than one without. Off by default: the split backward
+            costs the runtime a walk of each step's autograd graph, which the model does
+            not price (small next to GPU layers, not next to tiny CPU ones).
         balanced_layer_split: split layers to balance stages (the LM head / projector on
             the last stage counts); False: uniform split.
         zero1: shard the optimizer states over DP (Megatron's distributed optimizer).

@@ -372,6 +372,37 @@ def test_zero_bubble_is_chosen_where_it_pays_and_planned_end_to_end(tmp_path) ->
     assert layout.pipeline_order == "zb-h1"
 
 
+def test_zero_bubble_tries_more_than_the_kept_layouts_and_never_loses_the_1f1b_plan() -> None:
+    """ZB-H1 is tried beyond the 1F1B top_k (on the best layouts simulated under 1F1B):
+    here it finds a layout faster under ZB-H1 than any kept layout is, although it is not
+    among them. The search also keeps the 1F1B top_k, so choosing among them as the
+    runtime runs them (choose_layouts) is never slower than planning without ZB-H1."""
+    from dflop.planner.search import choose_layouts, evaluate_layout
+
+    inputs = _inputs(batch=16)
+    cluster = ClusterSpec(num_gpus=16)
+    plain, _ = search_layouts(cluster, inputs, FAST)
+    with_zb, _ = search_layouts(cluster, inputs, replace(FAST, zero_bubble=True))
+    assert len(with_zb) <= 2 * FAST.top_k
+    best = with_zb[0]
+    assert best.order == "zb-h1"
+    assert {**best.core_dict(), "order": None} not in [lp.core_dict() for lp in plain]
+    kept_under_zb = [
+        evaluate_layout(cluster, inputs, replace(lp, order="zb-h1"), FAST) for lp in plain
+    ]
+    assert best.prediction.step_time_s < min(lp.prediction.step_time_s for lp in kept_under_zb)
+    for lp in plain:  # the 1F1B top_k is kept
+        assert lp.core_dict() in [z.core_dict() for z in with_zb]
+    for gpus, batch in ((16, 16), (16, 64)):
+        inputs = _inputs(batch=batch)
+        cluster = ClusterSpec(num_gpus=gpus)
+        ran = [
+            choose_layouts(cluster, inputs, config)[0][0].prediction.step_time_s
+            for config in (FAST, replace(FAST, zero_bubble=True))
+        ]
+        assert ran[1] <= ran[0] * (1 + 1e-12)
+
+
 def test_microbatch_ordering_never_hurts() -> None:
     inputs = _inputs(encoder="vit-6b", batch=64)
     layouts, _ = search_layouts(ClusterSpec(num_gpus=16), inputs, FAST)
