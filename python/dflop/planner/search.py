@@ -165,7 +165,7 @@ def choose_layouts(
     layouts, raw = search_layouts(cluster, inputs, config, strategy=strategy, top_k=top_k)
     if strategy != "data_aware" or not any(_runs_runtime_schedule(lp, config) for lp in layouts):
         return layouts, raw  # the baselines rank by their own rules
-    keep = len(layouts)
+    keep = min(len(layouts), top_k or config.top_k)  # the search may keep more to pick from
     if set(config.virtual_stage_choices) != {1}:
         # The search ranks with its balanced schedule, which favours interleaved layouts
         # over what the trainer's scheduler makes of them: also re-score the 1F1B-only
