@@ -77,6 +77,20 @@ void check_length(const char* name, const std::vector<T>& values, int64_t d) {
   }
 }
 
+// One value per dimension, each in [0, 1] (`fraction`) or finite and >= 0.
+void check_per_dimension(const char* name, const std::vector<double>& values, int64_t d,
+                         bool fraction) {
+  check_length(name, values, d);
+  for (size_t c = 0; c < values.size(); ++c) {
+    const double v = values[c];
+    const bool ok = fraction ? v >= 0.0 && v <= 1.0 : std::isfinite(v) && v >= 0.0;
+    if (!ok) {
+      throw InvalidArgument(std::string(name) + "[" + std::to_string(c) + "] must be " +
+                            (fraction ? "in [0, 1]" : "finite and >= 0") + ", got " + fmt(v));
+    }
+  }
+}
+
 BalanceOptions balance_options(const PipelineScheduleOptions& o) {
   BalanceOptions b;
   b.num_microbatches = o.num_microbatches;
@@ -628,14 +642,7 @@ void validate_pipeline_schedule_input(const double* costs, int64_t n, int64_t d,
   if (std::isnan(o.time_limit_s)) {
     throw InvalidArgument("time_limit_s must be a number (negative: none), got nan");
   }
-  check_length("forward_fraction", o.forward_fraction, d);
-  for (size_t c = 0; c < o.forward_fraction.size(); ++c) {
-    const double v = o.forward_fraction[c];
-    if (!(v >= 0.0 && v <= 1.0)) {
-      throw InvalidArgument("forward_fraction[" + std::to_string(c) + "] must be in [0, 1], got " +
-                            fmt(v));
-    }
-  }
+  check_per_dimension("forward_fraction", o.forward_fraction, d, true);
   if (!o.backward_from_stage.empty()) {
     check_length("backward_from_stage", o.backward_from_stage, d);
     for (int64_t c = 0; c < d; ++c) {
@@ -648,25 +655,10 @@ void validate_pipeline_schedule_input(const double* costs, int64_t n, int64_t d,
       }
     }
   }
-  if (!o.weight_fraction.empty()) {
-    check_length("weight_fraction", o.weight_fraction, d);
-    for (size_t c = 0; c < o.weight_fraction.size(); ++c) {
-      const double v = o.weight_fraction[c];
-      if (!(v >= 0.0 && v <= 1.0)) {
-        throw InvalidArgument("weight_fraction[" + std::to_string(c) + "] must be in [0, 1], got " +
-                              fmt(v));
-      }
-    }
-  }
+  if (!o.weight_fraction.empty())
+    check_per_dimension("weight_fraction", o.weight_fraction, d, true);
   if (!o.last_stage_weight_extra.empty()) {
-    check_length("last_stage_weight_extra", o.last_stage_weight_extra, d);
-    for (size_t c = 0; c < o.last_stage_weight_extra.size(); ++c) {
-      const double v = o.last_stage_weight_extra[c];
-      if (!(std::isfinite(v) && v >= 0.0)) {
-        throw InvalidArgument("last_stage_weight_extra[" + std::to_string(c) +
-                              "] must be finite and >= 0, got " + fmt(v));
-      }
-    }
+    check_per_dimension("last_stage_weight_extra", o.last_stage_weight_extra, d, false);
   }
   if (!o.order.empty()) program_of(o);  // a registered order that runs these stages
   if (!o.backward_gate.empty()) {
@@ -681,14 +673,7 @@ void validate_pipeline_schedule_input(const double* costs, int64_t n, int64_t d,
     }
   }
   if (!o.microbatch_constant_s.empty()) {
-    check_length("microbatch_constant_s", o.microbatch_constant_s, d);
-    for (size_t c = 0; c < o.microbatch_constant_s.size(); ++c) {
-      const double v = o.microbatch_constant_s[c];
-      if (!(std::isfinite(v) && v >= 0.0)) {
-        throw InvalidArgument("microbatch_constant_s[" + std::to_string(c) +
-                              "] must be finite and >= 0, got " + fmt(v));
-      }
-    }
+    check_per_dimension("microbatch_constant_s", o.microbatch_constant_s, d, false);
   }
   if (!(std::isfinite(o.link_latency_s) && o.link_latency_s >= 0.0)) {
     throw InvalidArgument("link_latency_s must be finite and >= 0, got " + fmt(o.link_latency_s));
