@@ -519,16 +519,17 @@ class Search {
   // The zero-bubble pool: the kZeroBubblePool x top_k best simulated layouts (try_zero_bubble).
   void keep_for_zb(const LayoutScore& score) {
     const size_t cap = size_t(kZeroBubblePool * ctx_.o.top_k);
-    auto worse = [](const LayoutScore& a, const LayoutScore& b) {
+    // A heap ordered by `better`: its front is the slowest kept.
+    auto faster = [](const LayoutScore& a, const LayoutScore& b) {
       return better(a.mean_step_time_s, a.layout, b.mean_step_time_s, b.layout);
-    };  // a max-heap on the step: its front is the worst kept
+    };
     if (zb_pool_.size() < cap) {
       zb_pool_.push_back(score);
-      std::push_heap(zb_pool_.begin(), zb_pool_.end(), worse);
-    } else if (worse(score, zb_pool_.front())) {
-      std::pop_heap(zb_pool_.begin(), zb_pool_.end(), worse);
+      std::push_heap(zb_pool_.begin(), zb_pool_.end(), faster);
+    } else if (faster(score, zb_pool_.front())) {
+      std::pop_heap(zb_pool_.begin(), zb_pool_.end(), faster);
       zb_pool_.back() = score;
-      std::push_heap(zb_pool_.begin(), zb_pool_.end(), worse);
+      std::push_heap(zb_pool_.begin(), zb_pool_.end(), faster);
     }
   }
 

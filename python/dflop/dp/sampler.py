@@ -452,8 +452,8 @@ class BalancedBatchSampler:
     def _padding_sample(self, indices: np.ndarray, costs: np.ndarray) -> tuple[int, np.ndarray]:
         """The sample a padding microbatch runs (``padding="sample"``) and its cost row:
         with a cost array, the dataset's cheapest (found once; often a few tokens of text,
-        so padding costs next to nothing); with a cost function,
-        the step's cheapest (pricing the whole dataset could take long)."""
+        so padding costs next to nothing); with a cost function, the step's cheapest
+        (pricing the whole dataset could take long)."""
         if self._cost_fn is not None:
             cheapest = int(np.argmin(costs.sum(axis=1)))
             return int(indices[cheapest]), costs[cheapest]
