@@ -306,9 +306,15 @@ def schedule(
     return _fewest_microbatches(solve, used, bounds, dp_size, budget, limit, cost_array.shape[1])
 
 
-FEWEST_WORK_FACTOR = 8
-"""``num_microbatches=None`` without ``time_budget_ms``: each count's search gets its
-default budget, and the call at most this many times the first one's."""
+FEWEST_FIRST_WORK_FACTOR = 2
+"""``num_microbatches=None`` without ``time_budget_ms``: first-fit decreasing's count, the
+one most calls return, gets this many times a plain call's default budget (a tight limit
+leaves the search less room, and this count's balance is what the caller gets); each lower
+count, which first has to be met, its default."""
+
+FEWEST_WORK_FACTOR = FEWEST_FIRST_WORK_FACTOR + 8
+"""... and the whole call at most this many times the first count's default (up to 8
+lower counts)."""
 
 
 def _fewest_microbatches(
@@ -325,8 +331,10 @@ def _fewest_microbatches(
     always meets), then one fewer at a time while a search still meets it, down to the
     totals' bound. The counts share one work budget and the wall-clock limit, so that the
     call, not each count, keeps to them: ``budget_ms``'s, each count taking half of what
-    is left (all of it at the totals' bound, the last count to try); else each count its
-    default budget, up to :data:`FEWEST_WORK_FACTOR` times the first one's in all."""
+    is left (all of it at the totals' bound, the last count to try); else first-fit
+    decreasing's count :data:`FEWEST_FIRST_WORK_FACTOR` times its default budget and each
+    lower count its default, up to :data:`FEWEST_WORK_FACTOR` times the first one's
+    default in all."""
     num_samples = used.shape[0]
     start_s = _perf_counter()
     ffd_bins = int(_core.first_fit_decreasing_bins(used, bounds))  # names a sample too big
@@ -354,7 +362,8 @@ def _fewest_microbatches(
         # A search runs to the end of its budget: the next count down must still get some.
         nonlocal work_left, work_used
         if budget_ms is None:
-            work = min(default(count), work_left)
+            factor = FEWEST_FIRST_WORK_FACTOR if count == highest else 1
+            work = min(factor * default(count), work_left)
         else:
             work = work_left if count == lowest else work_left // 2
         left_s = None if limit_s is None else max(limit_s - (_perf_counter() - start_s), 0.0)
