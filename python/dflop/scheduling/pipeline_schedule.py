@@ -55,6 +55,19 @@ def _per_module_counts(name: str, value: Any, num_modules: int) -> tuple[int, ..
     return counts
 
 
+def _per_module_floats(
+    name: str, value: Any, num_modules: int, ok: Any, what: str
+) -> tuple[float, ...]:
+    """A PipelineModel field of one number per module, each passing ``ok`` (``what`` says
+    which)."""
+    values = tuple(_as_float(f"PipelineModel.{name}[{k}]", v) for k, v in enumerate(value))
+    if len(values) != num_modules or not all(ok(v) for v in values):
+        raise ValueError(
+            f"PipelineModel.{name}={value!r} needs one {what} per module ({num_modules})"
+        )
+    return values
+
+
 @dataclass(frozen=True)
 class PipelineModel:
     """How the cost columns map onto a pipeline (one entry per column, in pipeline order).
@@ -176,28 +189,29 @@ class PipelineModel:
         if self.order is not None:
             object.__setattr__(self, "order", pipeline_order_name(self.order))
         if self.weight_fraction is not None:
-            weights = tuple(
-                _as_float(f"PipelineModel.weight_fraction[{k}]", v)
-                for k, v in enumerate(self.weight_fraction)
+            object.__setattr__(
+                self,
+                "weight_fraction",
+                _per_module_floats(
+                    "weight_fraction",
+                    self.weight_fraction,
+                    len(stages),
+                    lambda w: 0.0 <= w <= 1.0,
+                    "value in [0, 1]",
+                ),  # fmt: skip
             )
-            if len(weights) != len(stages) or not all(0.0 <= w <= 1.0 for w in weights):
-                raise ValueError(
-                    f"PipelineModel.weight_fraction={self.weight_fraction!r} needs one value "
-                    f"in [0, 1] per module ({len(stages)})"
-                )
-            object.__setattr__(self, "weight_fraction", weights)
         if self.last_stage_weight_extra is not None:
-            extras = tuple(
-                _as_float(f"PipelineModel.last_stage_weight_extra[{k}]", v)
-                for k, v in enumerate(self.last_stage_weight_extra)
+            object.__setattr__(
+                self,
+                "last_stage_weight_extra",
+                _per_module_floats(
+                    "last_stage_weight_extra",
+                    self.last_stage_weight_extra,
+                    len(stages),
+                    lambda x: math.isfinite(x) and x >= 0,
+                    "finite value >= 0",
+                ),  # fmt: skip
             )
-            if len(extras) != len(stages) or not all(math.isfinite(x) and x >= 0 for x in extras):
-                raise ValueError(
-                    "PipelineModel.last_stage_weight_extra="
-                    f"{self.last_stage_weight_extra!r} needs one finite value >= 0 per module "
-                    f"({len(stages)})"
-                )
-            object.__setattr__(self, "last_stage_weight_extra", extras)
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "forward_fraction", fractions)
         object.__setattr__(self, "microbatch_constant_s", constants)
