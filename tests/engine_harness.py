@@ -15,6 +15,7 @@ from dflop.models import build_model, model_config
 from dflop.models.registry import model_spec
 from dflop.models.trainable import TrainableParts, freeze_stage
 from dflop.runtime import RuntimeLayout, Topology
+from dflop.runtime.colocated import stage_parts
 from dflop.runtime.engine import PipelineEngine, build_stage
 from dflop.runtime.step_data import StepPlan
 from dflop.runtime.synthetic_batch import SyntheticBatch
@@ -132,7 +133,8 @@ def _rank_step(
         layout=layout,
     )
     parts = TrainableParts.parse(trainable)
-    freeze_stage(stage, model_spec(config), info.module, parts, MODEL_SEED)
+    for module, part in stage_parts(stage, info.module):  # a colocated stage: both parts
+        freeze_stage(part, model_spec(config), module, parts, MODEL_SEED)
     program = None if program_path is None else load_program(program_path)
     engine = PipelineEngine(
         topology, stage, debug=debug, program=program, trainable=parts, order=order
@@ -140,11 +142,12 @@ def _rank_step(
     result = engine.run_step(plan, batch)
     chunked = info.num_chunks > 1  # a StageChunks: names start with the chunk's index
     grads = {  # full_tensor gathers tensor-parallel shards (a no-op for plain tensors)
-        _full_name(info.module, name.split(".", 1)[1] if chunked else name): full_tensor(p.grad)
+        _full_name(module, name.split(".", 1)[1] if chunked else name): full_tensor(p.grad)
         .cpu()
         .numpy()
         .copy()
-        for name, p in stage.named_parameters()
+        for module, part in stage_parts(stage, info.module)
+        for name, p in part.named_parameters()
         if p.grad is not None
     }
     stages, chunks = layout.pipeline_stages
@@ -166,6 +169,7 @@ def _rank_step(
         "is_last_stage": info.is_last_stage,
         "backward_passes": result.backward_passes,
         "trainable_params": sum(p.requires_grad for p in stage.parameters()),
+        "holds_encoder": info.holds_encoder,
     }
 
 

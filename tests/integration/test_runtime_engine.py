@@ -24,6 +24,7 @@ from dflop.runtime import (  # noqa: E402
     spawn_threads,
 )
 from dflop.runtime import engine as engine_module  # noqa: E402
+from dflop.runtime.topology import rank_info  # noqa: E402
 from dflop.runtime.engine import (  # noqa: E402
     PipelineEngine,
     UnsupportedActionError,
@@ -344,6 +345,47 @@ def test_zero_bubble_h1_matches_single_process(case):
     )
     _check_against_reference(results, trainable=trainable)  # the ZB-H1 program, exactly
     assert {a.kind for r in results for a in r["actions"]} == {"F", "I", "W"}
+
+
+# Colocated layouts (the encoder inside the LLM's first stage, no ranks of its own):
+# (layout, assignment, world size, trainable parts, pipeline order); two microbatches.
+COLOCATED_CASES = {
+    "dp2_pp2-full-1f1b": (dict(llm_dp=2, llm_pp=2), ASSIGN_B, 4, "full", None),
+    "dp2_pp2-frozen_vision-zb_h1": (
+        dict(llm_dp=2, llm_pp=2),
+        ASSIGN_B,
+        4,
+        "frozen-vision",
+        "zb-h1",
+    ),
+    "dp2_pp1-projector": (dict(llm_dp=2), ASSIGN_B, 2, "projector", None),
+    "tp2_pp2-full": (dict(llm_tp=2, llm_pp=2), [0, 1, 1, 0, 0, 1, 1, 0], 4, "full", None),
+}
+
+
+@pytest.mark.parametrize("case", COLOCATED_CASES)
+def test_colocated_layout_matches_single_process(case):
+    """The first LLM stage runs the encoder on its own samples' images: one process's loss
+    and gradients (encoder ones included, all-reduced over the LLM's replicas and sharded
+    over its TP group), with frozen parts and under ZB-H1 too; no bridge, no encoder rank."""
+    spec, assignment, world, trainable, order = COLOCATED_CASES[case]
+    spec = dict(spec, num_microbatches=2, colocated=True)
+    layout = _layout(spec)
+    assert layout.world_size == world and layout.bridge_ranks == ()
+    results = spawn_local(
+        _rank_step,
+        world,
+        args=(spec, assignment, False, False, CONFIG, "cpu", None, trainable, order),
+        timeout_s=SPAWN_TIMEOUT_S * 2,
+        num_threads=1,
+    )
+    _check_against_reference(results, trainable=trainable)
+    parts = TrainableParts.parse(trainable)
+    for rank, r in enumerate(results):
+        assert r["module"] == "llm"
+        assert r["holds_encoder"] == (rank_info(layout, rank).pp_rank == 0)
+        encoder_grads = [n for n in r["grads"] if n.startswith("vision.")]
+        assert bool(encoder_grads) == (r["holds_encoder"] and parts.bridge_gradients)
 
 
 def _both_orders(rank: int, world_size: int, spec: dict, assignment: list[int]):

@@ -73,10 +73,11 @@ from dflop.models.config import ModelConfig
 from dflop.models.decoder import IGNORE_INDEX
 from dflop.models.loss import DEFAULT_LOSS_CHUNK_TOKENS
 from dflop.models.registry import model_spec
-from dflop.models.spec import EncoderStageModule, LLMStageModule, ModelSpec
+from dflop.models.spec import EncoderStageModule, LLMStageModule, ModelSpec, StageSlice
 from dflop.models.trainable import TrainableParts
 from dflop.runtime import dist, p2p
 from dflop.runtime.bridge import BridgeCommunicator
+from dflop.runtime.colocated import ColocatedStage
 from dflop.runtime.split_backward import WeightGradients, backward_input, backward_weight
 from dflop.runtime.step_data import EncoderShare, LLMShare, MicrobatchPlan, StepPlan
 from dflop.runtime.tensor_parallel import apply_tensor_parallel, local_tensor
@@ -275,7 +276,9 @@ def build_stage(
     :func:`dflop.runtime.tensor_parallel.apply_tensor_parallel`).
     A rank of a module with virtual stages (``info.num_chunks > 1``) gets a
     :class:`StageChunks` of one stage per chunk; that needs ``layout`` (the
-    :class:`~dflop.runtime.topology.RuntimeLayout`)."""
+    :class:`~dflop.runtime.topology.RuntimeLayout`). The first LLM stage of a colocated
+    layout (``info.holds_encoder``) gets a :class:`~dflop.runtime.colocated.ColocatedStage`:
+    the whole encoder (tensor-parallel over the same group) and its LLM layers."""
     spec = model_spec(model)
 
     def sharded(place: RankInfo) -> nn.Module:
@@ -285,6 +288,9 @@ def build_stage(
         # Every TP rank built the same full weights; each keeps its slice.
         return apply_tensor_parallel(stage, tp_group, tp_size=tp_size)
 
+    if info.num_chunks == 1 and info.holds_encoder:
+        encoder = sharded(StageSlice("encoder", (0, spec.encoder_layers)))
+        return ColocatedStage(encoder, sharded(info))
     if info.num_chunks == 1:
         return sharded(info)
     if layout is None:
@@ -729,13 +735,7 @@ class PipelineEngine:
             return state, None
         patches = stage.tokens_per_unit is None  # a patch-sequence encoder
         if ci.is_first_stage:
-            x = batch.pixel_values(share)
-            rows, what = (share.tokens, "patch rows") if patches else (share.units, "units")
-            if x.shape[0] != rows:
-                raise ValueError(
-                    f"microbatch {mb.index}: the batch source gave {x.shape[0]} {what} for "
-                    f"{rows} in the StepPlan"
-                )
+            x = self._pixels(batch, share, mb, patches)
         else:
             x = state.stage_input = self._received(True, ci, mb)
         start = self.clock.mark()
@@ -749,6 +749,35 @@ class PipelineEngine:
             self._send(state.output.detach(), ci, mb.index, kind=p2p.FORWARD)
         return state, start
 
+    def _pixels(
+        self, batch: _Prefetched, share: EncoderShare, mb: MicrobatchPlan, patches: bool
+    ) -> Tensor:
+        """The pixels of an encoder share, checked against the StepPlan."""
+        x = batch.pixel_values(share)
+        rows, what = (share.tokens, "patch rows") if patches else (share.units, "units")
+        if x.shape[0] != rows:
+            raise ValueError(
+                f"microbatch {mb.index}: the batch source gave {x.shape[0]} {what} for "
+                f"{rows} in the StepPlan"
+            )
+        return x
+
+    def _encode_own(self, stage: ColocatedStage, mb: MicrobatchPlan, batch: _Prefetched) -> Tensor:
+        """A colocated first stage's features of its share's images: the encoder runs here,
+        in the autograd graph (where the encoder or the projector trains), so this stage's
+        backward carries their gradients."""
+        share = mb.encoder[self.info.dp_rank]
+        patches = stage.tokens_per_unit is None
+        x = self._pixels(batch, share, mb, patches)
+        with torch.set_grad_enabled(self.trainable.bridge_gradients):
+            features = stage.encode(x, unit_grid(batch, share)) if patches else stage.encode(x)
+        if features.shape[0] != share.feature_rows:
+            raise ShapeMismatchError(
+                f"rank {self.info.rank}, microbatch {mb.index}: the encoder gave "
+                f"{features.shape[0]} feature rows, the StepPlan says {share.feature_rows}"
+            )
+        return features
+
     def _llm_forward(
         self, chunk: _Chunk, mb: MicrobatchPlan, plan: StepPlan, batch: BatchSource
     ) -> tuple[_InFlight, Any]:
@@ -756,7 +785,7 @@ class PipelineEngine:
         share = mb.llm[self.info.dp_rank]
         state = _InFlight()
         features = None
-        if ci.is_first_stage:
+        if ci.is_first_stage and not ci.holds_encoder:
             # Called even for zero rows, to keep the bridge's debug headers in step.
             if self.bridge is not None:  # TP rank 0
                 features = self._received(True, ci, mb)
@@ -781,11 +810,14 @@ class PipelineEngine:
         )
         if ci.is_first_stage:
             start = self.clock.mark()
+            if ci.holds_encoder and share.visual_rows > 0:
+                features = self._encode_own(stage, mb, batch)
             x = stage.embed(text.token_ids.to(self.device))
             if share.visual_rows > 0:
                 features = features.to(self.device)
-                features.requires_grad_(self._input_grad[ci.virtual_stage])
-                state.visual_features = features
+                if not ci.holds_encoder:  # a leaf whose gradient goes back over the bridge
+                    features.requires_grad_(self._input_grad[ci.virtual_stage])
+                    state.visual_features = features
                 # Per-sample visual operations (newline rows, unpadding, pooling) run here,
                 # where all of a sample's units have arrived from the encoder replicas.
                 rows = share.sample_visual_rows.tolist()
@@ -907,7 +939,9 @@ class PipelineEngine:
         if not (info.is_first_stage or info.is_last_stage or self._token_positions):
             return [], []
         shares = [mb.llm[info.dp_rank] for mb in plan.microbatches]
-        return [], [s for s in shares if not s.is_empty]
+        # A colocated first stage encodes its own share's images.
+        own = [mb.encoder[info.dp_rank] for mb in plan.microbatches] if info.holds_encoder else []
+        return [s for s in own if not s.is_empty], [s for s in shares if not s.is_empty]
 
     # ------------------------------------------------------------------ receives
 

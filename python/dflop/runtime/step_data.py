@@ -313,9 +313,12 @@ def _microbatch_plan(
     members, owner = members[order], owner[order]
     visual = units[members] > 0
     visual_ids, llm_replica = members[visual], owner[visual]
-    split = split_units(
-        units[visual_ids], encoder_costs[visual_ids], layout.encoder.dp, sample_ids=visual_ids
-    )
+    if layout.colocated:  # each replica encodes its own samples, whole
+        split = _own_samples(visual_ids, llm_replica, units, encoder_costs, layout.llm.dp)
+    else:
+        split = split_units(
+            units[visual_ids], encoder_costs[visual_ids], layout.encoder.dp, sample_ids=visual_ids
+        )
     piece_llm_replica = llm_replica[np.searchsorted(visual_ids, split.sample_ids)]
     piece_tokens = np.array(
         [
@@ -344,6 +347,30 @@ def _microbatch_plan(
         routing=routing,
         encoder=encoder,
         llm=llm,
+    )
+
+
+def _own_samples(
+    sample_ids: np.ndarray,
+    replica: np.ndarray,
+    units: np.ndarray,
+    costs: np.ndarray,
+    num_replicas: int,
+) -> UnitSplit:
+    """A colocated layout's "split": every visual sample one piece, on the replica whose
+    LLM computes it (pieces in sample order, as :func:`split_units` gives them)."""
+    num_units = units[sample_ids]
+    replica_cost = np.bincount(replica, weights=costs[sample_ids], minlength=num_replicas)
+    replica_cost.setflags(write=False)
+    replica_units = np.bincount(replica, weights=num_units, minlength=num_replicas)
+    return UnitSplit(
+        sample_ids=_frozen(sample_ids),
+        first_unit=_frozen(np.zeros_like(sample_ids)),
+        num_units=_frozen(num_units),
+        replica=_frozen(replica),
+        replica_cost=replica_cost,
+        replica_units=_frozen(replica_units),
+        makespan=float(replica_cost.max(initial=0.0)),
     )
 
 

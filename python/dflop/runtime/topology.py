@@ -1,6 +1,6 @@
 """Placement of the encoder and the LLM on disjoint ranks, and their process groups.
 
-Rank layout (world of ``V + L`` ranks):
+Rank layout (world of ``V + L`` ranks; a *colocated* layout, below, has no encoder ranks):
 
 - ranks ``[0, V)`` hold the encoder (vision tower + projector), ``V = encoder.num_gpus``;
 - ranks ``[V, V + L)`` hold the LLM, ``L = llm.num_gpus``;
@@ -17,6 +17,13 @@ and LLM stage ``pe`` features do not follow a fixed replica-to-replica link: eac
 moves from the encoder replica that computed it to the LLM replica that the Schedule gave
 it (see :mod:`dflop.runtime.bridge`).
 
+A colocated layout (``RuntimeLayout.colocated``, Megatron-LM's placement and the
+data-blind baseline's) has no encoder ranks: the world is the LLM's ``L`` ranks, the
+pipeline its ``pl`` stages, and each rank of the first LLM stage runs the encoder and
+projector itself on its own microbatches' images (tensor-parallel over the LLM's TP group;
+``RankInfo.holds_encoder``), so no bridge is needed and autograd carries the features'
+gradient into the encoder.
+
 :func:`rank_info` is pure (no torch.distributed), so layouts can be checked anywhere;
 :meth:`Topology.create` builds the process groups and needs an initialised default group.
 """
@@ -30,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from dflop._deprecated import warn_renamed
-from dflop.errors import InputTypeError
+from dflop.errors import InputTypeError, bounded_repr
 from dflop.scheduling.actions import pipeline_order_for, pipeline_order_name, pipeline_program
 
 __all__ = [
@@ -187,6 +194,9 @@ class RuntimeLayout:
             bin a sample, so it must be >= ``num_microbatches * llm.dp``.
         order: the pipeline order (a name of :data:`dflop.scheduling.PIPELINE_ORDERS`,
             e.g. ``"zb-h1"``); None: :func:`dflop.scheduling.pipeline_order_for`'s choice.
+        colocated: the encoder runs inside the LLM's first stage (no ranks of its own; see
+            the module docstring); ``encoder`` must then be ``pp=1`` with the LLM's tp and
+            dp (:meth:`colocated_encoder` builds it).
     """
 
     encoder: ModuleLayout
@@ -194,6 +204,7 @@ class RuntimeLayout:
     num_microbatches: int
     global_batch: int
     order: str | None = None
+    colocated: bool = False
 
     def __post_init__(self) -> None:
         for name in ("encoder", "llm"):
@@ -206,6 +217,12 @@ class RuntimeLayout:
                 f"RuntimeLayout.encoder.virtual_stages={self.encoder.virtual_stages}: only "
                 "the LLM is interleaved (the encoder's stages hold one chunk each)"
             )
+        if not isinstance(self.colocated, bool):
+            raise InputTypeError(
+                f"RuntimeLayout.colocated must be a bool, got {bounded_repr(self.colocated, 40)}"
+            )
+        if self.colocated:
+            self._check_colocated()
         if self.llm.virtual_stages > 1 and self.num_microbatches % self.llm.pp:
             raise ValueError(
                 f"RuntimeLayout.num_microbatches={self.num_microbatches} must be a multiple of "
@@ -226,19 +243,51 @@ class RuntimeLayout:
                 f"num_microbatches * llm.dp = {bins}: every microbatch needs a sample"
             )
 
+    def _check_colocated(self) -> None:
+        enc, llm = self.encoder, self.llm
+        want = (1, llm.tp, llm.dp)
+        if (enc.pp, enc.tp, enc.dp) != want:
+            raise ValueError(
+                f"RuntimeLayout.encoder (pp={enc.pp}, tp={enc.tp}, dp={enc.dp}) must be pp=1, "
+                f"tp={llm.tp}, dp={llm.dp} in a colocated layout: the encoder runs on the "
+                "LLM's first stage, over its TP group, in each of its replicas (use "
+                "RuntimeLayout.colocated_encoder)"
+            )
+        if llm.virtual_stages > 1:
+            raise ValueError(
+                f"RuntimeLayout.llm.virtual_stages={llm.virtual_stages}: a colocated layout "
+                "runs plain (non-interleaved) LLM stages, as the planner scores it"
+            )
+
+    @staticmethod
+    def colocated_encoder(encoder_layers: int, llm: ModuleLayout) -> ModuleLayout:
+        """The encoder's layout in a colocated layout with ``llm``: every layer on one
+        stage, the LLM's tp and dp."""
+        return ModuleLayout(llm.tp, 1, llm.dp, ((0, encoder_layers),))
+
     @property
     def world_size(self) -> int:
+        if self.colocated:
+            return self.llm.num_gpus
         return self.encoder.num_gpus + self.llm.num_gpus
 
     @property
     def num_global_stages(self) -> int:
-        """Physical pipeline stages of one replica: encoder stages + LLM stages."""
-        return self.encoder.pp + self.llm.pp
+        """Physical pipeline stages of one replica: encoder stages + LLM stages (the LLM's
+        alone in a colocated layout)."""
+        return self.llm.pp + (0 if self.colocated else self.encoder.pp)
+
+    @property
+    def encoder_stages(self) -> int:
+        """Pipeline stages of the encoder's own (0 in a colocated layout)."""
+        return 0 if self.colocated else self.encoder.pp
 
     @property
     def pipeline_stages(self) -> tuple[list[int], list[int]]:
-        """``(stages, chunks)`` of the pipeline's segments (encoder, LLM), as
-        :func:`dflop.scheduling.pipeline_program` takes them."""
+        """``(stages, chunks)`` of the pipeline's segments (encoder, LLM; the LLM alone in
+        a colocated layout), as :func:`dflop.scheduling.pipeline_program` takes them."""
+        if self.colocated:
+            return [self.llm.pp], [self.llm.virtual_stages]
         return [self.encoder.pp, self.llm.pp], [1, self.llm.virtual_stages]
 
     @property
@@ -260,13 +309,18 @@ class RuntimeLayout:
         return self.encoder if name == "encoder" else self.llm
 
     def first_rank(self, name: Module) -> int:
-        """Global rank of the module's ``(dp, pp, tp) = (0, 0, 0)``."""
+        """Global rank of the module's ``(dp, pp, tp) = (0, 0, 0)`` (a colocated encoder's
+        is the LLM's: its ranks are the LLM's first stage's)."""
         self.module(name)  # validates the name
-        return 0 if name == "encoder" else self.encoder.num_gpus
+        return 0 if name == "encoder" or self.colocated else self.encoder.num_gpus
 
     def rank_of(self, name: Module, dp_idx: int, pp_idx: int, tp_idx: int = 0) -> int:
-        """Global rank of a module's ``(dp_idx, pp_idx, tp_idx)``."""
-        return self.first_rank(name) + self.module(name).local_rank(dp_idx, pp_idx, tp_idx)
+        """Global rank of a module's ``(dp_idx, pp_idx, tp_idx)`` (a colocated encoder's
+        is its LLM replica's first-stage rank)."""
+        local = self.module(name).local_rank(dp_idx, pp_idx, tp_idx)  # validates
+        if self.colocated and name == "encoder":
+            return self.rank_of("llm", dp_idx, 0, tp_idx)
+        return self.first_rank(name) + local
 
     def encoder_bridge_rank(self, dp_idx: int) -> int:
         """The rank sending encoder replica ``dp_idx``'s features: its last stage, tp 0."""
@@ -278,7 +332,10 @@ class RuntimeLayout:
 
     @property
     def bridge_ranks(self) -> tuple[int, ...]:
-        """Encoder bridge ranks (replica order), then LLM bridge ranks (replica order)."""
+        """Encoder bridge ranks (replica order), then LLM bridge ranks (replica order);
+        none in a colocated layout."""
+        if self.colocated:
+            return ()
         return tuple(self.encoder_bridge_rank(d) for d in range(self.encoder.dp)) + tuple(
             self.llm_bridge_rank(d) for d in range(self.llm.dp)
         )
@@ -290,6 +347,7 @@ class RuntimeLayout:
             "num_microbatches": self.num_microbatches,
             "global_batch": self.global_batch,
             "order": self.order,
+            "colocated": self.colocated,
         }
 
     @classmethod
@@ -303,6 +361,7 @@ class RuntimeLayout:
             num_microbatches=data["num_microbatches"],
             global_batch=data["global_batch"],
             order=data.get("order"),
+            colocated=data.get("colocated", False),
         )
 
     @classmethod
@@ -321,22 +380,31 @@ class RuntimeLayout:
         llm_tp: int = 1,
         llm_virtual_stages: int = 1,
         order: str | None = None,
+        colocated: bool = False,
     ) -> RuntimeLayout:
-        """A layout with uniform layer splits (:func:`uniform_layer_ranges`)."""
-        return cls(
-            encoder=ModuleLayout(
+        """A layout with uniform layer splits (:func:`uniform_layer_ranges`); with
+        ``colocated`` the encoder's sizes are ignored (:meth:`colocated_encoder`)."""
+        llm = ModuleLayout(
+            llm_tp,
+            llm_pp,
+            llm_dp,
+            uniform_layer_ranges(llm_layers, llm_pp * llm_virtual_stages),
+            llm_virtual_stages,
+        )
+        encoder = (
+            cls.colocated_encoder(encoder_layers, llm)
+            if colocated
+            else ModuleLayout(
                 encoder_tp, encoder_pp, encoder_dp, uniform_layer_ranges(encoder_layers, encoder_pp)
-            ),
-            llm=ModuleLayout(
-                llm_tp,
-                llm_pp,
-                llm_dp,
-                uniform_layer_ranges(llm_layers, llm_pp * llm_virtual_stages),
-                llm_virtual_stages,
-            ),
+            )
+        )
+        return cls(
+            encoder=encoder,
+            llm=llm,
             num_microbatches=num_microbatches,
             global_batch=global_batch,
             order=order,
+            colocated=colocated,
         )
 
 
@@ -381,6 +449,9 @@ class RankInfo:
     across the interleaved wrap-around, else ``chunk``)."""
     next_chunk: int = 0
     """The chunk index, on ``next_rank``, of the next virtual stage."""
+    holds_encoder: bool = False
+    """A colocated layout's first LLM stage: the rank runs the encoder and projector on
+    its microbatches' images itself (no bridge)."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -399,13 +470,13 @@ def rank_info(layout: RuntimeLayout, rank: int) -> RankInfo:
         raise InputTypeError(f"rank must be an integer, got {rank!r}")
     if not 0 <= rank < layout.world_size:
         raise ValueError(f"rank={rank} is out of range [0, {layout.world_size})")
-    name: Module = "encoder" if rank < layout.encoder.num_gpus else "llm"
+    name: Module = "llm" if layout.colocated or rank >= layout.encoder.num_gpus else "encoder"
     mod = layout.module(name)
     offset = rank - layout.first_rank(name)
     tp_idx = offset % mod.tp
     pp_idx = (offset // mod.tp) % mod.pp
     dp_idx = offset // (mod.tp * mod.pp)
-    stage_base = 0 if name == "encoder" else layout.encoder.pp
+    stage_base = 0 if name == "encoder" else layout.encoder_stages
     layer_ranges = mod.stage_layer_ranges(pp_idx)
     return RankInfo(
         rank=rank,
@@ -419,9 +490,10 @@ def rank_info(layout: RuntimeLayout, rank: int) -> RankInfo:
         next_rank=rank + mod.tp if pp_idx < mod.pp - 1 else None,
         layer_range=layer_ranges[0],
         is_bridge_sender=name == "encoder" and pp_idx == mod.pp - 1 and tp_idx == 0,
-        is_bridge_receiver=name == "llm" and pp_idx == 0 and tp_idx == 0,
+        is_bridge_receiver=name == "llm" and pp_idx == 0 and tp_idx == 0 and not layout.colocated,
         virtual_stage=stage_base + pp_idx,
         num_chunks=mod.virtual_stages,
+        holds_encoder=layout.colocated and pp_idx == 0,
     )
 
 
@@ -434,7 +506,7 @@ def chunk_infos(layout: RuntimeLayout, rank: int) -> tuple[RankInfo, ...]:
     mod = layout.module(info.module)
     if mod.virtual_stages == 1:
         return (info,)
-    stage_base = 0 if info.module == "encoder" else layout.encoder.pp
+    stage_base = 0 if info.module == "encoder" else layout.encoder_stages
     last = mod.pp - 1
     out = []
     for c, layer_range in enumerate(mod.stage_layer_ranges(info.pp_rank)):
@@ -531,9 +603,13 @@ class Topology:
             raise RuntimeError("Topology.create needs torch.distributed to be initialised first")
         world = dist.get_world_size()
         if world != layout.world_size:
+            needs = (
+                f"LLM {layout.llm.num_gpus}, the encoder colocated"
+                if layout.colocated
+                else f"encoder {layout.encoder.num_gpus} + LLM {layout.llm.num_gpus}"
+            )
             raise ValueError(
-                f"the layout needs {layout.world_size} ranks (encoder {layout.encoder.num_gpus} "
-                f"+ LLM {layout.llm.num_gpus}) but the world has {world}"
+                f"the layout needs {layout.world_size} ranks ({needs}) but the world has {world}"
             )
         if rank is None:
             rank = dist.get_rank()
@@ -551,12 +627,14 @@ class Topology:
                 if rank in ranks:
                     mine[kind] = (group, tuple(ranks))
 
-        for name in ("encoder", "llm"):
+        # A colocated encoder's parameters live in the first LLM stage's module: the LLM's
+        # groups are its groups.
+        for name in ("llm",) if layout.colocated else ("encoder", "llm"):
             dp_groups, tp_groups = _module_groups(layout, name)
             create_all("dp", dp_groups)
             create_all("tp", tp_groups)
         bridge = list(layout.bridge_ranks)
-        create_all("bridge", [bridge])
+        create_all("bridge", [bridge] if bridge else [])
         bridge_group = mine["bridge"][0] if "bridge" in mine else None
         create_all("embedding", _embedding_groups(layout))
         return cls(
