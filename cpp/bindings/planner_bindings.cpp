@@ -169,6 +169,7 @@ PlannerOptions to_options(const py::dict& d) {
   r.opt("seed", &o.seed);
   r.opt("num_threads", &o.num_threads);
   r.opt("colocated_candidates", &o.colocated_candidates);
+  r.opt("disaggregated_candidates", &o.disaggregated_candidates);
   r.opt("screen_factor", &o.screen_factor);
   r.opt("patience", &o.patience);
   r.opt("encoder_max_tp", &o.encoder_max_tp);

@@ -468,8 +468,6 @@ StageCosts stage_costs(const ClusterParams& c, const ModuleParams& enc, const Mo
                        int64_t batch) {
   validate_planner_input(c, enc, llm, x, o);
   check_layout(c, enc, llm, o, l);
-  require(!l.colocated,
-          "stage_costs needs a disaggregated layout (the encoder on GPUs of its own)");
   require(
       batch >= 0 && batch < x.num_batches,
       "batch must be in [0, " + std::to_string(x.num_batches) + "), got " + std::to_string(batch));

@@ -600,7 +600,9 @@ class Search {
         (ctx_.o.strategy == PlanStrategy::DataAware && ctx_.o.colocated_candidates)) {
       enumerate_colocated();
     }
-    if (ctx_.o.strategy != PlanStrategy::DataBlindColocated) enumerate_disaggregated();
+    if (ctx_.o.strategy != PlanStrategy::DataBlindColocated && ctx_.o.disaggregated_candidates) {
+      enumerate_disaggregated();
+    }
   }
 
   int64_t max_tp() const {
@@ -618,6 +620,11 @@ class Search {
     const int64_t N = ctx_.c.num_gpus;
     for (const auto& [d, recompute] :
          with_recompute(module_degrees(ctx_.c, *ctx_.llm.p, N, 0, max_tp()), ctx_.llm)) {
+      // dflop's colocated candidates run in its runtime, which shards the encoder's heads
+      // over the LLM's TP group without padding.
+      if (ctx_.o.strategy == PlanStrategy::DataAware && ctx_.enc.p->num_heads % d.tp != 0) {
+        continue;
+      }
       Layout l;
       l.colocated = true;
       // The data-blind baseline splits layers uniformly (Megatron-LM); dflop balances

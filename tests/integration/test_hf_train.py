@@ -69,15 +69,24 @@ def _state(folder: str, family: str) -> dict:
         ("llava_onevision", "tiny_folder", "enc_dp=1,llm_pp=2,m=2"),
         ("qwen2_vl", "tiny_qwen_folder", "enc_dp=1,llm_pp=2,m=2"),
         ("llava_onevision", "tiny_deep_folder", "enc_dp=1,llm_pp=2,llm_v=2,m=2"),
+        ("llava_onevision", "tiny_folder", "colocated,llm_pp=2,m=2"),
+        ("qwen2_vl", "tiny_qwen_folder", "colocated,llm_dp=2,m=2"),
     ],
-    ids=["llava_onevision", "qwen2_vl", "llava_onevision-interleaved"],
+    ids=[
+        "llava_onevision",
+        "qwen2_vl",
+        "llava_onevision-interleaved",
+        "llava_onevision-colocated",
+        "qwen2_vl-colocated",
+    ],
 )
 def test_train_cli_on_real_records(tmp_path, family, folder, layout, request):
     """A tiny model of each family trains under 'dflop train' on the real-format records
     (LLaVA-OneVision: anyres images up to 2480 x 3508, multi-image, video frames,
     text-only; Qwen2-VL: images of any size as native patch grids, frame pairs of the
     videos) with the encoder and an LLM pipeline of 2 stages (also interleaved: 2 chunks
-    per stage); the loss falls, and the
+    per stage; and colocated: the encoder inside the first LLM stage, under a pipeline of
+    2 stages or 2 replicas); the loss falls, and the
     saved Hugging Face folder loads with from_pretrained: trained tensors moved, untrained
     ones kept."""
     tiny_folder = request.getfixturevalue(folder)

@@ -24,7 +24,6 @@ from dflop.runtime import (  # noqa: E402
     spawn_threads,
 )
 from dflop.runtime import engine as engine_module  # noqa: E402
-from dflop.runtime.topology import rank_info  # noqa: E402
 from dflop.runtime.engine import (  # noqa: E402
     PipelineEngine,
     UnsupportedActionError,
@@ -32,6 +31,7 @@ from dflop.runtime.engine import (  # noqa: E402
     check_executable,
 )
 from dflop.runtime.synthetic_batch import ShapeScaler, SyntheticBatch  # noqa: E402
+from dflop.runtime.topology import rank_info  # noqa: E402
 from dflop.scheduling.actions import (  # noqa: E402
     PipelineAction,
     PipelineProgram,
@@ -482,6 +482,21 @@ def test_step_plan_shapes_and_split():
         for sa, sb in zip(a.encoder, b.encoder):
             np.testing.assert_array_equal(sa.sample_ids, sb.sample_ids)
             np.testing.assert_array_equal(sa.first_unit, sb.first_unit)
+
+
+def test_a_colocated_step_plan_encodes_each_replicas_own_samples():
+    """Colocated: replica r's encoder share is its LLM share's visual samples, whole, in
+    the LLM's packing order (its placeholders' order), so its features need no routing."""
+    _, plan, _ = _step_inputs(dict(LAYOUT_B, colocated=True), ASSIGN_B)
+    for mb in plan.microbatches:
+        assert len(mb.encoder) == len(mb.llm) == 2
+        for encoder, llm in zip(mb.encoder, mb.llm):
+            visual = llm.sample_ids[UNITS[llm.sample_ids] > 0]
+            np.testing.assert_array_equal(encoder.sample_ids, visual)
+            np.testing.assert_array_equal(encoder.first_unit, 0)
+            np.testing.assert_array_equal(encoder.num_units, UNITS[visual])
+            assert encoder.feature_rows == llm.visual_rows == UNITS[visual].sum() * TPU
+        np.testing.assert_array_equal(mb.split.replica, mb.piece_llm_replica)
 
 
 def test_synthetic_batch_is_deterministic_per_sample():

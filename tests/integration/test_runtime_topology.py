@@ -183,6 +183,51 @@ def _groups_worker(rank: int, world_size: int, layouts: list[RuntimeLayout]) -> 
     return out
 
 
+def test_a_colocated_layout_has_no_encoder_ranks() -> None:
+    """The encoder runs on the LLM's first-stage ranks (with its tp and dp): the world is
+    the LLM's, the pipeline its stages, no bridge; a mismatched encoder layout or
+    interleaving is refused, naming the field."""
+    layout = RuntimeLayout.simple(
+        llm_dp=2,
+        llm_pp=2,
+        llm_tp=2,
+        encoder_layers=3,
+        llm_layers=4,
+        num_microbatches=2,
+        global_batch=8,
+        colocated=True,
+    )
+    assert layout.world_size == 8 and layout.num_global_stages == 2
+    assert layout.pipeline_stages == ([2], [1]) and layout.bridge_ranks == ()
+    assert layout.encoder == ModuleLayout(2, 1, 2, ((0, 3),))
+    assert RuntimeLayout.from_dict(layout.to_dict()) == layout
+    for rank in range(8):
+        info = rank_info(layout, rank)
+        assert info.module == "llm" and info.global_stage == info.pp_rank
+        assert info.holds_encoder == (info.pp_rank == 0)
+        assert not (info.is_bridge_sender or info.is_bridge_receiver)
+        if info.holds_encoder:  # the encoder's rank of that replica and TP index
+            assert layout.rank_of("encoder", info.dp_rank, 0, info.tp_rank) == rank
+    with pytest.raises(ValueError, match=r"encoder \(pp=2, tp=1, dp=1\) must be pp=1, tp=2, dp=2"):
+        RuntimeLayout(
+            ModuleLayout(1, 2, 1, ((0, 1), (1, 3))),
+            layout.llm,
+            num_microbatches=2,
+            global_batch=8,
+            colocated=True,
+        )
+    with pytest.raises(ValueError, match="virtual_stages=2: a colocated layout"):
+        RuntimeLayout.simple(
+            llm_pp=2,
+            llm_virtual_stages=2,
+            encoder_layers=3,
+            llm_layers=4,
+            num_microbatches=2,
+            global_batch=8,
+            colocated=True,
+        )
+
+
 def test_groups_on_four_processes() -> None:
     # Encoder dp=2 pp=1 (ranks 0, 1), LLM pp=2 (ranks 2, 3); then encoder tp=2 (ranks 0,
     # 1) with an LLM of dp=2 (ranks 2, 3), in the same processes (one spawn: it is slow).
@@ -197,7 +242,23 @@ def test_groups_on_four_processes() -> None:
         num_microbatches=2,
         global_batch=4,
     )
-    results = spawn_local(_groups_worker, 4, args=([dp_pp, tp_dp],), timeout_s=SPAWN_TIMEOUT_S)
+    # Colocated: LLM tp=2 x pp=2, the encoder on the first stage's ranks 0, 1.
+    colocated = RuntimeLayout.simple(
+        llm_tp=2,
+        llm_pp=2,
+        encoder_layers=2,
+        llm_layers=2,
+        num_microbatches=2,
+        global_batch=4,
+        colocated=True,
+    )
+    results = spawn_local(
+        _groups_worker, 4, args=([dp_pp, tp_dp, colocated],), timeout_s=SPAWN_TIMEOUT_S
+    )
+    for rank, per_layout in enumerate(results):  # the LLM's groups, no bridge
+        got = per_layout[2]
+        assert got["dp"] == [rank] and got["tp"] == [rank - rank % 2, rank - rank % 2 + 1]
+        assert got["bridge"] is None and got["info"].holds_encoder == (rank < 2)
 
     expected_dp_pp = {
         0: ([0, 1], [0], [0, 1, 2]),

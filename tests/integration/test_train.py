@@ -167,7 +167,7 @@ def test_a_local_plan_predicts_the_steps_the_run_trains(tmp_path, perf_json) -> 
 
 # The second layout shards both modules over 2 tensor-parallel ranks (DTensor parameters
 # and AdamW state in the checkpoint).
-@pytest.mark.parametrize("layout", [LAYOUT, "enc_tp=2,llm_tp=2,m=2"])
+@pytest.mark.parametrize("layout", [LAYOUT, "enc_tp=2,llm_tp=2,m=2", "colocated,llm_dp=2,m=2"])
 def test_checkpoint_resume_matches_uninterrupted_run(tmp_path, perf_json, layout) -> None:
     common = ["--layout", layout, "--steps", "4", "--quiet"]
     result, full = _train(tmp_path, perf_json, *common)
@@ -252,6 +252,56 @@ def test_zero_bubble_trains_like_1f1b(tmp_path) -> None:
     assert "--pipeline-order zb-h1: RuntimeLayout.order='zb-h1': shape.chunks[1]=2: zb-h1 " in (
         result.stderr
     )
+
+
+def test_colocated_layout_trains_like_the_disaggregated_one(tmp_path) -> None:
+    # The encoder inside the first LLM stage (its gradients by the stage's own autograd,
+    # summed over the LLM's replicas) or on a rank of its own (over the bridge): the same
+    # weights and batches give the same gradient norms and losses; a tensor-parallel
+    # colocated stage shards the encoder over the LLM's TP group.
+    runs = {}
+    for layout in ("llm_pp=2,m=4", "colocated,llm_pp=2,m=4", "colocated,llm_dp=2,llm_tp=2,m=2"):
+        result, report = _train(
+            tmp_path, "", "--model", "small", "--deterministic", "--layout", layout,
+            "--steps", "2", "--quiet", "--grad-clip", "0.05",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        runs[layout] = report["steps"]
+        assert all(s["predicted_step_time_s"] > 0 for s in report["steps"])
+    assert "encoder colocated in the first LLM stage" in result.stdout
+    reference, *colocated = runs.values()
+    for steps in colocated:
+        for got, want in zip(steps, reference):
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+
+
+def test_a_colocated_local_plan_is_trained_as_planned(tmp_path, perf_json) -> None:
+    """dflop plan --local --placement colocated plans the encoder inside the first LLM
+    stage; dflop train --plan runs that layout and compares with the plan; the
+    disaggregated placement keeps the encoder on ranks of its own."""
+    from dflop.planner import Plan
+
+    plans = {}
+    for placement in ("colocated", "disaggregated"):
+        plans[placement] = tmp_path / f"{placement}.json"
+        result = run_cli(
+            "plan", "--local", "2", "--placement", placement, "--global-batch", "8",
+            "--perf", perf_json, "--calibrate-steps", "0", "-o", str(plans[placement]),
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+    best = Plan.load(plans["colocated"]).best
+    assert best.colocated and best.llm.num_gpus == 2
+    assert not Plan.load(plans["disaggregated"]).best.colocated
+    result, report = _train(
+        tmp_path, "", "--plan", str(plans["colocated"]), "--steps", "3", "--deterministic",
+        "--quiet",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "encoder colocated in the first LLM stage" in result.stdout
+    planned = [s.step_time_s for s in best.steps]
+    for s in report["steps"]:  # the trainer schedules and predicts each step as planned
+        assert s["plan_model_step_time_s"] == pytest.approx(planned[s["step"]], rel=1e-9)
 
 
 def test_max_growth_bounds_the_refined_schedule(tmp_path, perf_json) -> None:
@@ -419,3 +469,8 @@ def test_parse_layout() -> None:
         parse_layout("llm_pp=2,llm_v=2", model_config("tiny"), 12)
     with pytest.raises(ValueError, match="multiple of llm.pp=2"):
         parse_layout("llm_pp=2,llm_v=2,m=3", model_config("small"), 12)
+    colocated = parse_layout("colocated,llm_dp=2,m=3", model_config("tiny"), 12)
+    assert colocated.colocated and colocated.world_size == 2
+    assert (colocated.encoder.tp, colocated.encoder.pp, colocated.encoder.dp) == (1, 1, 2)
+    with pytest.raises(ValueError, match="enc_dp with 'colocated': a colocated encoder runs"):
+        parse_layout("colocated,enc_dp=2", model_config("tiny"), 12)

@@ -227,10 +227,14 @@ struct PlannerOptions {
   // statistics do not depend on it.
   int64_t num_threads = 0;
   EncoderSplit encoder_split = EncoderSplit::Unit;
-  // DataAware: also score colocated layouts (the encoder in the first LLM stage) with the
-  // balanced schedule. dflop's runtime does not execute them, so plans for training leave
-  // this off; it shows what colocation would be worth.
-  bool colocated_candidates = false;
+  // DataAware: also score colocated layouts (the encoder in the first LLM stage, run by
+  // dflop's runtime as RuntimeLayout(colocated=True)) with the balanced schedule, so that the
+  // baseline's own placement is always a candidate. Only those whose TP degree divides the
+  // encoder's heads: the runtime does not pad heads (the data-blind baseline does).
+  bool colocated_candidates = true;
+  // DataAware / MeanShape: score disaggregated layouts (the encoder on GPUs of its own).
+  // Off with colocated_candidates on: the colocated placement only.
+  bool disaggregated_candidates = true;
   // Screening (prune only): a disaggregated candidate is also skipped once screen_factor x
   // its uniform estimate (the 1F1B step of m identical mean microbatches: fill, steady
   // state, drain; not a bound: uneven microbatches can beat it, rarely by much) exceeds
@@ -396,10 +400,11 @@ StepModel step_from_assignment(const ClusterParams& cluster, const ModuleParams&
                                const PlannerOptions& options, const Layout& layout, int64_t batch,
                                const std::vector<int64_t>& assignment);
 
-// What a runtime's scheduler should see of sampled batch `batch` under a disaggregated
-// layout, by the planner's model: per-sample seconds of an average stage of each module
-// (n x 2, row-major; the encoder's on one replica, since its replicas share microbatches by
-// unit) and each module's per-microbatch constant of an average stage.
+// What a runtime's scheduler should see of sampled batch `batch` under a layout, by the
+// planner's model: per-sample seconds of an average stage of each module (n x 2, row-major;
+// the encoder's on one replica, since its replicas share microbatches by unit; a colocated
+// layout's first column is its first stage's, encoder and LLM layers, per bin, as the
+// planner balances it) and each module's per-microbatch constant of an average stage.
 struct StageCosts {
   std::vector<double> costs;
   std::array<double, 2> constants{};

@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from dflop.commands.args import json_object, positive_int, virtual_stage_list
+from dflop.planner.model import PLACEMENTS, placement_candidates
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -74,6 +75,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also score each kept layout under the zero-bubble order zb-h1 and keep it where "
         "it is faster and fits",
+    )
+    p.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="any",
+        help="where the encoder may go: any (default), disaggregated (GPUs of its own) or "
+        "colocated (inside the LLM's first stage, as the data-blind baseline)",
     )
     p.add_argument("--no-prune", action="store_true", help="simulate every candidate")
     p.add_argument("--reference", action="store_true", help="also run the mean-shape optimizer")
@@ -240,6 +248,7 @@ def run_plan(args: argparse.Namespace) -> int:
         trainable=args.trainable,
         lora_rank=args.lora_rank,
         zero_bubble=args.zero_bubble,
+        **placement_candidates(args.placement),
     )
     inputs = {
         "model": args.model,
@@ -293,6 +302,7 @@ def _run_local_plan(args: argparse.Namespace) -> int:
         calibrate_steps=args.calibrate_steps,
         trainable=args.trainable,
         lora_rank=args.lora_rank,
+        placement=args.placement,
     )
     prepared = prepare(config, log=lambda text: print(text, file=sys.stderr))
     result = prepared.plan

@@ -307,6 +307,7 @@ def core_options(config: PlannerConfig, strategy: str, global_batch: int, top_k:
         "num_threads": config.num_threads or 0,
         "encoder_split": config.encoder_split,
         "colocated_candidates": config.colocated_candidates,
+        "disaggregated_candidates": config.disaggregated_candidates,
         "screen_factor": config.screen_factor,
         "patience": config.patience,
         "encoder_max_tp": config.encoder_max_tp or 0,

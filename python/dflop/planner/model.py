@@ -423,6 +423,21 @@ def _weight_grads(sharded: int, whole: int, element_bytes: int) -> dict[str, flo
     }
 
 
+PLACEMENTS: tuple[str, ...] = ("any", "disaggregated", "colocated")
+"""Where a plan may put the encoder: anywhere, on GPUs of its own, or inside the LLM's
+first stage (:func:`placement_candidates`)."""
+
+
+def placement_candidates(placement: str) -> dict[str, bool]:
+    """``PlannerConfig``'s candidate switches for a placement of :data:`PLACEMENTS`."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement={placement!r} must be one of {', '.join(PLACEMENTS)}")
+    return {
+        "colocated_candidates": placement != "disaggregated",
+        "disaggregated_candidates": placement != "colocated",
+    }
+
+
 @dataclass(frozen=True)
 class PlannerConfig:
     """Search settings.
@@ -489,9 +504,12 @@ class PlannerConfig:
             about 2% where few microbatches feed a deep LLM pipeline and nothing in the
             paper's settings, for up to twice the planning time (bench_plan).
         colocated_candidates: also score colocated layouts (the encoder inside the first
-            LLM stage, Megatron-style) with dflop's balanced schedule. dflop's runtime runs
-            the encoder and the LLM on disjoint ranks and cannot execute them, so a plan
-            for ``dflop train`` leaves this off; on, it shows what colocation would win.
+            LLM stage, Megatron-style; dflop's runtime runs them as
+            ``RuntimeLayout(colocated=True)``) with dflop's balanced schedule, so that the
+            data-blind baseline's own placement is always a candidate. Only those whose
+            TP degree divides the encoder's heads (the runtime does not pad them).
+        disaggregated_candidates: score layouts with the encoder on GPUs of its own (off
+            with ``colocated_candidates`` on: the colocated placement only).
         trainable: which parts train (a :class:`~dflop.models.trainable.TrainableParts`
             preset such as ``"frozen-vision"``, or ``"encoder=frozen,..."``); the plan
             prices what that regime runs and holds (:func:`with_trainable`).
@@ -514,7 +532,8 @@ class PlannerConfig:
     reference: bool = False
     num_threads: int | None = None
     encoder_split: str = "unit"
-    colocated_candidates: bool = False
+    colocated_candidates: bool = True
+    disaggregated_candidates: bool = True
     screen_factor: float = 0.9
     patience: int = 1000
     encoder_max_tp: int | None = None
@@ -533,6 +552,11 @@ class PlannerConfig:
         except (TypeError, ValueError) as e:
             raise ValueError(f"PlannerConfig.trainable: {e}") from None
         object.__setattr__(self, "trainable", str(parts))
+        if not (self.colocated_candidates or self.disaggregated_candidates):
+            raise ValueError(
+                "PlannerConfig.colocated_candidates and disaggregated_candidates are both "
+                "False: no layout would be a candidate; turn one on"
+            )
         _check_int("PlannerConfig", "lora_rank", self.lora_rank, 1)
         _check_int("PlannerConfig", "num_batches", self.num_batches, 1)
         _check_int("PlannerConfig", "seed", self.seed, 0)

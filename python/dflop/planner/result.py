@@ -415,21 +415,32 @@ class Plan:
         assert self.baseline is not None and self.speedup_over_baseline is not None
         slower = 1.0 / self.speedup_over_baseline - 1.0
         best, base = self.best, self.baseline
-        why = (
-            "the baseline runs the encoder inside the LLM's first stage on all "
-            f"{base.llm.num_gpus} {unit} (colocated, Megatron-style), which dflop's runtime "
-            f"does not execute: it gives the encoder {best.encoder.num_gpus} of "
-            f"{best.encoder.num_gpus + best.llm.num_gpus} {unit} of its own, and on this "
-            "cluster and data that split costs more than balancing the batch wins (idle "
-            f"{100 * best.prediction.idle_fraction:.0f}% against the baseline's "
-            f"{100 * base.prediction.idle_fraction:.0f}%)"
-            if base.colocated and not best.colocated
-            else "the data-blind schedule happens to suit these batches"
-        )
+        why = "the data-blind schedule happens to suit these batches"
+        if base.colocated and not best.colocated:
+            why = (
+                "the baseline runs the encoder inside the LLM's first stage on all "
+                f"{base.llm.num_gpus} {unit} (colocated, Megatron-style); dflop's best gives "
+                f"the encoder {best.encoder.num_gpus} of "
+                f"{best.encoder.num_gpus + best.llm.num_gpus} {unit} of its own, and on this "
+                "cluster and data that split costs more than balancing the batch wins (idle "
+                f"{100 * best.prediction.idle_fraction:.0f}% against the baseline's "
+                f"{100 * base.prediction.idle_fraction:.0f}%)"
+            )
+            if base.encoder.padded_heads:
+                why += (
+                    f"; the baseline pads the encoder's heads to {base.encoder.padded_heads} "
+                    f"for tp={base.llm.tp}, which dflop's runtime does not (its colocated "
+                    "layouts use a tp that divides them)"
+                )
+            elif not any(lp.colocated for lp in self.layouts):
+                why += (
+                    "; this plan left colocated layouts out (--placement disaggregated): with "
+                    "them, the baseline's placement under dflop's schedule is a candidate"
+                )
         return (
             f"note: dflop's best layout is predicted {100 * slower:.1f}% slower than the "
-            f"data-blind baseline: {why}. Train the baseline's layout with Megatron-style "
-            f"colocation, or plan with more {unit}, a larger batch or the real data's shapes."
+            f"data-blind baseline: {why}. Plan with more {unit}, a larger batch or the "
+            "real data's shapes."
         )
 
     def table(self) -> str:

@@ -291,6 +291,36 @@ class StepPredictor:
         )
         return StepAudit.from_core(raw, sample_record(inputs.samples, 0, len(shapes)))
 
+    def planned_step(
+        self,
+        cost_model: Any,
+        shapes: SampleShapes,
+        *,
+        seed: int,
+        forward_fraction: tuple[float, float] | None = None,
+        link_latency_s: float | None = None,
+    ) -> StepAudit:
+        """The step of ``shapes`` under the planner's own schedule for it (the core's
+        ``build_step``: its balance, seeded with ``seed``, and the microbatch order it
+        scores), priced by ``cost_model``: how dflop's trainer schedules a colocated
+        layout's steps (step k with the run's seed + k, as a plan's batch k), exactly as a
+        plan scores them."""
+        fractions = self.config.forward_fraction if forward_fraction is None else forward_fraction
+        inputs = self._inputs(cost_model, shapes, fractions)
+        cluster = self.cluster
+        if link_latency_s is not None:
+            cluster = replace(cluster, link_latency_s=float(link_latency_s))
+        raw = _core.build_step(
+            cluster.to_dict(),
+            inputs.encoder.to_dict(),
+            inputs.llm.to_dict(),
+            inputs.samples,
+            core_options(replace(self.config, seed=int(seed)), "data_aware", len(shapes), 1),
+            self.layout,
+            0,
+        )
+        return StepAudit.from_core(raw, sample_record(inputs.samples, 0, len(shapes)))
+
     def stage_memory_bytes(
         self, cost_model: Any, shapes: SampleShapes, assignment: Any
     ) -> tuple[float, ...]:
@@ -343,13 +373,17 @@ class StepPredictor:
         forward_fraction: tuple[float, float],
         link_latency_s: float,
         full_training_fraction: tuple[float, float] | None = None,
-    ) -> tuple[np.ndarray, PipelineModel]:
+    ) -> tuple[np.ndarray, PipelineModel | None]:
         """What the trainer's scheduler sees of ``shapes``: :meth:`stage_costs` and the
         pipeline of this layout (``forward_fraction``: the modules' shares under the
         training regime; the regime's backward stages as the runtime runs them).
         ``full_training_fraction``: the same shares under full training, which price the
         stage costs as a plan's do (default: this predictor's config's)."""
         inputs, raw = self._stage_costs(cost_model, shapes, full_training_fraction)
+        if self.layout.get("colocated"):
+            # The first stage's per-sample seconds (encoder + its LLM layers) and an average
+            # LLM stage's, both per bin: balanced as the planner scores a colocated layout.
+            return np.asarray(raw["costs"]), None
         encoder, llm = self.layout["encoder"], self.layout["llm"]
         model = PipelineModel.encoder_llm(
             encoder_pp=encoder["pp"],

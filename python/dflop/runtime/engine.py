@@ -190,6 +190,9 @@ class ActionTiming:
     """Seconds before ``start_s`` spent waiting for its inputs (receives)."""
     virtual_stage: int = -1
     """The virtual stage (model chunk) it ran."""
+    encoder_s: float = 0.0
+    """Of a colocated first stage's forward: the seconds its encoder took (the rest is
+    the LLM's layers; the backward runs both in one autograd pass)."""
 
     @property
     def duration_s(self) -> float:
@@ -576,7 +579,8 @@ class PipelineEngine:
             # the step of the ranks that would otherwise wait for it inside their clock.
             dist.barrier()
         clock = self.clock = _Clock(self.device)
-        stamps: list[tuple[str, int, Any, Any, Any, int]] = []
+        stamps: list[tuple[str, int, Any, Any, Any, int, Any]] = []
+        self._encoder_spans: dict[tuple[int, int], tuple[Any, Any]] = {}
         in_flight: dict[tuple[int, int], _InFlight] = {}
         self._posted.clear()  # nothing left over from a step that failed
         self._weight_work.clear()
@@ -591,7 +595,9 @@ class PipelineEngine:
             start = getattr(self, method)(chunk, mb, plan, batch, in_flight, (v, j))
             # start is None for an empty share: it waited for nothing and computed nothing.
             start = arrive if start is None else start
-            stamps.append((timing, j, arrive, start, clock.mark(), v))
+            stamps.append(
+                (timing, j, arrive, start, clock.mark(), v, self._encoder_spans.pop((v, j), None))
+            )
         self._wait_sends()
         self._all_reduce_grads()
         self._sum_tied_grads()
@@ -702,8 +708,9 @@ class PipelineEngine:
                 clock.seconds(stop),
                 clock.seconds(start) - clock.seconds(arrive),
                 v,
+                0.0 if span is None else clock.seconds(span[1]) - clock.seconds(span[0]),
             )
-            for kind, j, arrive, start, stop, v in stamps
+            for kind, j, arrive, start, stop, v, span in stamps
         )
         step_time_s = clock.seconds(end)
         busy_s = sum(t.duration_s for t in timings)
@@ -812,6 +819,7 @@ class PipelineEngine:
             start = self.clock.mark()
             if ci.holds_encoder and share.visual_rows > 0:
                 features = self._encode_own(stage, mb, batch)
+                self._encoder_spans[(ci.virtual_stage, mb.index)] = (start, self.clock.mark())
             x = stage.embed(text.token_ids.to(self.device))
             if share.visual_rows > 0:
                 features = features.to(self.device)

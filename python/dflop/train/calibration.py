@@ -97,9 +97,15 @@ class OnlineCalibration:
     ) -> None:
         """Fold one measured step in: the forward shares, the cost model (when given:
         ``adaptive``) and the link latency (``audit``: the step model's view of the step,
-        priced before it ran)."""
+        priced before it ran). A colocated layout's first stage times its encoder's forward
+        apart, its backward by the encoder's forward share (which that layout leaves as it
+        is: :func:`~dflop.train.metrics.measured_microbatch_times`)."""
         encoder_s, llm_s, fraction = measured_microbatch_times(
-            records, schedule.num_microbatches, layout.encoder.dp, schedule.dp_size
+            records,
+            schedule.num_microbatches,
+            layout.encoder.dp,
+            schedule.dp_size,
+            self.forward_fraction["encoder"],
         )
         for module, value in fraction.items():  # smoothed forward share, for predictions
             self.forward_fraction[module] = 0.8 * self.forward_fraction[module] + 0.2 * value

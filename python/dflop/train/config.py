@@ -18,6 +18,7 @@ from typing import Any
 from dflop._deprecated import warn_renamed
 from dflop.errors import InputTypeError, bounded_repr
 from dflop.models.trainable import DEFAULT_LORA_TARGETS, LoraSettings, TrainableParts
+from dflop.planner.model import PLACEMENTS
 from dflop.safe_io import not_regular_reason
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
 ]
 
 SCHEDULE_MODES: tuple[str, ...] = ("dflop", "blind", "compare")
+
 LOGGERS: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb"}
 """``TrainConfig.log``'s loggers, each with the package it needs (the ``log`` extra)."""
 WANDB_MODES: tuple[str, ...] = ("online", "offline", "disabled")
@@ -95,8 +97,16 @@ class TrainConfig:
     layout: str | None = _field(
         "model",
         None,
-        "a manual layout, e.g. enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1,m=4 (with neither plan "
+        "a manual layout, e.g. enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1,m=4, or "
+        "colocated,llm_dp=2,m=4 for the encoder inside the LLM's first stage (with neither plan "
         "nor layout, the planner plans for nproc local processes)",
+    )
+    placement: str = _field(
+        "model",
+        "any",
+        "where the planner may put the encoder (planning here, without plan or layout): any, "
+        "disaggregated (ranks of its own) or colocated (inside the LLM's first stage)",
+        choices=PLACEMENTS,
     )
     pipeline_order: str | None = _field(
         "model",
@@ -510,6 +520,8 @@ class TrainConfig:
             raise bad("device", "'auto', 'cpu' or 'cuda'")
         if self.launch not in ("auto", "processes", "threads"):
             raise bad("launch", "'auto', 'processes' or 'threads'")
+        if self.placement not in PLACEMENTS:
+            raise bad("placement", "'any', 'disaggregated' or 'colocated'")
         if self.deterministic and self.calibrate_steps:
             raise ValueError(
                 f"TrainConfig.calibrate_steps={self.calibrate_steps}: a deterministic run plans "

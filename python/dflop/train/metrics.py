@@ -131,6 +131,8 @@ class RankRecord:
     busy_s: float
     actions: tuple[tuple[str, int, float, float], ...]
     """(kind "forward"/"backward", microbatch, start_s, end_s) in execution order."""
+    encoder_forward_s: tuple[tuple[int, float], ...] = ()
+    """A colocated first stage's (microbatch, seconds of its forward in the encoder)."""
 
 
 @dataclass(frozen=True)
@@ -229,7 +231,11 @@ def peak_flops(device: Any, stated_tflops: float | None) -> float | None:
 
 
 def measured_microbatch_times(
-    records: list[RankRecord], num_microbatches: int, encoder_dp: int, llm_dp: int
+    records: list[RankRecord],
+    num_microbatches: int,
+    encoder_dp: int,
+    llm_dp: int,
+    encoder_forward_share: float = 1.0 / 3.0,
 ) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
     """Measured forward + backward seconds per microbatch and replica.
 
@@ -237,6 +243,10 @@ def measured_microbatch_times(
     of microbatch j on a replica is summed over that replica's stages (an encoder replica
     computes its pieces of the microbatch: what the cost model prices for those units).
     ``forward_fraction`` per module: forward seconds over forward + backward seconds.
+    A colocated first stage times its encoder's forward apart (``encoder_forward_s``);
+    its backward runs in the stage's one autograd pass, so the encoder's share of it is
+    taken from ``encoder_forward_share`` (its forward over forward + backward), the rest
+    counted as the LLM's, and the encoder's forward fraction is that share.
     """
     encoder = np.zeros((num_microbatches, encoder_dp))
     llm = np.zeros((num_microbatches, llm_dp))
@@ -252,6 +262,14 @@ def measured_microbatch_times(
             total[r.module] += duration
             if kind == "forward":
                 forward[r.module] += duration
+        for j, forward_s in r.encoder_forward_s:  # a colocated first stage: move it over
+            encoder_s = forward_s / encoder_forward_share
+            encoder[j, r.dp_rank] += encoder_s
+            llm[j, r.dp_rank] -= encoder_s
+            total["llm"] -= encoder_s
+            forward["llm"] -= forward_s
+            total["encoder"] += encoder_s
+            forward["encoder"] += forward_s
     fraction = {k: forward[k] / total[k] if total[k] > 0 else 1.0 / 3.0 for k in total}
     return encoder, llm, fraction
 

@@ -37,6 +37,7 @@ __all__ = [
     "plan_local",
     "profiled_tokens",
     "quick_profile",
+    "runtime_layout",
     "runtime_planner_config",
 ]
 
@@ -57,16 +58,22 @@ def parse_layout(
 ) -> RuntimeLayout:
     """``"enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1[,llm_v=2][,m=4]"`` as a
     :class:`RuntimeLayout` with uniform layer splits (``llm_v``: the LLM's virtual stages per
-    stage, run under interleaved 1F1B). Missing sizes are 1; ``m`` defaults to
+    stage, run under interleaved 1F1B); ``"colocated,llm_dp=2[,...]"``: the encoder inside
+    the LLM's first stage (no ``enc_*`` sizes). Missing sizes are 1; ``m`` defaults to
     ``num_microbatches`` or ``min(4, global_batch // llm_dp)`` (interleaved: rounded up to a
     multiple of ``llm_pp``)."""
     values: dict[str, int] = {}
+    colocated = False
     for part in filter(None, (p.strip() for p in spec.split(","))):
+        if part == "colocated":
+            colocated = True
+            continue
         key, eq, value = part.partition("=")
         key = key.strip()
         if not eq or key not in _LAYOUT_KEYS:
             raise ValueError(
-                f"layout {spec!r}: {part!r} is not KEY=VALUE with KEY in {sorted(_LAYOUT_KEYS)}"
+                f"layout {spec!r}: {part!r} is not 'colocated' or KEY=VALUE with KEY in "
+                f"{sorted(_LAYOUT_KEYS)}"
             )
         try:
             values[_LAYOUT_KEYS[key]] = int(value)
@@ -97,12 +104,22 @@ def parse_layout(
             f"layout {spec!r}: llm_pp x llm_v = {chunks} model chunks for an LLM of "
             f"{layers.llm_layers} layers (at most {layers.llm_layers})"
         )
+    if colocated:
+        given = sorted(
+            k for k, v in _LAYOUT_KEYS.items() if v.startswith("encoder_") and v in values
+        )
+        if given:
+            raise ValueError(
+                f"layout {spec!r}: {', '.join(given)} with 'colocated': a colocated encoder "
+                "runs on the LLM's first stage, with its tp and dp (drop them)"
+            )
     return RuntimeLayout.simple(
         **values,
         encoder_layers=layers.encoder_layers,
         llm_layers=layers.llm_layers,
         num_microbatches=m,
         global_batch=global_batch,
+        colocated=colocated,
     )
 
 
@@ -145,9 +162,9 @@ def layout_from_plan(
 
     Raises:
         ValueError: one line naming the file and the field: a field that breaks the plan
-            format's rules, a colocated layout (the runtime needs disjoint encoder and LLM
-            ranks), layer counts that do not match ``model``, or a global batch above
-            :data:`MAX_LOCAL_GLOBAL_BATCH`.
+            format's rules, a colocated layout with padded encoder heads
+            (:func:`runtime_layout`), layer counts that do not match ``model``, or a global
+            batch above :data:`MAX_LOCAL_GLOBAL_BATCH`.
     """
     from dflop.planner import Plan
 
@@ -157,13 +174,6 @@ def layout_from_plan(
         check_local_global_batch(best.global_batch, path)
     else:
         check_local_global_batch(global_batch)
-    if best.colocated:
-        raise ValueError(
-            f"{path}: layouts[0].colocated=true: the best layout is colocated "
-            f"({best.describe()}); dflop's runtime runs the encoder and the LLM on disjoint "
-            "ranks"
-        )
-    modules = {}
     spec = model_spec(model)
     for name, part, layers in (
         ("encoder", best.encoder, spec.encoder_layers),
@@ -175,15 +185,52 @@ def layout_from_plan(
                 f"sum to {sum(part.layers_per_stage)} layers, the model's {name} has "
                 f"{layers}: plan for the same model (dflop plan --encoder/--llm, or --local)"
             )
-        modules[name] = ModuleLayout(
-            part.tp, part.pp, part.dp, tuple(part.layer_ranges), part.virtual_stages
+    try:
+        return runtime_layout(
+            best,
+            num_microbatches=num_microbatches or best.num_microbatches,
+            global_batch=global_batch or best.global_batch,
         )
+    except ValueError as error:
+        raise ValueError(f"{path}: layouts[0]: {error}") from None
+
+
+def runtime_layout(
+    lp: Any, *, num_microbatches: int | None = None, global_batch: int | None = None
+) -> RuntimeLayout:
+    """A plan's layout (:class:`~dflop.planner.LayoutPlan`) as the
+    :class:`RuntimeLayout` that runs it (a colocated one with the encoder in the first LLM
+    stage); ``num_microbatches`` and ``global_batch`` replace the plan's.
+
+    Raises:
+        ValueError: a colocated layout whose encoder heads were padded to its TP degree
+            (the runtime shards heads without padding).
+    """
+    if lp.colocated and lp.encoder.padded_heads:
+        raise ValueError(
+            f"the colocated layout ({lp.describe()}) pads the encoder's heads to "
+            f"{lp.encoder.padded_heads} for tp={lp.llm.tp}; dflop's runtime shards heads "
+            "without padding: plan again (dflop's own colocated candidates use a tp that "
+            "divides the heads)"
+        )
+    llm = ModuleLayout(
+        lp.llm.tp, lp.llm.pp, lp.llm.dp, tuple(lp.llm.layer_ranges), lp.llm.virtual_stages
+    )
+    encoder_layers = sum(lp.encoder.layers_per_stage)
+    encoder = (
+        RuntimeLayout.colocated_encoder(encoder_layers, llm)
+        if lp.colocated
+        else ModuleLayout(
+            lp.encoder.tp, lp.encoder.pp, lp.encoder.dp, tuple(lp.encoder.layer_ranges)
+        )
+    )
     return RuntimeLayout(
-        encoder=modules["encoder"],
-        llm=modules["llm"],
-        num_microbatches=num_microbatches or best.num_microbatches,
-        global_batch=global_batch or best.global_batch,
-        order=best.order,
+        encoder=encoder,
+        llm=llm,
+        num_microbatches=num_microbatches or lp.num_microbatches,
+        global_batch=global_batch or lp.global_batch,
+        order=lp.order,
+        colocated=lp.colocated,
     )
 
 
@@ -456,6 +503,7 @@ def plan_local(
     loss_chunk_tokens: int = DEFAULT_LOSS_CHUNK_TOKENS,
     trainable: str = "full",
     lora_rank: int = 16,
+    placement: str = "any",
 ) -> LocalPlan:
     """Plan ``model`` on ``nproc`` local processes with ``dflop.planner.plan``.
 
@@ -465,8 +513,11 @@ def plan_local(
     on. ``num_microbatches`` restricts the planner's choice of m. A
     ``calibration`` (a short run's measurements) sets the link latency and forward shares.
     ``trainable``: the run's training regime (:class:`~dflop.models.trainable.TrainableParts`).
+    ``placement``: where the encoder may go: ``"any"``, ``"disaggregated"`` (ranks of its
+    own) or ``"colocated"`` (inside the LLM's first stage).
     """
     from dflop.planner import plan
+    from dflop.planner.model import placement_candidates
 
     encoder, llm = cost_configs(model)
     choices = None if num_microbatches is None else (int(num_microbatches),)
@@ -482,38 +533,27 @@ def plan_local(
         lora_rank,
         microbatch_choices=choices,
         top_k=20,
+        **placement_candidates(placement),
     )
     result = plan(
         cost_model, encoder, llm, cluster, global_batch=global_batch, shapes=shapes, config=config
     )
-    # The runtime needs the encoder on ranks of its own (no colocated layouts) and every
-    # local process used.
+    # Every local process used, and a layout the runtime runs (no padded heads).
     usable = [
         lp
         for lp in result.layouts
-        if not lp.colocated and lp.encoder.num_gpus + lp.llm.num_gpus == nproc
+        if lp.encoder.num_gpus + lp.llm.num_gpus == nproc
+        and not (lp.colocated and lp.encoder.padded_heads)
     ]
     if not usable:
         raise ValueError(
-            f"the planner found no layout with the encoder and the LLM on disjoint ranks "
-            f"over {nproc} processes (found: {[lp.describe() for lp in result.layouts]}); "
-            "pass a layout (--layout enc_dp=1,llm_pp=1)"
+            f"the planner found no {'' if placement == 'any' else placement + ' '}layout the "
+            f"runtime runs over {nproc} processes (found: "
+            f"{[lp.describe() for lp in result.layouts]}); pass a layout "
+            "(--layout enc_dp=1,llm_pp=1)"
         )
     best = usable[0]
-    layout = RuntimeLayout(
-        encoder=ModuleLayout(
-            best.encoder.tp, best.encoder.pp, best.encoder.dp, tuple(best.encoder.layer_ranges)
-        ),
-        llm=ModuleLayout(
-            best.llm.tp,
-            best.llm.pp,
-            best.llm.dp,
-            tuple(best.llm.layer_ranges),
-            best.llm.virtual_stages,
-        ),
-        num_microbatches=best.num_microbatches,
-        global_batch=global_batch,
-    )
+    layout = runtime_layout(best, global_batch=global_batch)
     return LocalPlan(layout, best.describe("processes"), best.prediction.step_time_s, result)
 
 
@@ -592,7 +632,7 @@ def local_cluster(
 
 def core_layout(layout: RuntimeLayout) -> dict[str, Any]:
     """A runtime layout in the planner core's form (``LayoutPlan.core_dict()``): encoder
-    ranks first, then the LLM's."""
+    ranks first, then the LLM's (a colocated layout: the LLM's from rank 0)."""
 
     def module(part: ModuleLayout, first_rank: int) -> dict[str, Any]:
         return {
@@ -607,9 +647,9 @@ def core_layout(layout: RuntimeLayout) -> dict[str, Any]:
 
     encoder = layout.encoder
     return {
-        "colocated": False,
+        "colocated": layout.colocated,
         "encoder": module(encoder, 0),
-        "llm": module(layout.llm, encoder.tp * encoder.pp * encoder.dp),
+        "llm": module(layout.llm, 0 if layout.colocated else encoder.num_gpus),
         "num_microbatches": layout.num_microbatches,
         "order": layout.order,
     }

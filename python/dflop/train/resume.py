@@ -57,7 +57,14 @@ MUST_MATCH: dict[str, str] = {
 }
 """Settings a resumed run must keep, with why."""
 
-LAYOUT_FIELDS: tuple[str, ...] = ("plan", "layout", "nproc", "global_batch", "num_microbatches")
+LAYOUT_FIELDS: tuple[str, ...] = (
+    "plan",
+    "layout",
+    "nproc",
+    "global_batch",
+    "num_microbatches",
+    "placement",
+)
 """Settings honoured when they give the checkpoint's layout (else refused)."""
 
 HONOURED: dict[str, str] = {

@@ -234,6 +234,7 @@ def _prepare(config: TrainConfig, log: Callable[[str], None]) -> Prepared:
             global_batch,
             data,
             num_microbatches=config.num_microbatches,
+            placement=config.placement,
             **common,
         )
         description = f"planned for {nproc} local processes: {local.description}"
@@ -744,9 +745,13 @@ def _run_local(config: TrainConfig, log: Callable[[str], None], prepared: Prepar
     launch_kind = _launch_kind(config, device_kind, layout)
     chunks = layout.llm.virtual_stages
     interleaved = f" x {chunks} virtual stages" if chunks > 1 else ""
+    encoder = (
+        "encoder colocated in the first LLM stage"
+        if layout.colocated
+        else f"encoder tp={layout.encoder.tp} pp={layout.encoder.pp} dp={layout.encoder.dp}"
+    )
     log(
-        f"{prepared.description}: encoder tp={layout.encoder.tp} pp={layout.encoder.pp} "
-        f"dp={layout.encoder.dp} | LLM tp={layout.llm.tp} pp={layout.llm.pp}{interleaved} "
+        f"{prepared.description}: {encoder} | LLM tp={layout.llm.tp} pp={layout.llm.pp}{interleaved} "
         f"dp={layout.llm.dp} | {layout.num_microbatches} microbatches x global batch "
         f"{layout.global_batch} | {world_size} {launch_kind} on {device_kind} | scheduler "
         f"{config.scheduler}, pipeline {layout.pipeline_order} | trains {config.trainable}"

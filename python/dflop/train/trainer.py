@@ -40,6 +40,7 @@ from dflop.models.trainable import (
     merge_lora,
     write_adapter_config,
 )
+from dflop.runtime.colocated import stage_parts
 from dflop.runtime.topology import RuntimeLayout
 from dflop.scheduling.balance import Schedule, data_blind_schedule, schedule_from_assignment
 from dflop.scheduling.pipeline_schedule import PipelineModel
@@ -140,7 +141,8 @@ class Trainer:
         # nothing trainable at or before it runs forward only.
         # LoRA parts: frozen weights and trainable adapters.
         self.trainable = config.trainable_parts()
-        freeze_stage(self.stage, self.spec, self.info.module, self.trainable, config.seed)
+        for module, part in stage_parts(self.stage, self.info.module):  # colocated: both
+            freeze_stage(part, self.spec, module, self.trainable, config.seed)
         self.engine = PipelineEngine(
             self.topology,
             self.stage,
@@ -237,10 +239,12 @@ class Trainer:
         self._plan_forward_fraction = self.calibration.full_training_shares
         # Until the steps calibrate it, the latency the plan was scored with.
         self.calibration.link_latency_s = self.predictor.cluster.link_latency_s
+        if self.layout.colocated:  # scheduled per step as the plan scores it (_colocated)
+            return
         self.scheduler = AsyncScheduler(
             self.layout.num_microbatches,
             self.layout.llm.dp,
-            microbatch_dims=(0,),
+            microbatch_dims=self._microbatch_dims,
             seed=self.config.seed,
             lookahead=self.config.lookahead,
             max_growth=self.config.max_growth,
@@ -252,11 +256,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ scheduling (rank 0)
 
-    def _scheduler_view(self, shapes: Any) -> tuple[np.ndarray, PipelineModel]:
+    @property
+    def _microbatch_dims(self) -> tuple[int, ...]:
+        """The cost columns a microbatch shares over replicas: the encoder's (its replicas
+        split each microbatch by unit), none in a colocated layout (each LLM replica
+        encodes its own samples)."""
+        return () if self.layout.colocated else (0,)
+
+    def _scheduler_view(self, shapes: Any) -> tuple[np.ndarray, PipelineModel | None]:
         """What the scheduler sees of ``shapes``: per-sample seconds of an average stage of
         each module (the encoder's on one replica: its replicas share each microbatch by
         unit) and the pipeline, by the planner's model of this layout (the same numbers a
-        plan was scored with) priced by the current cost model and calibration."""
+        plan was scored with) priced by the current cost model and calibration. A colocated
+        layout: the first stage's seconds (encoder and its LLM layers) and an average LLM
+        stage's, balanced per bin as the planner scores it, no pipeline model (None)."""
         return self.predictor.scheduler_view(
             self.cost_model,
             shapes,
@@ -273,18 +286,20 @@ class Trainer:
             shapes = self.step_shapes.shapes(step)
         self._submitted[step] = shapes
         costs, model = self._scheduler_view(shapes)
-        if self.config.pipeline_schedule:
+        if self.config.pipeline_schedule and model is not None:
             self.scheduler.submit(
                 step, costs, deadline_s=deadline, pipeline=model, units=shapes.encoder_units
             )
-        else:  # balance alone: the encoder's cost per replica
-            self.scheduler.submit(step, model.balance_costs(costs), deadline_s=deadline)
+        else:  # balance alone: the encoder's cost per replica (colocated: per bin)
+            self.scheduler.submit(step, _balance_costs(costs, model), deadline_s=deadline)
 
     def _leader_schedules(self, step: int, shapes: Any) -> dict[str, Schedule]:
         m, dp = self.layout.num_microbatches, self.layout.llm.dp
         out: dict[str, Schedule] = {}
         for mode in self.config.modes:
-            if mode == "dflop":
+            if mode == "dflop" and self.layout.colocated:
+                out[mode] = self._colocated_schedule(step, shapes)
+            elif mode == "dflop":
                 out[mode] = self.scheduler.get(step)
                 if not _same_shapes(self._submitted.pop(step), shapes):
                     # A record was replaced since the step was submitted (its images did
@@ -298,10 +313,31 @@ class Trainer:
             else:
                 costs = np.stack([shapes.encoder_tokens, shapes.seq_len], axis=1).astype(float)
                 if self.cost_model is not None:
-                    stage_costs, model = self._scheduler_view(shapes)
-                    costs = model.balance_costs(stage_costs)
-                out[mode] = data_blind_schedule(costs, m, dp, microbatch_dims=(0,))
+                    costs = _balance_costs(*self._scheduler_view(shapes))
+                out[mode] = data_blind_schedule(costs, m, dp, microbatch_dims=self._microbatch_dims)
         return out
+
+    def _colocated_schedule(self, step: int, shapes: Any) -> Schedule:
+        """A colocated layout's schedule of ``shapes``: the planner's own (its balance of
+        the first stage's and an average stage's per-bin costs, and the microbatch order it
+        scores; ``StepPredictor.planned_step``), priced by the current cost model and
+        calibration, so that the runtime executes what a plan predicts. A few
+        milliseconds: computed when the step comes, without the background scheduler."""
+        planned = self.predictor.planned_step(
+            self.cost_model,
+            shapes,
+            seed=self.config.seed + step,
+            forward_fraction=self.calibration.full_training_shares,
+            link_latency_s=self.calibration.link_latency_s,
+        )
+        costs = _balance_costs(*self._scheduler_view(shapes))
+        return schedule_from_assignment(
+            costs,
+            planned.assignment,
+            self.layout.num_microbatches,
+            self.layout.llm.dp,
+            microbatch_dims=(),
+        )
 
     def _audit(self, s: Schedule, shapes: Any) -> Any:
         """The planner's model of this step under schedule ``s`` (the same function a plan
@@ -395,7 +431,9 @@ class Trainer:
         zeros = np.zeros((n, 2))
         m, dp = self.layout.num_microbatches, self.layout.llm.dp
         return {
-            mode: schedule_from_assignment(zeros, assignments[i], m, dp, microbatch_dims=(0,))
+            mode: schedule_from_assignment(
+                zeros, assignments[i], m, dp, microbatch_dims=self._microbatch_dims
+            )
             for i, mode in enumerate(modes)
         }, costs.cpu().numpy()
 
@@ -410,6 +448,9 @@ class Trainer:
                 step_time_s=result.step_time_s,
                 busy_s=result.busy_s,
                 actions=tuple((t.kind, t.microbatch, t.start_s, t.end_s) for t in result.timings),
+                encoder_forward_s=tuple(
+                    (t.microbatch, t.encoder_s) for t in result.timings if t.encoder_s > 0
+                ),
             )
             for mode, result in mode_results.items()
         }
@@ -633,16 +674,19 @@ class Trainer:
         parts = self.trainable
         weight_map: dict[str, str] = {}
         adapter: tuple[list[str], list[str]] = ([], [])
-        if info.dp_rank == 0:  # every TP rank gathers the shards (a collective), one writes
-            stage = self.stage
+        # Every TP rank gathers the shards (a collective), one writes; a colocated first
+        # stage writes its encoder and its LLM layers as two files.
+        for module, stage in stage_parts(self.stage, info.module) if info.dp_rank == 0 else ():
             own = stage.model_state_dict() if isinstance(stage, StageChunks) else stage.state_dict()
             state = {k: full_tensor(v) for k, v in own.items()}
             if info.tp_rank == 0:
-                name = f"model-{info.module}-stage{info.global_stage:03d}.safetensors"
+                name = f"{module}-stage{info.global_stage:03d}"
                 if parts.uses_lora:
-                    adapter = self._save_adapter_part(folder, state)
+                    layers, modules = self._save_adapter_part(folder, state, module, name)
+                    adapter[0].extend(layers)
+                    adapter[1].extend(modules)
                     state = merge_lora(state, parts.lora)
-                weight_map = self.spec.save_shard(folder, name, state)
+                weight_map.update(self.spec.save_shard(folder, f"model-{name}.safetensors", state))
         gathered: list[Any] | None = [None] * self.world_size if self.is_leader else None
         dist.gather_object((weight_map, adapter), gathered, dst=0)
         if self.is_leader:
@@ -654,18 +698,20 @@ class Trainer:
                 self._finish_adapter(folder, [a for _, a in gathered])
         dist.barrier()
 
-    def _save_adapter_part(self, folder: str, state: dict[str, Any]) -> tuple[list, list]:
-        """This stage's share of the PEFT adapter folder (``folder/lora-adapter``): its
-        tensors in a part file rank 0 joins; returns (adapted layers, full modules)."""
+    def _save_adapter_part(
+        self, folder: str, state: dict[str, Any], module: str, name: str
+    ) -> tuple[list, list]:
+        """A stage part's share of the PEFT adapter folder (``folder/lora-adapter``): the
+        tensors of ``state`` (a ``module`` part) in a part file ``name`` that rank 0 joins;
+        returns (adapted layers, full modules)."""
         from safetensors.torch import save_file
 
-        module = self.info.module
         tensors, layers, modules = adapter_tensors(
-            state, self.trainable, lambda name: self.spec.parameter_part(module, name)
+            state, self.trainable, lambda key: self.spec.parameter_part(module, key)
         )
         parts_dir = os.path.join(folder, "lora-adapter", "parts")
         os.makedirs(parts_dir, exist_ok=True)
-        path = os.path.join(parts_dir, f"stage{self.info.global_stage:03d}.safetensors")
+        path = os.path.join(parts_dir, f"{name}.safetensors")
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path)
         return layers, modules
 
@@ -688,6 +734,12 @@ class Trainer:
         write_adapter_config(adapter_dir, self.trainable, layers, modules, base)
         start = base or f"the initial weights of seed {self.config.seed}"
         print(f"saved the LoRA adapters (PEFT) to {adapter_dir}; they apply to {start}", flush=True)
+
+
+def _balance_costs(costs: np.ndarray, model: PipelineModel | None) -> np.ndarray:
+    """What the balance alone minimises: :meth:`PipelineModel.balance_costs`, or a
+    colocated layout's per-bin costs as they are (no pipeline model)."""
+    return costs if model is None else model.balance_costs(costs)
 
 
 def _passthrough_factors(performance_model: Any) -> dict[str, Any] | None:

@@ -315,3 +315,55 @@ def test_zero_bubble_memory_keeps_what_w_waits_for() -> None:
             np.testing.assert_array_equal(extra, 0.0)
         else:  # the LLM stage (its input takes the projector's gradient) keeps more
             assert extra[-1] > 0 and np.all(extra >= 0)
+
+
+@pytest.mark.parametrize("trainable", ["full", "frozen-vision"])
+def test_a_colocated_plan_schedules_each_step_as_the_trainer_does(trainable: str) -> None:
+    """A colocated layout (the encoder inside the first LLM stage, run by the runtime as
+    ``RuntimeLayout(colocated=True)``): the trainer schedules step b with the predictor's
+    ``planned_step`` (the planner's own balance and microbatch order, seeded as batch b)
+    into exactly the schedule the plan records, and its audit gives the plan's step
+    time."""
+    encoder, llm = cost_configs(CONFIG)
+    cost_model = AnalyticCostModel(encoder, llm)
+    layout = RuntimeLayout.simple(
+        llm_pp=2,
+        encoder_layers=CONFIG.vision.layers,
+        llm_layers=CONFIG.decoder.layers,
+        num_microbatches=MICROBATCHES,
+        global_batch=GLOBAL_BATCH,
+        colocated=True,
+    )
+    core = core_layout(layout)
+    assert core["colocated"] and core["llm"]["first_rank"] == 0
+    cluster = local_cluster(layout.world_size, MemoryBudget(8e9, 0.0, "test"), link_latency_s=2e-4)
+    config = PlannerConfig(
+        num_batches=len(UNITS), seed=5, forward_fraction=(0.4, 0.35), trainable=trainable
+    )
+    inputs = prepare_inputs(
+        cost_model,
+        encoder,
+        llm,
+        global_batch=GLOBAL_BATCH,
+        shapes=FixedBatches(),
+        num_batches=3,
+        forward_fraction=config.forward_fraction,
+        trainable=trainable,
+    )
+    planned = runtime_scored(
+        cluster, inputs, evaluate_layout(cluster, inputs, core, config), config
+    )
+    assert planned.colocated
+    predictor = StepPredictor(cluster, encoder, llm, core, config)
+    for b, step in enumerate(planned.steps):
+        shapes = FixedBatches().sample(GLOBAL_BATCH, b)
+        mine = predictor.planned_step(cost_model, shapes, seed=config.seed + b)
+        np.testing.assert_array_equal(mine.assignment, step.assignment)
+        assert mine.num_encoder_stages == 0
+        assert mine.step_time_s == pytest.approx(step.step_time_s, rel=1e-12)
+        audit = predictor.audit(cost_model, shapes, mine.assignment)  # the trainer's audit
+        assert audit.step_time_s == pytest.approx(step.step_time_s, rel=1e-12)
+        costs, model = predictor.scheduler_view(
+            cost_model, shapes, (0.4, 0.35), cluster.link_latency_s, config.forward_fraction
+        )
+        assert model is None and costs.shape == (GLOBAL_BATCH, 2)

@@ -29,12 +29,18 @@ MAX_MESSAGE = 700
 
 @pytest.fixture(scope="module")
 def local_plan(tmp_path_factory) -> dict[str, Any]:
-    """The JSON of a local plan of the tiny model for 2 processes (global batch 16)."""
+    """The JSON of a local plan of the tiny model for 2 processes (global batch 16), with
+    encoder ranks of its own (the rules below edit them)."""
     from dflop.train import TrainConfig
     from dflop.train.run import prepare
 
     config = TrainConfig(
-        model="tiny", nproc=2, global_batch=16, deterministic=True, calibrate_steps=0
+        model="tiny",
+        nproc=2,
+        global_batch=16,
+        deterministic=True,
+        calibrate_steps=0,
+        placement="disaggregated",
     )
     path = tmp_path_factory.mktemp("plans") / "local.json"
     prepare(config, log=lambda _: None).plan.save(path)
@@ -54,7 +60,7 @@ def cluster_plan(tmp_path_factory) -> dict[str, Any]:
         llm,
         ClusterSpec(num_gpus=8),
         global_batch=64,
-        config=PlannerConfig(num_batches=2, top_k=2),
+        config=PlannerConfig(num_batches=2, top_k=2, colocated_candidates=False),
     )
     path = tmp_path_factory.mktemp("plans") / "cluster.json"
     result.save(path)

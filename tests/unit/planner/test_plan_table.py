@@ -9,7 +9,7 @@ from dflop.planner import ClusterSpec, PlannerConfig, plan
 from dflop.planner.result import _bytes
 
 
-def _eight_gpu_plan():
+def _eight_gpu_plan(colocated: bool = True):
     """siglip-400m + llm-7b on one 8-GPU node: the colocated data-blind baseline is faster than
     any layout with encoder GPUs of its own (as ``dflop plan --gpus 8`` finds)."""
     encoder, llm = ENCODER_PRESETS["siglip-400m"], LLM_PRESETS["llm-7b"]
@@ -19,17 +19,28 @@ def _eight_gpu_plan():
         llm,
         ClusterSpec(num_gpus=8),
         global_batch=256,
-        config=PlannerConfig(),
+        config=PlannerConfig(colocated_candidates=colocated),
     )
 
 
-def test_a_plan_slower_than_the_baseline_says_so_and_why() -> None:
+def test_the_baselines_placement_with_dflops_schedule_is_a_candidate() -> None:
+    """By default the baseline's own (colocated) placement is a candidate under dflop's
+    schedule, so the plan is not slower than the baseline, and says nothing about it."""
     result = _eight_gpu_plan()
+    assert result.best.colocated and not result.best.encoder.padded_heads
+    assert result.best.llm.describe() == result.baseline.llm.describe()  # the same GPUs
+    assert result.speedup_over_baseline >= 1.0
+    assert "slower than the" not in result.table()
+
+
+def test_a_plan_slower_than_the_baseline_says_so_and_why() -> None:
+    result = _eight_gpu_plan(colocated=False)
     assert result.speedup_over_baseline < 1.0
     table = result.table()
     slower = 100 * (1 / result.speedup_over_baseline - 1)
     assert f"note: dflop's best layout is predicted {slower:.1f}% slower than the" in table
-    assert "colocated, Megatron-style), which dflop's runtime does not execute" in table
+    assert "(colocated, Megatron-style); dflop's best gives the encoder 2 of 8" in table
+    assert "this plan left colocated layouts out" in table
     assert "rc: activation recomputation" in table or " rc)" not in table
     assert "blind: the data-blind baseline" in table and "colocated: the encoder" in table
     assert " GB" in table and "enc 2 GPUs" in table

@@ -25,7 +25,9 @@ from dflop.planner import (
     simulate_layout,
 )
 
-FAST = PlannerConfig(num_batches=2, top_k=3)
+# Disaggregated layouts only (as before colocated candidates were on by default): these tests
+# check the disaggregated search; test_layouts_respect_constraints adds the colocated ones.
+FAST = PlannerConfig(num_batches=2, top_k=3, colocated_candidates=False)
 
 
 def _plan(
@@ -99,9 +101,10 @@ def test_layouts_respect_constraints() -> None:
         assert p.peak_memory_bytes <= result.cluster.gpu_memory_bytes
     times = [lp.prediction.step_time_s for lp in result.layouts]
     assert times == sorted(times)
-    # By default only layouts dflop's runtime executes (encoder and LLM on disjoint GPUs);
-    # with colocated candidates the search covers the baseline's layouts and beats it.
+    # FAST: disaggregated layouts only. By default the colocated ones are candidates too
+    # (the runtime runs them): the search covers the baseline's layouts and beats it.
     assert not any(lp.colocated for lp in result.layouts)
+    assert PlannerConfig().colocated_candidates
     both = _plan(16, config=replace(FAST, colocated_candidates=True))
     assert both.best.prediction.step_time_s <= result.best.prediction.step_time_s
     assert both.best.prediction.step_time_s <= both.baseline.prediction.step_time_s
@@ -257,7 +260,7 @@ def test_interleaved_candidates_pruned_exactly_and_planned_end_to_end(tmp_path) 
     from dflop.planner.search import audited
     from dflop.train.planning import layout_from_plan
 
-    interleave = PlannerConfig(num_batches=2, top_k=3, virtual_stage_choices=(1, 2))
+    interleave = replace(FAST, virtual_stage_choices=(1, 2))
     inputs = _inputs(batch=16)
     cluster = ClusterSpec(num_gpus=16)
     pruned, _ = search_layouts(cluster, inputs, interleave)
@@ -304,7 +307,7 @@ def test_large_clusters_plan_with_bounded_effort() -> None:
     inputs = _inputs(batch=2048, batches=2)
     layouts, raw = search_layouts(ClusterSpec(num_gpus=1024), inputs, PlannerConfig(num_batches=2))
     stats = raw["stats"]
-    assert layouts and not layouts[0].colocated
+    assert layouts
     assert stats["num_scheduled"] < 5000 < stats["num_candidates"]
     assert (
         stats["num_pruned"]
