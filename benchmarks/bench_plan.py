@@ -12,12 +12,13 @@ runtime, what the encoder's split costs and what wins it back, and planning at s
    - reference: the reference's optimizer, its closed form (m + S - 1) x slowest stage on
      MEAN shapes picks the layout; balanced every step, no microbatch ordering.
    - dflop: what the runtime executes: disjoint encoder/LLM GPUs, the encoder's DP
-     replicas sharing each microbatch by visual unit (the runtime's split_units),
+     replicas sharing each microbatch by visual unit (the runtime's split_units), or a
+     colocated layout (the encoder inside the first LLM stage, at a tp dividing its heads),
      balanced schedules, microbatch ordering.
    - ablations of dflop: without microbatch ordering; whole-sample encoder split; the
      old even split (each encoder replica a dp-th of every microbatch: NOT executable by
      any runtime, shown with its own promise and with the runtime's split of its layout);
-     with colocated candidates (dflop's runtime does not execute them).
+     disaggregated layouts only (no colocated candidates).
 
 2. Plan and runtime agree: for every setting's chosen layout (and the two settings that
    exposed the even split), the plan's step time equals the re-simulation of its recorded
@@ -120,7 +121,7 @@ METHODS = (
     ("sample", "ablation: whole-sample encoder split", "data_aware", {"split": "sample"}, None),
     ("even", "ablation: even split (UNREACHABLE)", "data_aware", {"split": "even"}, None),
     ("even_real", "  the even split's layout, as run", "data_aware", {"split": "even"}, "unit"),
-    ("coloc", "analysis: + colocated layouts (not executed)", "data_aware", {"coloc": True}, None),
+    ("disagg", "ablation: disaggregated layouts only", "data_aware", {"coloc": False}, None),
 )
 
 
@@ -131,7 +132,7 @@ def _config(batches: int, top_k: int = 1, **changes) -> PlannerConfig:
         top_k=top_k,
         order_microbatches=changes.get("order", True),
         encoder_split=changes.get("split", "unit"),
-        colocated_candidates=changes.get("coloc", False),
+        colocated_candidates=changes.get("coloc", True),
         runtime_schedule=changes.get("runtime", True),
         virtual_stage_choices=changes.get("chunks", (1,)),
     )

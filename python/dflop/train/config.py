@@ -101,11 +101,12 @@ class TrainConfig:
         "colocated,llm_dp=2,m=4 for the encoder inside the LLM's first stage (with neither plan "
         "nor layout, the planner plans for nproc local processes)",
     )
-    placement: str = _field(
+    placement: str | None = _field(
         "model",
-        "any",
-        "where the planner may put the encoder (planning here, without plan or layout): any, "
-        "disaggregated (ranks of its own) or colocated (inside the LLM's first stage)",
+        None,
+        "where the planner may put the encoder (planning here, without plan or layout): any "
+        "(the default), disaggregated (ranks of its own) or colocated (inside the LLM's "
+        "first stage)",
         choices=PLACEMENTS,
     )
     pipeline_order: str | None = _field(
@@ -520,7 +521,7 @@ class TrainConfig:
             raise bad("device", "'auto', 'cpu' or 'cuda'")
         if self.launch not in ("auto", "processes", "threads"):
             raise bad("launch", "'auto', 'processes' or 'threads'")
-        if self.placement not in PLACEMENTS:
+        if self.placement is not None and self.placement not in PLACEMENTS:
             raise bad("placement", "'any', 'disaggregated' or 'colocated'")
         if self.deterministic and self.calibrate_steps:
             raise ValueError(

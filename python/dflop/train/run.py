@@ -234,7 +234,7 @@ def _prepare(config: TrainConfig, log: Callable[[str], None]) -> Prepared:
             global_batch,
             data,
             num_microbatches=config.num_microbatches,
-            placement=config.placement,
+            placement=config.placement or "any",
             **common,
         )
         description = f"planned for {nproc} local processes: {local.description}"

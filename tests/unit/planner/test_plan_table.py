@@ -4,12 +4,14 @@ it is."""
 
 from __future__ import annotations
 
+import pytest
 from dflop.data.costs import ENCODER_PRESETS, LLM_PRESETS, AnalyticCostModel
 from dflop.planner import ClusterSpec, PlannerConfig, plan
+from dflop.planner.model import placement_candidates
 from dflop.planner.result import _bytes
 
 
-def _eight_gpu_plan(colocated: bool = True):
+def _eight_gpu_plan(placement: str = "any"):
     """siglip-400m + llm-7b on one 8-GPU node: the colocated data-blind baseline is faster than
     any layout with encoder GPUs of its own (as ``dflop plan --gpus 8`` finds)."""
     encoder, llm = ENCODER_PRESETS["siglip-400m"], LLM_PRESETS["llm-7b"]
@@ -19,7 +21,7 @@ def _eight_gpu_plan(colocated: bool = True):
         llm,
         ClusterSpec(num_gpus=8),
         global_batch=256,
-        config=PlannerConfig(colocated_candidates=colocated),
+        config=PlannerConfig(**placement_candidates(placement)),
     )
 
 
@@ -34,7 +36,7 @@ def test_the_baselines_placement_with_dflops_schedule_is_a_candidate() -> None:
 
 
 def test_a_plan_slower_than_the_baseline_says_so_and_why() -> None:
-    result = _eight_gpu_plan(colocated=False)
+    result = _eight_gpu_plan(placement="disaggregated")
     assert result.speedup_over_baseline < 1.0
     table = result.table()
     slower = 100 * (1 / result.speedup_over_baseline - 1)
@@ -73,3 +75,50 @@ def test_a_narrow_top_k_looks_further_when_its_layouts_do_not_fit_as_run() -> No
         assert 1 <= len(result.layouts) <= top_k
         best[top_k] = result.best.core_dict()
     assert best[1] == best[5]
+
+
+def test_a_colocated_plan_becomes_the_runtime_layout_that_runs_it(tmp_path) -> None:
+    """The best (colocated) layout of a plan is a colocated RuntimeLayout on the LLM's
+    GPUs; a baseline whose encoder heads were padded is refused, saying why."""
+    from dflop.models import model_config
+    from dflop.train.planning import layout_from_plan, runtime_layout
+
+    result = _eight_gpu_plan()
+    path = tmp_path / "plan.json"
+    result.save(path)
+    layout = layout_from_plan(path, model_config("siglip-400m+llm-7b"))
+    best = result.best
+    assert layout.colocated and layout.world_size == 8
+    assert (layout.llm.tp, layout.llm.pp, layout.llm.dp) == (best.llm.tp, best.llm.pp, best.llm.dp)
+    assert (layout.encoder.tp, layout.encoder.pp, layout.encoder.dp) == (
+        best.llm.tp,
+        1,
+        best.llm.dp,
+    )
+    encoder, llm = ENCODER_PRESETS["vit-6b"], LLM_PRESETS["llm-7b"]  # 25 heads
+    padded = plan(
+        AnalyticCostModel(encoder, llm),
+        encoder,
+        llm,
+        ClusterSpec(num_gpus=16),
+        global_batch=64,
+        config=PlannerConfig(num_batches=2, top_k=2),
+    ).baseline
+    assert padded.colocated and padded.encoder.padded_heads
+    with pytest.raises(ValueError, match="pads the encoder's heads to .* without padding"):
+        runtime_layout(padded)
+
+
+def test_placements_restrict_the_candidates() -> None:
+    assert placement_candidates("colocated") == {
+        "colocated_candidates": True,
+        "disaggregated_candidates": False,
+    }
+    with pytest.raises(ValueError, match="placement='nowhere' must be one of any"):
+        placement_candidates("nowhere")
+    with pytest.raises(ValueError, match="both False: no layout would be a candidate"):
+        PlannerConfig(colocated_candidates=False, disaggregated_candidates=False)
+    colocated = _eight_gpu_plan(placement="colocated")
+    assert all(lp.colocated for lp in colocated.layouts)
+    disaggregated = _eight_gpu_plan(placement="disaggregated")
+    assert not any(lp.colocated for lp in disaggregated.layouts)
