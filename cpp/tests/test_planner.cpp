@@ -191,13 +191,27 @@ TEST_CASE(baselines_run) {
   CHECK(ref.best[0].estimate_s > 0.0);
   p.options.strategy = dflop::PlanStrategy::DataAware;
   p.options.top_k = 1;
-  const auto disaggregated = run(p);  // the default: what the runtime executes
-  CHECK(!disaggregated.best[0].layout.colocated);
-  // With colocated candidates too, the data-aware search covers the baseline's layouts.
-  p.options.colocated_candidates = true;
+  CHECK(p.options.colocated_candidates && p.options.disaggregated_candidates);  // defaults
   const auto dflop_best = run(p);
-  CHECK(dflop_best.best[0].mean_step_time_s <= blind.best[0].mean_step_time_s);
+  p.options.colocated_candidates = false;
+  const auto disaggregated = run(p);
+  CHECK(!disaggregated.best[0].layout.colocated);
+  // With colocated candidates (the default) the data-aware search covers the baseline's
+  // placement: where its TP degree divides the encoder's heads, its very layout.
   CHECK(dflop_best.best[0].mean_step_time_s <= disaggregated.best[0].mean_step_time_s);
+  if (p.encoder.num_heads % blind.best[0].layout.llm.tp == 0) {
+    CHECK(dflop_best.best[0].mean_step_time_s <= blind.best[0].mean_step_time_s);
+  }
+  // Colocated only: every candidate colocated, at a TP degree dividing the heads.
+  p.options.colocated_candidates = true;
+  p.options.disaggregated_candidates = false;
+  p.options.top_k = 3;
+  const auto colocated = run(p);
+  CHECK(!colocated.best.empty());
+  for (const auto& s : colocated.best) {
+    CHECK(s.layout.colocated);
+    CHECK_EQ(p.encoder.num_heads % s.layout.llm.tp, int64_t{0});
+  }
 }
 
 TEST_CASE(colocated_encoder_heads_are_padded) {
