@@ -11,6 +11,7 @@ import torch
 from dflop.models.spec import StageSlice
 from dflop.models.trainable import TrainableParts, add_lora, freeze_stage
 from dflop.runtime import RuntimeLayout, Topology
+from dflop.runtime.colocated import stage_parts
 from dflop.runtime.engine import PipelineEngine, build_stage
 from dflop.runtime.step_data import StepPlan
 from dflop.runtime.tensor_parallel import full_tensor
@@ -58,13 +59,15 @@ def run_rank_step(rank, spec, batch, layout_kw, assignment, seed, trainable="ful
         spec, info, seed=seed, tp_group=topology.tp_group, tp_size=layout.module(info.module).tp
     )
     parts = TrainableParts.parse(trainable)
-    freeze_stage(stage, spec, info.module, parts, seed)
-    perturb_lora_b(stage)
+    for module, part in stage_parts(stage, info.module):  # a colocated stage: both parts
+        freeze_stage(part, spec, module, parts, seed)
+        perturb_lora_b(part)  # by the full model's names
     engine = PipelineEngine(topology, stage, debug=True, trainable=parts, order=order)
     result = engine.run_step(plan, batch)
-    grads = {
+    grads = {  # the full model's names (a colocated stage's parts hold disjoint ones)
         name: full_tensor(p.grad).numpy().copy()
-        for name, p in stage.named_parameters()
+        for _, part in stage_parts(stage, info.module)
+        for name, p in part.named_parameters()
         if p.grad is not None
     }
     return {
@@ -171,6 +174,7 @@ FROZEN_CASES = [
     ("projector", 0),
     ("lora", 0),
     ("encoder=lora,llm=lora", 2),
+    ("lora", 3),
 ]
 FROZEN_IDS = [
     "frozen_vision-enc_dp2_llm_pp2",
@@ -178,6 +182,7 @@ FROZEN_IDS = [
     "projector-enc_dp2_llm_pp2",
     "lora-enc_dp2_llm_pp2",
     "lora_both-tp2",
+    "lora-colocated_llm_pp2",
 ]
 
 
@@ -189,5 +194,7 @@ LAYOUTS = [
     (dict(num_microbatches=2), [0, 1, 0, 1, 0, 1, 1, 0], 2),
     # tensor parallelism: encoder and LLM each over 2 TP ranks.
     (dict(encoder_tp=2, llm_tp=2, num_microbatches=2), [0, 1, 0, 1, 0, 1, 1, 0], 4),
+    # colocated: the encoder inside the first of 2 LLM stages (no encoder rank).
+    (dict(llm_pp=2, num_microbatches=3, colocated=True), [0, 2, 0, 1, 0, 1, 2, 0], 2),
 ]
-LAYOUT_IDS = ["enc_dp2_llm_pp2", "one_stage_each", "enc_tp2_llm_tp2"]
+LAYOUT_IDS = ["enc_dp2_llm_pp2", "one_stage_each", "enc_tp2_llm_tp2", "colocated_llm_pp2"]
