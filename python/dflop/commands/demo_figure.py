@@ -85,10 +85,12 @@ def _step_events(
     raise ValueError(f"step {step} of the {mode} schedule is not in its timeline")
 
 
-def _row_names(encoder_stages: int) -> Any:
+def _row_names(encoder_stages: int, colocated: bool) -> Any:
     def name(replica: int, stage: int) -> str:
         if stage < encoder_stages:
             return f"encoder stage {stage} · replica {replica}"
+        if colocated and stage == 0:
+            return f"encoder + LLM stage 0 · replica {replica}"
         return f"LLM stage {stage - encoder_stages} · replica {replica}"
 
     return name
@@ -100,10 +102,12 @@ def write_demo_png(
     path: str | os.PathLike[str],
     encoder_stages: int,
     trace_steps: int,
+    colocated: bool = False,
 ) -> int:
     """One PNG: the representative step under both schedules on a shared time axis, and
     every measured step's two times (``report.timelines``: the last ``trace_steps``
-    steps). Returns the step shown."""
+    steps). Returns the step shown. ``encoder_stages``: the layout's own encoder stages
+    (0 when ``colocated``: the first LLM stage runs the encoder)."""
     from dflop.timeline import _COLORS, _OTHER_COLOR, _require_matplotlib, make_events
 
     Figure, FigureCanvasAgg, Patch = _require_matplotlib()
@@ -114,7 +118,7 @@ def write_demo_png(
         )
         for mode in ("dflop", "blind")
     }
-    name = _row_names(encoder_stages)
+    name = _row_names(encoder_stages, colocated)
     rows = sorted({(int(e["replica"]), int(e["stage"])) for ev in shown.values() for e in ev})
     rows.sort(key=lambda rs: (rs[1], rs[0]))
     end_s = max(float(ev["end_s"].max()) for ev in shown.values() if ev.size)

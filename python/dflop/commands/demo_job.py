@@ -1,8 +1,8 @@
 """The embedded demos (no dataset, no GPU).
 
 - :func:`run_full_demo` (``dflop demo``, the main job): profile the model on this CPU,
-  profile the synthetic data, plan for two local processes (an encoder stage and an LLM
-  stage), then train a few dozen steps, every step both with dflop's scheduling and
+  profile the synthetic data, plan for two local processes (the planner's choice: an
+  encoder stage and an LLM stage, or both processes colocated), then train a few dozen steps, every step both with dflop's scheduling and
   data-blind on the same weights and batch; print the comparison and write the measured
   timelines.
 - :func:`run_demo` (``dflop demo --scheduler-only``): dflop's scheduler against a
@@ -287,8 +287,14 @@ def run_full_demo(config: FullDemoConfig, out: TextIO = sys.stdout) -> dict:
     figure = None
     if importlib.util.find_spec("matplotlib") is not None:
         figure = path("dflop-vs-blind.png")
+        layout = local.layout
         shown = write_demo_png(
-            report, paired, figure, local.layout.encoder.pp, trace_steps=config.steps
+            report,
+            paired,
+            figure,
+            layout.encoder_stages,
+            trace_steps=config.steps,
+            colocated=layout.colocated,
         )
         log(f"wrote {figure}: step {shown + 1} (the median one) under both schedules")
     else:

@@ -245,14 +245,15 @@ def measured_microbatch_times(
     ``forward_fraction`` per module: forward seconds over forward + backward seconds.
     A colocated first stage times its encoder's forward apart (``encoder_forward_s``);
     its backward runs in the stage's one autograd pass, so the encoder's share of it is
-    taken from ``encoder_forward_share`` (its forward over forward + backward), the rest
-    counted as the LLM's, and the encoder's forward fraction is that share.
+    taken from ``encoder_forward_share`` (its forward over forward + backward; at most
+    the stage's whole backward of that microbatch), the rest counted as the LLM's.
     """
     encoder = np.zeros((num_microbatches, encoder_dp))
     llm = np.zeros((num_microbatches, llm_dp))
     forward = {"encoder": 0.0, "llm": 0.0}
     total = {"encoder": 0.0, "llm": 0.0}
     for r in records:
+        backward = np.zeros(num_microbatches)  # this rank's backward seconds per microbatch
         for kind, j, start_s, end_s in r.actions:
             duration = end_s - start_s
             if r.module == "encoder":
@@ -262,10 +263,13 @@ def measured_microbatch_times(
             total[r.module] += duration
             if kind == "forward":
                 forward[r.module] += duration
+            else:
+                backward[j] += duration
         for j, forward_s in r.encoder_forward_s:  # a colocated first stage: move it over
-            encoder_s = forward_s / encoder_forward_share
+            share = forward_s * (1.0 / encoder_forward_share - 1.0)
+            encoder_s = forward_s + min(share, backward[j])
             encoder[j, r.dp_rank] += encoder_s
-            llm[j, r.dp_rank] -= encoder_s
+            llm[j, r.dp_rank] = max(0.0, llm[j, r.dp_rank] - encoder_s)
             total["llm"] -= encoder_s
             forward["llm"] -= forward_s
             total["encoder"] += encoder_s

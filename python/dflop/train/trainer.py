@@ -286,11 +286,11 @@ class Trainer:
             shapes = self.step_shapes.shapes(step)
         self._submitted[step] = shapes
         costs, model = self._scheduler_view(shapes)
-        if self.config.pipeline_schedule and model is not None:
+        if self.config.pipeline_schedule:
             self.scheduler.submit(
                 step, costs, deadline_s=deadline, pipeline=model, units=shapes.encoder_units
             )
-        else:  # balance alone: the encoder's cost per replica (colocated: per bin)
+        else:  # balance alone: the encoder's cost per replica
             self.scheduler.submit(step, _balance_costs(costs, model), deadline_s=deadline)
 
     def _leader_schedules(self, step: int, shapes: Any) -> dict[str, Schedule]:

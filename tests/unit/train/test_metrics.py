@@ -49,3 +49,8 @@ def test_a_colocated_first_stage_gives_its_encoder_share_to_the_encoder() -> Non
     np.testing.assert_allclose(llm, [[0.0, 4.0 - 2.0 + 1.5]])
     assert fraction["encoder"] == pytest.approx(0.3)
     assert fraction["llm"] == pytest.approx((0.4 + 0.5) / 3.5)
+    # An encoder backward estimate past the stage's whole backward (3.0 s) is capped there:
+    # the LLM's layers never get a negative time.
+    encoder, llm, _ = measured_microbatch_times(records, 1, 2, 2, encoder_forward_share=0.1)
+    np.testing.assert_allclose(encoder, [[0.0, 0.6 + 3.0]])
+    np.testing.assert_allclose(llm, [[0.0, 0.4 + 1.5]])
