@@ -118,9 +118,28 @@ METHODS = (
         {"order": False, "runtime": False},
         None,
     ),
-    ("sample", "ablation: whole-sample encoder split", "data_aware", {"split": "sample"}, None),
-    ("even", "ablation: even split (UNREACHABLE)", "data_aware", {"split": "even"}, None),
-    ("even_real", "  the even split's layout, as run", "data_aware", {"split": "even"}, "unit"),
+    # The encoder-split ablations compare splits over encoder replicas of their own.
+    (
+        "sample",
+        "ablation: whole-sample encoder split",
+        "data_aware",
+        {"split": "sample", "coloc": False},
+        None,
+    ),
+    (
+        "even",
+        "ablation: even split (UNREACHABLE)",
+        "data_aware",
+        {"split": "even", "coloc": False},
+        None,
+    ),
+    (
+        "even_real",
+        "  the even split's layout, as run",
+        "data_aware",
+        {"split": "even", "coloc": False},
+        "unit",
+    ),
     ("disagg", "ablation: disaggregated layouts only", "data_aware", {"coloc": False}, None),
 )
 
@@ -413,7 +432,8 @@ def issue_settings(args: argparse.Namespace) -> list[dict]:
             f"{cluster.gpu_memory_bytes / 1e9:.0f} GB, batch {batch}"
         }
         for split in ("even", "unit"):
-            cfg = _config(args.batches, split=split)
+            # The even split's planner, among layouts with encoder replicas of their own.
+            cfg = _config(args.batches, split=split, coloc=split != "even")
             layouts, _ = choose_layouts(cluster, inputs, cfg)
             lp = layouts[0]
             # Run with the runtime's split, the layout may no longer fit: its time with
@@ -454,11 +474,11 @@ def interleaving(args: argparse.Namespace) -> list[dict]:
 
 
 def breakdown(args: argparse.Namespace) -> dict:
-    """Where the rest goes, for vit-6b + llm-7b (and encoder TP with a 16-head encoder)."""
+    """Where the rest goes, for vit-6b + llm-7b (and encoder TP with a 16-head encoder):
+    layouts with encoder GPUs of their own (colocated ones have no encoder GPU count)."""
     model = AnalyticCostModel("vit-6b", "llm-7b")
     inputs = _inputs(model, args.global_batch, args.batches, 0)
-    cfg = _config(args.batches)
-    best = choose_layouts(CLUSTER, inputs, cfg)[0][0]
+    best = choose_layouts(CLUSTER, inputs, _config(args.batches, coloc=False))[0][0]
     # The same layout and schedules, scored with the even split: what perfect packing of
     # units (e.g. one encoder forward serving several LLM microbatches) could win at most.
     even = evaluate_layout(
@@ -471,7 +491,14 @@ def breakdown(args: argparse.Namespace) -> dict:
     ratio = []
     for v in range(8, 57, 8):
         found, _ = choose_layouts(
-            CLUSTER, inputs, PlannerConfig(num_batches=args.batches, top_k=1, encoder_gpus=(v,))
+            CLUSTER,
+            inputs,
+            PlannerConfig(
+                num_batches=args.batches,
+                top_k=1,
+                encoder_gpus=(v,),
+                colocated_candidates=False,
+            ),
         )
         if found:
             ratio.append((v, found[0]))
@@ -486,6 +513,7 @@ def breakdown(args: argparse.Namespace) -> dict:
                 top_k=1,
                 microbatch_choices=(m,),
                 encoder_gpus=(best.encoder.num_gpus,),
+                colocated_candidates=False,
             ),
         )
         if found:
@@ -501,7 +529,12 @@ def breakdown(args: argparse.Namespace) -> dict:
         found, _ = choose_layouts(
             tp_cluster,
             tp_inputs,
-            PlannerConfig(num_batches=args.batches, top_k=1, encoder_max_tp=limit),
+            PlannerConfig(
+                num_batches=args.batches,
+                top_k=1,
+                encoder_max_tp=limit,
+                colocated_candidates=False,
+            ),
         )
         tp[name] = found[0]
     return {"best": best, "even": even, "ratio": ratio, "per_m": per_m, "tp": tp}

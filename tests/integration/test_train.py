@@ -35,16 +35,17 @@ def _train(tmp_path: Path, perf: str, *extra: str, env: dict | None = None):
 
 
 def test_train_end_to_end_writes_trace_and_png(tmp_path, perf_json) -> None:
-    """Planned for 2 local processes (encoder stage + LLM stage), 3 steps."""
+    """Planned for 2 local processes (--placement disaggregated: an encoder stage and an
+    LLM stage), 3 steps."""
     trace, png = tmp_path / "t.json", tmp_path / "t.png"
     result, report = _train(
         tmp_path,
         perf_json,
         "--nproc", "2", "--num-microbatches", "2", "--steps", "3",
-        "--trace", str(trace), "--png", str(png),
+        "--trace", str(trace), "--png", str(png), "--placement", "disaggregated",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "planned for 2 local processes" in result.stdout
+    assert "planned for 2 local processes: enc 1 processes" in result.stdout
     assert "step    3/3 [dflop]" in result.stdout and "samples/s" in result.stdout
     assert png.stat().st_size > 0
     events = json.loads(trace.read_text())["traceEvents"]
