@@ -274,22 +274,15 @@ class StepPredictor:
     ) -> StepAudit:
         """The step of ``shapes`` under ``assignment`` (microbatch indices = execution
         order), priced by ``cost_model`` (``.costs(shapes)`` and ``.microbatch_constant_s``)."""
-        fractions = self.config.forward_fraction if forward_fraction is None else forward_fraction
-        inputs = self._inputs(cost_model, shapes, fractions)
-        cluster = self.cluster
-        if link_latency_s is not None:
-            cluster = replace(cluster, link_latency_s=float(link_latency_s))
-        raw = _core.step_from_assignment(
-            cluster.to_dict(),
-            inputs.encoder.to_dict(),
-            inputs.llm.to_dict(),
-            inputs.samples,
-            core_options(self.config, "data_aware", len(shapes), 1),
-            self.layout,
-            0,
+        return self._step(
+            _core.step_from_assignment,
+            cost_model,
+            shapes,
+            self.config,
+            forward_fraction,
+            link_latency_s,
             np.ascontiguousarray(np.asarray(assignment, dtype=np.int64)),
         )
-        return StepAudit.from_core(raw, sample_record(inputs.samples, 0, len(shapes)))
 
     def planned_step(
         self,
@@ -305,19 +298,37 @@ class StepPredictor:
         scores), priced by ``cost_model``: how dflop's trainer schedules a colocated
         layout's steps (step k with the run's seed + k, as a plan's batch k), exactly as a
         plan scores them."""
+        config = replace(self.config, seed=int(seed))
+        return self._step(
+            _core.build_step, cost_model, shapes, config, forward_fraction, link_latency_s
+        )
+
+    def _step(
+        self,
+        core_step: Any,
+        cost_model: Any,
+        shapes: SampleShapes,
+        config: PlannerConfig,
+        forward_fraction: tuple[float, float] | None,
+        link_latency_s: float | None,
+        *extra: Any,
+    ) -> StepAudit:
+        """One core step model (``build_step`` or ``step_from_assignment``, with its
+        ``extra`` arguments) of ``shapes`` on this layout, priced by ``cost_model``."""
         fractions = self.config.forward_fraction if forward_fraction is None else forward_fraction
         inputs = self._inputs(cost_model, shapes, fractions)
         cluster = self.cluster
         if link_latency_s is not None:
             cluster = replace(cluster, link_latency_s=float(link_latency_s))
-        raw = _core.build_step(
+        raw = core_step(
             cluster.to_dict(),
             inputs.encoder.to_dict(),
             inputs.llm.to_dict(),
             inputs.samples,
-            core_options(replace(self.config, seed=int(seed)), "data_aware", len(shapes), 1),
+            core_options(config, "data_aware", len(shapes), 1),
             self.layout,
             0,
+            *extra,
         )
         return StepAudit.from_core(raw, sample_record(inputs.samples, 0, len(shapes)))
 
