@@ -27,20 +27,64 @@ INTEGRATION_DIR = TESTS_DIR / "integration"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    integration = False
     for item in items:
         if INTEGRATION_DIR in Path(item.path).resolve().parents:
             item.add_marker(pytest.mark.integration)
+            integration = True
+    if integration:
+        _start_fork_server()
 
 
-@pytest.fixture(scope="module")
-def perf_json(tmp_path_factory) -> str:
-    """A quick performance model of the tiny preset (so CLI runs skip profiling)."""
-    from dflop.models import model_config
+RANK_MODULES = (
+    "pytest",
+    "numpy.testing",
+    "dflop.train.run",
+    "dflop.train.trainer",
+    "dflop.models.hf",
+    "transformers",
+    *(
+        f"transformers.models.{family}.modeling_{family}"
+        for family in ("llava_onevision", "qwen2_vl", "qwen2_5_vl", "internvl")
+    ),
+)
+"""What the ranks of the integration tests import: the fork server that forks them
+imports it once for the whole run (a Hugging Face family's model code took every rank of
+every test a second or two)."""
+
+
+def _start_fork_server() -> None:
+    try:
+        from dflop.runtime.launch import start_fork_server
+    except ImportError:  # no torch: the tests that need it skip
+        return
+    start_fork_server(RANK_MODULES)
+
+
+@pytest.fixture(scope="session")
+def quick_perf(tmp_path_factory):
+    """``quick_perf(model)``: the path of a quick performance model of ``model`` (a preset
+    name or ``hf:DIR``), measured once per run, so that CLI runs whose subject is not
+    profiling skip it (``--perf``); the profiling path itself is tested by the runs that
+    give no ``--perf`` (the docs' commands, the real-size runs)."""
     from dflop.train.planning import quick_profile
 
-    path = tmp_path_factory.mktemp("perf") / "perf.json"
-    quick_profile(model_config("tiny"), repeats=1, max_units=4, max_tokens=256).save(path)
-    return str(path)
+    made: dict[str, str] = {}
+
+    def perf(model: str) -> str:
+        if model not in made:
+            path = tmp_path_factory.mktemp("perf") / "perf.json"
+            quick_profile(model, repeats=1, max_units=4, max_tokens=256).save(path)
+            made[model] = str(path)
+        return made[model]
+
+    return perf
+
+
+@pytest.fixture(scope="session")
+def perf_json(quick_perf) -> str:
+    """A quick performance model of the tiny preset (so CLI runs skip profiling)."""
+    return quick_perf("tiny")
 
 
 RTOL = 1e-9

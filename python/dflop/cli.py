@@ -12,7 +12,9 @@ from dflop.errors import InputTypeError, InUseError, WriteError
 
 __all__ = ["build_parser", "main"]
 
-# Subcommand modules under dflop.commands, in the order they appear in --help.
+# Subcommand modules under dflop.commands, in the order they appear in --help. A module
+# may define start_early(argv): called with its arguments before the parser is built (which
+# imports torch), to start work that overlaps with the rest of the start-up.
 COMMAND_MODULES = ("demo", "train", "profile", "plan")
 
 
@@ -41,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMAND_MODULES:  # before the parser imports torch
+        start_early = getattr(
+            importlib.import_module(f"dflop.commands.{argv[0]}"), "start_early", None
+        )
+        if start_early is not None:
+            start_early(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -541,7 +541,7 @@ def test_trains_on_real_records():
 
 
 @pytest.mark.slow
-def test_train_cli_on_real_records(tmp_path):
+def test_train_cli_on_real_records(tmp_path, quick_perf):
     """``dflop train --model hf:DIR`` on the tiny folder and the real-format records
     (images of any size as dynamic tiles, multi-image, video frames, text-only) with an
     LLM pipeline of 2 stages: the loss falls, and the saved Hugging Face folder loads
@@ -571,6 +571,8 @@ def test_train_cli_on_real_records(tmp_path):
         "--json",
         str(metrics),
         "--quiet",
+        "--perf",
+        quick_perf(f"hf:{folder}"),
         timeout_s=600.0,
     )
     assert result.returncode == 0, result.stderr + result.stdout

@@ -80,7 +80,7 @@ def _state(folder: str, family: str) -> dict:
         "qwen2_vl-colocated",
     ],
 )
-def test_train_cli_on_real_records(tmp_path, family, folder, layout, request):
+def test_train_cli_on_real_records(tmp_path, family, folder, layout, request, quick_perf):
     """A tiny model of each family trains under 'dflop train' on the real-format records
     (LLaVA-OneVision: anyres images up to 2480 x 3508, multi-image, video frames,
     text-only; Qwen2-VL: images of any size as native patch grids, frame pairs of the
@@ -114,6 +114,8 @@ def test_train_cli_on_real_records(tmp_path, family, folder, layout, request):
         "--json",
         str(metrics),
         "--quiet",
+        "--perf",
+        quick_perf(f"hf:{tiny_folder}"),
         timeout_s=TIMEOUT_S,
     )
     assert result.returncode == 0, result.stderr + result.stdout

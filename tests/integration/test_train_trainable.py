@@ -21,6 +21,23 @@ from dflop.models.trainable import TrainableParts  # noqa: E402
 LAYOUT = "enc_dp=1,enc_pp=2,llm_dp=1,llm_pp=1,m=2"
 
 
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory, quick_perf):
+    """``hf_base(family, seed)``: (a tiny Hugging Face folder of ``family``, its quick
+    performance model), made once per module (the tests read it, never write it)."""
+    from dflop.models.hf.tiny import save_tiny
+
+    made: dict[tuple[str, int], tuple[str, str]] = {}
+
+    def base(family: str, seed: int = 0) -> tuple[str, str]:
+        if (family, seed) not in made:
+            folder = save_tiny(str(tmp_path_factory.mktemp(family)), family, seed=seed)
+            made[family, seed] = (folder, quick_perf(f"hf:{folder}"))
+        return made[family, seed]
+
+    return base
+
+
 def _initial_stage(module: str, layers: tuple[int, int], first: bool, last: bool):
     spec = model_spec("tiny")
     stage = spec.build_stage(StageSlice(module, layers, first, last), seed=0)
@@ -91,7 +108,7 @@ def test_a_plan_records_its_regime_and_training_names_a_mismatch(tmp_path):
     assert "was planned to train frozen-vision, this run trains full" in other.stdout + other.stderr
 
 
-def test_lora_adapters_train_and_round_trip_through_peft(tmp_path):
+def test_lora_adapters_train_and_round_trip_through_peft(tmp_path, hf_base):
     """``--trainable lora`` on a Hugging Face LLaVA-OneVision folder (the LLM's linear
     layers get PEFT adapters, the tower is frozen, the projector trains): the base weights
     stay bit-identical, only adapters and the projector hold optimizer state, and
@@ -99,11 +116,9 @@ def test_lora_adapters_train_and_round_trip_through_peft(tmp_path):
     starting model with ``PeftModel.from_pretrained`` and merged, is that same model."""
     pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    from dflop.models.hf.tiny import save_tiny_llava_onevision
-
-    base, out, ckpt = tmp_path / "base", tmp_path / "out", tmp_path / "ckpt"
-    save_tiny_llava_onevision(str(base))
-    result = run_cli(*_lora_train_args(base, "enc_dp=1,llm_pp=1,m=2", 2), "--lr", "1e-2",
+    base, perf = hf_base("llava_onevision")
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    result = run_cli(*_lora_train_args(base, perf, "enc_dp=1,llm_pp=1,m=2", 2), "--lr", "1e-2",
                      "--lora-rank", "4", "--quiet", "--checkpoint-dir", str(ckpt),
                      "--save-hf", str(out))  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
@@ -121,19 +136,19 @@ def test_lora_adapters_train_and_round_trip_through_peft(tmp_path):
     assert any(saved["stage"][n].abs().max() > 0 for n in adapters if ".lora_B." in n)
     _assert_adapter_round_trips(base, out)
     # Another LoRA rank cannot resume this checkpoint.
-    again = run_cli(*_lora_train_args(base, "enc_dp=1,llm_pp=1,m=2", 3), "--lora-rank", "8",
+    again = run_cli(*_lora_train_args(base, perf, "enc_dp=1,llm_pp=1,m=2", 3), "--lora-rank", "8",
                     "--checkpoint-dir", str(ckpt))  # fmt: skip
     assert again.returncode != 0
     assert "lora_rank=8, the checkpoint's 4" in again.stderr
 
 
-def _lora_train_args(base, layout: str, steps: int) -> tuple[str, ...]:
+def _lora_train_args(base, perf: str, layout: str, steps: int) -> tuple[str, ...]:
     data = DATA_DIR / "llava_mini"
     return (
         "train", "--model", f"hf:{base}", "--data", str(data / "llava_mini.json"),
         "--image-folder", str(data / "images"), "--video-folder", str(data / "videos"),
         "--layout", layout, "--global-batch", "4", "--steps", str(steps),
-        "--trainable", "lora",
+        "--trainable", "lora", "--perf", perf,
     )  # fmt: skip
 
 
@@ -156,26 +171,24 @@ def _assert_adapter_round_trips(base, out) -> None:
     assert not any("vision_tower" in n for n in trained)  # frozen
 
 
-def test_lora_under_tensor_parallelism_trains_resumes_and_round_trips(tmp_path):
+def test_lora_under_tensor_parallelism_trains_resumes_and_round_trips(tmp_path, hf_base):
     """LoRA on tensor-parallel modules (encoder tp 2, LLM tp 2: the adapters sharded like
     the layers they adapt): the run trains, stops, resumes its checkpoint, and its
     ``--save-hf`` adapter folder round-trips through PEFT; LoRA dropout under tensor
     parallelism is refused in one line before any process starts."""
     pytest.importorskip("peft")
-    from dflop.models.hf.tiny import save_tiny_llava_onevision
-
-    base, out, ckpt = tmp_path / "base", tmp_path / "out", tmp_path / "ckpt"
-    save_tiny_llava_onevision(str(base))
+    base, perf = hf_base("llava_onevision")
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     layout = "enc_tp=2,llm_tp=2,m=2"
-    first = run_cli(*_lora_train_args(base, layout, 1), "--lr", "1e-2", "--quiet",
+    first = run_cli(*_lora_train_args(base, perf, layout, 1), "--lr", "1e-2", "--quiet",
                     "--checkpoint-dir", str(ckpt))  # fmt: skip
     assert first.returncode == 0, first.stdout + first.stderr
-    resumed = run_cli(*_lora_train_args(base, layout, 2), "--lr", "1e-2", "--quiet",
+    resumed = run_cli(*_lora_train_args(base, perf, layout, 2), "--lr", "1e-2", "--quiet",
                       "--checkpoint-dir", str(ckpt), "--save-hf", str(out))  # fmt: skip
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resum" in resumed.stdout + resumed.stderr
     _assert_adapter_round_trips(base, out)
-    refused = run_cli(*_lora_train_args(base, layout, 1), "--lora-dropout", "0.1")
+    refused = run_cli(*_lora_train_args(base, perf, layout, 1), "--lora-dropout", "0.1")
     assert refused.returncode != 0
     assert "LoRA dropout on a tensor-parallel llm (llm tp=2)" in refused.stderr
 
@@ -199,23 +212,22 @@ PRESET_CASES = [
 
 
 @pytest.mark.parametrize(("family", "trainable"), PRESET_CASES)
-def test_presets_train_every_family_on_real_records(tmp_path, family, trainable):
+def test_presets_train_every_family_on_real_records(tmp_path, family, trainable, hf_base):
     """``dflop train --model hf:DIR --trainable PRESET`` on the shipped real-format records
     (images, multi-image, video, text-only): what the preset freezes comes out of
     ``--save-hf`` as it went in, what it trains moved (LoRA: merged into the LLM's
     weights)."""
     pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    from dflop.models.hf.tiny import save_tiny
-
-    base, out = tmp_path / "base", tmp_path / "out"
-    save_tiny(str(base), family, seed=3)
+    base, perf = hf_base(family, seed=3)
+    out = tmp_path / "out"
     data = DATA_DIR / "llava_mini"
     result = run_cli(
         "train", "--model", f"hf:{base}", "--data", str(data / "llava_mini.json"),
         "--image-folder", str(data / "images"), "--video-folder", str(data / "videos"),
         "--layout", "enc_dp=1,llm_pp=1,m=2", "--global-batch", "4", "--steps", "2",
         "--lr", "1e-2", "--trainable", trainable, "--quiet", "--save-hf", str(out),
+        "--perf", perf,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     load = transformers.AutoModelForImageTextToText.from_pretrained

@@ -7,6 +7,16 @@ import argparse
 from dflop.commands.args import positive_int
 
 
+def start_early(argv: list[str]) -> None:
+    """The full demo trains on local processes: their fork server starts now, importing
+    torch and the trainer while this process profiles (see ``dflop.commands.train``)."""
+    if "--scheduler-only" in argv or "--help" in argv or "-h" in argv:
+        return
+    from dflop.runtime.launch import start_fork_server
+
+    start_fork_server(["dflop.train.run", "dflop.train.trainer"])
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "demo",

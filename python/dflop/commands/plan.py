@@ -304,7 +304,11 @@ def _run_local_plan(args: argparse.Namespace) -> int:
         lora_rank=args.lora_rank,
         placement=args.placement,
     )
-    prepared = prepare(config, log=lambda text: print(text, file=sys.stderr))
+    prepared = prepare(
+        config,
+        log=lambda text: print(text, file=sys.stderr),
+        launches=config.calibrate_steps > 0,
+    )
     result = prepared.plan
     result.layouts = result.layouts[: args.top]  # the planner kept more to pick from
     if args.output:

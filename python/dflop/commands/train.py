@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,53 @@ def run(args: argparse.Namespace) -> int:
 
     check_output_path("--json", args.json)  # before training, not after it
     return train_main(config_from_args(args), args.json)
+
+
+def start_early(argv: Sequence[str]) -> None:
+    """Called by the CLI with this command's arguments before anything else is imported:
+    for local processes, the fork server that will fork the ranks starts now, so that its
+    imports (torch, the trainer, a Hugging Face model's code: seconds) overlap with this
+    process's own imports, data reading and profiling instead of following them. Bad
+    arguments are left to the parser (the server is stopped when this process exits)."""
+    import os
+
+    options = _options(argv)
+    if "RANK" in os.environ or options.get("--launch") == "threads" or {"-h", "--help"} & {*argv}:
+        return
+    from dflop.runtime.launch import start_fork_server
+
+    model = options.get("--model", options.get("--preset"))
+    start_fork_server(["dflop.train.run", "dflop.train.trainer", *_hf_modules(model)])
+
+
+def _options(argv: Sequence[str]) -> dict[str, str]:
+    """``--flag value`` and ``--flag=value`` pairs of ``argv`` (a pre-scan; the parser
+    checks them)."""
+    out = {}
+    for i, word in enumerate(argv):
+        name, equals, value = word.partition("=")
+        if equals:
+            out[name] = value
+        elif i + 1 < len(argv):
+            out[word] = argv[i + 1]
+    return out
+
+
+def _hf_modules(model: str | None) -> list[str]:
+    """transformers and the model code of ``hf:DIR`` (its config's model type)."""
+    import os
+    import re
+
+    if not (isinstance(model, str) and model.startswith("hf:")):
+        return []
+    try:
+        with open(os.path.join(model[3:], "config.json"), encoding="utf-8") as f:
+            model_type = json.load(f)["model_type"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ["transformers"]  # the run itself reports what is wrong with the folder
+    if not (isinstance(model_type, str) and re.fullmatch(r"[a-z0-9_]+", model_type)):
+        return ["transformers"]
+    return ["transformers", f"transformers.models.{model_type}.modeling_{model_type}"]
 
 
 def train_main(config, json_path: str | None = None) -> int:

@@ -35,10 +35,21 @@ __all__ = [
     "init_from_env",
     "spawn_local",
     "spawn_threads",
+    "start_fork_server",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
 """Default limit of a whole :func:`spawn_local` run and of each collective."""
+
+FORK_SERVER_MODULES = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",  # DTensor: the runtime's optimizer groups and TP
+    "torch._dynamo",  # what torch.optim's optimizers import when they are built
+    "dflop.runtime.launch",
+)
+"""What the fork server of :func:`spawn_local` always imports before it forks a rank
+(each of these took a rank about a second to import on its own)."""
 
 _KILL_GRACE_S = 5.0  # how long to wait for a killed child to be reaped
 _SETTLE_S = 0.3  # after a first failure, time for the others to report (to find the culprit)
@@ -256,7 +267,7 @@ def spawn_local(
     platform has it, else ``"spawn"``. The fork server imports torch once and forks every
     rank from that clean process (no CUDA context, no thread pools: as safe as spawn), so
     a run after the first starts in a fraction of a second instead of each rank
-    importing torch anew.
+    importing torch anew (:func:`start_fork_server` starts it earlier, with more modules).
 
     ``num_threads``: torch intra-op threads per process; default ``cpu_count // world_size``
     (at least 1), so local ranks do not oversubscribe the cores.
@@ -303,8 +314,7 @@ def spawn_local(
         start_method = "forkserver" if "forkserver" in available else "spawn"
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
-        # Only takes effect when this process starts its fork server (the first time).
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "dflop.runtime.launch"])
+        start_fork_server()  # the first time: torch imported once, not by every rank
     procs, conns = [], []
     # The ranks hold the reading end; only this process holds the writing end.
     alive_r, alive_w = ctx.Pipe(duplex=False)
@@ -342,6 +352,50 @@ def spawn_local(
         alive_r.close()
         alive_w.close()
         del store
+
+
+_fork_server_started = False
+
+
+def start_fork_server(modules: Sequence[str] = ()) -> bool:
+    """Start this process's fork server now, in the background, importing torch
+    (:data:`FORK_SERVER_MODULES`) and ``modules`` once: every rank that
+    :func:`spawn_local` forks from it later starts with them imported, and the imports
+    overlap with what this process does until then (reading data, profiling, planning)
+    instead of delaying the first step. A module that fails to import is left to the
+    ranks (which then raise the error themselves).
+
+    Returns False, doing nothing, where the platform has no fork server or this
+    process's is running already (its modules are the ones it started with)."""
+    global _fork_server_started
+    if _fork_server_started or "forkserver" not in multiprocessing.get_all_start_methods():
+        return False
+    import atexit
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        list(dict.fromkeys([*FORK_SERVER_MODULES, *modules]))
+    )
+    forkserver.ensure_running()  # spawns the server and returns: it imports on its own
+    _fork_server_started = True
+    atexit.register(_stop_fork_server)
+    return True
+
+
+def _stop_fork_server() -> None:
+    """At this process's exit: end its fork server at once. Left to itself it notices the
+    exit only after finishing its imports, then tears down an interpreter holding torch
+    (about a second), while it still holds this process's stdout and stderr open, so a
+    caller reading them (a pipe, ``subprocess.run``) waits for it. Left alone while a
+    process it forked still runs (:func:`spawn_local` kills and reaps its ranks)."""
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)  # noqa: SLF001
+    if not pid or multiprocessing.active_children():
+        return  # not started (or another Python's layout); or a child still needs it
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 def spawn_threads(

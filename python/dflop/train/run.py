@@ -64,23 +64,45 @@ def _threads_per_rank(config: TrainConfig, world_size: int) -> int:
     return config.threads or max(1, (os.cpu_count() or 1) // world_size)
 
 
-def prepare(config: TrainConfig, log: Callable[[str], None] = print) -> Prepared:
+def prepare(
+    config: TrainConfig, log: Callable[[str], None] = print, *, launches: bool = True
+) -> Prepared:
     """Resolve the data source, the performance model and the layout: a plan file (its
     layout, cluster and, unless ``perf`` is given, the performance model it was made
     with), a manual layout (scored by the planner for the local processes), or the
     planner run for ``nproc`` local processes. A run resuming a checkpoint first compares
     its settings with the checkpoint's (:mod:`dflop.train.resume`): a change it cannot
-    honour is a ValueError naming the setting."""
+    honour is a ValueError naming the setting. ``launches``: local processes will run
+    (their fork server starts while this prepares)."""
     from dflop.train.resume import check_layout, check_settings, resume_point
 
     point = resume_point(config.checkpoint_dir)
     if point is not None:
         check_settings(config, point, log)
-    prepared = _prepare(config, log)
+    prepared = _prepare(config, log, launches)
     if point is not None:
         check_layout(config, prepared.layout, point)
     _check_lora_layout(config, prepared.layout)
     return prepared
+
+
+def _start_ranks_imports(config: TrainConfig, model: Any) -> None:
+    """Local processes: the fork server that will fork the ranks starts now and imports
+    what every rank needs (torch, the trainer, the model's code) while this process reads
+    the data, profiles and plans."""
+    if _under_torchrun() or config.launch == "threads":
+        return
+    from dflop.runtime.launch import start_fork_server
+
+    model_class = getattr(model, "model_class", None)  # a Hugging Face family's model
+    start_fork_server(
+        [
+            __name__,
+            "dflop.train.trainer",
+            type(model).__module__,
+            *([model_class.__module__] if model_class is not None else []),
+        ]
+    )
 
 
 def _with_order(layout: RuntimeLayout, config: TrainConfig) -> RuntimeLayout:
@@ -110,7 +132,7 @@ def _check_lora_layout(config: TrainConfig, layout: RuntimeLayout) -> None:
             )
 
 
-def _prepare(config: TrainConfig, log: Callable[[str], None]) -> Prepared:
+def _prepare(config: TrainConfig, log: Callable[[str], None], launches: bool) -> Prepared:
     from dflop.data.reader import RecordSet
     from dflop.models.registry import model_spec
     from dflop.planner import Plan
@@ -128,6 +150,8 @@ def _prepare(config: TrainConfig, log: Callable[[str], None]) -> Prepared:
     if config.global_batch is not None:
         check_local_global_batch(config.global_batch)
     model = model_spec(config.model)
+    if launches:
+        _start_ranks_imports(config, model)
     length = length_policy(model, config.max_seq_len, config.too_long)
     distribution = load_distribution(
         config.data,
