@@ -475,3 +475,29 @@ def test_parse_layout() -> None:
     assert (colocated.encoder.tp, colocated.encoder.pp, colocated.encoder.dp) == (1, 1, 2)
     with pytest.raises(ValueError, match="enc_dp with 'colocated': a colocated encoder runs"):
         parse_layout("colocated,enc_dp=2", model_config("tiny"), 12)
+
+
+def test_a_quick_profile_in_two_processes_measures_what_one_measures():
+    """quick_profile(processes=2), as 'dflop train' profiles for 2 local processes: each
+    process measures its share of the grid, and the merged profile fits as the serial one
+    does: the same shapes (fit and held-out counts), as many frozen variants, identical
+    memory coefficients (byte counts do not depend on timing) and activation shares."""
+    from dflop.train.planning import quick_profile
+
+    options = dict(repeats=1, max_units=4, max_tokens=256)
+    serial = quick_profile("tiny", **options).to_dict()
+    parallel = quick_profile("tiny", processes=2, **options).to_dict()
+    assert parallel["metadata"]["processes"] == 2 and "processes" not in serial["metadata"]
+    for module in ("encoder_fit", "llm_fit"):
+        for count in ("num_fit_points", "num_holdout_points"):
+            assert parallel[module][count] == serial[module][count]
+    for module in ("vision", "decoder"):
+        assert parallel["metadata"][module]["frozen"] == serial["metadata"][module]["frozen"]
+    for key in ("encoder_memory", "llm_memory"):
+        assert parallel[key] == pytest.approx(serial[key], rel=1e-9), key
+    # A median of per-shape ratios over the frozen subset, which each process spreads over
+    # its own share: other shapes, the same share within a rounding.
+    assert parallel["passthrough_activation_fraction"] == pytest.approx(
+        serial["passthrough_activation_fraction"], rel=1e-3
+    )
+    assert parallel["llm"]["per_token_s"] > 0 and parallel["encoder"]["per_unit_s"] > 0

@@ -18,6 +18,7 @@ from dflop.profiling.model_profiler import (
     default_seq_len_mixes,
     default_unit_counts,
     fit_performance_model,
+    merge_profiles,
     profile_model,
 )
 from dflop.profiling.perf_model import (
@@ -51,6 +52,7 @@ __all__ = [
     "fit_llm_time",
     "fit_memory",
     "fit_performance_model",
+    "merge_profiles",
     "nonnegative_least_squares",
     "profile_model",
 ]

@@ -95,6 +95,7 @@ __all__ = [
     "default_unit_counts",
     "fit_performance_model",
     "profile_model",
+    "merge_profiles",
 ]
 
 RESULT_FORMAT_NAME = "dflop.model_profile"
@@ -252,6 +253,45 @@ class ProfileResult:
     def load(path: str | os.PathLike[str]) -> ProfileResult:
         with open(os.fspath(path), encoding="utf-8") as f:
             return ProfileResult.from_dict(json.load(f))
+
+
+def merge_profiles(
+    parts: Sequence[ProfileResult],
+    encoder_order: Sequence[Sequence[int]],
+    decoder_order: Sequence[Sequence[int]],
+) -> ProfileResult:
+    """One profile from ``parts``, each measured (in its own process, on the same model)
+    on its share of one grid of shapes: ``encoder_order[k][j]`` / ``decoder_order[k][j]``
+    is the grid position of part ``k``'s ``j``-th encoder / decoder measurement. The
+    measurements come back in grid order; the metadata is the first part's, each module's
+    from the first part that measured it, with the frozen variants' shape counts summed
+    over the parts and ``metadata["processes"]`` the number of parts."""
+    if not parts or len(encoder_order) != len(parts) or len(decoder_order) != len(parts):
+        raise ValueError("merge_profiles needs one encoder and one decoder order per part")
+    encoder: dict[int, EncoderMeasurement] = {}
+    decoder: dict[int, DecoderMeasurement] = {}
+    for part, enc, dec in zip(parts, encoder_order, decoder_order):
+        if len(enc) != len(part.encoder) or len(dec) != len(part.decoder):
+            raise ValueError("an order's length differs from its part's measurements")
+        encoder.update(zip(enc, part.encoder))
+        decoder.update(zip(dec, part.decoder))
+    metadata = dict(parts[0].metadata)
+    for module in ("vision", "decoder"):
+        described = [p.metadata[module] for p in parts if module in p.metadata]
+        if described:
+            frozen = dict(described[0].get("frozen") or {})
+            for key in ("forward_shapes", "passthrough_shapes"):
+                frozen[key] = sum(int((d.get("frozen") or {}).get(key) or 0) for d in described)
+            metadata[module] = {**described[0], "frozen": frozen}
+    metadata["processes"] = len(parts)
+    with_encoder = [p for p in parts if p.encoder]
+    return ProfileResult(
+        encoder=[encoder[i] for i in sorted(encoder)],
+        decoder=[decoder[i] for i in sorted(decoder)],
+        tokens_per_unit=with_encoder[0].tokens_per_unit if with_encoder else 0,
+        tensor_parallel_size=parts[0].tensor_parallel_size,
+        metadata=metadata,
+    )
 
 
 def _float_or_nan(value: Any) -> float:

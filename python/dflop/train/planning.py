@@ -269,6 +269,7 @@ def quick_profile(
     model: ModelSpec | str,
     *,
     threads: int = 1,
+    processes: int = 1,
     seed: int = 0,
     max_units: int = 16,
     max_tokens: int = 1024,
@@ -280,34 +281,153 @@ def quick_profile(
     few seconds (fewer repeats and shapes than ``dflop profile-model``): its spec's whole
     encoder and LLM (:meth:`~dflop.models.spec.ModelSpec.whole_module`): LLM microbatches
     of ``max_tokens`` tokens and ``num_totals - 1`` halvings of it, packed several ways
-    (:func:`~dflop.profiling.default_seq_len_mixes`)."""
+    (:func:`~dflop.profiling.default_seq_len_mixes`).
+
+    ``processes``: local processes that measure at once, each a share of the shapes with
+    ``threads`` threads, as the run's ranks will compute side by side on this machine's
+    cores; the profile takes about ``1 / processes`` of the time. The shares are balanced
+    on the analytic cost model's estimate of each shape. More than one needs ``model`` by
+    name (a preset or ``"hf:PATH"``, which each process loads) and the fork-server start
+    method; otherwise one process measures everything, in this one."""
     from dflop.profiling import (
         default_seq_len_mixes,
         default_unit_counts,
         fit_performance_model,
-        profile_model,
+        merge_profiles,
     )
+    from dflop.profiling.model_profiler import DEFAULT_FROZEN_SHAPES, DEFAULT_TARGET_FRACTIONS
 
     spec = model_spec(model)
-    encoder, image_shape, unit_tokens = spec.profiled_encoder(seed=seed)
+    units = default_unit_counts(max_units)
+    mixes = default_seq_len_mixes(min(max_tokens, spec.max_seq_len), num_totals=num_totals)
+    fractions = [
+        DEFAULT_TARGET_FRACTIONS[i % len(DEFAULT_TARGET_FRACTIONS)] for i in range(len(mixes))
+    ]
+    options = dict(threads=threads, seed=seed, repeats=repeats, loss_chunk_tokens=loss_chunk_tokens)
+    import multiprocessing
+
+    parallel = isinstance(model, str) and "forkserver" in multiprocessing.get_all_start_methods()
+    processes = max(1, min(int(processes), len(units) + len(mixes))) if parallel else 1
+    if processes == 1:
+        share = (list(range(len(units))), list(range(len(mixes))))
+        result, unit_tokens = _profile_share_of(
+            spec, units, mixes, fractions, share, frozen_shapes=DEFAULT_FROZEN_SHAPES, **options
+        )
+        return per_token(fit_performance_model(result, seed=seed), unit_tokens)
+    from dflop.profiling import ProfileResult
+    from dflop.runtime.launch import spawn_local
+
+    shares = _balanced_shares(spec, units, mixes, fractions, processes)
+    frozen = -(-DEFAULT_FROZEN_SHAPES // processes)  # each share's part of the default
+    parts = spawn_local(
+        _profile_process,
+        processes,
+        args=(model, units, mixes, fractions, shares, {**options, "frozen_shapes": frozen}),
+        timeout_s=_PROFILE_TIMEOUT_S,
+        num_threads=threads,
+    )
+    result = merge_profiles(
+        [ProfileResult.from_dict(data) for data, _ in parts],
+        [share[0] for share in shares],
+        [share[1] for share in shares],
+    )
+    unit_tokens = next((tokens for (data, tokens), share in zip(parts, shares) if share[0]), None)
+    return per_token(fit_performance_model(result, seed=seed), unit_tokens)
+
+
+_PROFILE_TIMEOUT_S = 24 * 3600.0
+"""A profile's processes do not communicate: a limit against a stuck kernel only."""
+
+
+def _profile_share_of(
+    spec: ModelSpec,
+    units: list[int],
+    mixes: list[tuple[int, ...]],
+    fractions: list[float],
+    share: tuple[list[int], list[int]],
+    *,
+    threads: int,
+    seed: int,
+    repeats: int,
+    loss_chunk_tokens: int,
+    frozen_shapes: int,
+) -> tuple[Any, int | None]:
+    """The profile of the encoder's unit counts and the LLM's mixes at the grid positions
+    in ``share`` (each mix with its own target share), and the profiled unit's tokens."""
+    from dflop.profiling import profile_model
+
+    unit_share, mix_share = share
+    encoder, image_shape, unit_tokens = None, None, None
+    if unit_share:
+        encoder, image_shape, unit_tokens = spec.profiled_encoder(seed=seed)
     result = profile_model(
         encoder,
-        spec.whole_module("llm", seed=seed),
+        spec.whole_module("llm", seed=seed) if mix_share else None,
         device="cpu",
         image_shape=image_shape,
         vocab_size=spec.architecture()[1].vocab_size,
-        unit_counts=default_unit_counts(max_units),
-        seq_len_mixes=default_seq_len_mixes(
-            min(max_tokens, spec.max_seq_len), num_totals=num_totals
-        ),
+        unit_counts=[units[i] for i in unit_share] or None,
+        seq_len_mixes=[mixes[i] for i in mix_share] or None,
+        target_fractions=[fractions[i] for i in mix_share] or fractions,
         warmup=1,
         repeats=repeats,
         seed=seed,
         num_threads=threads,
         measure_memory=True,
         loss_chunk_tokens=loss_chunk_tokens,
+        frozen_shapes=frozen_shapes,
     )
-    return per_token(fit_performance_model(result, seed=seed), unit_tokens)
+    return result, unit_tokens
+
+
+def _profile_process(
+    rank: int,
+    world_size: int,
+    model: str,
+    units: list[int],
+    mixes: list[tuple[int, ...]],
+    fractions: list[float],
+    shares: list[tuple[list[int], list[int]]],
+    options: dict[str, Any],
+) -> tuple[dict[str, Any], int | None]:
+    """One process of a parallel :func:`quick_profile`: its share, as a dict."""
+    result, unit_tokens = _profile_share_of(
+        model_spec(model), units, mixes, fractions, shares[rank], **options
+    )
+    return result.to_dict(), unit_tokens
+
+
+def _balanced_shares(
+    spec: ModelSpec,
+    units: list[int],
+    mixes: list[tuple[int, ...]],
+    fractions: list[float],
+    processes: int,
+) -> list[tuple[list[int], list[int]]]:
+    """Grid positions of the unit counts and mixes each process measures: every shape,
+    heaviest first, to the process with the least estimated work so far (the analytic
+    cost model's seconds; deterministic)."""
+    from dflop.profiling.model_profiler import _target_lens
+
+    estimate = analytic_performance_model(spec)
+    enc, llm = estimate.encoder, estimate.llm
+    jobs = [(enc.per_unit_s * u + enc.constant_s, 0, i) for i, u in enumerate(units)]
+    for i, mix in enumerate(mixes):
+        targets = sum(_target_lens(mix, fractions[i]))
+        seconds = (
+            llm.per_token_s * sum(mix)
+            + llm.per_token_sq_s * sum(s * s for s in mix)
+            + llm.per_target_token_s * targets
+            + llm.constant_s
+        )
+        jobs.append((seconds, 1, i))
+    load = [0.0] * processes
+    shares: list[tuple[list[int], list[int]]] = [([], []) for _ in range(processes)]
+    for seconds, module, i in sorted(jobs, key=lambda job: (-job[0], job[1], job[2])):
+        k = min(range(processes), key=lambda p: (load[p], p))
+        load[k] += seconds
+        shares[k][module].append(i)
+    return [(sorted(u), sorted(m)) for u, m in shares]
 
 
 def profiled_tokens(seq_lens: Any) -> tuple[int, int]:

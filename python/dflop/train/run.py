@@ -572,11 +572,14 @@ def _performance_model(
         log("deterministic: the analytic cost model (FLOP counts at a nominal rate, no timing)")
         return analytic_performance_model(model)
     threads = _threads_per_rank(config, nproc)
-    log(f"profiling {config.model} on this CPU ({threads} thread(s)) ...")
+    # As many processes as the ranks will be (cores allowing), each with a rank's threads.
+    processes = max(1, min(nproc, (os.cpu_count() or 1) // threads))
+    log(f"profiling {config.model} on this CPU ({processes} process(es) x {threads} thread(s)) ...")
     tokens, totals = profiled_tokens(seq_lens)
     perf = quick_profile(
-        model,
+        config.model if isinstance(config.model, str) else model,
         threads=threads,
+        processes=processes,
         seed=config.seed,
         max_tokens=tokens,
         num_totals=totals,

@@ -342,3 +342,35 @@ def test_old_profile_without_frozen_fields_loads() -> None:
     old = ProfileResult.from_dict(data)
     assert all(m.forward_time_s is None and m.saved_bytes is None for m in old.decoder)
     assert fit_performance_model(old, holdout_fraction=0.0).forward_fraction is None
+
+
+def test_profiles_of_shares_of_a_grid_merge_in_grid_order() -> None:
+    """merge_profiles: parts measured on shares of one grid (in separate processes, as a
+    parallel quick profile does) come back as one profile in grid order, the frozen shape
+    counts summed, and fit as one; orders that do not match their parts are refused."""
+    from dflop.profiling import merge_profiles
+
+    mixes = SMALL_MIXES
+    common = dict(warmup=0, repeats=1, seed=0, num_threads=1)
+    # Part 0: the encoder's unit counts 1 and 4, mixes 0, 2, ...; part 1: the rest.
+    first = profile_model(
+        ToyVision(), ToyDecoder(), image_shape=(3, 8, 8), unit_counts=[1, 4],
+        seq_len_mixes=mixes[::2], frozen_shapes=2, **common,
+    )  # fmt: skip
+    second = profile_model(
+        ToyVision(), ToyDecoder(), image_shape=(3, 8, 8), unit_counts=[2, 3],
+        seq_len_mixes=mixes[1::2], frozen_shapes=2, **common,
+    )  # fmt: skip
+    evens, odds = list(range(0, len(mixes), 2)), list(range(1, len(mixes), 2))
+    merged = merge_profiles([first, second], [[0, 3], [1, 2]], [evens, odds])
+    assert [m.num_units for m in merged.encoder] == [1, 2, 3, 4]
+    assert [m.seq_lens for m in merged.decoder] == [tuple(mix) for mix in mixes]
+    assert merged.metadata["processes"] == 2
+    frozen = merged.metadata["decoder"]["frozen"]
+    assert frozen["forward_shapes"] == 4 and frozen["passthrough_shapes"] == 4
+    assert merged.tokens_per_unit == first.tokens_per_unit == 4
+    fit_performance_model(merged)  # one profile: the fit takes it as any other
+    with pytest.raises(ValueError, match="one encoder and one decoder order per part"):
+        merge_profiles([first, second], [[0, 3]], [evens, odds])
+    with pytest.raises(ValueError, match="length differs"):
+        merge_profiles([first, second], [[0], [1, 2]], [evens, odds])
