@@ -13,6 +13,9 @@ its tests are marked ``integration`` by their folder:
 
 from __future__ import annotations
 
+import os
+import time
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +38,56 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if integration:
         _start_fork_server()
 
+
+# ------------------------------------------------------------------ the suite's time
+
+SUITE_BUDGET_ENV = "DFLOP_SUITE_BUDGET_S"
+"""Seconds the whole run may take (set by .ci/run): a longer run fails, naming the budget,
+so that the suite's growth is noticed when it happens (docs/development.md)."""
+
+_FILE_SECONDS: dict[str, float] = defaultdict(float)
+_FILE_TESTS: dict[str, int] = defaultdict(int)
+_SESSION_START_S = time.monotonic()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _SESSION_START_S
+    _SESSION_START_S = time.monotonic()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] += report.duration  # setup, call and teardown
+    if report.when == "call":
+        _FILE_TESTS[path] += 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Seconds per test file (the whole run's, when it ran many files), slowest first; and
+    the budget check of :data:`SUITE_BUDGET_ENV`."""
+    elapsed_s = time.monotonic() - _SESSION_START_S
+    if len(_FILE_SECONDS) >= 10:
+        write = terminalreporter.write_line
+        terminalreporter.section("seconds per test file")
+        for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:30]:
+            write(f"{seconds:8.1f} s {_FILE_TESTS[path]:5d} tests  {path}")
+        write(f"{sum(_FILE_SECONDS.values()):8.1f} s in tests; {elapsed_s:.1f} s in all")
+    budget = os.environ.get(SUITE_BUDGET_ENV)
+    if budget and elapsed_s > float(budget):
+        terminalreporter.write_line(
+            f"FAILED: the suite took {elapsed_s:.0f} s, over its budget of {float(budget):.0f} s "
+            f"({SUITE_BUDGET_ENV}); make the tests that grew cheaper (docs/development.md)",
+            red=True,
+        )
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    budget = os.environ.get(SUITE_BUDGET_ENV)
+    if budget and time.monotonic() - _SESSION_START_S > float(budget) and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# ------------------------------------------------------------ the ranks' fork server
 
 RANK_MODULES = (
     "pytest",

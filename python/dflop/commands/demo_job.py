@@ -218,8 +218,13 @@ def run_full_demo(config: FullDemoConfig, out: TextIO = sys.stdout) -> dict:
         print(text, file=out, flush=True)
 
     start_s = time.perf_counter()
-    log(f"[1/4] profiling the {config.preset} model on this CPU (1 thread, quick) ...")
-    perf = quick_profile(model, threads=1, seed=config.seed)
+    # In the 2 processes the run will train on (cores allowing), 1 thread each.
+    processes = max(1, min(2, os.cpu_count() or 1))
+    log(
+        f"[1/4] profiling the {config.preset} model on this CPU ({processes} process(es) x "
+        "1 thread, quick) ..."
+    )
+    perf = quick_profile(config.preset, threads=1, processes=processes, seed=config.seed)
     perf.save(path("perf.json"))
     log(perf.summary())
 
