@@ -217,6 +217,22 @@ def _start_long_run(tmp_path: Path, ckpt: Path):
     return proc
 
 
+def _users_files(ckpt: Path) -> list[Path]:
+    """Files in a checkpoint folder that dflop did not write, named like temporaries: a
+    user's notes, and another run's checkpoint (with an in-flight temporary) nested in it."""
+    paths = [
+        ckpt / "thesis.tmp",
+        ckpt / "notes" / "draft.tmp-3",
+        ckpt / "latest.tmp",  # not write_file's pattern (no writer's process id)
+        ckpt / "other-run" / "step-000001" / "rank-00000.pt.tmp-123",
+        ckpt / "other-run" / "latest.tmp-123",
+    ]
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"theirs")
+    return paths
+
+
 def _settled(ckpt: Path, wait_s: float = 3.0) -> str:
     """``latest`` after ``wait_s`` more seconds, asserting it did not move meanwhile (no
     rank is left training and checkpointing)."""
@@ -326,10 +342,12 @@ def test_checkpoints_by_time_metrics_per_step_and_a_first_run_says_it_starts_fre
     (here: after every step, without --checkpoint-every); a run that finds no checkpoint
     says so in one line."""
     ckpt = tmp_path / "ckpt"
+    theirs = _users_files(ckpt)  # in the folder before any run: never dflop's to remove
     args = ("--steps", "3", "--checkpoint-dir", str(ckpt), "--checkpoint-every-min", "1e-6")
     result, _ = _train(tmp_path, *args, "--peak-tflops", "0.5")
     assert result.returncode == 0, result.stderr
     assert f"checkpoint: none in {ckpt} yet; starting from step 1" in result.stdout
+    assert all(p.read_bytes() == b"theirs" for p in theirs) and "removed" not in result.stdout
     # Rotation keeps the newest two: step 2's exists only if a save came after step 2.
     assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-000002", "step-000003"]
     # The per-step metrics beside the checkpoints (steps counted as the progress line
@@ -441,12 +459,14 @@ def test_a_lock_left_by_a_killed_run_is_reported_and_taken_over(tmp_path):
     assert (ckpt / "dflop.lock").exists()
     leftover = ckpt / _settled(ckpt) / "rank-00000.pt.tmp-999999"
     leftover.write_bytes(b"half a checkpoint")
+    theirs = _users_files(ckpt)
     latest = int((ckpt / "latest").read_text().split("-")[1])  # steps done
     result, report = _train(tmp_path, "--steps", str(latest + 2), "--checkpoint-dir", str(ckpt))
     assert result.returncode == 0, result.stderr
     assert f"was left by process {proc.pid} on host" in result.stdout
     assert "no longer running; taking the folder over" in result.stdout
     assert "removed 1 temporary file(s)" in result.stdout and not leftover.exists()
+    assert all(p.read_bytes() == b"theirs" for p in theirs)  # only the dead run's own
     assert sorted(_losses(report)) == [latest, latest + 1]  # 0-based step indices
 
 

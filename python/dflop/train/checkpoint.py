@@ -59,7 +59,12 @@ __all__ = [
 _LATEST = "latest"
 _LOCK = "dflop.lock"
 _SETTINGS = "settings.json"
-_TEMPORARY = re.compile(r"\.tmp(-\d+)?$")  # what write_file (and older dflops) wrote
+# The temporary files a killed run can leave: write_file's "NAME.tmp-PID" of the files this
+# module writes, where it writes them (and nothing else: a user's "notes.tmp" is theirs).
+_OWN_TEMPORARIES = (
+    re.compile(rf"{_LATEST}\.tmp-\d+"),
+    re.compile(r"step-\d{6}/(rank-\d{5}\.pt(\.sha256)?|" + re.escape(_SETTINGS) + r")\.tmp-\d+"),
+)
 
 
 class CheckpointError(RuntimeError):
@@ -261,13 +266,25 @@ class CheckpointLock:
         }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
-        self._remove_stale_temporaries()
+        if holder:  # a run that died holding the folder: it may have died mid-write
+            self._remove_stale_temporaries()
         return self
 
     def _remove_stale_temporaries(self) -> None:
-        """Temporary files of runs that died mid-write (this run holds the folder now)."""
+        """The temporary files of a run that died mid-write (this run holds the folder
+        now): only names this module writes, where it writes them (``latest`` and a
+        step's rank, checksum and settings files); nothing else in the folder is touched."""
+        candidates = [*self.folder.glob(f"{_LATEST}.tmp-*"), *self.folder.glob("step-*/*.tmp-*")]
         stale = [
-            p for p in self.folder.rglob("*.tmp*") if p.is_file() and _TEMPORARY.search(p.name)
+            p
+            for p in candidates
+            if p.is_file()
+            and not p.is_symlink()
+            and not p.parent.is_symlink()  # a step folder that leads elsewhere is not ours
+            and any(
+                pattern.fullmatch(p.relative_to(self.folder).as_posix())
+                for pattern in _OWN_TEMPORARIES
+            )
         ]
         for path in stale:
             path.unlink(missing_ok=True)
