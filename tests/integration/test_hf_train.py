@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -64,23 +65,23 @@ def _state(folder: str, family: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "family,folder,layout",
+    "family,folder,layout,replace",
     [
-        ("llava_onevision", "tiny_folder", "enc_dp=1,llm_pp=2,m=2"),
-        ("qwen2_vl", "tiny_qwen_folder", "enc_dp=1,llm_pp=2,m=2"),
-        ("llava_onevision", "tiny_deep_folder", "enc_dp=1,llm_pp=2,llm_v=2,m=2"),
-        ("llava_onevision", "tiny_folder", "colocated,llm_pp=2,m=2"),
-        ("qwen2_vl", "tiny_qwen_folder", "colocated,llm_dp=2,m=2"),
+        ("llava_onevision", "tiny_folder", "enc_dp=1,llm_pp=2,m=2", True),
+        ("qwen2_vl", "tiny_qwen_folder", "enc_dp=1,llm_pp=2,m=2", False),
+        ("llava_onevision", "tiny_deep_folder", "enc_dp=1,llm_pp=2,llm_v=2,m=2", False),
+        ("llava_onevision", "tiny_folder", "colocated,llm_pp=2,m=2", False),
+        ("qwen2_vl", "tiny_qwen_folder", "colocated,llm_dp=2,m=2", False),
     ],
     ids=[
-        "llava_onevision",
+        "llava_onevision-replacing",
         "qwen2_vl",
         "llava_onevision-interleaved",
         "llava_onevision-colocated",
         "qwen2_vl-colocated",
     ],
 )
-def test_train_cli_on_real_records(tmp_path, family, folder, layout, request, quick_perf):
+def test_train_cli_on_real_records(tmp_path, family, folder, layout, replace, request, quick_perf):
     """A tiny model of each family trains under 'dflop train' on the real-format records
     (LLaVA-OneVision: anyres images up to 2480 x 3508, multi-image, video frames,
     text-only; Qwen2-VL: images of any size as native patch grids, frame pairs of the
@@ -88,9 +89,15 @@ def test_train_cli_on_real_records(tmp_path, family, folder, layout, request, qu
     per stage; and colocated: the encoder inside the first LLM stage, under a pipeline of
     2 stages or 2 replicas); the loss falls, and the
     saved Hugging Face folder loads with from_pretrained: trained tensors moved, untrained
-    ones kept."""
+    ones kept. ``replace``: the folder held a model already (the input's own files, a
+    single model.safetensors), and --save-hf-replace replaced it whole: from_pretrained
+    loads the trained model, not the old file beside a new index."""
     tiny_folder = request.getfixturevalue(folder)
     out, metrics = tmp_path / "trained", tmp_path / "metrics.json"
+    if replace:
+        shutil.copytree(tiny_folder, out)
+        (out / "notes.txt").write_text("the old folder's")
+        assert (out / "model.safetensors").is_file()
     result = run_cli(
         "train",
         "--model",
@@ -116,6 +123,7 @@ def test_train_cli_on_real_records(tmp_path, family, folder, layout, request, qu
         "--quiet",
         "--perf",
         quick_perf(f"hf:{tiny_folder}"),
+        *(["--save-hf-replace"] if replace else []),
         timeout_s=TIMEOUT_S,
     )
     assert result.returncode == 0, result.stderr + result.stdout
@@ -138,6 +146,33 @@ def test_train_cli_on_real_records(tmp_path, family, folder, layout, request, qu
     transformers = pytest.importorskip("transformers")
     transformers.AutoImageProcessor.from_pretrained(out)
     assert not (out / "model-untrained.safetensors").exists()
+    # Replaced whole: nothing of the old folder is left, nothing staged beside it.
+    assert not (out / "model.safetensors").exists() and not (out / "notes.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json", "trained"]
+
+
+def test_save_hf_never_mixes_models_or_writes_into_the_input(tmp_path, tiny_folder):
+    """Refused in one line before any process starts: the input model's folder (or one in
+    it), and a folder holding files without --save-hf-replace (left untouched)."""
+    data = os.path.join(DATA, "llava_mini.json")
+    train = ["train", "--model", f"hf:{tiny_folder}", "--data", data, "--steps", "1"]
+    for target, says in (
+        (tiny_folder, "is the input model's folder"),
+        (os.path.join(tiny_folder, "trained"), "is inside the input model's folder"),
+        (os.path.dirname(tiny_folder), "holds the input model's folder"),
+    ):
+        result = run_cli(*train, "--save-hf", target, "--save-hf-replace")
+        assert result.returncode == 2 and says in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    filled = tmp_path / "filled"
+    filled.mkdir()
+    (filled / "model.safetensors").write_bytes(b"an older model")
+    result = run_cli(*train, "--save-hf", str(filled))
+    assert result.returncode == 2, result.stderr
+    assert "is not empty ('model.safetensors')" in result.stderr
+    assert "--save-hf-replace" in result.stderr
+    assert (filled / "model.safetensors").read_bytes() == b"an older model"
+    assert not os.path.exists(os.path.join(tiny_folder, "trained"))
 
 
 def test_train_rejects_synthetic_data_and_scaler(tiny_folder):

@@ -316,6 +316,13 @@ class TrainConfig:
         "a Hugging Face model: write the trained model here at the end, in the Hugging Face "
         "layout (from_pretrained loads it)",
     )
+    save_hf_replace: bool = _field(
+        "output",
+        False,
+        "save_hf may name a folder that holds files: the trained model replaces it as a "
+        "whole (written beside it, then swapped in); without it such a folder is refused. "
+        "The input model's own folder is always refused",
+    )
     trace: str | None = _field(
         "output",
         None,
@@ -578,6 +585,8 @@ class TrainConfig:
             ("save_hf", "folder"),
         ):
             check_output_path(f"TrainConfig.{name}", getattr(self, name), kind)
+        if self.save_hf is not None:
+            check_export_folder(self.save_hf, self.model[3:], self.save_hf_replace)
         if self.nproc is not None:
             check_local_processes(self.nproc, self.oversubscribe)
         if self.mix is not None:
@@ -794,6 +803,29 @@ def check_output_path(what: str, path: str | None, kind: str = "file") -> None:
             parent = os.path.dirname(parent)
     if not os.access(parent, os.W_OK):
         raise PermissionError(f"{what}={path!r}: {parent!r} is not writable")
+
+
+def check_export_folder(folder: str, model_folder: str, replace: bool) -> None:
+    """Fail before training if the trained model cannot go to ``folder`` without mixing
+    with, or destroying, what is there: the input model's folder (or one holding it, or
+    inside it) is refused; a folder that holds files is refused unless ``replace``."""
+    target, model = os.path.realpath(folder), os.path.realpath(model_folder)
+    if target == model or model.startswith(target + os.sep) or target.startswith(model + os.sep):
+        where = "is" if target == model else "holds" if model.startswith(target) else "is inside"
+        raise ValueError(
+            f"TrainConfig.save_hf={folder!r} {where} the input model's folder ({model_folder!r}): "
+            "dflop never writes into the model it trains from; give another folder"
+        )
+    if os.path.isdir(folder) and not replace:
+        entries = sorted(os.listdir(folder))
+        if entries:
+            shown = ", ".join(bounded_repr(e) for e in entries[:3])
+            more = f" and {len(entries) - 3} more" if len(entries) > 3 else ""
+            raise ValueError(
+                f"TrainConfig.save_hf={folder!r} is not empty ({shown}{more}): a model "
+                "written into it would mix with what is there; give a new or empty folder, or "
+                "set save_hf_replace (--save-hf-replace) to replace the folder as a whole"
+            )
 
 
 def local_process_limit() -> int:

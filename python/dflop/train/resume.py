@@ -87,6 +87,7 @@ HONOURED: dict[str, str] = {
     "checkpoint_every": "how often checkpoints are written",
     "checkpoint_every_min": "how often checkpoints are written",
     "save_hf": "the Hugging Face model written at the end",
+    "save_hf_replace": "whether that model may replace a folder's files",
     "metrics_jsonl": "where the per-step metrics go",
     "output_dir": "where the metrics and the loggers' files go",
     "log": "the loggers",

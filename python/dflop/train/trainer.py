@@ -665,11 +665,18 @@ class Trainer:
     def save_hf_checkpoint(self, folder: str) -> None:
         """Write the model as a Hugging Face checkpoint folder (call on every rank): each
         stage's first replica writes its own safetensors file (its TP ranks gather the
-        shards first), rank 0 the rest (untrained tensors, the index, ``config.json``)."""
+        shards first), rank 0 the rest (untrained tensors, the index, ``config.json``),
+        all into a staging folder that rank 0 then publishes whole
+        (:mod:`dflop.train.export`: never two models in one folder)."""
         from dflop.runtime import dist
         from dflop.runtime.engine import StageChunks
         from dflop.runtime.tensor_parallel import full_tensor
+        from dflop.train.export import begin_export, publish_export, staging_folder
 
+        target, folder = folder, staging_folder(folder)  # published whole, at the end
+        if self.is_leader:
+            begin_export(target)
+        dist.barrier()
         info = self.info
         parts = self.trainable
         weight_map: dict[str, str] = {}
@@ -692,10 +699,11 @@ class Trainer:
         if self.is_leader:
             merged = {key: name for part, _ in gathered for key, name in part.items()}
             self.spec.finish_checkpoint(folder, merged, seed=self.config.seed)
-            what = "with its LoRA adapters merged " if parts.uses_lora else ""
-            print(f"saved the model {what}in the Hugging Face layout to {folder}", flush=True)
             if parts.uses_lora:
                 self._finish_adapter(folder, [a for _, a in gathered])
+            publish_export(target, self.config.save_hf_replace)
+            what = "with its LoRA adapters merged " if parts.uses_lora else ""
+            print(f"saved the model {what}in the Hugging Face layout to {target}", flush=True)
         dist.barrier()
 
     def _save_adapter_part(
