@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from cli_harness import run_cli  # noqa: E402
+from conftest import DATA_DIR  # noqa: E402
 from dflop.train.checkpoint import verify_checkpoint  # noqa: E402
 
 LAYOUT = "enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1,m=2"
@@ -618,3 +619,31 @@ def test_full_disk_outputs_are_one_line_and_no_empty_file(tmp_path):
     assert len(last) == 1, result.stderr
     assert f"could not write {str(disk / 't.json')!r}: the disk is full" in last[0]
     assert result.stdout.split("FILES", 1)[1].split() == [str(disk / "filler")]
+
+
+def test_a_resume_on_a_dataset_that_changed_is_refused_unless_asked(tmp_path):
+    """A checkpoint records its dataset's records (count and content hash, in order): the
+    same JSON shuffled under the same path makes the resume exit 2 naming the file, before
+    any process starts; --resume-on-changed-data resumes on it and says what that means."""
+    mini = DATA_DIR / "llava_mini"
+    records = json.loads((mini / "llava_mini.json").read_text())
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps(records))
+    ckpt = tmp_path / "ckpt"
+    dataset = ("--data", str(data), "--image-folder", str(mini / "images"),
+               "--video-folder", str(mini / "videos"), "--checkpoint-dir", str(ckpt))  # fmt: skip
+    result, _ = _train(tmp_path, "--steps", "2", *dataset)
+    assert result.returncode == 0, result.stderr
+    settings = json.loads((ckpt / "step-000002" / "settings.json").read_text())
+    assert settings["data"]["records"] == 19  # the usable ones (docs: 28 read, 9 skipped)
+    data.write_text(json.dumps(records[::-1]))  # the same records, another order
+    refused, _ = _train(tmp_path, "--steps", "3", *dataset)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    message = refused.stderr.strip()
+    assert len(message.splitlines()) == 1 and f"the dataset {data} changed" in message
+    assert "the same number of usable records (19), other contents or order" in message
+    assert "--resume-on-changed-data" in message and "processes on cpu" not in refused.stdout
+    resumed, report = _train(tmp_path, "--steps", "3", *dataset, "--resume-on-changed-data")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"note: {data} changed since the checkpoint" in resumed.stdout
+    assert [s["step"] for s in report["steps"]] == [2]

@@ -18,9 +18,11 @@ Torch-free; nothing is decoded or tokenised beyond the text counter.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -306,9 +308,24 @@ class RecordSet:
 
     records: list[RawSample]
     distribution: ShapeDistribution
+    _fingerprint: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.records)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a step's batch is drawn from, in short: the number of records and a
+        SHA-256 of each one's position in its file and content, in order (a batch is a
+        list of positions in ``records``). A checkpoint saves it; a resume on records that
+        differ (the file edited, shuffled or cut; an image gone, which drops its record)
+        is refused. About half a second for 200k records; computed once."""
+        if self._fingerprint is None:
+            digest = hashlib.sha256()
+            for raw in self.records:
+                digest.update(json.dumps([raw.index, raw.data]).encode("utf-8", "replace"))
+                digest.update(b"\n")
+            self._fingerprint = {"records": len(self.records), "sha256": digest.hexdigest()}
+        return dict(self._fingerprint)
 
     def indices(self, num_samples: int, seed: int = 0) -> np.ndarray:
         if len(self.records) == 0:

@@ -30,13 +30,17 @@ class Checkpointer:
         config: the run's :class:`~dflop.train.config.TrainConfig`.
         layout: the run's :class:`~dflop.runtime.topology.RuntimeLayout`.
         comm_device: where the stop flag's all-reduce runs.
+        data: the dataset's record fingerprint (saved with every step; None: synthetic).
     """
 
-    def __init__(self, config: Any, layout: Any, comm_device: Any) -> None:
+    def __init__(
+        self, config: Any, layout: Any, comm_device: Any, data: dict[str, Any] | None = None
+    ) -> None:
         from dflop.runtime import dist
 
         self.config = config
         self.layout = layout
+        self.data = data  # the dataset's fingerprint, saved beside every step
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self._comm_device = comm_device
@@ -103,7 +107,7 @@ class Checkpointer:
             state,
             barrier=dist.barrier,
             world_size=self.world_size,
-            settings=run_settings(self.config, self.layout),
+            settings=run_settings(self.config, self.layout, self.data),
         )
 
     def end_of_step(self, step: int, stage: Any, optimizer: Any) -> bool:

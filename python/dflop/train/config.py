@@ -268,6 +268,14 @@ class TrainConfig:
     checkpoint_dir: str | None = _field(
         "output", None, "checkpoint here; a run resumes from the latest checkpoint here"
     )
+    resume_on_changed_data: bool = _field(
+        "output",
+        False,
+        "resume a checkpoint although its dataset's records changed since (edited, "
+        "shuffled, cut, an image gone): the steps after it then draw their batches from the "
+        "changed records, not the samples an uninterrupted run would have trained on; "
+        "without it such a resume is refused",
+    )
     checkpoint_every: int = _field(
         "output", 0, "also checkpoint every this many steps (0: by time and at the end only)"
     )

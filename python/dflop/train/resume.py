@@ -29,6 +29,7 @@ __all__ = [
     "LAYOUT_FIELDS",
     "MUST_MATCH",
     "ResumePoint",
+    "check_data",
     "check_layout",
     "check_settings",
     "resume_point",
@@ -84,6 +85,7 @@ HONOURED: dict[str, str] = {
     "loss_chunk_tokens": "the loss's chunking (the loss and gradients do not change)",
     "check_images": "the images' check before the first step",
     "checkpoint_dir": "the checkpoint folder",
+    "resume_on_changed_data": "whether a resume accepts a dataset that changed",
     "checkpoint_every": "how often checkpoints are written",
     "checkpoint_every_min": "how often checkpoints are written",
     "save_hf": "the Hugging Face model written at the end",
@@ -151,14 +153,54 @@ class ResumePoint:
         return saved
 
 
-def run_settings(config: Any, layout: Any = None) -> dict[str, Any]:
+def run_settings(
+    config: Any, layout: Any = None, data: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """What a checkpoint saves of its run: the settings (file paths made absolute, so a
-    resume from another working folder compares the same files) and the layout."""
+    resume from another working folder compares the same files), the layout and the
+    dataset's :meth:`~dflop.data.reader.RecordSet.fingerprint` (``data``)."""
     values = config.to_dict()
     for name in _PATHS:
         if isinstance(values.get(name), str) and values[name] != "synthetic":
             values[name] = os.path.realpath(values[name])
-    return {"config": values, "layout": None if layout is None else layout.to_dict()}
+    return {
+        "config": values,
+        "layout": None if layout is None else layout.to_dict(),
+        "data": data,
+    }
+
+
+def check_data(
+    config: Any, records: Any, point: ResumePoint, log: Callable[[str], None] = print
+) -> None:
+    """Refuse to resume on records other than the checkpoint's (a batch is a list of
+    positions in them: other records, other samples than the run it continues), in one
+    line naming the dataset, unless ``config.resume_on_changed_data`` (then said)."""
+    saved = point.settings.get("data")
+    fingerprint = getattr(records, "fingerprint", None)
+    if not saved or fingerprint is None:  # synthetic data, or saved before fingerprints
+        return
+    mine = fingerprint()
+    if mine == saved:
+        return
+    counts = (
+        f"{saved['records']} usable records then, {mine['records']} now"
+        if saved.get("records") != mine["records"]
+        else f"the same number of usable records ({mine['records']}), other contents or order"
+    )
+    if config.resume_on_changed_data:
+        log(
+            f"note: {config.data} changed since the checkpoint ({counts}); resuming on it as "
+            "asked (--resume-on-changed-data): the next steps train other samples than an "
+            "uninterrupted run would have"
+        )
+        return
+    raise ValueError(
+        f"cannot resume from {point.folder}: the dataset {config.data} changed since the "
+        f"checkpoint was saved ({counts}), so the steps after it would train other samples "
+        "than the run it continues. Resume on the data it was saved with, use another "
+        "--checkpoint-dir, or give --resume-on-changed-data to continue on the changed data"
+    )
 
 
 def resume_point(checkpoint_dir: str | None) -> ResumePoint | None:

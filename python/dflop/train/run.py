@@ -74,13 +74,17 @@ def prepare(
     its settings with the checkpoint's (:mod:`dflop.train.resume`): a change it cannot
     honour is a ValueError naming the setting. ``launches``: local processes will run
     (their fork server starts while this prepares)."""
-    from dflop.train.resume import check_layout, check_settings, resume_point
+    from dflop.train.resume import check_data, check_layout, check_settings, resume_point
 
     point = resume_point(config.checkpoint_dir)
     if point is not None:
         check_settings(config, point, log)
     prepared = _prepare(config, log, launches)
+    fingerprint = getattr(prepared.distribution, "fingerprint", None)
+    if fingerprint is not None and config.checkpoint_dir:
+        fingerprint()  # once, here: the ranks receive the records with it
     if point is not None:
+        check_data(config, prepared.distribution, point, log)
         check_layout(config, prepared.layout, point)
     _check_lora_layout(config, prepared.layout)
     return prepared

@@ -168,7 +168,13 @@ class Trainer:
             scaler=config.scaler,
             length=length_policy(self.spec, config.max_seq_len, config.too_long),
         )
-        self.checkpointer = Checkpointer(config, layout, self._comm_device())
+        fingerprint = getattr(distribution, "fingerprint", None)  # a dataset's records
+        self.checkpointer = Checkpointer(
+            config,
+            layout,
+            self._comm_device(),
+            fingerprint() if fingerprint is not None and config.checkpoint_dir else None,
+        )
         self.start_step = self.checkpointer.resume(self.stage, self.optimizer)
         self.cost_model = None
         self.scheduler = None
