@@ -160,6 +160,8 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
         (["--timeout-s", "1e-300"], "timeout_s=1e-300 must be a number of seconds from 1"),
         (["--layout", "enc_dp=1000000,m=2"], "1000001 local processes exceed"),
         (["--global-batch", "10000000"], "TrainConfig.global_batch=10,000,000 is more than"),
+        (["--metrics-jsonl", os.path.dirname(__file__)], "metrics_jsonl="),
+        (["--metrics-jsonl", os.path.join(__file__, "m.jsonl")], "is a file; give a folder"),
     ],
     ids=[
         "nproc",
@@ -171,6 +173,8 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
         "timeout",
         "million_ranks",
         "huge_batch",
+        "metrics_jsonl_folder",
+        "metrics_jsonl_under_a_file",
     ],
 )
 def test_bad_runs_are_refused_before_any_process_starts(tmp_path, args, message):
@@ -458,6 +462,8 @@ def test_a_lock_left_by_a_killed_run_is_reported_and_taken_over(tmp_path):
     proc.kill()
     proc.communicate(timeout=30)
     assert (ckpt / "dflop.lock").exists()
+    with open(ckpt / "metrics.jsonl", "a") as f:
+        f.write('{"step": 99999, "loss": 0.5, "idle_s": 0.08')  # a write cut by the kill
     leftover = ckpt / _settled(ckpt) / "rank-00000.pt.tmp-999999"
     leftover.write_bytes(b"half a checkpoint")
     theirs = _users_files(ckpt)
@@ -468,6 +474,12 @@ def test_a_lock_left_by_a_killed_run_is_reported_and_taken_over(tmp_path):
     assert "no longer running; taking the folder over" in result.stdout
     assert "removed 1 temporary file(s)" in result.stdout and not leftover.exists()
     assert all(p.read_bytes() == b"theirs" for p in theirs)  # only the dead run's own
+    # metrics.jsonl: the killed run's steps after the checkpoint are cut (with the line
+    # it left unfinished), so every step appears once, whole, with its run's id.
+    rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, latest + 3))
+    assert len({r["run_id"] for r in rows[latest:]}) == 1 and all(r["time"] for r in rows)
+    assert "metrics: " in result.stdout and "where this run resumes" in result.stdout
     assert sorted(_losses(report)) == [latest, latest + 1]  # 0-based step indices
 
 
@@ -647,3 +659,60 @@ def test_a_resume_on_a_dataset_that_changed_is_refused_unless_asked(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert f"note: {data} changed since the checkpoint" in resumed.stdout
     assert [s["step"] for s in report["steps"]] == [2]
+
+
+def test_a_failing_metrics_file_never_stops_the_training(tmp_path):
+    """metrics.jsonl on a full disk (/dev/full: every write fails with ENOSPC): one
+    warning naming the file, and the run trains to the end and checkpoints."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    ckpt = tmp_path / "ckpt"
+    result, report = _train(
+        tmp_path, "--steps", "2", "--checkpoint-dir", str(ckpt), "--metrics-jsonl", "/dev/full"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "warning: metrics: writing /dev/full failed" in result.stdout
+    assert "the run goes on without it" in result.stdout
+    assert [s["step"] for s in report["steps"]] == [0, 1]
+    assert (ckpt / "latest").read_text().strip() == "step-000002"
+
+
+def test_a_fresh_run_keeps_an_earlier_runs_metrics_and_two_runs_never_share_a_file(tmp_path):
+    """A new run finding metrics.jsonl of an earlier one keeps it under another name and
+    starts its own; a run whose file another run holds writes a file of its own."""
+    import fcntl
+
+    out = tmp_path / "out"
+    out.mkdir()
+    earlier = '{"step": 1, "loss": 1.0}\n'
+    (out / "metrics.jsonl").write_text(earlier)
+    result, _ = _train(tmp_path, "--steps", "1", "--output-dir", str(out))
+    assert result.returncode == 0, result.stderr
+    kept = list(out.glob("metrics.before-*.jsonl"))
+    assert len(kept) == 1 and kept[0].read_text() == earlier
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] and rows[0]["run_id"]
+    with open(out / "metrics.jsonl") as held:  # another run writing it now
+        fcntl.flock(held, fcntl.LOCK_EX)
+        result, _ = _train(tmp_path, "--steps", "1", "--output-dir", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "is being written by another run; this run writes" in result.stdout
+    own = [p for p in out.glob("metrics.*.jsonl") if not p.name.startswith("metrics.before")]
+    assert len(own) == 1 and json.loads(own[0].read_text())["step"] == 1
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_wandb_online_without_a_key_or_a_server_is_refused_before_any_process(tmp_path):
+    """W&B online mode without an API key, or with one and no reachable server: exit 2 in
+    one line before profiling or any process, naming --wandb-mode offline."""
+    pytest.importorskip("wandb")
+    train = ("train", "--log", "wandb", "--wandb-mode", "online", "--steps", "1")
+    env = {"HOME": str(tmp_path), "WANDB_API_KEY": "", "WANDB_MODE": ""}
+    result = run_cli(*train, env=env, timeout_s=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "needs an API key" in result.stderr and "--wandb-mode offline" in result.stderr
+    env = {**env, "WANDB_API_KEY": "x" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9"}
+    result = run_cli(*train, env=env, timeout_s=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "cannot reach the W&B server 127.0.0.1:9" in result.stderr
+    assert "--wandb-mode offline" in result.stderr and "profiling" not in result.stdout

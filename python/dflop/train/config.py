@@ -294,8 +294,10 @@ class TrainConfig:
     metrics_jsonl: str | None = _field(
         "output",
         None,
-        "one JSON line per step here (loss, step time, tokens/s, TFLOP/s, MFU ...; appended "
-        "across resumes); default: metrics.jsonl in the output folder; '' turns it off",
+        "one JSON line per step here (run id, time, loss, step time, tokens/s, TFLOP/s, "
+        "MFU ...; a resumed run continues it, cutting what followed the checkpoint; a new "
+        "run keeps an earlier run's file as NAME.before-TIME.jsonl); default: metrics.jsonl "
+        "in the output folder; '' turns it off",
     )
     log: str = _field(
         "output",
@@ -595,6 +597,13 @@ class TrainConfig:
             check_output_path(f"TrainConfig.{name}", getattr(self, name), kind)
         if self.save_hf is not None:
             check_export_folder(self.save_hf, self.model[3:], self.save_hf_replace)
+        if self.metrics_jsonl:  # its folder is made if need be
+            what, path = "TrainConfig.metrics_jsonl", self.metrics_jsonl
+            if os.path.isdir(path):
+                raise ValueError(f"{what}={path!r} is a folder; give a file path")
+            if os.path.exists(path) and not os.access(path, os.W_OK):
+                raise PermissionError(f"{what}={path!r} is not writable")
+            check_output_path(what, os.path.dirname(os.path.abspath(path)), "folder")
         if self.nproc is not None:
             check_local_processes(self.nproc, self.oversubscribe)
         if self.mix is not None:

@@ -17,6 +17,7 @@ right after the schedule broadcast). Rank 0 turns them into a :class:`StepMetric
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -24,12 +25,14 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "MetricsFile",
     "ModeSummary",
     "RankRecord",
     "StepLog",
     "StepMetrics",
     "TensorBoardLogger",
     "WandbLogger",
+    "check_loggers",
     "metrics_jsonl_path",
     "peak_flops",
     "step_metrics",
@@ -117,6 +120,44 @@ class WandbLogger:
 
 
 LOGGER_CLASSES = {"tensorboard": TensorBoardLogger, "wandb": WandbLogger}
+
+WANDB_CONNECT_TIMEOUT_S = 5.0
+"""How long the check before a run waits to reach the W&B server."""
+
+
+def check_loggers(config: Any) -> None:
+    """Before any process starts: W&B's online mode needs an API key and its server, else
+    the run would fail (or hang for minutes) only after profiling and starting the ranks.
+    Raises ValueError in one line naming what is missing and the offline mode."""
+    import netrc
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if "wandb" not in config.loggers:
+        return
+    mode = config.wandb_mode or os.environ.get("WANDB_MODE") or "online"
+    if mode != "online":
+        return
+    offline = "--wandb-mode offline keeps the run on this machine ('wandb sync' uploads it later)"
+    url = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+    host = url.hostname or "api.wandb.ai"
+    key = os.environ.get("WANDB_API_KEY")
+    if not key:
+        with contextlib.suppress(OSError, netrc.NetrcParseError):
+            key = (netrc.netrc().authenticators(host) or (None, None, None))[2]
+    if not key:
+        raise ValueError(
+            f"--log wandb: W&B's online mode needs an API key for {host} (WANDB_API_KEY, or "
+            f"'wandb login') and none is set; {offline}"
+        )
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=WANDB_CONNECT_TIMEOUT_S).close()
+    except OSError as error:
+        raise ValueError(
+            f"--log wandb: cannot reach the W&B server {host}:{port} ({error}); {offline}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -392,31 +433,161 @@ def format_step(m: StepMetrics, num_steps: int) -> str:
     )
 
 
+class MetricsFile:
+    """``metrics.jsonl``, written by one run at a time, in whole lines.
+
+    - Each line is one ``write`` of a complete line to the end of the file; a write that
+      fails (a full disk) is cut back to the last whole line and the file is given up
+      with one warning: logging never stops the training.
+    - The run holds an exclusive lock on it while it writes; a second run whose metrics
+      would go to a held file writes its own, ``NAME.RUN_ID.jsonl``, and says so.
+    - A resumed run (``start_step`` k > 0) first cuts what follows its checkpoint: a last
+      line a killed run left unfinished, and the steps after step k that the killed run
+      logged (they were not kept: the resumed run trains them again). A fresh run finding
+      a non-empty file keeps it under another name (``NAME.before-TIME.jsonl``) and starts
+      a new one.
+    """
+
+    def __init__(self, path: str, run_id: str, start_step: int) -> None:
+        import fcntl
+        import os
+
+        self.run_id = run_id
+        self.notes: list[str] = []
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            stem, ext = os.path.splitext(path)
+            busy, path = path, f"{stem}.{run_id}{ext or '.jsonl'}"
+            self.notes.append(f"{busy} is being written by another run; this run writes {path}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.path, self._fd = path, fd
+        if os.fstat(fd).st_size:
+            if start_step > 0:
+                self._cut_after(start_step)
+            else:
+                self._keep_earlier()
+
+    def _cut_after(self, steps_done: int) -> None:
+        """Keep the whole lines of steps <= ``steps_done`` (what the checkpoint holds)."""
+        import json
+        import os
+
+        with open(self.path, "rb") as f:
+            text = f.read()
+        kept, cut = [], 0
+        for line in text.split(b"\n"):
+            if not line:
+                continue
+            try:
+                step = json.loads(line).get("step")
+            except ValueError:  # a line a killed run left unfinished
+                cut += 1
+                continue
+            if isinstance(step, int) and step > steps_done:
+                cut += 1
+                continue
+            kept.append(line + b"\n")
+        if cut:
+            os.ftruncate(self._fd, 0)
+            os.write(self._fd, b"".join(kept))
+            self.notes.append(
+                f"{self.path}: cut {cut} line(s) after step {steps_done}, where this run "
+                "resumes (written by the run it continues after its checkpoint, or unfinished)"
+            )
+
+    def _keep_earlier(self) -> None:
+        """A fresh run starts its own file; an earlier run's stays, renamed."""
+        import fcntl
+        import os
+        import time
+
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime(os.fstat(self._fd).st_mtime))
+        stem, ext = os.path.splitext(self.path)
+        kept = f"{stem}.before-{stamp}{ext or '.jsonl'}"
+        while os.path.exists(kept):
+            kept = f"{stem}.before-{stamp}-{os.urandom(2).hex()}{ext or '.jsonl'}"
+        os.rename(self.path, kept)  # this run's lock stays on it until its own file is held
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(self._fd)
+        self._fd = fd
+        self.notes.append(f"{self.path} held an earlier run's lines: kept as {kept}")
+
+    def write(self, fields: dict[str, Any]) -> bool:
+        """Append one line; False (the file given up, with a warning) if it failed."""
+        import json
+        import os
+
+        if self._fd is None:
+            return False
+        line = (json.dumps(fields) + "\n").encode("utf-8")
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            written = os.write(self._fd, line)
+            if written != len(line):
+                raise OSError(f"wrote {written} of {len(line)} bytes")
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, end)  # no half line
+            print(
+                f"warning: metrics: writing {self.path} failed ({error}); the run goes on "
+                f"without it (its lines up to step {fields.get('step', '?')} - 1 are whole)",
+                flush=True,
+            )
+            self.close()
+            return False
+        return True
+
+    def close(self) -> None:
+        import os
+
+        if self._fd is not None:
+            os.close(self._fd)  # releases the lock
+            self._fd = None
+
+
+def _new_run_id() -> str:
+    import os
+    import time
+
+    return time.strftime("%Y%m%d-%H%M%S") + f"-{os.urandom(3).hex()}"
+
+
 class StepLog:
     """Rank 0's record of a run: every step's metrics, the last ``trace_steps`` steps'
     rank records per mode (the timeline), the per-step lines and the progress bar (a
-    terminal only)."""
+    terminal only). A logger that fails is given up with one warning: the training goes
+    on (:class:`MetricsFile` for ``metrics.jsonl``)."""
 
     def __init__(self, config: Any, start_step: int) -> None:
         import collections
         import sys
 
         self.config = config
+        self.run_id = _new_run_id()
         self.metrics: list[StepMetrics] = []
-        # One JSON line per step and mode, appended across resumes (rank 0 writes).
+        # One JSON line per step and mode (rank 0 writes); see MetricsFile.
         self.jsonl_path = metrics_jsonl_path(config)
-        self._jsonl = None
+        self._jsonl: MetricsFile | None = None
         if self.jsonl_path is not None:
-            import os
-
-            os.makedirs(os.path.dirname(os.path.abspath(self.jsonl_path)), exist_ok=True)
-            self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
+            self._jsonl = MetricsFile(self.jsonl_path, self.run_id, start_step)
+            self.jsonl_path = self._jsonl.path
+            for note in self._jsonl.notes:
+                print(f"metrics: {note}", flush=True)
             peak = (
                 f"MFU against {config.peak_tflops:g} TFLOP/s per device"
                 if config.peak_tflops
                 else "MFU against a known GPU's peak (none on CPU; --peak-tflops states one)"
             )
-            print(f"metrics: one JSON line per step in {self.jsonl_path}; {peak}", flush=True)
+            print(
+                f"metrics: one JSON line per step in {self.jsonl_path} (run {self.run_id}); {peak}",
+                flush=True,
+            )
         self._loggers = [LOGGER_CLASSES[name](config) for name in config.loggers]
         for logger in self._loggers:
             print(f"metrics: {logger.name} files in {logger.folder}", flush=True)
@@ -437,15 +608,20 @@ class StepLog:
         self.metrics.append(row)
         self._recent[row.mode].append((records, row.step_time_s))
         if self._jsonl is not None:
-            import json
+            import time
 
             # NaN is not JSON: an unknown value is null.
             fields = {k: (None if isinstance(v, float) and math.isnan(v) else v)
                       for k, v in row.to_dict().items()}  # fmt: skip
-            self._jsonl.write(json.dumps({**fields, "step": row.step + 1}) + "\n")
-            self._jsonl.flush()
-        for logger in self._loggers:
-            logger.log(row)
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            line = {**fields, "step": row.step + 1, "run_id": self.run_id, "time": stamp}
+            if not self._jsonl.write(line):
+                self._jsonl = None
+        for logger in list(self._loggers):
+            try:
+                logger.log(row)
+            except Exception as error:  # noqa: BLE001 - a logger never stops the training
+                self._give_up(logger, error)
         every = self.config.log_every
         if not every or ((row.step + 1) % every and row.step != self.config.steps - 1):
             return
@@ -471,12 +647,25 @@ class StepLog:
             out[mode] = events
         return out
 
+    def _give_up(self, logger: Any, error: BaseException) -> None:
+        self._loggers.remove(logger)
+        print(
+            f"warning: metrics: {logger.name} failed ({type(error).__name__}: {error}); the "
+            f"run goes on without it (metrics.jsonl and the other loggers are unaffected)",
+            flush=True,
+        )
+        with contextlib.suppress(Exception):  # already given up
+            logger.close()
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
-        for logger in self._loggers:
-            logger.close()
+        for logger in list(self._loggers):
+            try:
+                logger.close()
+            except Exception as error:  # noqa: BLE001 - the run's results are kept
+                self._give_up(logger, error)
         self._loggers = []
         if self._bar is not None:
             self._bar.close()

@@ -74,8 +74,11 @@ def prepare(
     its settings with the checkpoint's (:mod:`dflop.train.resume`): a change it cannot
     honour is a ValueError naming the setting. ``launches``: local processes will run
     (their fork server starts while this prepares)."""
+    from dflop.train.metrics import check_loggers
     from dflop.train.resume import check_data, check_layout, check_settings, resume_point
 
+    if launches:
+        check_loggers(config)  # W&B's key and server, before profiling and the ranks
     point = resume_point(config.checkpoint_dir)
     if point is not None:
         check_settings(config, point, log)
@@ -521,6 +524,7 @@ def calibrate(
         log_every=0,
         progress=False,
         calibrate_steps=0,
+        metrics_jsonl="",  # the calibration steps are the plan's, not a run's: no file
     )
     prepared = Prepared(
         layout,
