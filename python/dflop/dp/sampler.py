@@ -148,9 +148,10 @@ class BalancedBatchSampler:
         num_samples: the dataset's size when ``costs`` is a function.
         seed: the permutation's and the balancer's seed (same on every rank).
         shuffle: permute the dataset every epoch (else: dataset order).
-        drop_last: drop a last global batch smaller than ``global_batch`` (else it runs
-            as a smaller step, with fewer microbatches if needed; one with fewer samples
-            than ``world_size`` is always dropped: some rank would have nothing).
+        drop_last: drop a last global batch smaller than ``global_batch``. Else every
+            sample is trained once per epoch: the remainder runs as a smaller last step
+            (with fewer microbatches if needed), or, with fewer samples than
+            ``world_size`` (some rank would have nothing), joins the step before it.
         resources, limits: an ``(N, K)`` array of what each sample occupies (tokens,
             visual units) and ``K`` upper bounds on a microbatch's sum (a memory budget);
             a sample over a limit alone is an error naming it.
@@ -226,6 +227,11 @@ class BalancedBatchSampler:
             self.num_samples = self._costs.shape[0]
             if num_samples is not None and num_samples != self.num_samples:
                 raise ValueError(f"num_samples={num_samples} but costs has {self.num_samples} rows")
+        if self.num_samples < world_size and not drop_last:
+            raise ValueError(
+                f"num_samples={self.num_samples} is fewer than world_size={world_size}: some "
+                "rank would get no sample in an epoch (drop_last=True trains none)"
+            )
         self._resources, self._limits = _resources(resources, limits, self.num_samples)
         self._pad_index: int | None = None  # padding="sample" with a cost array
         self._targets = None
@@ -278,9 +284,21 @@ class BalancedBatchSampler:
         self._consumed = None
 
     def _epoch_shape(self) -> tuple[int, int]:
-        """(full steps, samples of the smaller last step that runs: 0 if none)."""
+        """(steps of ``global_batch`` samples, samples of the last step after them: 0 if
+        none). Without ``drop_last`` every sample has a step: a remainder too small to give
+        each rank one joins the step before it."""
         full, rest = divmod(self.num_samples, self.global_batch)
-        return full, (rest if rest >= self.world_size and not self.drop_last else 0)
+        if rest == 0 or self.drop_last:
+            return full, 0
+        if rest >= self.world_size or full == 0:  # full == 0: num_samples >= world_size
+            return full, rest
+        return full - 1, self.global_batch + rest
+
+    def _step_slice(self, step: int) -> slice:
+        """The positions of step ``step``'s samples in the epoch's order."""
+        full, last = self._epoch_shape()
+        start = step * self.global_batch
+        return slice(start, start + (self.global_batch if step < full else last))
 
     def steps_per_epoch(self) -> int:
         full, last = self._epoch_shape()
@@ -310,7 +328,7 @@ class BalancedBatchSampler:
     def plan_step(self, epoch: int, step: int, order: np.ndarray | None = None) -> StepInfo:
         """The schedule of step ``step`` of epoch ``epoch`` (pure: the same on every rank)."""
         order = self._permutation(epoch) if order is None else order
-        indices = order[step * self.global_batch : (step + 1) * self.global_batch]
+        indices = order[self._step_slice(step)]
         num_microbatches = self._microbatches_for(len(indices))
         costs = self._step_costs(indices)
         used = None if self._resources is None else self._resources[indices]
@@ -416,11 +434,10 @@ class BalancedBatchSampler:
             return  # a data-parallel group inside a larger job: the caller's to check
         # An array's every cost; a function's for the step it starts at (pricing them all
         # could be expensive; that step's costs are computed for training anyway).
-        start = self._step * self.global_batch
         costs = (
             self._costs
             if self._cost_fn is None
-            else self._step_costs(order[start : start + self.global_batch])
+            else self._step_costs(order[self._step_slice(self._step)])
         )
         digest = hashlib.blake2b(digest_size=16)
         for part in (costs, self._resources, self._limits, self._targets):

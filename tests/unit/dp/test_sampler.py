@@ -36,13 +36,18 @@ def _epoch(n, global_batch, m, world, **kw):
 
 
 @pytest.mark.parametrize(
-    "n,global_batch,m,world", [(103, 16, 2, 2), (64, 16, 4, 4), (50, 24, 3, 2), (9, 8, 1, 3)]
+    "n,global_batch,m,world",
+    [(103, 16, 2, 2), (64, 16, 4, 4), (50, 24, 3, 2), (9, 8, 1, 3), (10, 3, 1, 2), (17, 8, 2, 2)],
 )
 def test_every_sample_once_per_epoch_and_same_on_every_rank(n, global_batch, m, world):
+    """Every sample once, even a remainder too small to give each rank one (9 = 8 + 1 on
+    3 ranks, 10 = 3 x 3 + 1 on 2): it joins the step before it; drop_last drops it."""
     per_rank = _epoch(n, global_batch, m, world, seed=3)
     seen = [i for mbs in per_rank for mb, padding in mbs if not padding for i in mb]
-    kept = n - (n % global_batch if n % global_batch < world else 0)
-    assert sorted(seen) == sorted(set(seen)) and len(seen) == kept
+    assert sorted(seen) == list(range(n))
+    dropped = _epoch(n, global_batch, m, world, seed=3, drop_last=True)
+    kept = [i for mbs in dropped for mb, padding in mbs if not padding for i in mb]
+    assert len(kept) == n - n % global_batch and len(set(kept)) == len(kept)
     # Every rank yields the same number of microbatches (each step the same count).
     assert len({len(mbs) for mbs in per_rank}) == 1
     assert all(mb for mbs in per_rank for mb, _ in mbs)  # no empty microbatch by default
@@ -101,6 +106,12 @@ def test_limits_keep_heavy_samples_apart_and_name_the_one_that_cannot_fit():
     tokens[17] = 5000
     with pytest.raises(ValueError, match=r"sample 17 alone needs 5000 of resource 0"):
         BalancedBatchSampler(tokens.astype(float), 16, 4, resources=tokens[:, None], limits=[limit])
+
+
+def test_a_dataset_smaller_than_the_world_is_refused_unless_dropped():
+    with pytest.raises(ValueError, match="num_samples=3 is fewer than world_size=4"):
+        BalancedBatchSampler(_costs(3), 4, 1, rank=0, world_size=4)
+    assert len(BalancedBatchSampler(_costs(3), 4, 1, rank=0, world_size=4, drop_last=True)) == 0
 
 
 def test_bad_input_is_named():
