@@ -61,6 +61,21 @@ def test_profile_data_errors_are_clear(tmp_path) -> None:
     assert result.returncode == 2 and "nope" in result.stderr and "llava-ov" in result.stderr
     result = run_cli("inspect", str(bad))
     assert result.returncode == 2 and "bad.json" in result.stderr
+    # No output over an input: the dataset itself (however the path is written), or a
+    # recipe's dataset file; the file is left as it was.
+    data = tmp_path / "data.json"
+    data.write_text('[{"conversations": [{"from": "human", "value": "hi"}]}]')
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("datasets:\n  - json_path: data.json\n")
+    for dataset, output in (
+        (data, data),
+        (data, tmp_path / "." / "data.json"),
+        (recipe, data),
+    ):
+        result = run_cli("profile-data", str(dataset), "-o", str(output))
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "is a file this command reads (the dataset)" in result.stderr
+    assert data.read_text().startswith('[{"conversations"')
 
 
 def test_profile_model_and_inspect(tmp_path) -> None:

@@ -68,6 +68,7 @@ def run_profile_data(args: argparse.Namespace) -> int:
     check_regular_file(args.dataset, "dataset")  # a named pipe would block open() forever
     check_output_path("-o/--output", args.output)
     check_output_path("--plot", args.plot)
+    _check_not_an_input(args)
     distribution = profile_dataset(
         args.dataset,
         args.family,
@@ -95,6 +96,27 @@ def run_profile_data(args: argparse.Namespace) -> int:
         distribution.plot(args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _check_not_an_input(args: argparse.Namespace) -> None:
+    """No output may be written over what the command reads: the dataset file, a recipe's
+    dataset files (each compared by where it leads, not how it is written)."""
+    import os
+
+    from dflop.data.dataset import dataset_sources
+
+    inputs = {os.path.realpath(args.dataset)}
+    if Path(args.dataset).suffix in (".yaml", ".yml"):
+        sources = dataset_sources(
+            args.dataset, image_folder=args.image_folder, video_folder=args.video_folder
+        )
+        inputs |= {os.path.realpath(source.path) for source in sources}
+    for flag, path in (("-o/--output", args.output), ("--plot", args.plot)):
+        if path is not None and os.path.realpath(path) in inputs:
+            raise ValueError(
+                f"{flag} {path} is a file this command reads (the dataset); writing the "
+                "shapes there would destroy it: give another output path"
+            )
 
 
 def _kind(path: Path) -> str:
