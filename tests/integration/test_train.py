@@ -7,6 +7,7 @@ test instead of blocking the suite.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -501,3 +502,35 @@ def test_a_quick_profile_in_two_processes_measures_what_one_measures():
         serial["passthrough_activation_fraction"], rel=1e-3
     )
     assert parallel["llm"]["per_token_s"] > 0 and parallel["encoder"]["per_unit_s"] > 0
+
+
+def test_a_local_plan_trains_from_another_folder(tmp_path, perf_json):
+    """The plan records its data by absolute path: made with relative paths in one folder,
+    it trains from another (they used to be read relative to wherever 'train' ran)."""
+    plan_path = tmp_path / "plans" / "plan.json"
+    plan_path.parent.mkdir()
+    result = run_cli(
+        "plan", "--local", "2", "--layout", "enc_dp=1,m=2", "--global-batch", "8",
+        "--perf", perf_json, "--data", "llava_mini/llava_mini.json",
+        "--image-folder", "llava_mini/images", "--video-folder", "llava_mini/videos",
+        "-o", str(plan_path), cwd=str(DATA_DIR),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    inputs = json.loads(plan_path.read_text())["inputs"]
+    assert inputs["data"] == str(DATA_DIR / "llava_mini" / "llava_mini.json")
+    result = run_cli(
+        "train", "--plan", os.path.join("plans", "plan.json"), "--steps", "1", "--quiet",
+        cwd=str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "usable 19" in result.stdout and "note:" not in result.stdout
+
+
+def test_a_hugging_face_model_is_one_model_however_its_path_is_written(tmp_path):
+    from dflop.train.planning import resolved_model
+
+    folder = tmp_path / "tiny-ov"
+    folder.mkdir()
+    names = {resolved_model(f"hf:{p}", str(tmp_path)) for p in ("tiny-ov", "./tiny-ov/")}
+    assert names == {f"hf:{folder}"} == {resolved_model(f"hf:{folder}")}
+    assert resolved_model("tiny") == "tiny"

@@ -116,7 +116,7 @@ def _planned(plan_path: str, given: set[str]) -> dict[str, Any]:
         return {}  # the run's own check says what is wrong with it
     taken = {
         key: value
-        for key, value in planned_settings(Plan.load(plan_path)).items()
+        for key, value in planned_settings(Plan.load(plan_path), plan_path).items()
         if key not in given and value != _FIELDS[key].default and value not in (None, {})
     }
     if taken:

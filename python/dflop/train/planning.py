@@ -246,16 +246,40 @@ PLANNED_DATA_SETTINGS: tuple[str, ...] = (
 """The data settings a local plan records (``TrainConfig`` fields of the same names)."""
 
 
-def planned_settings(plan: Any) -> dict[str, Any]:
+PLANNED_PATHS = ("data", "image_folder", "video_folder")
+"""The plan inputs that are paths: written absolute; a relative one (a plan written by
+hand, or moved with its data) is relative to the plan file's folder."""
+
+
+def resolved_model(model: str, base: str = ".") -> str:
+    """``model`` with a Hugging Face folder made absolute (``hf:./m``, ``hf:m/`` and
+    ``hf:/abs/m`` name one model), relative paths taken from ``base``; a preset as is."""
+    if isinstance(model, str) and model.startswith("hf:"):
+        return "hf:" + os.path.realpath(os.path.join(base, model[3:]))
+    return model
+
+
+def resolved_path(value: Any, base: str = ".") -> Any:
+    """A data path made absolute from ``base`` (``"synthetic"``, None: as is)."""
+    if isinstance(value, str) and value and value != "synthetic":
+        return os.path.realpath(os.path.join(base, value))
+    return value
+
+
+def planned_settings(plan: Any, plan_path: str | None = None) -> dict[str, Any]:
     """The ``TrainConfig`` settings ``plan`` was made for: its training regime, and for a
     plan of local processes its model and data (what ``dflop train --plan`` trains unless
-    told otherwise)."""
+    told otherwise), paths absolute (relative ones from ``plan_path``'s folder)."""
     inputs = plan.inputs
+    base = os.path.dirname(os.path.abspath(plan_path)) if plan_path else "."
     settings = {key: inputs[key] for key in ("trainable", "lora_rank") if key in inputs}
     if inputs.get("local"):
         if inputs.get("preset") is not None:
-            settings["model"] = inputs["preset"]
+            settings["model"] = resolved_model(inputs["preset"], base)
         settings.update({key: inputs[key] for key in PLANNED_DATA_SETTINGS if key in inputs})
+        for key in PLANNED_PATHS:
+            if key in settings:
+                settings[key] = resolved_path(settings[key], base)
     return settings
 
 

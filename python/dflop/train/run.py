@@ -600,12 +600,14 @@ def _performance_model(
 def _local_inputs(config: TrainConfig, global_batch: int, perf: Any) -> dict[str, Any]:
     """What a plan for local processes was made from (``dflop train --plan`` checks it
     and reuses the performance model)."""
-    return {
+    from dflop.train.planning import resolved_model, resolved_path
+
+    return {  # paths absolute: the plan trains from any folder
         "local": True,
-        "preset": config.model,
-        "data": config.data,
-        "image_folder": config.image_folder,
-        "video_folder": config.video_folder,
+        "preset": resolved_model(config.model),
+        "data": resolved_path(config.data),
+        "image_folder": resolved_path(config.image_folder),
+        "video_folder": resolved_path(config.video_folder),
         "family": config.family,
         "mix": config.mix,
         "scaler": config.scaler,
@@ -629,18 +631,28 @@ def _check_plan_inputs(plan: Any, config: TrainConfig, log: Callable[[str], None
         )
     if not inputs.get("local"):
         return
-    if inputs.get("preset") not in (None, config.model):
-        raise ValueError(
-            f"{config.plan} was planned for the model preset {inputs['preset']!r}, not "
-            f"{config.model!r}: pass --model {inputs['preset']} (or leave --model out)"
-        )
-    from dflop.train.planning import PLANNED_DATA_SETTINGS
+    from dflop.train.planning import (
+        PLANNED_DATA_SETTINGS,
+        planned_settings,
+        resolved_model,
+        resolved_path,
+    )
 
+    planned = planned_settings(plan, config.plan)  # paths resolved as the plan means them
+    if "model" in planned and planned["model"] != resolved_model(config.model):
+        raise ValueError(
+            f"{config.plan} was planned for the model {inputs['preset']!r}, not "
+            f"{config.model!r}: pass --model {planned['model']} (or leave --model out)"
+        )
+    mine_paths = {
+        key: resolved_path(getattr(config, key)) for key in ("data", "image_folder", "video_folder")
+    }
     for key in PLANNED_DATA_SETTINGS:
-        mine = getattr(config, key)
-        if key in inputs and inputs[key] != mine and not (key == "scaler" and not mine):
+        mine = mine_paths.get(key, getattr(config, key))
+        theirs = planned.get(key)
+        if key in inputs and theirs != mine and not (key == "scaler" and not mine):
             log(
-                f"note: {config.plan} was planned with {key}={inputs[key]!r}, this run uses "
+                f"note: {config.plan} was planned with {key}={theirs!r}, this run uses "
                 f"{mine!r}: the plan's predicted step time does not apply"
             )
 
