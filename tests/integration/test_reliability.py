@@ -716,3 +716,25 @@ def test_wandb_online_without_a_key_or_a_server_is_refused_before_any_process(tm
     assert result.returncode == 2, result.stdout + result.stderr
     assert "cannot reach the W&B server 127.0.0.1:9" in result.stderr
     assert "--wandb-mode offline" in result.stderr and "profiling" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ('{"layout": {"encoder"', "line 1 column"),
+        ('{"layout": {}, "forward_fraction": [NaN, 0.5]}', ""),
+    ],
+    ids=["truncated", "nan_share"],
+)
+def test_a_damaged_run_file_is_named_before_any_process(tmp_path, text, says):
+    """run.json (the layout and cost model a resumed run reuses), truncated or holding a
+    NaN share: one line naming the file, exit 2, before any process starts."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "run.json").write_text(text)
+    result = run_cli("train", "--steps", "1", "--checkpoint-dir", str(ckpt), timeout_s=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    message = result.stderr.strip()
+    assert len(message.splitlines()) == 1 and f"{ckpt / 'run.json'}" in message
+    assert "cannot be read" in message and says in message
+    assert "processes on cpu" not in result.stdout

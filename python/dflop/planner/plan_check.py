@@ -45,6 +45,7 @@ from dflop.scheduling.actions import PIPELINE_ORDERS
 
 __all__ = [
     "MAX_PLAN_BATCHES",
+    "MAX_PLAN_FILE_BYTES",
     "MAX_PLAN_GLOBAL_BATCH",
     "MAX_PLAN_GPUS",
     "MAX_PLAN_LAYERS",
@@ -69,6 +70,17 @@ MAX_PLAN_BATCHES = 1 << 16
 
 MAX_PLAN_LAYOUTS = 1 << 16
 """The most layouts a plan may list (the planner keeps ``top_k`` of them)."""
+
+MAX_PLAN_FILE_BYTES = 64 << 20
+"""The largest plan file read (64 MiB): a plan of 64k-sample batches is a few MB; a larger
+file is not read into memory."""
+
+MAX_PLAN_WIDTH = 1 << 17
+"""The largest hidden, intermediate, head or patch size in a plan's model configs
+(131,072: released models use at most about 30,000)."""
+
+MAX_PLAN_VOCAB = 1 << 22
+"""The largest vocabulary in a plan's LLM config (4,194,304: released ones are < 300,000)."""
 
 MAX_SHOWN = 200
 """An error message shows at most this many characters of a value."""
@@ -431,6 +443,10 @@ def _check_configs(inputs: dict[str, Any]) -> None:
             _fail(f"inputs.{key}", config, "must be a preset name or a config object")
         if "num_layers" in config:
             _int(f"inputs.{key}.num_layers", config["num_layers"], 1, MAX_PLAN_LAYERS)
+        for name, value in config.items():  # sizes in the range of any real model
+            if name != "num_layers" and isinstance(value, int) and not isinstance(value, bool):
+                high = MAX_PLAN_VOCAB if name == "vocab_size" else MAX_PLAN_WIDTH
+                _int(f"inputs.{key}.{name}", value, 0, high)
         try:
             cls(**config)
         except (TypeError, ValueError) as error:

@@ -390,9 +390,16 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
+        from dflop.planner.plan_check import MAX_PLAN_FILE_BYTES
         from dflop.safe_io import JSONTooDeepError, load_json, open_regular
 
         with open_regular(path, "r", "plan file") as f:  # a named pipe: refused, not opened
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_PLAN_FILE_BYTES:
+                raise ValueError(
+                    f"{os.fspath(path)} is {size:,} bytes, more than a plan file may be "
+                    f"({MAX_PLAN_FILE_BYTES >> 20} MiB): not read"
+                )
             try:
                 data = load_json(f)
             except (json.JSONDecodeError, JSONTooDeepError) as error:

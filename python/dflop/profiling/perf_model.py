@@ -51,10 +51,22 @@ on every token) loads with that term 0: its ``per_token_s`` holds the head, and
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+MAX_COEFFICIENT = {"s": 1e6, "bytes": 2.0**60}
+"""The largest coefficient a performance model may hold, by unit: a million seconds (per
+unit, token or microbatch: far beyond any model on any device) and an exbibyte. A larger
+one is a damaged or hand-edited file, refused by name before it prices anything."""
+
+
 def _check_nonnegative_finite(owner: str, name: str, value: float) -> float:
     value = float(value)
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"{owner}.{name} must be finite and >= 0, got {value!r}")
+    unit = "bytes" if name.endswith("_bytes") else "s"
+    if value > MAX_COEFFICIENT[unit]:
+        raise ValueError(
+            f"{owner}.{name}={value!r} is more than {MAX_COEFFICIENT[unit]:g} {unit}: not a "
+            "measured cost (a damaged or hand-edited performance model)"
+        )
     return value
 
 

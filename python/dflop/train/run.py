@@ -442,7 +442,6 @@ def _saved_run(config: TrainConfig, log: Callable[[str], None]) -> dict[str, Any
     checkpoints (re-planning from a fresh timing profile could choose another layout and
     refuse the run's own checkpoint). Only without --plan/--layout, and only when an
     intact checkpoint is there to resume."""
-    import json
 
     from dflop.runtime.topology import RuntimeLayout
     from dflop.train.checkpoint import find_checkpoint
@@ -452,17 +451,31 @@ def _saved_run(config: TrainConfig, log: Callable[[str], None]) -> dict[str, Any
     path = os.path.join(config.checkpoint_dir, _RUN_FILE)
     if not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        saved = json.load(f)
-    layout = RuntimeLayout.from_dict(saved["layout"])
+    try:  # read and checked in full here: a bad file is named before any process starts
+        from dflop.profiling import PerformanceModel
+        from dflop.safe_io import load_json, open_regular
+
+        with open_regular(path, "r", "run file") as f:
+            saved = load_json(f)
+        layout = RuntimeLayout.from_dict(saved["layout"])
+        fraction = saved.get("forward_fraction")
+        if fraction is not None:
+            fraction = tuple(float(share) for share in fraction)
+            if len(fraction) != 2 or not all(0 < share < 1 for share in fraction):
+                raise ValueError(f"forward_fraction={list(fraction)} must be 2 shares in (0, 1)")
+        performance_model = saved.get("performance_model")
+        if performance_model is not None:
+            PerformanceModel.from_dict(performance_model)
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        what = f"missing field {error}" if isinstance(error, KeyError) else str(error)
+        raise ValueError(
+            f"{path} (the layout and cost model a resumed run reuses) cannot be read: "
+            f"{' '.join(what.split())[:300]}; restore it, or resume with --plan or --layout"
+        ) from None
     if find_checkpoint(config.checkpoint_dir, layout.world_size, log=lambda m: None) is None:
         return None
     log(f"resuming: the layout and cost model the run chose, from {path}")
-    fraction = saved.get("forward_fraction")
-    performance_model = saved.get("performance_model")
     if config.perf:  # honoured: the schedules of the resumed steps use it
-        from dflop.profiling import PerformanceModel
-
         performance_model = PerformanceModel.load(config.perf).to_dict()
     return {
         "layout": layout,
@@ -470,7 +483,7 @@ def _saved_run(config: TrainConfig, log: Callable[[str], None]) -> dict[str, Any
         "description": f"{saved.get('description', 'saved run')} (resumed)",
         "predicted_step_time_s": float(saved.get("predicted_step_time_s", math.nan)),
         "cluster": saved.get("cluster"),
-        "forward_fraction": None if fraction is None else tuple(fraction),
+        "forward_fraction": fraction,
         "resumed": True,
     }
 

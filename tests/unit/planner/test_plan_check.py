@@ -324,6 +324,16 @@ CLUSTER_CASES = [
         _set("layouts", 0, "llm", "stage_ranks", 0, 0, value=[7, 7]),
         "layouts[0].llm.stage_ranks[0]=",
     ),
+    (
+        "huge_hidden",
+        _set("inputs", "llm", "hidden_size", value=1 << 20),
+        "inputs.llm.hidden_size=1048576 must be in [0, 131,072]",
+    ),
+    (
+        "huge_vocab",
+        _set("inputs", "llm", "vocab_size", value=1 << 31),
+        "inputs.llm.vocab_size=2147483648 must be in [0, 4,194,304]",
+    ),
 ]
 
 
@@ -333,6 +343,20 @@ CLUSTER_CASES = [
 def test_cluster_plan_rules(tmp_path, cluster_plan, edit, expected) -> None:
     path = _write(tmp_path, _edited(cluster_plan, edit))
     assert expected in _error_of(path)
+
+
+def test_a_cost_no_machine_measures_and_a_huge_file_are_refused(tmp_path, local_plan) -> None:
+    """A performance model's 1e300 s per token is named where the plan is read, not after
+    the processes start; a plan file over the size limit is not read into memory."""
+    edit = _set("inputs", "performance_model", "llm", "per_token_s", value=1e300)
+    message = _error_of(_write(tmp_path, _edited(local_plan, edit)))
+    assert "LLMTimeCoefficients.per_token_s=1e+300 is more than 1e+06 s" in message
+    huge = tmp_path / "huge.json"
+    with open(huge, "w") as f:
+        f.truncate((64 << 20) + 1)  # sparse: the check reads the size, not the bytes
+    assert f"is {(64 << 20) + 1:,} bytes, more than a plan file may be (64 MiB): not read" in (
+        _error_of(huge)
+    )
 
 
 def test_not_json_and_too_deep(tmp_path, local_plan) -> None:
