@@ -366,6 +366,10 @@ def test_checkpoints_by_time_metrics_per_step_and_a_first_run_says_it_starts_fre
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["mfu"] is None  # CPU
+    # Run again with every step done (as when re-running only to export): said as such.
+    result, _ = _train(tmp_path, "--steps", "4", "--checkpoint-dir", str(ckpt))
+    assert result.returncode == 0, result.stderr
+    assert "(after step 4; all 4 steps done: nothing left to train)" in result.stdout
 
 
 def test_metrics_always_and_tensorboard_and_wandb_with_the_same_values(tmp_path):

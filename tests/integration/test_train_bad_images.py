@@ -115,6 +115,9 @@ def test_train_replaces_a_record_whose_image_does_not_decode(tmp_path, perf_json
     assert all(BROKEN in why and "truncated" in why for why in report["bad_records"])
     assert report["samples_replaced"] >= 2
     assert "skipped a record, replaced by a redraw" in result.stdout
+    # Steps counted from 1 in every line, as the progress line counts them.
+    redraws = [line for line in result.stdout.splitlines() if "replaced by a redraw" in line]
+    assert all(1 <= int(line.split(":")[0].split()[1]) <= 3 for line in redraws), redraws
     assert f"skipped 2 record(s) whose images do not decode ({report['samples_replaced']}" in (
         result.stdout
     )

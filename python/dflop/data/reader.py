@@ -213,7 +213,7 @@ def _inside(folder: str, name: str, roots: dict[str, str]) -> bool:
 
 def check_confined(raw: RawSample, roots: dict[str, str] | None = None) -> None:
     """Raise :class:`SampleError` (reason ``outside_folder``) when a record's ``image``
-    path(s), ``video`` or ``frames`` paths are absolute or resolve (``..``, symlinks:
+    path(s), ``video`` or ``frames`` paths resolve (``..``, symlinks, an absolute path:
     :func:`os.path.realpath`) outside its image / video folder; ``bad_image_field`` /
     ``bad_video_field`` for a path holding a NUL character. Fields of other types are
     left to :func:`~dflop.data.describe.describe_sample` to report. ``roots`` caches the
@@ -235,8 +235,8 @@ def check_confined(raw: RawSample, roots: dict[str, str] | None = None) -> None:
         if "\0" in name:
             field = "bad_image_field" if kind == "image" else "bad_video_field"
             raise SampleError(field, f"{kind} path {path_repr(name)} holds a NUL character")
-        if os.path.isabs(name) or not _inside(folder, name, roots):
-            where = "absolute" if os.path.isabs(name) else "outside its folder"
+        if not _inside(folder, name, roots):  # where the path leads, however it is written
+            where = "absolute, outside its folder" if os.path.isabs(name) else "outside its folder"
             raise SampleError(
                 "outside_folder",
                 f"{kind} path {path_repr(name)} is {where} (folder {path_repr(folder)}); "

@@ -82,11 +82,13 @@ class Checkpointer:
             group["weight_decay"] = self.config.weight_decay
         start_step = int(state["step"]) + 1  # a step index; as many steps are done
         if self.rank == 0:
-            print(
-                f"resumed from {choice[0]} (after step {start_step}; step {start_step + 1} "
-                f"of {self.config.steps} next)",
-                flush=True,
+            left = self.config.steps - start_step
+            next_step = (
+                f"step {start_step + 1} of {self.config.steps} next"
+                if left > 0
+                else f"all {self.config.steps} steps done: nothing left to train"
             )
+            print(f"resumed from {choice[0]} (after step {start_step}; {next_step})", flush=True)
         return start_step
 
     def save(self, step: int, stage: Any, optimizer: Any) -> None:

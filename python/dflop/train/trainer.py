@@ -394,7 +394,10 @@ class Trainer:
             replaced = True
             if self.is_leader:
                 for why in found.values():
-                    print(f"step {step}: skipped a record, replaced by a redraw: {why}", flush=True)
+                    print(
+                        f"step {step + 1}: skipped a record, replaced by a redraw: {why}",
+                        flush=True,
+                    )  # counted from 1, as the progress line counts steps
             batch = source.batch(step, data_seed)
         if replaced:
             drawn = source.records.indices(source.global_batch, seed=_step_seed(source.seed, step))

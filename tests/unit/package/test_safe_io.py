@@ -280,7 +280,8 @@ def _outside_layout(tmp_path: Path) -> tuple[Path, Path]:
         _image_record("in.png"),
         _image_record("sub/../in.png"),  # stays inside
         _image_record("../outside.png"),
-        _image_record(str(data / "in.png")),  # absolute, even though inside
+        _image_record(str(data / "in.png")),  # absolute, and inside: where it leads counts
+        _image_record(str(tmp_path / "outside.png")),  # absolute, outside
         _image_record("link.png"),
         _image_record(["in.png", "../outside.png"]),
         {"video": "../clip", "conversations": _conversation("<video>")},
@@ -292,20 +293,20 @@ def _outside_layout(tmp_path: Path) -> tuple[Path, Path]:
 def test_paths_are_confined_to_the_folders_unless_allowed(tmp_path):
     path, data = _outside_layout(tmp_path)
     confined = profile_dataset(path, progress=False)
-    assert len(confined.samples) == 2
+    assert len(confined.samples) == 3
     assert confined.skipped == {"outside_folder": 6}
     messages = [e["message"] for e in confined.skipped_examples]
     assert any("'../outside.png' is outside its folder" in m for m in messages)
-    assert any("is absolute" in m for m in messages)
+    assert any("is absolute, outside its folder" in m for m in messages)
     assert all("allow_outside_paths" in m for m in messages)
     # The records training would use: the same rule.
-    assert len(read_records(path)) == 2
+    assert len(read_records(path)) == 3
     # Explicit folders confine as well (here the dataset's own, spelled out).
     assert profile_dataset(path, image_folder=data, video_folder=data, progress=False).skipped
     # Opting in reads them all (the frames list points at an existing frame).
     allowed = profile_dataset(path, progress=False, allow_outside_paths=True)
-    assert allowed.skipped == {} and len(allowed.samples) == 8
-    assert len(read_records(path, allow_outside_paths=True)) == 8
+    assert allowed.skipped == {} and len(allowed.samples) == 9
+    assert len(read_records(path, allow_outside_paths=True)) == 9
 
 
 def test_a_nul_in_a_path_is_a_skipped_record(tmp_path):
@@ -341,8 +342,8 @@ def test_train_config_allow_outside_paths_field(tmp_path):
     assert config.allow_outside_paths is True
     assert config.to_sections()["data"]["allow_outside_paths"] is True
     path, _ = _outside_layout(tmp_path)
-    assert len(load_distribution(str(path))) == 2
-    assert len(load_distribution(str(path), allow_outside_paths=True)) == 8
+    assert len(load_distribution(str(path))) == 3
+    assert len(load_distribution(str(path), allow_outside_paths=True)) == 9
 
 
 def test_a_non_image_file_is_named_not_echoed(tmp_path):
