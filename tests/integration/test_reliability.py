@@ -20,7 +20,7 @@ from dflop.train.checkpoint import verify_checkpoint  # noqa: E402
 LAYOUT = "enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1,m=2"
 
 
-def _train(tmp_path: Path, *extra: str):
+def _train(tmp_path: Path, *extra: str, env: dict | None = None):
     metrics = tmp_path / f"m-{len(list(tmp_path.iterdir()))}.json"
     result = run_cli(
         "train",
@@ -34,6 +34,7 @@ def _train(tmp_path: Path, *extra: str):
         "--json",
         str(metrics),
         *extra,
+        env=env,
     )
     report = json.loads(metrics.read_text()) if metrics.exists() else None
     return result, report
@@ -742,3 +743,15 @@ def test_a_damaged_run_file_is_named_before_any_process(tmp_path, text, says):
     assert len(message.splitlines()) == 1 and f"{ckpt / 'run.json'}" in message
     assert "cannot be read" in message and says in message
     assert "processes on cpu" not in result.stdout
+
+
+def test_a_hung_rank_ends_the_run_in_a_few_lines_without_a_traceback(tmp_path):
+    """A rank that stops responding (injected: it sleeps at step 1) is found by its peers'
+    collective timeout: the run ends with exit 1, saying what happened, no traceback."""
+    result, _ = _train(
+        tmp_path, "--steps", "3", "--timeout-s", "5", env={"DFLOP_FAULT_INJECT": "1:1:hang"}
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "for a peer rank that stopped responding" in result.stderr
+    assert "(the collective timeout, --timeout-s)" in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) <= 3

@@ -154,7 +154,13 @@ def _child_main(
             exitcode = 1
         try:
             text = f"{type(error).__name__}: {error}"
-            if not isinstance(error, (WriteError, InUseError)):  # named: no traceback needed
+            if _timed_out(error):  # a peer stopped responding: its traceback says nothing
+                text = (
+                    f"waited {collective_timeout_s:g} s (the collective timeout, --timeout-s) "
+                    "for a peer rank that stopped responding (hung, or far slower than the "
+                    f"others): {' '.join(str(error).split())[:300]}"
+                )
+            elif not isinstance(error, (WriteError, InUseError)):  # named: no traceback needed
                 text += f"\n{traceback.format_exc()}"
             conn.send(("error", text, time.time()))
         except Exception:  # the parent may already be gone
@@ -168,6 +174,14 @@ def _child_main(
             # Skip interpreter teardown: a half-torn-down process group (a peer died) can
             # block in its destructor, and the parent is waiting for this exit.
             os._exit(exitcode)
+
+
+def _timed_out(error: BaseException) -> bool:
+    """A collective or transfer that gave up waiting for a peer (gloo, NCCL)."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and (
+        type(error).__name__ == "DistBackendError" or "timed out" in text or "timeout" in text
+    )
 
 
 def _die_with(launcher_alive: multiprocessing.connection.Connection) -> None:

@@ -474,7 +474,10 @@ class Trainer:
         try:
             for step in range(self.start_step, config.steps):
                 self.profiler.before_step(step)
-                if step == fault:
+                if fault is not None and step == fault[0]:
+                    if fault[1] == "hang":  # a rank that stops responding, as a hung one
+                        while True:
+                            time.sleep(3600)
                     raise RuntimeError(
                         f"injected failure on rank {self.rank} at step {step} ({FAULT_ENV})"
                     )
@@ -802,12 +805,18 @@ def _check_finite(step: int, losses: dict[str, float], grad_norm: float) -> None
         )
 
 
-def _fault_step(rank: int) -> int | None:
+def _fault_step(rank: int) -> tuple[int, str] | None:
+    """(step, kind) of the failure :data:`FAULT_ENV` injects on this rank: ``RANK:STEP``
+    raises there, ``RANK:STEP:hang`` stops responding there (the reliability tests')."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return None
+    parts = spec.split(":")
     try:
-        fault_rank, fault_step = (int(v) for v in spec.split(":"))
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "hang"):
+            raise ValueError
+        fault_rank, fault_step = int(parts[0]), int(parts[1])
     except ValueError:
-        raise ValueError(f"{FAULT_ENV}={spec!r} must be RANK:STEP") from None
-    return fault_step if fault_rank == rank else None
+        raise ValueError(f"{FAULT_ENV}={spec!r} must be RANK:STEP or RANK:STEP:hang") from None
+    kind = parts[2] if len(parts) == 3 else "raise"
+    return (fault_step, kind) if fault_rank == rank else None
