@@ -163,6 +163,7 @@ PlannerOptions to_options(const py::dict& d) {
   r.opt("zero_bubble", &o.zero_bubble);
   r.opt("balanced_layer_split", &o.balanced_layer_split);
   r.opt("zero1", &o.zero1);
+  r.opt("memory_replica", &o.memory_replica);
   r.opt("max_tp", &o.max_tp);
   r.opt("microbatch_choices", &o.microbatch_choices);
   r.opt("balance_work_budget", &o.balance_work_budget);

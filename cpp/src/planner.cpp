@@ -359,6 +359,9 @@ LayoutScore evaluate_layout(const ClusterParams& c, const ModuleParams& enc,
                             const std::vector<std::vector<int64_t>>* assignments) {
   validate_planner_input(c, enc, llm, x, o);
   check_layout(c, enc, llm, o, l);
+  require(o.memory_replica >= -1 && o.memory_replica < l.llm.dp,
+          "options.memory_replica must be -1 (the largest replica) or an LLM DP replica in [0, " +
+              std::to_string(l.llm.dp) + "), got " + std::to_string(o.memory_replica));
   if (assignments) {
     require(int64_t(assignments->size()) == x.num_batches,
             "assignments has " + std::to_string(assignments->size()) + " schedules, expected " +

@@ -603,6 +603,7 @@ Evaluator::Prepared Evaluator::prepare(const Layout& l, std::vector<BinSums> sum
   for (const BinSums& s : out.sums) {
     for (const double t : s.llm_targets) llm_targets = std::max(llm_targets, t);
     for (int64_t r = 0; r < dp; ++r) {  // an LLM replica's microbatches: bins k dp + r
+      if (ctx_.o.memory_replica >= 0 && r != ctx_.o.memory_replica) continue;
       for (int64_t k = 0; k < m; ++k) {
         const size_t bin = size_t(k * dp + r);
         const bool kept = !gated || s.visual[bin] != 0;

@@ -208,3 +208,26 @@ def test_a_bug_keeps_its_traceback(monkeypatch, capsys) -> None:
     monkeypatch.setattr(demo, "run", validating)
     assert main(["demo"]) == 2
     assert capsys.readouterr().err == "dflop demo: error: steps must be an integer, got str 'x'\n"
+
+
+def test_the_launcher_of_a_cpu_run_never_imports_torch(tmp_path) -> None:
+    """``dflop train`` on a CPU-only torch plans, starts its ranks (rank 0 serves the
+    rendezvous on the launcher's socket) and reads their report without importing torch:
+    its fork server imports torch once, while the launcher plans, instead of both."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from dflop.cli import main\n"
+        f"code = main(['train', '--nproc', '2', '--steps', '1', '--deterministic', "
+        f"'--output-dir', {str(tmp_path)!r}])\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+        "sys.exit(code)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step    1/1" in done.stdout
+    assert done.stdout.strip().endswith("torch imported: False"), done.stdout[-2000:]

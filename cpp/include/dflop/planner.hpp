@@ -217,6 +217,10 @@ struct PlannerOptions {
   bool zero_bubble = false;
   bool balanced_layer_split = true;  // DataAware: min-max layer split (else uniform)
   bool zero1 = true;
+  // evaluate_layout: the LLM stages' memory (a colocated encoder's with them) on this LLM
+  // DP replica's microbatches alone, as that replica's ranks hold it; -1: the largest
+  // replica's (what every rank of a stage must fit).
+  int64_t memory_replica = -1;
   int64_t max_tp = 0;  // 0: gpus_per_node
   // Microbatches per DP rank to try; empty = 1, 2, 3, 4, 6, 8, 12, 16, ... (x1.5 / x4/3
   // steps) up to global_batch / dp.

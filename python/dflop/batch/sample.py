@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from dflop.batch.visual import VisualItem
+
+if TYPE_CHECKING:  # torch is imported where a sample is used: a launcher plans without it
+    from torch import Tensor
 
 __all__ = ["ProcessedSample", "truncate_sample"]
 
@@ -60,6 +61,8 @@ class ProcessedSample:
 
     @property
     def placeholder_mask(self) -> Tensor:
+        import torch
+
         return torch.isin(self.input_ids, torch.tensor(self.placeholder_ids))
 
 
@@ -81,5 +84,5 @@ def truncate_sample(sample: ProcessedSample, max_seq_len: int) -> ProcessedSampl
             f"the sample's {int(visual.sum())} visual tokens exceed max_seq_len={max_seq_len}: "
             "visual tokens are never cut"
         )
-    keep = visual | (torch.cumsum(~visual, 0) <= room)
+    keep = visual | ((~visual).cumsum(0) <= room)
     return dataclasses.replace(sample, input_ids=sample.input_ids[keep], labels=sample.labels[keep])

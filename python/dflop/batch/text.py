@@ -11,7 +11,10 @@ from dflop.batch.visual import VisualItem
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["TextInputs"]
+__all__ = ["IGNORE_INDEX", "TextInputs"]
+
+#: Label value that marks a position with no loss (PyTorch's cross-entropy default).
+IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflop.batch.text import IGNORE_INDEX
 from dflop.models.config import DecoderConfig
 from dflop.models.init import init_weights
 from dflop.models.loss import DEFAULT_LOSS_CHUNK_TOKENS, chunked_lm_loss
@@ -35,9 +36,6 @@ __all__ = [
 ]
 
 DeviceLike = Union[torch.device, str, None]
-
-#: Label value that marks a position with no loss (PyTorch's cross-entropy default).
-IGNORE_INDEX = -100
 
 
 def embedding(

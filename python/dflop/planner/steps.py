@@ -333,20 +333,28 @@ class StepPredictor:
         return StepAudit.from_core(raw, sample_record(inputs.samples, 0, len(shapes)))
 
     def stage_memory_bytes(
-        self, cost_model: Any, shapes: SampleShapes, assignment: Any
+        self,
+        cost_model: Any,
+        shapes: SampleShapes,
+        assignment: Any,
+        llm_replica: int | None = None,
     ) -> tuple[float, ...]:
         """The memory model's peak per stage (encoder stages, then the LLM's; without the
         reserve) of the step of ``shapes`` under ``assignment``: what each rank of a
-        stage should hold at most while it trains that step."""
+        stage should hold at most while it trains that step. ``llm_replica``: the LLM's
+        stages (a colocated encoder's with them) on that DP replica's microbatches alone,
+        what its ranks hold; None: the largest replica's."""
         inputs = self._inputs(cost_model, shapes)
         # Any capacity: the prediction, not whether it fits.
         roomy = replace(self.cluster, gpu_memory_bytes=1e30, memory_reserve_bytes=0.0)
+        options = core_options(self.config, "data_aware", inputs.global_batch, 1)
+        options["memory_replica"] = -1 if llm_replica is None else int(llm_replica)
         raw = _core.evaluate_layout(  # as dflop.planner.evaluate_layout scores a layout dict
             roomy.to_dict(),
             inputs.encoder.to_dict(),
             inputs.llm.to_dict(),
             inputs.samples,
-            core_options(self.config, "data_aware", inputs.global_batch, 1),
+            options,
             dict(self.layout),
             assignments=[np.ascontiguousarray(assignment, dtype=np.int64)],
         )

@@ -109,6 +109,7 @@ def _child_main(
     num_threads: int,
     conn: multiprocessing.connection.Connection,
     launcher_alive: multiprocessing.connection.Connection,
+    listener: socket.socket | None = None,
 ) -> None:
     """Body of one spawned rank: join the group, run ``fn``, report back, exit. The rank
     dies with its launcher (:func:`_die_with`), so no rank outlives a killed run."""
@@ -137,9 +138,23 @@ def _child_main(
         timeout = datetime.timedelta(seconds=collective_timeout_s)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        # The parent hosts the rendezvous store, so the port is known and held: no race
-        # on a "free" port between choosing it and binding it.
-        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        # Rank 0 hosts the rendezvous store on the socket the launcher bound and listens on
+        # (loopback only), so the port is known and held from before any rank starts: no
+        # race on a "free" port, and the launcher itself never imports torch.
+        if listener is not None:
+            store = dist.TCPStore(
+                host,
+                port,
+                world_size,
+                is_master=True,
+                timeout=timeout,
+                wait_for_workers=False,
+                master_listen_fd=os.dup(listener.fileno()),  # the store owns its copy
+                use_libuv=True,
+            )
+            listener.close()
+        else:
+            store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
@@ -290,8 +305,6 @@ def spawn_local(
     ``stop_on_interrupt`` a first Ctrl-C is too (the ranks stop after their current step;
     a second stops them at once), else Ctrl-C stops them at once.
     """
-    import torch.distributed as dist
-
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     if not timeout_s > 0:
@@ -303,26 +316,15 @@ def spawn_local(
         num_threads = max(1, (os.cpu_count() or 1) // world_size)
     StopRequested.clear()  # a stop requested of an earlier run in this process is not ours
     host = "127.0.0.1"
-    # TCPStore's server listens on every interface when it binds the port itself; given
-    # a socket already listening on loopback it serves that one, so no other machine can
-    # read or write the rendezvous (the store has no authentication).
+    # The rendezvous socket is bound and listening before any rank starts; rank 0 serves
+    # TCPStore on it (handed over with the process). Bound to loopback: TCPStore's server
+    # would listen on every interface if it bound the port itself, and no other machine
+    # may read or write the rendezvous (the store has no authentication). Ranks that
+    # connect before rank 0 serves wait in the listen backlog.
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind((host, 0))
     listener.listen(max(128, world_size))
-    try:
-        # The store owns (and closes) the descriptor it is given: hand it a copy.
-        store = dist.TCPStore(
-            host,
-            listener.getsockname()[1],
-            None,
-            is_master=True,
-            timeout=datetime.timedelta(seconds=collective_timeout_s),
-            wait_for_workers=False,
-            master_listen_fd=os.dup(listener.fileno()),
-            use_libuv=True,
-        )
-    finally:
-        listener.close()
+    port = listener.getsockname()[1]
     if start_method is None:
         available = multiprocessing.get_all_start_methods()
         start_method = "forkserver" if "forkserver" in available else "spawn"
@@ -343,12 +345,13 @@ def spawn_local(
                     fn,
                     tuple(args),
                     host,
-                    store.port,
+                    port,
                     backend,
                     collective_timeout_s,
                     num_threads,
                     child_end,
                     alive_r,
+                    listener if rank == 0 else None,
                 ),
                 name=f"dflop-rank{rank}",
                 daemon=True,
@@ -365,7 +368,7 @@ def spawn_local(
             conn.close()
         alive_r.close()
         alive_w.close()
-        del store
+        listener.close()
 
 
 _fork_server_started = False

@@ -26,16 +26,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import Tensor
 
-from dflop.batch.text import TextInputs
+from dflop.batch.text import IGNORE_INDEX, TextInputs
 from dflop.data.shapes import SampleShapes
 from dflop.errors import InputTypeError
 from dflop.models.config import ModelConfig
-from dflop.models.decoder import IGNORE_INDEX
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: a launcher plans without it
+    from torch import Tensor
 
 __all__ = [
     "IMAGE_TOKEN_ID",
@@ -236,6 +237,8 @@ class PackedBatchSource:
 
     def _no_pixels(self) -> Tensor:
         """The pixels of no unit (an encoder replica with an empty share)."""
+        import torch
+
         v = self.config.vision
         return torch.zeros(0, v.channels, v.image_size_px, v.image_size_px)
 
@@ -258,6 +261,8 @@ class PackedBatchSource:
         ``first_unit`` / ``num_units`` (aligned with ``sample_ids``) only units
         ``[first_unit[k], first_unit[k] + num_units[k])`` of sample k (an encoder replica's
         pieces). Each unit is rendered alone, so a piece costs only its own units."""
+        import torch
+
         ids = [int(i) for i in sample_ids]
         total = [int(self.shapes.encoder_units[i]) for i in ids]
         firsts = [0] * len(ids) if first_unit is None else [int(f) for f in first_unit]
@@ -281,6 +286,8 @@ class PackedBatchSource:
 
     def text_inputs(self, sample_ids: np.ndarray | list[int]) -> TextInputs:
         """The packed LLM inputs of ``sample_ids``, in that order."""
+        import torch
+
         ids = [int(i) for i in sample_ids]
         parts = [self._sample_text(i) for i in ids]
         lens = [int(tokens.shape[0]) for tokens, _, _ in parts]
@@ -347,6 +354,8 @@ class SyntheticBatch(PackedBatchSource):
         encoder sees structured images rather than noise. Units ``[first, first +
         count)``; the random draws cover all of the sample's units, so a unit looks the
         same whichever piece renders it."""
+        import torch
+
         v = self.config.vision
         num_units = int(self.shapes.encoder_units[sample_id])
         rng = np.random.default_rng([self.seed, sample_id, _PIXEL_STREAM])
@@ -359,6 +368,8 @@ class SyntheticBatch(PackedBatchSource):
         return (0.5 * torch.sin(angle + phase_t[..., None, None])).float()  # [count, C, H, W]
 
     def _sample_text(self, sample_id: int) -> tuple[Tensor, Tensor, Tensor]:
+        import torch
+
         lay = self._layouts[sample_id]
         rng = np.random.default_rng([self.seed, sample_id, _TOKEN_STREAM])
         # Text ids avoid IMAGE_TOKEN_ID so a placeholder is never mistaken for text.

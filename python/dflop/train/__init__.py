@@ -26,10 +26,14 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Trainer", "TrainReport"):
+    if name == "Trainer":
         from dflop.train import trainer
 
-        return getattr(trainer, name)
+        return trainer.Trainer
+    if name == "TrainReport":
+        from dflop.train import metrics
+
+        return metrics.TrainReport
     if name in ("run_training", "print_summary"):
         from dflop.train import run
 

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "TrainReport",
     "MetricsFile",
     "ModeSummary",
     "RankRecord",
@@ -669,3 +670,21 @@ class StepLog:
         self._loggers = []
         if self._bar is not None:
             self._bar.close()
+
+
+@dataclass
+class TrainReport:
+    """What rank 0 returns: every step's metrics and the timelines of the last steps
+    (here, free of torch: the launcher that receives it never imports torch)."""
+
+    config: dict[str, Any]
+    layout: dict[str, Any]
+    metrics: list[StepMetrics]
+    timelines: dict[str, list[dict[str, Any]]]
+    """Per mode: event records of the last ``trace_steps`` steps, laid end to end."""
+    start_step: int
+    performance_model: dict[str, Any] | None = None
+    """The cost model's corrected coefficients at the end."""
+    stats: dict[str, Any] = field(default_factory=dict)
+    planned_step_time_s: float = math.nan
+    """The plan's predicted step time for the layout (set by the launcher; nan: none)."""

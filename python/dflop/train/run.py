@@ -325,11 +325,30 @@ def _prepare(config: TrainConfig, log: Callable[[str], None], launches: bool) ->
 def _planning_device(config: TrainConfig) -> str:
     """The device the ranks will most likely train on, for their memory budget (before a
     layout is chosen: ``_device_kind`` decides with it)."""
-    if config.device == "cpu":
+    if config.device == "cpu" or not _torch_may_have_cuda():
         return "cpu"
     import torch
 
     return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 1 else "cpu"
+
+
+def _torch_may_have_cuda() -> bool:
+    """False when the installed torch is a CPU-only build (its ``version.py`` says
+    ``cuda = None``), read without importing torch: the launcher plans without torch's
+    seconds of import, which its ranks' fork server pays at the same time."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")
+    if "torch" in sys.modules or spec is None or not spec.submodule_search_locations:
+        return True  # imported already, or not found: torch itself answers
+    version = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
+    try:
+        with open(version, encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return True
+    return re.search(r"^cuda\b[^=\n]*=\s*None\s*$", text, re.M) is None
 
 
 def _memory_failure(
@@ -679,10 +698,12 @@ def _device_for(kind: str, rank: int) -> str:
 
 
 def _device_kind(config: TrainConfig, layout: RuntimeLayout) -> str:
-    import torch
-
     if config.device == "cpu":
         return "cpu"
+    if config.device == "auto" and not _torch_may_have_cuda():
+        return "cpu"
+    import torch
+
     available = torch.cuda.is_available() and torch.cuda.device_count() >= 1
     if config.device == "cuda" and not available:
         raise ValueError("TrainConfig.device='cuda' but no CUDA device is available")
@@ -708,10 +729,12 @@ def _threads_can_run(layout: RuntimeLayout) -> bool:
 
 def _launch_kind(config: TrainConfig, device_kind: str, layout: RuntimeLayout) -> str:
     """``"processes"`` or ``"threads"`` (see ``TrainConfig.launch``)."""
-    import torch
-
     world_size = layout.world_size
-    gpus = torch.cuda.device_count() if device_kind == "cuda" else 0
+    gpus = 0
+    if device_kind == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
     kind = config.launch
     if kind == "auto":
         kind = "threads" if device_kind == "cuda" and gpus < world_size else "processes"

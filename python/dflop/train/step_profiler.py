@@ -28,10 +28,13 @@ class StepProfiler:
         config: the run's settings.
         device: this rank's torch device.
         global_stage: this rank's stage (encoder stages first).
+        llm_replica: this rank's LLM data-parallel replica (None on an encoder rank of its
+            own): its memory is predicted on the samples of that replica's microbatches.
         start_step: the run's first step (the window starts at the last
             ``trace_steps`` steps, not before it).
-        stage_memory: rank 0: ``(shapes, assignment) -> bytes per global stage`` by the
-            memory model (what a plan is fitted with).
+        stage_memory: rank 0: ``(shapes, assignment, llm_replica) -> bytes per global
+            stage`` by the memory model (what a plan is fitted with), the LLM's stages on the
+            samples of ``llm_replica``'s microbatches (None: the largest replica's).
     """
 
     def __init__(
@@ -40,7 +43,8 @@ class StepProfiler:
         device: Any,
         global_stage: int,
         start_step: int,
-        stage_memory: Callable[[Any, np.ndarray], list[float]] | None,
+        stage_memory: Callable[[Any, np.ndarray, int | None], list[float]] | None,
+        llm_replica: int | None = None,
     ) -> None:
         from dflop.runtime import dist
 
@@ -52,6 +56,7 @@ class StepProfiler:
         self.is_leader = self.rank == 0
         self.first_step = max(start_step, config.steps - config.trace_steps)
         self._stage_memory = stage_memory
+        self.llm_replica = llm_replica
         self._profiler: Any = None
         self._memory_start_bytes = 0
         self._memory_steps: list[tuple[Any, list[np.ndarray]]] = []
@@ -176,22 +181,31 @@ class StepProfiler:
                 if profiler is not None
                 else None
             )
-        found = (self.rank, self.global_stage, measured)
+        found = (self.rank, self.global_stage, self.llm_replica, measured)
         gathered: list[Any] | None = [None] * self.world_size if self.is_leader else None
         dist.gather_object(found, gathered, dst=0)
         if not self.is_leader:
             return
-        predicted: list[float] = []
-        for shapes, assignments in self._memory_steps:
-            for assignment in assignments:
-                stages = self._stage_memory(shapes, assignment)
-                predicted = [max(a, b) for a, b in zip(predicted, stages)] or list(stages)
+        # Each rank's own prediction: its stage on its own replica's samples (a replica
+        # with the lighter microbatches holds less than the stage's largest replica).
+        predicted: dict[int | None, list[float]] = {}
+        for replica in sorted({g[2] for g in gathered}, key=lambda r: -1 if r is None else r):
+            peaks: list[float] = []
+            for shapes, assignments in self._memory_steps:
+                for assignment in assignments:
+                    stages = self._stage_memory(shapes, assignment, replica)
+                    peaks = [max(a, b) for a, b in zip(peaks, stages)] or list(stages)
+            predicted[replica] = peaks
         lines = ["memory, peak per rank over the last steps: measured | the memory model's"]
-        for rank, stage, peak in gathered:
+        for rank, stage, replica, peak in gathered:
             if peak is None:  # a thread world: one process, measured on rank 0
                 continue
             # A thread world's one process holds every rank's stage.
-            model = sum(predicted[g[1]] for g in gathered) if threads else predicted[stage]
+            model = (
+                sum(predicted[g[2]][g[1]] for g in gathered)
+                if threads
+                else predicted[replica][stage]
+            )
             what = "all ranks (one process)" if threads else f"rank {rank} (stage {stage})"
             self.memory_report.append(
                 {"rank": rank, "stage": stage, "measured_bytes": peak, "predicted_bytes": model}

@@ -28,7 +28,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,7 +48,7 @@ from dflop.train.calibration import OnlineCalibration, fit_link_latency
 from dflop.train.checkpointer import Checkpointer
 from dflop.train.config import TrainConfig
 from dflop.train.data import StepShapes, _step_seed, length_policy
-from dflop.train.metrics import RankRecord, StepLog, StepMetrics, step_metrics
+from dflop.train.metrics import RankRecord, StepLog, TrainReport, step_metrics
 from dflop.train.optim import FrozenStageOptimizer
 from dflop.train.step_profiler import StepProfiler
 
@@ -68,23 +68,6 @@ class _StepRun:
     audits: dict[str, Any]
     plans: dict[str, Any]
     results: dict[str, Any]
-
-
-@dataclass
-class TrainReport:
-    """What rank 0 returns: every step's metrics and the timelines of the last steps."""
-
-    config: dict[str, Any]
-    layout: dict[str, Any]
-    metrics: list[StepMetrics]
-    timelines: dict[str, list[dict[str, Any]]]
-    """Per mode: event records of the last ``trace_steps`` steps, laid end to end."""
-    start_step: int
-    performance_model: dict[str, Any] | None = None
-    """The cost model's corrected coefficients at the end."""
-    stats: dict[str, Any] = field(default_factory=dict)
-    planned_step_time_s: float = math.nan
-    """The plan's predicted step time for the layout (set by the launcher; nan: none)."""
 
 
 class Trainer:
@@ -195,6 +178,7 @@ class Trainer:
             self.info.global_stage,
             self.start_step,
             self._stage_memory if self.is_leader else None,
+            llm_replica=self.info.dp_rank if self.info.module == "llm" else None,
         )
         self._flop_model: Any = None  # rank 0's FLOP count of a step (built on first use)
         self._peak_flops: float | None = None
@@ -629,11 +613,14 @@ class Trainer:
             },
         )
 
-    def _stage_memory(self, shapes: Any, assignment: np.ndarray) -> list[float]:
+    def _stage_memory(
+        self, shapes: Any, assignment: np.ndarray, llm_replica: int | None = None
+    ) -> list[float]:
         """Rank 0: bytes per global stage by the memory model for ``shapes`` under
-        ``assignment`` (the plan's cost model; a blind run's analytic one)."""
+        ``assignment`` (the plan's cost model; a blind run's analytic one), the LLM's on
+        ``llm_replica``'s microbatches (None: the largest replica's)."""
         cost_model = self._plan_cost_model or self._memory_cost_model()
-        return self.predictor.stage_memory_bytes(cost_model, shapes, assignment)
+        return list(self.predictor.stage_memory_bytes(cost_model, shapes, assignment, llm_replica))
 
     def _memory_cost_model(self) -> Any:
         """A cost model for the memory prediction of a run with none (blind mode): memory

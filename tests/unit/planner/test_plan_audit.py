@@ -367,3 +367,37 @@ def test_a_colocated_plan_schedules_each_step_as_the_trainer_does(trainable: str
             cost_model, shapes, (0.4, 0.35), cluster.link_latency_s, config.forward_fraction
         )
         assert model is None and costs.shape == (GLOBAL_BATCH, 2)
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_each_llm_replica_is_predicted_on_its_own_microbatches(colocated: bool) -> None:
+    """``--memory-report`` compares each rank with the memory model on its own replica's
+    samples: an LLM replica's stages (a colocated encoder's with them) are priced on the
+    bins ``k * dp + r`` alone. The replica holding the video holds more than the other;
+    the larger of the two is the stage's prediction (what every rank must fit), and an
+    encoder on ranks of its own keeps that prediction."""
+    encoder, llm = cost_configs(CONFIG)
+    cost_model = AnalyticCostModel(encoder, llm)
+    layout = RuntimeLayout.simple(
+        llm_dp=2,
+        encoder_layers=CONFIG.vision.layers,
+        llm_layers=CONFIG.decoder.layers,
+        num_microbatches=MICROBATCHES,
+        global_batch=GLOBAL_BATCH,
+        colocated=colocated,
+    )
+    cluster = local_cluster(layout.world_size, MemoryBudget(8e9, 0.0, "test"))
+    predictor = StepPredictor(cluster, encoder, llm, core_layout(layout), PlannerConfig())
+    shapes = FixedBatches().sample(GLOBAL_BATCH, 0)  # sample 0: the 7-frame video
+    # One sample per bin; replica 1 (odd bins) gets the video and the longest text.
+    assignment = np.array([1, 0, 2, 3, 4, 5])
+    largest = predictor.stage_memory_bytes(cost_model, shapes, assignment)
+    light, heavy = (
+        predictor.stage_memory_bytes(cost_model, shapes, assignment, llm_replica=r) for r in (0, 1)
+    )
+    encoder_stages = 0 if colocated else 1
+    assert len(largest) == len(light) == len(heavy) == encoder_stages + 1
+    assert light[:encoder_stages] == heavy[:encoder_stages] == largest[:encoder_stages]
+    assert light[-1] < heavy[-1] == pytest.approx(largest[-1], rel=1e-12)
+    with pytest.raises(ValueError, match=r"memory_replica must be -1 .* \[0, 2\), got 2"):
+        predictor.stage_memory_bytes(cost_model, shapes, assignment, llm_replica=2)
