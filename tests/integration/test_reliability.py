@@ -52,21 +52,42 @@ def full_run(tmp_path_factory):
     return _losses(report)
 
 
-def _checkpointed(tmp_path: Path, steps: int = 4) -> Path:
-    ckpt = tmp_path / "ckpt"
-    result, _ = _train(
-        tmp_path, "--steps", str(steps), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"
-    )
-    assert result.returncode == 0, result.stderr
-    # Named for the steps done, as the progress line counts them.
-    assert (ckpt / "latest").read_text().strip() == f"step-{steps:06d}"
-    return ckpt
+@pytest.fixture(scope="module")
+def trained_checkpoints(tmp_path_factory):
+    """The checkpoint folders of one run per step count (checkpointed every step), made
+    once for the module: each test resumes, damages or crafts its own copy."""
+    made: dict[int, Path] = {}
+
+    def make(steps: int) -> Path:
+        if steps not in made:
+            folder = tmp_path_factory.mktemp(f"ckpt{steps}")
+            ckpt = folder / "ckpt"
+            result, _ = _train(
+                folder, "--steps", str(steps), "--checkpoint-dir", str(ckpt),
+                "--checkpoint-every", "1",
+            )  # fmt: skip
+            assert result.returncode == 0, result.stderr
+            # Named for the steps done, as the progress line counts them.
+            assert (ckpt / "latest").read_text().strip() == f"step-{steps:06d}"
+            made[steps] = ckpt
+        return made[steps]
+
+    return make
 
 
-def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, full_run):
+def _checkpointed(tmp_path: Path, trained_checkpoints, steps: int = 4) -> Path:
+    """A copy, in ``tmp_path``, of the module's checkpoint folder of ``steps`` steps."""
+    import shutil
+
+    return Path(shutil.copytree(trained_checkpoints(steps), tmp_path / "ckpt"))
+
+
+def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(
+    tmp_path, full_run, trained_checkpoints
+):
     """64 random bytes in a rank's file of the latest step: the resume says so and
     continues from the step before, reproducing the uninterrupted run."""
-    ckpt = _checkpointed(tmp_path)
+    ckpt = _checkpointed(tmp_path, trained_checkpoints)
     victim = ckpt / "step-000004" / "rank-00001.pt"
     data = bytearray(victim.read_bytes())
     offset = len(data) // 2
@@ -83,8 +104,10 @@ def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, fu
         assert loss == pytest.approx(full_run[step], rel=1e-5)
 
 
-def test_latest_naming_a_missing_step_is_said_and_the_newest_intact_one_used(tmp_path):
-    ckpt = _checkpointed(tmp_path)
+def test_latest_naming_a_missing_step_is_said_and_the_newest_intact_one_used(
+    tmp_path, trained_checkpoints
+):
+    ckpt = _checkpointed(tmp_path, trained_checkpoints)
     for path in (ckpt / "step-000004").iterdir():
         path.unlink()
     (ckpt / "step-000004").rmdir()
@@ -130,12 +153,12 @@ class _Payload:
         return (open, (self.marker, "w"))
 
 
-def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
+def test_a_checkpoint_that_would_run_code_is_refused(tmp_path, trained_checkpoints):
     """A rank file crafted to run code when unpickled (with a matching checksum): the
     resume refuses to load it and the code never runs."""
     import hashlib
 
-    ckpt = _checkpointed(tmp_path, steps=2)
+    ckpt = _checkpointed(tmp_path, trained_checkpoints, steps=2)
     marker = tmp_path / "pwned"
     for rank in (0, 1):
         path = ckpt / "step-000002" / f"rank-{rank:05d}.pt"
@@ -504,10 +527,10 @@ def test_a_lock_from_another_host_is_refused(tmp_path):
 # ---- a resumed run's settings: honoured or refused by name ---------------------------------
 
 
-def test_a_changed_learning_rate_is_honoured_on_resume(tmp_path):
+def test_a_changed_learning_rate_is_honoured_on_resume(tmp_path, trained_checkpoints):
     """--lr on a resume applies from the first resumed step (it used to be the saved
     optimizer's): said in one line, the losses after it differ, the saved state has it."""
-    ckpt = _checkpointed(tmp_path, steps=2)
+    ckpt = _checkpointed(tmp_path, trained_checkpoints, steps=2)
     same_dir, other_dir = tmp_path / "same", tmp_path / "other"
     import shutil
 
@@ -543,10 +566,10 @@ def test_a_changed_learning_rate_is_honoured_on_resume(tmp_path):
         ),
     ],
 )
-def test_a_resume_refuses_a_changed_setting_by_name(tmp_path, args, message):
+def test_a_resume_refuses_a_changed_setting_by_name(tmp_path, args, message, trained_checkpoints):
     """A setting that changes what the checkpoint means: one line, exit 2, before any
     rank starts; the checkpoint is untouched."""
-    ckpt = _checkpointed(tmp_path, steps=2)
+    ckpt = _checkpointed(tmp_path, trained_checkpoints, steps=2)
     before = (ckpt / "latest").read_text()
     extra = [] if "--layout" in args else ["--layout", LAYOUT]
     command = ["train", "--scheduler", "blind", "--global-batch", "8", *extra, *args]
