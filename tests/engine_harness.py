@@ -17,6 +17,7 @@ from dflop.models.trainable import TrainableParts, freeze_stage
 from dflop.runtime import RuntimeLayout, Topology
 from dflop.runtime.colocated import stage_parts
 from dflop.runtime.engine import PipelineEngine, build_stage
+from dflop.runtime.recompute import is_recomputed
 from dflop.runtime.step_data import StepPlan
 from dflop.runtime.synthetic_batch import SyntheticBatch
 from dflop.runtime.tensor_parallel import full_tensor
@@ -170,6 +171,8 @@ def _rank_step(
         "backward_passes": result.backward_passes,
         "trainable_params": sum(p.requires_grad for p in stage.parameters()),
         "holds_encoder": info.holds_encoder,
+        # Per part (a colocated stage: encoder, LLM): whether its blocks run recomputed.
+        "recomputed": [is_recomputed(part) for _, part in stage_parts(stage, info.module)],
     }
 
 

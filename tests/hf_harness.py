@@ -13,6 +13,7 @@ from dflop.models.trainable import TrainableParts, add_lora, freeze_stage
 from dflop.runtime import RuntimeLayout, Topology
 from dflop.runtime.colocated import stage_parts
 from dflop.runtime.engine import PipelineEngine, build_stage
+from dflop.runtime.recompute import is_recomputed
 from dflop.runtime.step_data import StepPlan
 from dflop.runtime.tensor_parallel import full_tensor
 from dflop.scheduling.balance import schedule_from_assignment
@@ -56,7 +57,12 @@ def run_rank_step(rank, spec, batch, layout_kw, assignment, seed, trainable="ful
     topology = Topology.create(layout, rank)
     info = topology.info
     stage = build_stage(
-        spec, info, seed=seed, tp_group=topology.tp_group, tp_size=layout.module(info.module).tp
+        spec,
+        info,
+        seed=seed,
+        tp_group=topology.tp_group,
+        tp_size=layout.module(info.module).tp,
+        layout=layout,
     )
     parts = TrainableParts.parse(trainable)
     for module, part in stage_parts(stage, info.module):  # a colocated stage: both parts
@@ -82,6 +88,7 @@ def run_rank_step(rank, spec, batch, layout_kw, assignment, seed, trainable="ful
         and sum(mb.llm[info.dp_rank].visual_rows > 0 for mb in plan.microbatches),
         "is_last_stage": info.is_last_stage,
         "kinds": sorted({a.kind for a in result.actions}),
+        "recomputed": [is_recomputed(part) for _, part in stage_parts(stage, info.module)],
     }
 
 
@@ -148,6 +155,12 @@ def assert_matches(results, ref_loss, ref_grads, layout_kw):
     assert held == set(ref_grads), sorted(held ^ set(ref_grads))[:4]
     tp = layout_kw.get("encoder_tp", 1) > 1
     assert all((r["sharded"] > 0) == tp for r in results), [r["sharded"] for r in results]
+    # Activation recompute ran where the layout asks for it (a colocated encoder's
+    # follows the LLM's), and nowhere else.
+    for r in results:
+        module = "llm" if layout_kw.get("colocated") else r["module"]
+        want = bool(layout_kw.get(f"{'encoder' if module == 'encoder' else 'llm'}_recompute"))
+        assert r["recomputed"] == [want] * len(r["recomputed"]), r["recomputed"]
     # LoRA adapters of sharded layers are sharded with them (a half of each pair).
     for r in results:
         assert any(r["adapters"]) == (tp and bool(r["adapters"])), r["adapters"]
@@ -182,7 +195,7 @@ FROZEN_IDS = [
     "projector-enc_dp2_llm_pp2",
     "lora-enc_dp2_llm_pp2",
     "lora_both-tp2",
-    "lora-colocated_llm_pp2",
+    "lora-colocated_llm_pp2_rc",
 ]
 
 
@@ -194,7 +207,12 @@ LAYOUTS = [
     (dict(num_microbatches=2), [0, 1, 0, 1, 0, 1, 1, 0], 2),
     # tensor parallelism: encoder and LLM each over 2 TP ranks.
     (dict(encoder_tp=2, llm_tp=2, num_microbatches=2), [0, 1, 0, 1, 0, 1, 1, 0], 4),
-    # colocated: the encoder inside the first of 2 LLM stages (no encoder rank).
-    (dict(llm_pp=2, num_microbatches=3, colocated=True), [0, 2, 0, 1, 0, 1, 2, 0], 2),
+    # colocated: the encoder inside the first of 2 LLM stages (no encoder rank), both
+    # under activation recompute (every block's forward runs again in the backward).
+    (
+        dict(llm_pp=2, num_microbatches=3, colocated=True, llm_recompute=True),
+        [0, 2, 0, 1, 0, 1, 2, 0],
+        2,
+    ),
 ]
-LAYOUT_IDS = ["enc_dp2_llm_pp2", "one_stage_each", "enc_tp2_llm_tp2", "colocated_llm_pp2"]
+LAYOUT_IDS = ["enc_dp2_llm_pp2", "one_stage_each", "enc_tp2_llm_tp2", "colocated_llm_pp2_rc"]

@@ -328,6 +328,13 @@ ZERO_BUBBLE_CASES = {
     "frozen_vision-enc_pp2": (*FROZEN_LAYOUTS["enc_pp2"][:2], 4, "frozen-vision"),
     "projector-enc_pp2": (*FROZEN_LAYOUTS["enc_pp2"][:2], 4, "projector"),
     "tp2": (*FROZEN_LAYOUTS["tp2"][:2], 6, "full"),
+    # Activation recompute on both modules under the split backward, DTensor blocks.
+    "tp2-recompute": (
+        dict(FROZEN_LAYOUTS["tp2"][0], encoder_recompute=True, llm_recompute=True),
+        FROZEN_LAYOUTS["tp2"][1],
+        6,
+        "full",
+    ),
 }
 
 
@@ -345,14 +352,17 @@ def test_zero_bubble_h1_matches_single_process(case):
     )
     _check_against_reference(results, trainable=trainable)  # the ZB-H1 program, exactly
     assert {a.kind for r in results for a in r["actions"]} == {"F", "I", "W"}
+    for r in results:
+        assert r["recomputed"] == [bool(spec.get(f"{r['module']}_recompute"))], r["recomputed"]
 
 
 # Colocated layouts (the encoder inside the LLM's first stage, no ranks of its own):
 # (layout, assignment, world size, trainable parts, pipeline order); two microbatches.
 COLOCATED_CASES = {
     "dp2_pp2-full-1f1b": (dict(llm_dp=2, llm_pp=2), ASSIGN_B, 4, "full", None),
-    "dp2_pp2-frozen_vision-zb_h1": (
-        dict(llm_dp=2, llm_pp=2),
+    # ... with the LLM's and the encoder's blocks recomputed in the backward.
+    "dp2_pp2-frozen_vision-zb_h1-recompute": (
+        dict(llm_dp=2, llm_pp=2, llm_recompute=True),
         ASSIGN_B,
         4,
         "frozen-vision",
@@ -386,6 +396,8 @@ def test_colocated_layout_matches_single_process(case):
         assert r["holds_encoder"] == (rank_info(layout, rank).pp_rank == 0)
         encoder_grads = [n for n in r["grads"] if n.startswith("vision.")]
         assert bool(encoder_grads) == (r["holds_encoder"] and parts.bridge_gradients)
+        recompute = bool(spec.get("llm_recompute"))
+        assert r["recomputed"] == [recompute] * (2 if r["holds_encoder"] else 1)
 
 
 def _both_orders(rank: int, world_size: int, spec: dict, assignment: list[int]):

@@ -19,8 +19,9 @@ from conftest import DATA_DIR, REPO_DIR
 
 pytest.importorskip("torch")
 
+from dflop.runtime import RuntimeLayout  # noqa: E402
 from dflop.train import TrainConfig  # noqa: E402
-from dflop.train.planning import LOCAL_PLAN_BATCHES, parse_layout  # noqa: E402
+from dflop.train.planning import LOCAL_PLAN_BATCHES, core_layout, parse_layout  # noqa: E402
 
 REPO = REPO_DIR
 LAYOUT = "enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1,m=2"
@@ -181,9 +182,13 @@ def test_checkpoint_resume_matches_uninterrupted_run(tmp_path, perf_json, layout
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert (ckpt / "latest").read_text().strip() == "step-000002"
-    result, resumed = _train(tmp_path, perf_json, *common, "--checkpoint-dir", str(ckpt))
+    # A resume may turn activation recompute on (memory for time, the same math): the
+    # colocated run resumes with the LLM's and its encoder's blocks recomputed.
+    again = [layout + ",llm_rc" if layout.startswith("colocated") else layout, *common[2:]]
+    result, resumed = _train(tmp_path, perf_json, "--layout", *again, "--checkpoint-dir", str(ckpt))
     assert result.returncode == 0, result.stderr
     assert "resumed from" in result.stdout
+    assert ("dp=2 rc (rc: activation recompute)" in result.stdout) == ("rc" in again[0])
     assert [s["step"] for s in resumed["steps"]] == [2, 3]
     for got, want in zip(resumed["steps"], full["steps"][2:]):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
@@ -476,6 +481,19 @@ def test_parse_layout() -> None:
     assert (colocated.encoder.tp, colocated.encoder.pp, colocated.encoder.dp) == (1, 1, 2)
     with pytest.raises(ValueError, match="enc_dp with 'colocated': a colocated encoder runs"):
         parse_layout("colocated,enc_dp=2", model_config("tiny"), 12)
+    # Activation recompute per module; a colocated encoder's follows the LLM's.
+    rc = parse_layout("enc_rc,llm_pp=2,llm_rc", model_config("tiny"), 12)
+    assert rc.encoder.recompute and rc.llm.recompute
+    assert RuntimeLayout.from_dict(rc.to_dict()) == rc
+    assert core_layout(rc)["llm"]["recompute"] and core_layout(rc)["encoder"]["recompute"]
+    llm_only = parse_layout("llm_rc", model_config("tiny"), 12)
+    assert (llm_only.encoder.recompute, llm_only.llm.recompute) == (False, True)
+    colocated_rc = parse_layout("colocated,llm_dp=2,llm_rc", model_config("tiny"), 12)
+    assert colocated_rc.encoder.recompute and colocated_rc.llm.recompute
+    with pytest.raises(ValueError, match="enc_rc with 'colocated'"):
+        parse_layout("colocated,enc_rc", model_config("tiny"), 12)
+    with pytest.raises(ValueError, match="'llm_rc=1' is not 'colocated', 'enc_rc', 'llm_rc'"):
+        parse_layout("llm_rc=1", model_config("tiny"), 12)
 
 
 def test_a_quick_profile_in_two_processes_measures_what_one_measures():

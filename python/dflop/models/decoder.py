@@ -433,6 +433,10 @@ class DecoderStage(nn.Module):
             ("DecoderConfig.mlp_hidden", c.mlp_hidden),
         ]
 
+    def recompute_blocks(self) -> list[nn.Module]:
+        """The transformer blocks this stage runs (activation recompute wraps each)."""
+        return list(self.layers.values())
+
     def use_local_heads(self, tp_size: int) -> None:
         """Each block's attention over its TP rank's heads (a contiguous run of query heads
         and their key/value heads, so grouped-query pairs stay on one rank)."""

@@ -300,6 +300,10 @@ class VisionStage(nn.Module):
             sizes.append(("ProjectorConfig.intermediate", p.intermediate))
         return sizes
 
+    def recompute_blocks(self) -> list[nn.Module]:
+        """The transformer blocks this stage runs (activation recompute wraps each)."""
+        return list(self.encoder.blocks.values())
+
     def use_local_heads(self, tp_size: int) -> None:
         """Each block's attention over its TP rank's ``heads / tp_size`` heads."""
         for block in self.encoder.blocks.values():

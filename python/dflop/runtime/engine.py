@@ -78,6 +78,7 @@ from dflop.models.trainable import TrainableParts
 from dflop.runtime import dist, p2p
 from dflop.runtime.bridge import BridgeCommunicator
 from dflop.runtime.colocated import ColocatedStage
+from dflop.runtime.recompute import apply_recompute
 from dflop.runtime.split_backward import WeightGradients, backward_input, backward_weight
 from dflop.runtime.step_data import EncoderShare, LLMShare, MicrobatchPlan, StepPlan
 from dflop.runtime.tensor_parallel import apply_tensor_parallel, local_tensor
@@ -277,6 +278,8 @@ def build_stage(
     (name-keyed init) and, with ``tp_size > 1``, every stage is sharded over ``tp_group``
     by the plan it declares (``Topology.tp_group``; see
     :func:`dflop.runtime.tensor_parallel.apply_tensor_parallel`).
+    With ``layout``, a module whose layout has ``recompute`` runs its blocks under
+    activation checkpointing (:func:`~dflop.runtime.recompute.apply_recompute`).
     A rank of a module with virtual stages (``info.num_chunks > 1``) gets a
     :class:`StageChunks` of one stage per chunk; that needs ``layout`` (the
     :class:`~dflop.runtime.topology.RuntimeLayout`). The first LLM stage of a colocated
@@ -286,10 +289,11 @@ def build_stage(
 
     def sharded(place: RankInfo) -> nn.Module:
         stage = spec.build_stage(place, seed=seed, device=device, dtype=dtype)
-        if tp_size == 1:  # nothing to shard: a stage need not declare a plan
-            return stage
-        # Every TP rank built the same full weights; each keeps its slice.
-        return apply_tensor_parallel(stage, tp_group, tp_size=tp_size)
+        if tp_size > 1:  # every TP rank built the same full weights; each keeps its slice
+            stage = apply_tensor_parallel(stage, tp_group, tp_size=tp_size)
+        if layout is not None and layout.module(place.module).recompute:
+            apply_recompute(stage)
+        return stage
 
     if info.num_chunks == 1 and info.holds_encoder:
         encoder = sharded(StageSlice("encoder", (0, spec.encoder_layers)))

@@ -97,6 +97,10 @@ class ModuleLayout:
             projector). Virtual stage ``c * pp + p`` is chunk c of pipeline stage p.
         virtual_stages: model chunks per pipeline stage (1: a plain pipeline; > 1: the
             interleaved 1F1B schedule's virtual stages, LLM only).
+        recompute: full activation recompute: each transformer block of the module keeps
+            only its input through the forward and runs again in the backward
+            (:func:`dflop.runtime.recompute.apply_recompute`), as the planner's ``rc``
+            prices it.
     """
 
     tp: int
@@ -104,11 +108,16 @@ class ModuleLayout:
     dp: int
     layer_ranges: tuple[tuple[int, int], ...]
     virtual_stages: int = 1
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         owner = "ModuleLayout"
         for name in ("tp", "pp", "dp", "virtual_stages"):
             _positive_int(owner, name, getattr(self, name))
+        if not isinstance(self.recompute, bool):
+            raise InputTypeError(
+                f"{owner}.recompute must be a bool, got {bounded_repr(self.recompute, 40)}"
+            )
         try:
             ranges = tuple((int(a), int(b)) for a, b in self.layer_ranges)
         except (TypeError, ValueError):
@@ -166,6 +175,7 @@ class ModuleLayout:
             "dp": self.dp,
             "layer_ranges": [list(r) for r in self.layer_ranges],
             "virtual_stages": self.virtual_stages,
+            "recompute": self.recompute,
         }
 
     @classmethod
@@ -179,6 +189,7 @@ class ModuleLayout:
             dp=data["dp"],
             layer_ranges=tuple(tuple(r) for r in data["layer_ranges"]),
             virtual_stages=data.get("virtual_stages", 1),
+            recompute=data.get("recompute", False),
         )
 
 
@@ -245,11 +256,12 @@ class RuntimeLayout:
 
     def _check_colocated(self) -> None:
         enc, llm = self.encoder, self.llm
-        want = (1, llm.tp, llm.dp)
-        if (enc.pp, enc.tp, enc.dp) != want:
+        want = (1, llm.tp, llm.dp, llm.recompute)
+        if (enc.pp, enc.tp, enc.dp, enc.recompute) != want:
             raise ValueError(
-                f"RuntimeLayout.encoder (pp={enc.pp}, tp={enc.tp}, dp={enc.dp}) must be pp=1, "
-                f"tp={llm.tp}, dp={llm.dp} in a colocated layout: the encoder runs on the "
+                f"RuntimeLayout.encoder (pp={enc.pp}, tp={enc.tp}, dp={enc.dp}, "
+                f"recompute={enc.recompute}) must be pp=1, tp={llm.tp}, dp={llm.dp}, "
+                f"recompute={llm.recompute} in a colocated layout: the encoder runs on the "
                 "LLM's first stage, over its TP group, in each of its replicas (use "
                 "RuntimeLayout.colocated_encoder)"
             )
@@ -262,8 +274,9 @@ class RuntimeLayout:
     @staticmethod
     def colocated_encoder(encoder_layers: int, llm: ModuleLayout) -> ModuleLayout:
         """The encoder's layout in a colocated layout with ``llm``: every layer on one
-        stage, the LLM's tp and dp."""
-        return ModuleLayout(llm.tp, 1, llm.dp, ((0, encoder_layers),))
+        stage, the LLM's tp, dp and recompute (the planner prices the colocated encoder's
+        activations with the LLM's)."""
+        return ModuleLayout(llm.tp, 1, llm.dp, ((0, encoder_layers),), recompute=llm.recompute)
 
     @property
     def world_size(self) -> int:
@@ -381,6 +394,8 @@ class RuntimeLayout:
         llm_virtual_stages: int = 1,
         order: str | None = None,
         colocated: bool = False,
+        encoder_recompute: bool = False,
+        llm_recompute: bool = False,
     ) -> RuntimeLayout:
         """A layout with uniform layer splits (:func:`uniform_layer_ranges`); with
         ``colocated`` the encoder's sizes are ignored (:meth:`colocated_encoder`)."""
@@ -390,12 +405,17 @@ class RuntimeLayout:
             llm_dp,
             uniform_layer_ranges(llm_layers, llm_pp * llm_virtual_stages),
             llm_virtual_stages,
+            recompute=llm_recompute,
         )
         encoder = (
             cls.colocated_encoder(encoder_layers, llm)
             if colocated
             else ModuleLayout(
-                encoder_tp, encoder_pp, encoder_dp, uniform_layer_ranges(encoder_layers, encoder_pp)
+                encoder_tp,
+                encoder_pp,
+                encoder_dp,
+                uniform_layer_ranges(encoder_layers, encoder_pp),
+                recompute=encoder_recompute,
             )
         )
         return cls(

@@ -336,6 +336,18 @@ def _safe_types() -> list[Any]:
     return [DTensor, DeviceMesh, Shard, Replicate, Partial, DTensorSpec, TensorMeta]
 
 
+def layout_identity(layout: dict[str, Any]) -> dict[str, Any]:
+    """The part of a layout (``RuntimeLayout.to_dict()``) a checkpoint is bound to: its
+    ranks, stages and batch. Not the pipeline order (it only reorders a step's work) nor
+    activation recompute (memory for time, the same math): a run may resume under
+    another."""
+    out = {k: v for k, v in layout.items() if k != "order"}
+    for module in ("encoder", "llm"):
+        if isinstance(out.get(module), dict):
+            out[module] = {k: v for k, v in out[module].items() if k != "recompute"}
+    return out
+
+
 def load_checkpoint(
     folder: str | os.PathLike[str], rank: int, expect: dict[str, Any]
 ) -> dict[str, Any]:
@@ -358,7 +370,10 @@ def load_checkpoint(
             f"(loading would run code from the file): {str(err).splitlines()[0]}"
         ) from None
     for key, value in expect.items():
-        if state.get(key) != value:
+        saved = state.get(key)
+        if key == "layout" and isinstance(saved, dict) and isinstance(value, dict):
+            saved, value = layout_identity(saved), layout_identity(value)
+        if saved != value:
             raise CheckpointError(
                 f"checkpoint {folder} was saved with {key}={state.get(key)!r}, this run has "
                 f"{key}={value!r}: resume with the same settings or use another --checkpoint-dir"

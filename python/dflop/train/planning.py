@@ -53,27 +53,36 @@ _LAYOUT_KEYS = {
 }
 
 
+_RECOMPUTE_FLAGS = {"enc_rc": "encoder_recompute", "llm_rc": "llm_recompute"}
+"""Layout words that turn a module's activation recompute on (the plan table's ``rc``)."""
+
+
 def parse_layout(
     spec: str, model: ModelSpec | str, global_batch: int, num_microbatches: int | None = None
 ) -> RuntimeLayout:
-    """``"enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1[,llm_v=2][,m=4]"`` as a
+    """``"enc_dp=1,enc_pp=1,llm_dp=1,llm_pp=1[,llm_v=2][,m=4][,enc_rc][,llm_rc]"`` as a
     :class:`RuntimeLayout` with uniform layer splits (``llm_v``: the LLM's virtual stages per
-    stage, run under interleaved 1F1B); ``"colocated,llm_dp=2[,...]"``: the encoder inside
-    the LLM's first stage (no ``enc_*`` sizes). Missing sizes are 1; ``m`` defaults to
+    stage, run under interleaved 1F1B; ``enc_rc`` / ``llm_rc``: that module's activation
+    recompute); ``"colocated,llm_dp=2[,...]"``: the encoder inside the LLM's first stage
+    (no ``enc_*`` sizes; ``llm_rc`` recomputes the encoder too). Missing sizes are 1; ``m`` defaults to
     ``num_microbatches`` or ``min(4, global_batch // llm_dp)`` (interleaved: rounded up to a
     multiple of ``llm_pp``)."""
     values: dict[str, int] = {}
     colocated = False
+    recompute: dict[str, bool] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         if part == "colocated":
             colocated = True
+            continue
+        if part in _RECOMPUTE_FLAGS:
+            recompute[_RECOMPUTE_FLAGS[part]] = True
             continue
         key, eq, value = part.partition("=")
         key = key.strip()
         if not eq or key not in _LAYOUT_KEYS:
             raise ValueError(
-                f"layout {spec!r}: {part!r} is not 'colocated' or KEY=VALUE with KEY in "
-                f"{sorted(_LAYOUT_KEYS)}"
+                f"layout {spec!r}: {part!r} is not 'colocated', 'enc_rc', 'llm_rc' or "
+                f"KEY=VALUE with KEY in {sorted(_LAYOUT_KEYS)}"
             )
         try:
             values[_LAYOUT_KEYS[key]] = int(value)
@@ -108,13 +117,15 @@ def parse_layout(
         given = sorted(
             k for k, v in _LAYOUT_KEYS.items() if v.startswith("encoder_") and v in values
         )
+        given += ["enc_rc"] if "encoder_recompute" in recompute else []
         if given:
             raise ValueError(
                 f"layout {spec!r}: {', '.join(given)} with 'colocated': a colocated encoder "
-                "runs on the LLM's first stage, with its tp and dp (drop them)"
+                "runs on the LLM's first stage, with its tp, dp and recompute (drop them)"
             )
     return RuntimeLayout.simple(
         **values,
+        **recompute,
         encoder_layers=layers.encoder_layers,
         llm_layers=layers.llm_layers,
         num_microbatches=m,
@@ -214,14 +225,23 @@ def runtime_layout(
             "divides the heads)"
         )
     llm = ModuleLayout(
-        lp.llm.tp, lp.llm.pp, lp.llm.dp, tuple(lp.llm.layer_ranges), lp.llm.virtual_stages
+        lp.llm.tp,
+        lp.llm.pp,
+        lp.llm.dp,
+        tuple(lp.llm.layer_ranges),
+        lp.llm.virtual_stages,
+        recompute=bool(lp.llm.recompute),
     )
     encoder_layers = sum(lp.encoder.layers_per_stage)
     encoder = (
         RuntimeLayout.colocated_encoder(encoder_layers, llm)
         if lp.colocated
         else ModuleLayout(
-            lp.encoder.tp, lp.encoder.pp, lp.encoder.dp, tuple(lp.encoder.layer_ranges)
+            lp.encoder.tp,
+            lp.encoder.pp,
+            lp.encoder.dp,
+            tuple(lp.encoder.layer_ranges),
+            recompute=bool(lp.encoder.recompute),
         )
     )
     return RuntimeLayout(
@@ -785,7 +805,7 @@ def core_layout(layout: RuntimeLayout) -> dict[str, Any]:
             "dp": part.dp,
             "first_rank": first_rank,
             "layers_per_stage": [end - start for start, end in part.layer_ranges],
-            "recompute": False,
+            "recompute": part.recompute,
             "virtual_stages": part.virtual_stages,
         }
 

@@ -272,12 +272,10 @@ def _check_layout_numbers(config: Any, point: ResumePoint, layout: dict[str, Any
 def check_layout(config: Any, layout: Any, point: ResumePoint) -> None:
     """Refuse a layout other than the checkpoint's, naming the settings that chose it."""
     from dflop.runtime.topology import RuntimeLayout
+    from dflop.train.checkpoint import layout_identity
 
     saved = RuntimeLayout.from_dict(point.settings["layout"])
-    # The pipeline order only reorders a step's work: a run may resume under another.
-    mine, theirs = layout.to_dict(), saved.to_dict()
-    mine.pop("order", None)
-    theirs.pop("order", None)
+    mine, theirs = layout_identity(layout.to_dict()), layout_identity(saved.to_dict())
     if mine == theirs:
         return
     given = [

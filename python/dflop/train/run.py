@@ -828,14 +828,17 @@ def _run_local(config: TrainConfig, log: Callable[[str], None], prepared: Prepar
     launch_kind = _launch_kind(config, device_kind, layout)
     chunks = layout.llm.virtual_stages
     interleaved = f" x {chunks} virtual stages" if chunks > 1 else ""
+    rc = {name: " rc" if layout.module(name).recompute else "" for name in ("encoder", "llm")}
     encoder = (
         "encoder colocated in the first LLM stage"
         if layout.colocated
         else f"encoder tp={layout.encoder.tp} pp={layout.encoder.pp} dp={layout.encoder.dp}"
+        f"{rc['encoder']}"
     )
     log(
         f"{prepared.description}: {encoder} | LLM tp={layout.llm.tp} pp={layout.llm.pp}{interleaved} "
-        f"dp={layout.llm.dp} | {layout.num_microbatches} microbatches x global batch "
+        f"dp={layout.llm.dp}{rc['llm']}{' (rc: activation recompute)' if any(rc.values()) else ''} | "
+        f"{layout.num_microbatches} microbatches x global batch "
         f"{layout.global_batch} | {world_size} {launch_kind} on {device_kind} | scheduler "
         f"{config.scheduler}, pipeline {layout.pipeline_order} | trains {config.trainable}"
     )

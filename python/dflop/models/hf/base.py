@@ -226,6 +226,11 @@ class HFStage(nn.Module):
         layers = self.get_submodule(f"{root}.layers") if self.end_layer > self.first_layer else None
         return [getattr(layers, str(i)) for i in range(self.first_layer, self.end_layer)]
 
+    def recompute_blocks(self) -> list[nn.Module]:
+        """The transformer blocks this stage runs (activation recompute wraps each): an
+        LLM stage's decoder layers; encoder stages name their tower's."""
+        return self._layers(self.text_root)
+
     def tied_parameter(self) -> nn.Parameter | None:
         """With ``tie_word_embeddings`` and the LLM over >= 2 stages: this stage's copy of
         the tied weight (the token embedding on the first stage, the head on the last),

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from dflop.models.hf.base import HFSpec, HFStage, decoder_architecture
 from dflop.models.hf.common import require_transformers
@@ -262,6 +262,9 @@ class InternVLEncoderStage(HFStage):
             attention = layer.attention
             attention.num_heads //= tp_size
             attention.embed_dim //= tp_size
+
+    def recompute_blocks(self) -> list[nn.Module]:
+        return list(self._tower_layers())
 
     def _tower_layers(self) -> list[Any]:
         if self.end_layer == self.first_layer:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from dflop.batch.visual import VisualItem
 from dflop.models.hf.base import HFSpec, HFStage, decoder_architecture
@@ -180,6 +180,9 @@ class LlavaOnevisionEncoderStage(HFStage):
         if self.has_head:
             sizes.append(("text_config.hidden_size", self.config.text_config.hidden_size))
         return sizes
+
+    def recompute_blocks(self) -> list[nn.Module]:
+        return self._layers(f"{_VISION}.encoder")
 
     def forward(self, x: Tensor) -> Tensor:
         if self.has_embed:

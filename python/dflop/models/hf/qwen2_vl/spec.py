@@ -249,6 +249,9 @@ class Qwen2VLEncoderStage(HFStage):
             sizes.append(("vision merger width", int(merged)))
         return sizes
 
+    def recompute_blocks(self) -> list[nn.Module]:
+        return list(self._blocks())
+
     def _blocks(self) -> list[Any]:
         if self.end_layer == self.first_layer:
             return []
