@@ -231,3 +231,29 @@ def test_the_launcher_of_a_cpu_run_never_imports_torch(tmp_path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step    1/1" in done.stdout
     assert done.stdout.strip().endswith("torch imported: False"), done.stdout[-2000:]
+
+
+def test_a_cluster_plan_trains_only_with_settings_the_runtime_runs(tmp_path) -> None:
+    """A --gpus plan prices bf16 and ZeRO-1 by default; dflop train executes neither yet,
+    so it refuses the plan in one line naming both and the flags that price what runs;
+    planned with them, the plan trains."""
+    common = ["plan", "--model", "tiny", "--gpus", "2", "--gpus-per-node", "2",
+              "--global-batch", "8", "--batches", "1"]  # fmt: skip
+    default, fp32 = tmp_path / "bf16.json", tmp_path / "fp32.json"
+    assert run_cli(*common, "-o", str(default)).returncode == 0
+    made = run_cli(*common, "--precision", "fp32", "--no-zero1", "-o", str(fp32))
+    assert made.returncode == 0, made.stderr
+    inputs = json.loads(fp32.read_text())["inputs"]
+    assert (inputs["element_bytes"], inputs["zero1"]) == (4, False)
+    assert json.loads(default.read_text())["inputs"]["zero1"] is True
+    train = ["train", "--model", "tiny", "--steps", "1", "--deterministic"]
+    refused = run_cli(*train, "--plan", str(default), "--output-dir", str(tmp_path / "a"))
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    for said in ("inputs.element_bytes=2", "inputs.zero1", "--precision fp32 --no-zero1"):
+        assert said in refused.stderr
+    trained = run_cli(*train, "--plan", str(fp32), "--output-dir", str(tmp_path / "b"))
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert "step    1/1" in trained.stdout
+    local = run_cli("plan", "--local", "2", "--precision", "fp32")
+    assert local.returncode == 2 and "--precision is a setting of --gpus planning" in (local.stderr)

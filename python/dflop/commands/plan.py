@@ -71,6 +71,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--lora-rank", type=int, default=16, help="LoRA's rank, for a --trainable with lora parts"
     )
     p.add_argument(
+        "--precision",
+        choices=("bf16", "fp32"),
+        default=None,
+        help="--gpus: the training precision the plan prices (default bf16: bf16 weights, "
+        "activations and gradients); dflop train runs fp32 only for now and refuses a bf16 "
+        "plan (--local plans price what dflop train runs)",
+    )
+    p.add_argument(
+        "--no-zero1",
+        action="store_true",
+        help="--gpus: price every optimizer state on every data-parallel replica instead of "
+        "sharded over them (ZeRO-1, the default); dflop train runs unsharded only for now",
+    )
+    p.add_argument(
         "--zero-bubble",
         action="store_true",
         help="also score each kept layout under the zero-bubble order zb-h1 and keep it where "
@@ -205,6 +219,12 @@ def run_plan(args: argparse.Namespace) -> int:
 
     check_output_path("-o/--output", args.output)  # before planning, not after it
     if args.local is not None:
+        for flag, given in (("--precision", args.precision), ("--no-zero1", args.no_zero1)):
+            if given:
+                raise ValueError(
+                    f"{flag} is a setting of --gpus planning; --local plans price what dflop "
+                    "train runs here (fp32, every optimizer state on every replica)"
+                )
         if args.shapes != "synthetic":
             raise ValueError(
                 "--shapes is the data of --gpus planning; with --local give the data as "
@@ -248,6 +268,8 @@ def run_plan(args: argparse.Namespace) -> int:
         trainable=args.trainable,
         lora_rank=args.lora_rank,
         zero_bubble=args.zero_bubble,
+        element_bytes=4 if args.precision == "fp32" else 2,
+        zero1=not args.no_zero1,
         **placement_candidates(args.placement),
     )
     inputs = {
@@ -384,6 +406,7 @@ def _rebuilt(plan: Any, layout: Any, batch: int) -> Any:
     """A layout without a recorded step: rebuild the sampled batch from the plan's inputs
     and simulate it."""
     from dflop.planner import PlannerConfig, prepare_inputs, simulate_layout
+    from dflop.planner.result import plan_zero1
 
     info = plan.inputs
     encoder, llm = _configs(info.get("encoder", "siglip-400m"), info.get("llm", "llm-7b"))
@@ -397,6 +420,7 @@ def _rebuilt(plan: Any, layout: Any, batch: int) -> Any:
     config = PlannerConfig(
         seed=int(info.get("seed", 0)),
         element_bytes=int(info.get("element_bytes", 2)),
+        zero1=plan_zero1(info),
         loss_chunk_tokens=int(info.get("loss_chunk_tokens", PlannerConfig.loss_chunk_tokens)),
         trainable=str(info.get("trainable", "full")),
         lora_rank=int(info.get("lora_rank", 16)),

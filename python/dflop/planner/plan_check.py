@@ -385,6 +385,8 @@ def _check_inputs(value: Any, global_batch: int) -> dict[str, Any]:
             _str(f"inputs.{key}", inputs[key])
     if "local" in inputs:
         _bool("inputs.local", inputs["local"])
+    if "zero1" in inputs:
+        _bool("inputs.zero1", inputs["zero1"])
     if "num_batches" in inputs:
         _int("inputs.num_batches", inputs["num_batches"], 1, MAX_PLAN_BATCHES)
     if "seed" in inputs:

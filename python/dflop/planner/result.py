@@ -42,6 +42,8 @@ __all__ = [
     "LayoutPlan",
     "ModulePlan",
     "Plan",
+    "plan_element_bytes",
+    "plan_zero1",
     "PlanError",
     "StepAudit",
     "StepPrediction",
@@ -514,3 +516,17 @@ class Plan:
         else:
             lines.append("a given layout, scored (no search)")
         return "\n".join(lines)
+
+
+def plan_element_bytes(inputs: dict[str, Any]) -> int:
+    """Bytes per weight, activation and gradient element a plan was priced with (2: bf16,
+    4: fp32): its ``inputs.element_bytes``; a plan without it, its planner's default (a
+    local plan fp32, a cluster plan bf16)."""
+    return int(inputs.get("element_bytes", 4 if inputs.get("local") else 2))
+
+
+def plan_zero1(inputs: dict[str, Any]) -> bool:
+    """Whether a plan was priced with the optimizer states sharded over each module's
+    data-parallel replicas (ZeRO-1): its ``inputs.zero1``; a plan without it, its
+    planner's default (a local plan no, a cluster plan yes)."""
+    return bool(inputs.get("zero1", not inputs.get("local")))

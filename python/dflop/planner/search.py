@@ -319,6 +319,7 @@ def plan(
     description.setdefault("seed", config.seed)
     description.setdefault("forward_fraction", list(inputs.forward_fraction))
     description.setdefault("element_bytes", config.element_bytes)
+    description.setdefault("zero1", config.zero1)
     description.setdefault("loss_chunk_tokens", config.loss_chunk_tokens)
     description.setdefault("trainable", config.trainable)
     description.setdefault("lora_rank", config.lora_rank)

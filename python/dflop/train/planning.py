@@ -161,6 +161,27 @@ def check_local_global_batch(global_batch: int, path: str | os.PathLike[str] | N
     return global_batch
 
 
+def check_plan_settings(inputs: dict[str, Any], path: Any) -> None:
+    """Refuse a plan priced for training settings ``dflop train`` does not execute: bf16
+    (``inputs.element_bytes`` 2) or a ZeRO-1 optimizer (``inputs.zero1``), in one line
+    naming them and the ``dflop plan`` flags that price what runs."""
+    from dflop.planner.result import plan_element_bytes, plan_zero1
+
+    unrun = []
+    element_bytes = plan_element_bytes(inputs)
+    if element_bytes != RUNTIME_ELEMENT_BYTES:
+        unrun.append(f"{element_bytes}-byte (bf16) training (inputs.element_bytes={element_bytes})")
+    if plan_zero1(inputs):
+        unrun.append("optimizer states sharded over the data-parallel replicas (inputs.zero1)")
+    if unrun:
+        raise ValueError(
+            f"{path}: the plan prices {' and '.join(unrun)}, which dflop train does not "
+            "execute yet (it trains float32 weights and activations, every optimizer state "
+            "on every replica), so the plan's memory and step times are not what would run: "
+            "plan again with dflop plan ... --precision fp32 --no-zero1"
+        )
+
+
 def layout_from_plan(
     path: str | os.PathLike[str],
     model: ModelSpec | str,
@@ -180,6 +201,7 @@ def layout_from_plan(
     from dflop.planner import Plan
 
     plan = Plan.load(path)
+    check_plan_settings(plan.inputs, path)
     best = plan.best
     if global_batch is None:
         check_local_global_batch(best.global_batch, path)

@@ -334,6 +334,7 @@ CLUSTER_CASES = [
         _set("inputs", "llm", "vocab_size", value=1 << 31),
         "inputs.llm.vocab_size=2147483648 must be in [0, 4,194,304]",
     ),
+    ("zero1_not_bool", _set("inputs", "zero1", value="yes"), "inputs.zero1"),
 ]
 
 

@@ -11,7 +11,7 @@ from dflop.planner.model import placement_candidates
 from dflop.planner.result import _bytes
 
 
-def _eight_gpu_plan(placement: str = "any"):
+def _eight_gpu_plan(placement: str = "any", **settings):
     """siglip-400m + llm-7b on one 8-GPU node: the colocated data-blind baseline is faster than
     any layout with encoder GPUs of its own (as ``dflop plan --gpus 8`` finds)."""
     encoder, llm = ENCODER_PRESETS["siglip-400m"], LLM_PRESETS["llm-7b"]
@@ -21,7 +21,7 @@ def _eight_gpu_plan(placement: str = "any"):
         llm,
         ClusterSpec(num_gpus=8),
         global_batch=256,
-        config=PlannerConfig(**placement_candidates(placement)),
+        config=PlannerConfig(**placement_candidates(placement), **settings),
     )
 
 
@@ -83,7 +83,8 @@ def test_a_colocated_plan_becomes_the_runtime_layout_that_runs_it(tmp_path) -> N
     from dflop.models import model_config
     from dflop.train.planning import layout_from_plan, runtime_layout
 
-    result = _eight_gpu_plan()
+    # Priced as dflop train runs it (fp32, an unsharded optimizer): it refuses other plans.
+    result = _eight_gpu_plan(element_bytes=4, zero1=False)
     path = tmp_path / "plan.json"
     result.save(path)
     layout = layout_from_plan(path, model_config("siglip-400m+llm-7b"))

@@ -292,7 +292,9 @@ def test_interleaved_candidates_pruned_exactly_and_planned_end_to_end(tmp_path) 
     # The plan file keeps the virtual stages, and the trainer's layout takes them (a reference
     # model of the same depth: 28 layers in 6 chunks).
     path = tmp_path / "plan.json"
-    result = _plan(16, batch=16, config=replace(interleave, runtime_schedule=False))
+    # Priced as dflop train runs it (fp32, an unsharded optimizer): it refuses other plans.
+    runs = dict(element_bytes=4, zero1=False)
+    result = _plan(16, batch=16, config=replace(interleave, runtime_schedule=False, **runs))
     assert result.best.llm.virtual_stages == 2
     result.save(path)
     assert Plan.load(path).best.llm.virtual_stages == 2
@@ -367,7 +369,8 @@ def test_zero_bubble_is_chosen_where_it_pays_and_planned_end_to_end(tmp_path) ->
         assert step.order == "zb-h1" and step.weight_s.size
         assert step.simulate(record_events=False).step_time_s == pytest.approx(planned)
     path = tmp_path / "plan.json"
-    result = _plan(16, batch=16, config=zero_bubble)
+    # Priced as dflop train runs it (fp32, an unsharded optimizer): it refuses other plans.
+    result = _plan(16, batch=16, config=replace(zero_bubble, element_bytes=4, zero1=False))
     assert result.best.order == "zb-h1"
     result.save(path)
     assert Plan.load(path).best.order == "zb-h1"
