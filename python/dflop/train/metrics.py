@@ -535,9 +535,17 @@ class MetricsFile:
         except OSError as error:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, end)  # no half line
+            step = fields.get("step")  # counted from 1, as the progress line counts
+            kept = (
+                "no line of it was written"
+                if step == 1
+                else f"its lines before step {step} are whole"
+                if isinstance(step, int)
+                else "its earlier lines are whole"
+            )
             print(
                 f"warning: metrics: writing {self.path} failed ({error}); the run goes on "
-                f"without it (its lines up to step {fields.get('step', '?')} - 1 are whole)",
+                f"without it ({kept})",
                 flush=True,
             )
             self.close()
