@@ -35,3 +35,30 @@ def test_the_integration_tier_is_its_folder(request):
     # this file is in tests/unit: not marked; a test under INTEGRATION_DIR would be
     assert request.node.get_closest_marker("integration") is None
     assert INTEGRATION_DIR.is_dir() and any(INTEGRATION_DIR.glob("test_*.py"))
+
+
+def test_a_run_past_its_budget_fails_naming_it():
+    """.ci/run's guard: with DFLOP_SUITE_BUDGET_S set, a run that takes longer fails (its
+    tests passed) and says by how much; within the budget it passes."""
+    import os
+    import subprocess
+    import sys
+
+    this = f"{__file__}::test_test_file_names_are_unique"
+
+    def run(budget_s: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", this],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO_DIR,
+            env={**os.environ, "DFLOP_SUITE_BUDGET_S": budget_s, "PYTEST_ADDOPTS": ""},
+        )
+
+    over = run("0.001")
+    assert over.returncode == 1, over.stdout[-2000:]
+    assert "1 passed" in over.stdout
+    assert "over its budget of 0 s (DFLOP_SUITE_BUDGET_S)" in over.stdout
+    within = run("600")
+    assert within.returncode == 0 and "over its budget" not in within.stdout, within.stdout
