@@ -322,13 +322,13 @@ def test_run_step_refuses_a_generated_program_it_cannot_run_before_anything_runs
 
 # (layout, assignment, world size, trainable parts): the split backward on encoder
 # replicas and an LLM pipeline, behind a frozen tower (no input gradient on the encoder),
-# with only the projector training, and under tensor parallelism (DTensor parameters).
+# with only the projector training.
 ZERO_BUBBLE_CASES = {
     "enc_dp2_llm_pp2": (LAYOUT_A, ASSIGN_A, 4, "full"),
     "frozen_vision-enc_pp2": (*FROZEN_LAYOUTS["enc_pp2"][:2], 4, "frozen-vision"),
     "projector-enc_pp2": (*FROZEN_LAYOUTS["enc_pp2"][:2], 4, "projector"),
-    "tp2": (*FROZEN_LAYOUTS["tp2"][:2], 6, "full"),
-    # Activation recompute on both modules under the split backward, DTensor blocks.
+    # ... and under tensor parallelism (DTensor blocks), with activation recompute on
+    # both modules (each block's forward again inside the split backward).
     "tp2-recompute": (
         dict(FROZEN_LAYOUTS["tp2"][0], encoder_recompute=True, llm_recompute=True),
         FROZEN_LAYOUTS["tp2"][1],
