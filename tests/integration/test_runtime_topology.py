@@ -3,6 +3,7 @@ the process groups on real gloo processes (membership checked with all_reduce)."
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -211,6 +212,14 @@ def test_a_colocated_layout_has_no_encoder_ranks() -> None:
     with pytest.raises(ValueError, match=r"encoder \(pp=2, tp=1, dp=1\) must be pp=1, tp=2, dp=2"):
         RuntimeLayout(
             ModuleLayout(1, 2, 1, ((0, 1), (1, 3))),
+            layout.llm,
+            num_microbatches=2,
+            global_batch=8,
+            colocated=True,
+        )
+    with pytest.raises(ValueError, match=r"encoder.recompute=True must equal llm.recompute=False"):
+        RuntimeLayout(
+            dataclasses.replace(layout.encoder, recompute=True),
             layout.llm,
             num_microbatches=2,
             global_batch=8,

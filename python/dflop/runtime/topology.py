@@ -256,13 +256,19 @@ class RuntimeLayout:
 
     def _check_colocated(self) -> None:
         enc, llm = self.encoder, self.llm
-        want = (1, llm.tp, llm.dp, llm.recompute)
-        if (enc.pp, enc.tp, enc.dp, enc.recompute) != want:
+        want = (1, llm.tp, llm.dp)
+        if (enc.pp, enc.tp, enc.dp) != want:
             raise ValueError(
-                f"RuntimeLayout.encoder (pp={enc.pp}, tp={enc.tp}, dp={enc.dp}, "
-                f"recompute={enc.recompute}) must be pp=1, tp={llm.tp}, dp={llm.dp}, "
-                f"recompute={llm.recompute} in a colocated layout: the encoder runs on the "
+                f"RuntimeLayout.encoder (pp={enc.pp}, tp={enc.tp}, dp={enc.dp}) must be pp=1, "
+                f"tp={llm.tp}, dp={llm.dp} in a colocated layout: the encoder runs on the "
                 "LLM's first stage, over its TP group, in each of its replicas (use "
+                "RuntimeLayout.colocated_encoder)"
+            )
+        if enc.recompute != llm.recompute:
+            raise ValueError(
+                f"RuntimeLayout.encoder.recompute={enc.recompute} must equal "
+                f"llm.recompute={llm.recompute} in a colocated layout: the planner prices the "
+                "colocated encoder's activations with its stage's (use "
                 "RuntimeLayout.colocated_encoder)"
             )
         if llm.virtual_stages > 1:
