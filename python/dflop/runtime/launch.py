@@ -374,6 +374,10 @@ def spawn_local(
 _fork_server_started = False
 
 
+FORK_SERVER_PRELOAD_ENV = "DFLOP_FORK_SERVER_PRELOAD"
+"""``"0"``: the fork server preloads nothing (see :func:`start_fork_server`)."""
+
+
 def start_fork_server(modules: Sequence[str] = ()) -> bool:
     """Start this process's fork server now, in the background, importing torch
     (:data:`FORK_SERVER_MODULES`) and ``modules`` once: every rank that
@@ -383,16 +387,20 @@ def start_fork_server(modules: Sequence[str] = ()) -> bool:
     ranks (which then raise the error themselves).
 
     Returns False, doing nothing, where the platform has no fork server or this
-    process's is running already (its modules are the ones it started with)."""
+    process's is running already (its modules are the ones it started with).
+    ``DFLOP_FORK_SERVER_PRELOAD=0`` (:data:`FORK_SERVER_PRELOAD_ENV`) imports nothing
+    there: a tool that starts in each rank (coverage.py) then sees the ranks import
+    dflop, instead of finding it imported already and leaving it unmeasured."""
     global _fork_server_started
     if _fork_server_started or "forkserver" not in multiprocessing.get_all_start_methods():
         return False
     import atexit
     from multiprocessing import forkserver
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(
-        list(dict.fromkeys([*FORK_SERVER_MODULES, *modules]))
-    )
+    preload = list(dict.fromkeys([*FORK_SERVER_MODULES, *modules]))
+    if os.environ.get(FORK_SERVER_PRELOAD_ENV) == "0":
+        preload = []  # each rank imports its own modules (e.g. under coverage measurement)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     forkserver.ensure_running()  # spawns the server and returns: it imports on its own
     _fork_server_started = True
     atexit.register(_stop_fork_server)
