@@ -601,11 +601,11 @@ Evaluator::Prepared Evaluator::prepare(const Layout& l, std::vector<BinSums> sum
   const bool gated = ctx_.llm.backward_needs_visual();
   std::vector<double> llm_gpu(static_cast<size_t>(m)), enc_gpu(static_cast<size_t>(m));
   for (const BinSums& s : out.sums) {
-    for (const double t : s.llm_targets) llm_targets = std::max(llm_targets, t);
     for (int64_t r = 0; r < dp; ++r) {  // an LLM replica's microbatches: bins k dp + r
       if (ctx_.o.memory_replica >= 0 && r != ctx_.o.memory_replica) continue;
       for (int64_t k = 0; k < m; ++k) {
         const size_t bin = size_t(k * dp + r);
+        llm_targets = std::max(llm_targets, s.llm_targets[bin]);
         const bool kept = !gated || s.visual[bin] != 0;
         llm_gpu[size_t(k)] = kept ? s.llm_tokens[bin] : 0.0;
         if (!kept) llm_tokens.forward_only = std::max(llm_tokens.forward_only, s.llm_tokens[bin]);

@@ -189,7 +189,7 @@ class StepProfiler:
         # Each rank's own prediction: its stage on its own replica's samples (a replica
         # with the lighter microbatches holds less than the stage's largest replica).
         predicted: dict[int | None, list[float]] = {}
-        for replica in sorted({g[2] for g in gathered}, key=lambda r: -1 if r is None else r):
+        for replica in {g[2] for g in gathered}:
             peaks: list[float] = []
             for shapes, assignments in self._memory_steps:
                 for assignment in assignments:

@@ -65,7 +65,9 @@ class FixedBatches:
         )
 
 
-def _layout(encoder_dp: int, order: str | None = None) -> RuntimeLayout:
+def _layout(encoder_dp: int = 1, order: str | None = None, **sizes) -> RuntimeLayout:
+    """The test model's layout of MICROBATCHES x GLOBAL_BATCH (``sizes``: other
+    ``RuntimeLayout.simple`` arguments, e.g. ``llm_dp=2, colocated=True``)."""
     return RuntimeLayout.simple(
         encoder_dp=encoder_dp,
         encoder_layers=CONFIG.vision.layers,
@@ -73,6 +75,7 @@ def _layout(encoder_dp: int, order: str | None = None) -> RuntimeLayout:
         num_microbatches=MICROBATCHES,
         global_batch=GLOBAL_BATCH,
         order=order,
+        **sizes,
     )
 
 
@@ -326,14 +329,7 @@ def test_a_colocated_plan_schedules_each_step_as_the_trainer_does(trainable: str
     time."""
     encoder, llm = cost_configs(CONFIG)
     cost_model = AnalyticCostModel(encoder, llm)
-    layout = RuntimeLayout.simple(
-        llm_pp=2,
-        encoder_layers=CONFIG.vision.layers,
-        llm_layers=CONFIG.decoder.layers,
-        num_microbatches=MICROBATCHES,
-        global_batch=GLOBAL_BATCH,
-        colocated=True,
-    )
+    layout = _layout(llm_pp=2, colocated=True)
     core = core_layout(layout)
     assert core["colocated"] and core["llm"]["first_rank"] == 0
     cluster = local_cluster(layout.world_size, MemoryBudget(8e9, 0.0, "test"), link_latency_s=2e-4)
@@ -378,14 +374,7 @@ def test_each_llm_replica_is_predicted_on_its_own_microbatches(colocated: bool) 
     encoder on ranks of its own keeps that prediction."""
     encoder, llm = cost_configs(CONFIG)
     cost_model = AnalyticCostModel(encoder, llm)
-    layout = RuntimeLayout.simple(
-        llm_dp=2,
-        encoder_layers=CONFIG.vision.layers,
-        llm_layers=CONFIG.decoder.layers,
-        num_microbatches=MICROBATCHES,
-        global_batch=GLOBAL_BATCH,
-        colocated=colocated,
-    )
+    layout = _layout(llm_dp=2, colocated=colocated)
     cluster = local_cluster(layout.world_size, MemoryBudget(8e9, 0.0, "test"))
     predictor = StepPredictor(cluster, encoder, llm, core_layout(layout), PlannerConfig())
     shapes = FixedBatches().sample(GLOBAL_BATCH, 0)  # sample 0: the 7-frame video
